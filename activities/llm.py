@@ -1,0 +1,202 @@
+"""Model calls through the `openai` client against any OpenAI-compatible endpoint.
+
+Client-side retries are off: Temporal retries, so each attempt is visible in history.
+429, 5xx, timeouts and connection failures are retryable (honouring `retry-after`); a
+request the provider rejects (400/401/403/404/422) is not, and says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import os
+import time
+from collections.abc import Awaitable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import openai
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities import chains
+from durable_rlm.blobs import BlobStore
+from workflows import names
+from workflows.models import (
+    Message,
+    ModelSettings,
+    RootCompletion,
+    RootCompletionInput,
+    SubQueryInput,
+    SubQueryReply,
+    TokenUsage,
+)
+
+T = TypeVar("T")
+_NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 422}
+
+
+async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
+    """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every_s)
+            if done:
+                return task.result()
+            if activity.in_activity():
+                activity.heartbeat()
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def retry_after(headers: Mapping[str, str] | None) -> timedelta | None:
+    """The provider's requested back-off from `retry-after-ms` or `retry-after`."""
+    if not headers:
+        return None
+    millis = headers.get("retry-after-ms")
+    if millis:
+        try:
+            return timedelta(milliseconds=float(millis))
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return timedelta(seconds=max(0.0, float(value)))
+    except ValueError:
+        parsed = email.utils.parsedate_to_datetime(value)
+        if parsed is None:
+            return None
+        return max(timedelta(0), parsed - email.utils.parsedate_to_datetime(email.utils.formatdate()))
+
+
+def _provider_message(exc: openai.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and inner.get("message"):
+            return str(inner["message"])
+    return str(exc.message)
+
+
+def classify(exc: Exception, settings: ModelSettings, base_url: str) -> ApplicationError:
+    """Turn a client exception into the error Temporal should (or should not) retry."""
+    where = f"model {settings.model!r} at {base_url}"
+    if isinstance(exc, openai.APIStatusError):
+        status = exc.status_code
+        detail = _provider_message(exc)
+        if status in _NOT_RETRYABLE_STATUS:
+            hint = {
+                401: "check the API key given to the worker",
+                403: "the key may not use this model",
+                404: "unknown model or wrong base URL",
+            }.get(status, "the request was rejected")
+            return ApplicationError(
+                f"{where} rejected the request: HTTP {status} ({hint}): {detail}",
+                type=names.MODEL_REQUEST_REJECTED,
+                non_retryable=True,
+            )
+        return ApplicationError(
+            f"{where} failed: HTTP {status}: {detail}",
+            type=names.MODEL_UNAVAILABLE,
+            next_retry_delay=retry_after(exc.response.headers if exc.response else None),
+        )
+    if isinstance(exc, openai.APITimeoutError):
+        return ApplicationError(
+            f"{where} timed out after {settings.request_timeout_s:g} s", type=names.MODEL_UNAVAILABLE
+        )
+    if isinstance(exc, openai.APIConnectionError):
+        return ApplicationError(f"cannot reach {where}: {exc}", type=names.MODEL_UNAVAILABLE)
+    return ApplicationError(f"{where}: {type(exc).__name__}: {exc}", type=names.MODEL_UNAVAILABLE)
+
+
+class ModelActivities:
+    """Holds the credentials (never in history) and one client per endpoint."""
+
+    def __init__(self, blobs: BlobStore, credentials: Mapping[str, str] | None = None) -> None:
+        self.blobs = blobs
+        self.credentials = dict(credentials or {})
+        self._clients: dict[tuple[str | None, str, float], openai.AsyncOpenAI] = {}
+
+    def _base_url(self, settings: ModelSettings) -> str | None:
+        return settings.base_url or self.credentials.get("OPENAI_BASE_URL") or os.environ.get(
+            "OPENAI_BASE_URL"
+        )
+
+    def _client(self, settings: ModelSettings) -> openai.AsyncOpenAI:
+        base_url = self._base_url(settings)
+        key = self.credentials.get(settings.api_key_env) or os.environ.get(settings.api_key_env)
+        if not key:
+            if base_url is None:
+                raise ApplicationError(
+                    f"no API key: set {settings.api_key_env} in the worker's environment",
+                    type=names.MODEL_REQUEST_REJECTED,
+                    non_retryable=True,
+                )
+            key = "EMPTY"  # local OpenAI-compatible servers often need no key
+        cache_key = (base_url, key, settings.request_timeout_s)
+        client = self._clients.get(cache_key)
+        if client is None:
+            client = openai.AsyncOpenAI(
+                api_key=key, base_url=base_url, max_retries=0, timeout=settings.request_timeout_s
+            )
+            self._clients[cache_key] = client
+        return client
+
+    async def complete(
+        self, settings: ModelSettings, messages: list[Message]
+    ) -> tuple[str, TokenUsage, float]:
+        client = self._client(settings)
+        base_url = str(client.base_url)
+        kwargs: dict[str, Any] = {}
+        if settings.temperature is not None:
+            kwargs["temperature"] = settings.temperature
+        if settings.max_tokens is not None:
+            kwargs["max_tokens"] = settings.max_tokens
+        started = time.monotonic()
+        try:
+            response = await with_heartbeats(
+                client.chat.completions.create(
+                    model=settings.model,
+                    messages=[m.model_dump() for m in messages],  # type: ignore[misc]
+                    **kwargs,
+                )
+            )
+        except openai.OpenAIError as exc:
+            raise classify(exc, settings, base_url) from exc
+        elapsed = time.monotonic() - started
+        if not getattr(response, "choices", None):
+            raise ApplicationError(
+                f"model {settings.model!r} at {base_url} returned no choices",
+                type=names.MODEL_UNAVAILABLE,
+            )
+        text = response.choices[0].message.content or ""
+        usage = TokenUsage(
+            prompt_tokens=getattr(response.usage, "prompt_tokens", 0) or 0,
+            completion_tokens=getattr(response.usage, "completion_tokens", 0) or 0,
+        )
+        return text, usage, elapsed
+
+    @activity.defn(name=names.ROOT_COMPLETION)
+    async def root_completion(self, request: RootCompletionInput) -> RootCompletion:
+        head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
+        text, usage, elapsed = await self.complete(request.model, messages)
+        head = await asyncio.to_thread(
+            chains.append_message, self.blobs, head, Message(role="assistant", content=text)
+        )
+        return RootCompletion(text=text, conversation=head, usage=usage, model_time_s=elapsed)
+
+    @activity.defn(name=names.SUB_QUERY)
+    async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
+        text, usage, elapsed = await self.complete(
+            request.model, [Message(role="user", content=request.prompt)]
+        )
+        return SubQueryReply(text=text, usage=usage, model_time_s=elapsed)
+
+    def _extend(self, head: str | None, new: list[Message]) -> tuple[str | None, list[Message]]:
+        for message in new:
+            head = chains.append_message(self.blobs, head, message)
+        return head, chains.read_conversation(self.blobs, head)

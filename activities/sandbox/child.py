@@ -1,0 +1,450 @@
+"""The sandbox process: runs model-written code for one episode.
+
+Started by the worker as `python -I child.py PARENT_PID DIR`. Standard library only, so
+nothing of the worker (settings, credentials, clients) is importable here. It talks to its
+host over length-prefixed JSON frames on the original stdin/stdout; file descriptors 0 and 1
+are then pointed at /dev/null so stray writes from cells cannot corrupt the channel.
+
+Isolation, strongest first: a network namespace with no interfaces (when permitted), an
+unprivileged uid when started as root, resource limits, and an audit hook that refuses
+sockets, processes, signals to other processes, ctypes, and file access outside the
+sandbox directory (reads of the Python installation excepted).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import json
+import os
+import signal
+import struct
+import sys
+import traceback
+from typing import Any, BinaryIO
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 256 * 1024 * 1024
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, ensure_ascii=False).encode("utf-8")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    message = json.loads(body.decode("utf-8"))
+    if not isinstance(message, dict) or "op" not in message:
+        raise ValueError("malformed sandbox frame")
+    return message
+
+
+def read_frame(stream: BinaryIO) -> dict[str, Any] | None:
+    header = stream.read(HEADER.size)
+    if len(header) < HEADER.size:
+        return None
+    (length,) = HEADER.unpack(header)
+    if length > MAX_FRAME:
+        raise ValueError(f"sandbox frame too large: {length} bytes")
+    body = stream.read(length)
+    if len(body) < length:
+        return None
+    return decode_body(body)
+
+
+def write_frame(stream: BinaryIO, message: dict[str, Any]) -> None:
+    stream.write(encode_frame(message))
+    stream.flush()
+
+
+# --- isolation ------------------------------------------------------------------------------
+
+NOBODY = 65534
+_BLOCKED_PREFIXES = (
+    "socket.",
+    "subprocess.",
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "os.forkpty",
+    "os.kill",
+    "os.killpg",
+    "signal.pthread_kill",
+    "ctypes.",
+    "os.symlink",
+    "os.link",
+    "pty.",
+    "_posixsubprocess.",
+    "sys.remote_exec",
+)
+_PATH_WRITE_EVENTS = {
+    "os.remove",
+    "os.rename",
+    "os.replace",
+    "os.mkdir",
+    "os.rmdir",
+    "os.chmod",
+    "os.chown",
+    "os.truncate",
+    "os.utime",
+    "os.chdir",
+    "shutil.rmtree",
+    "shutil.copyfile",
+    "shutil.move",
+}
+_PATH_READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob"}
+
+
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def isolate_network() -> str:
+    """Enter an empty network namespace: no interfaces, so no connection is possible."""
+    clone_newnet, clone_newuser = 0x40000000, 0x10000000
+    try:
+        libc = _libc()
+        if libc.unshare(clone_newnet) == 0:
+            return "netns"
+        if libc.unshare(clone_newuser | clone_newnet) == 0:
+            return "userns+netns"
+    except OSError:
+        pass
+    return "audit-hook-only"
+
+
+# Imported before the uid drop: the interpreter may live where `nobody` cannot read
+# (a pyenv under /root), and model code reaches for these most.
+PRELOADED = (
+    "random re json math cmath collections collections.abc itertools functools operator "
+    "statistics string textwrap datetime heapq bisect decimal fractions typing dataclasses "
+    "csv io hashlib base64 difflib unicodedata copy pprint time enum zlib struct array "
+    "calendar numbers html html.parser urllib.parse uuid codecs locale fnmatch glob shlex "
+    "contextlib abc keyword tokenize warnings gzip bz2 lzma zipfile tarfile pathlib"
+).split()
+
+
+def preload_modules() -> None:
+    import importlib
+
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+
+def drop_privileges() -> None:
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    # Set after the uid change: the kernel clears the parent-death signal on credential
+    # changes. A SIGKILLed worker must not leave sandboxes behind.
+    try:
+        _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+
+def set_limits(memory_mb: int, file_mb: int) -> None:
+    import resource
+
+    limits = {
+        resource.RLIMIT_AS: memory_mb * 1024 * 1024,
+        resource.RLIMIT_FSIZE: file_mb * 1024 * 1024,
+        resource.RLIMIT_CORE: 0,
+    }
+    for kind, value in limits.items():
+        try:
+            resource.setrlimit(kind, (value, value))
+        except (ValueError, OSError):
+            pass
+
+
+def _readable_roots(sandbox_dir: str) -> tuple[str, ...]:
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = {
+        paths.get(key, "")
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+    roots |= {
+        os.path.join(sys.base_prefix, "lib"),
+        "/usr/share/zoneinfo",
+        "/usr/lib/locale",
+        "/etc/localtime",
+        "/dev/null",
+        "/dev/urandom",
+        "/dev/zero",
+        sandbox_dir,
+    }
+    return tuple(sorted(os.path.normpath(r) for r in roots if r))
+
+
+def make_guard(sandbox_dir: str) -> Any:
+    sandbox_dir = os.path.normpath(sandbox_dir)
+    readable = _readable_roots(sandbox_dir)
+
+    def inside(path: Any, roots: tuple[str, ...]) -> bool:
+        if isinstance(path, int):
+            return True  # an fd the process already holds
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, str):
+            path = os.fspath(path)
+        full = os.path.normpath(os.path.join(sandbox_dir, path))
+        return any(full == r or full.startswith(r + os.sep) for r in roots)
+
+    def guard(event: str, args: tuple[Any, ...]) -> None:
+        if event.startswith(_BLOCKED_PREFIXES):
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open":
+            path, mode = args[0], args[1]
+            writing = isinstance(mode, str) and any(c in mode for c in "wax+")
+            if isinstance(mode, int):  # os.open flags
+                writing = bool(mode & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+            roots = (sandbox_dir,) if writing else readable
+            if path is not None and not inside(path, roots):
+                raise PermissionError(f"sandbox: access to {path!r} is not allowed")
+        elif event in _PATH_WRITE_EVENTS:
+            for path in args[:2]:
+                if isinstance(path, (str, bytes, os.PathLike)) and not inside(path, (sandbox_dir,)):
+                    raise PermissionError(f"sandbox: {event} outside the sandbox is not allowed")
+        elif event in _PATH_READ_EVENTS:
+            if args and args[0] is not None and not inside(args[0], readable):
+                raise PermissionError(f"sandbox: {event} of {args[0]!r} is not allowed")
+
+    return guard
+
+
+# --- cells ----------------------------------------------------------------------------------
+
+
+class CellTimeout(BaseException):
+    """BaseException so `except Exception` in model code does not swallow it."""
+
+
+class BoundedWriter(io.TextIOBase):
+    """Keeps the first `limit` characters; counts the rest so memory stays bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[str] = []
+        self.kept = 0
+        self.dropped = 0
+
+    def write(self, text: str) -> int:  # type: ignore[override]
+        text = str(text)
+        room = self.limit - self.kept
+        if room > 0:
+            self.parts.append(text[:room])
+            self.kept += min(room, len(text))
+        self.dropped += max(0, len(text) - max(room, 0))
+        return len(text)
+
+    def writable(self) -> bool:
+        return True
+
+    def getvalue(self) -> str:
+        text = "".join(self.parts)
+        if self.dropped:
+            text += f"\n... [{self.dropped} more characters truncated]"
+        return text
+
+
+class Session:
+    """One episode's namespace and the host channel its model helpers talk through."""
+
+    def __init__(self, channel_in: BinaryIO, channel_out: BinaryIO) -> None:
+        self.channel_in = channel_in
+        self.channel_out = channel_out
+        self.namespace: dict[str, Any] = {}
+        self.timeout = 60.0
+
+    # helpers visible to model code
+    def _call(self, prompts: list[str]) -> list[dict[str, Any]]:
+        remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model time is not cell time
+        write_frame(self.channel_out, {"op": "call", "prompts": prompts})
+        reply = read_frame(self.channel_in)
+        if reply is None:
+            os._exit(0)
+        if remaining > 0:
+            signal.setitimer(signal.ITIMER_REAL, remaining)
+        answers = reply.get("answers", [])
+        if reply.get("op") != "answers" or len(answers) != len(prompts):
+            raise RuntimeError("sandbox: malformed answer from host")
+        return answers
+
+    def llm_query(self, prompt: str) -> str:
+        if not isinstance(prompt, str):
+            raise TypeError(f"llm_query expects a str prompt, got {type(prompt).__name__}")
+        answer = self._call([prompt])[0]
+        if not answer["ok"]:
+            raise RuntimeError(f"llm_query failed: {answer['text']}")
+        return answer["text"]
+
+    def llm_query_batched(self, prompts: list[str]) -> list[str]:
+        prompts = list(prompts)
+        for p in prompts:
+            if not isinstance(p, str):
+                raise TypeError(f"llm_query_batched expects str prompts, got {type(p).__name__}")
+        if not prompts:
+            return []
+        return [a["text"] if a["ok"] else f"Error: {a['text']}" for a in self._call(prompts)]
+
+    def show_vars(self) -> None:
+        names = [
+            f"{name}: {type(value).__name__}"
+            for name, value in self.namespace.items()
+            if not name.startswith("_") and name not in self.reserved
+        ]
+        print("\n".join(names) if names else "(no variables yet)")
+
+    def final_var(self, name: str) -> str:
+        if name not in self.namespace:
+            raise NameError(f"FINAL_VAR: no variable named {name!r}")
+        return str(self.namespace[name])
+
+    def init(self, message: dict[str, Any]) -> None:
+        import random
+
+        context: Any = None
+        path = message.get("context_path")
+        if path:
+            with open(path, encoding="utf-8") as handle:
+                context = json.load(handle) if message.get("context_kind") == "json" else handle.read()
+        random.seed(message.get("seed", 0))
+        self.namespace = {
+            "__name__": "__main__",
+            "__builtins__": __builtins__,
+            "context": context,
+            "llm_query": self.llm_query,
+            "llm_query_batched": self.llm_query_batched,
+            "SHOW_VARS": self.show_vars,
+            "FINAL_VAR": self.final_var,
+            "answer": {"content": "", "ready": False},
+        }
+        self.reserved = set(self.namespace)
+
+    def execute(self, code: str, cell_name: str, timeout: float, limit: int) -> dict[str, Any]:
+        stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
+        error: str | None = None
+        status = "ok"
+        saved = sys.stdout, sys.stderr
+
+        def on_alarm(signum: int, frame: Any) -> None:
+            raise CellTimeout(f"cell exceeded its {timeout:g} s time limit")
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        sys.stdout, sys.stderr = stdout, stderr  # type: ignore[assignment]
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            self._run(code, cell_name)
+        except CellTimeout as exc:
+            status, error = "timeout", f"TimeoutError: {exc}"
+        except SystemExit:
+            status, error = "error", "SystemExit: exiting the REPL is not allowed"
+        except BaseException as exc:  # noqa: BLE001 - everything a cell raises is an observation
+            status, error = "error", _format_error(exc)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            sys.stdout, sys.stderr = saved
+        return {
+            "op": "done",
+            "status": status,
+            "stdout": stdout.getvalue(),
+            "stderr": stderr.getvalue(),
+            "error": error,
+            "answer": self._ready_answer(),
+        }
+
+    def _run(self, code: str, cell_name: str) -> None:
+        tree = ast.parse(code, filename=cell_name, mode="exec")
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr):
+            # Echo the value of a trailing expression, as a REPL does.
+            tree.body.pop()
+            exec(compile(tree, cell_name, "exec"), self.namespace)
+            value = eval(compile(ast.Expression(last.value), cell_name, "eval"), self.namespace)
+            if value is not None:
+                print(repr(value))
+        else:
+            exec(compile(tree, cell_name, "exec"), self.namespace)
+
+    def _ready_answer(self) -> str | None:
+        answer = self.namespace.get("answer")
+        if isinstance(answer, dict) and answer.get("ready") is True:
+            try:
+                return str(answer.get("content", ""))
+            except Exception as exc:  # noqa: BLE001
+                return f"<answer content could not be converted to text: {exc!r}>"
+        return None
+
+    def read_variable(self, name: str) -> dict[str, Any]:
+        if name not in self.namespace or name in self.reserved - {"context", "answer"}:
+            return {"op": "var", "found": False}
+        try:
+            return {"op": "var", "found": True, "value": str(self.namespace[name])}
+        except Exception as exc:  # noqa: BLE001
+            return {"op": "var", "found": True, "value": f"<str() failed: {exc!r}>"}
+
+
+def _format_error(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<cell")]
+    lines = traceback.format_list(frames) if frames else []
+    detail = "".join(traceback.format_exception_only(type(exc), exc))
+    return ("Traceback (most recent call last):\n" + "".join(lines) if lines else "") + detail.rstrip()
+
+
+def main() -> None:
+    parent_pid, sandbox_dir = int(sys.argv[1]), sys.argv[2]
+    sys.dont_write_bytecode = True
+    channel_in = os.fdopen(os.dup(0), "rb")
+    channel_out = os.fdopen(os.dup(1), "wb")
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+
+    init = read_frame(channel_in)
+    if init is None or init.get("op") != "init":
+        os._exit(2)
+    network = isolate_network()
+    preload_modules()
+    guard = make_guard(sandbox_dir)
+    set_limits(int(init.get("memory_mb", 4096)), int(init.get("file_mb", 256)))
+    drop_privileges()
+    die_with_parent(parent_pid)
+    os.chdir(sandbox_dir)
+    session = Session(channel_in, channel_out)
+    session.init(init)
+    sys.addaudithook(guard)
+    write_frame(channel_out, {"op": "ready", "network": network, "uid": os.getuid()})
+
+    while True:
+        message = read_frame(channel_in)
+        if message is None or message["op"] == "shutdown":
+            os._exit(0)
+        if message["op"] == "exec":
+            reply = session.execute(
+                message["code"], message["cell_name"], float(message["timeout"]), int(message["limit"])
+            )
+        elif message["op"] == "read_var":
+            reply = session.read_variable(str(message["name"]))
+        else:
+            reply = {"op": "error", "error": f"unknown op {message['op']!r}"}
+        write_frame(channel_out, reply)
+
+
+if __name__ == "__main__":
+    main()

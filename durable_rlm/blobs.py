@@ -1,0 +1,142 @@
+"""Content-addressed blob store: the claim-check side of every large payload.
+
+Digests are `sha256:<hex>` of the bytes, so a put is idempotent and a get can verify what it
+read. Two backends: a directory (simple, local) and a SQL table (default; shared by every
+worker that reaches the same database).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Protocol
+
+import sqlalchemy as sa
+
+from durable_rlm import schema
+
+
+class BlobNotFound(KeyError):
+    """A digest the store does not hold: a history that outlived its blobs."""
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def text_digest(text: str) -> str:
+    return digest_of(text.encode("utf-8"))
+
+
+def _check_digest(digest: str) -> str:
+    prefix, _, hexpart = digest.partition(":")
+    if prefix != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
+        raise ValueError(f"malformed blob digest {digest!r}")
+    return hexpart
+
+
+class BlobBackend(Protocol):
+    def write(self, digest: str, data: bytes) -> None: ...
+    def read(self, digest: str) -> bytes | None: ...
+
+
+class DirectoryBackend:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, digest: str) -> Path:
+        hexpart = _check_digest(digest)
+        return self.root / hexpart[:2] / hexpart
+
+    def write(self, digest: str, data: bytes) -> None:
+        path = self._path(digest)
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, path)
+
+    def read(self, digest: str) -> bytes | None:
+        path = self._path(digest)
+        return path.read_bytes() if path.exists() else None
+
+
+class SqlBackend:
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+
+    def write(self, digest: str, data: bytes) -> None:
+        _check_digest(digest)
+        with self.engine.begin() as conn:
+            exists = conn.execute(
+                sa.select(schema.blobs.c.digest).where(schema.blobs.c.digest == digest)
+            ).first()
+            if exists is None:
+                try:
+                    conn.execute(schema.blobs.insert().values(digest=digest, size=len(data), data=data))
+                except sa.exc.IntegrityError:
+                    pass  # a concurrent writer stored the same bytes
+
+    def read(self, digest: str) -> bytes | None:
+        _check_digest(digest)
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(schema.blobs.c.data).where(schema.blobs.c.digest == digest)
+            ).first()
+        return None if row is None else bytes(row[0])
+
+
+class BlobStore:
+    """Typed access plus a small read cache (safe: content never changes under a digest)."""
+
+    def __init__(self, backend: BlobBackend, cache_entries: int = 4096) -> None:
+        self.backend = backend
+        self._cache: OrderedDict[str, bytes] = OrderedDict()
+        self._cache_entries = cache_entries
+
+    def put(self, data: bytes) -> str:
+        digest = digest_of(data)
+        if digest not in self._cache:
+            self.backend.write(digest, data)
+            self._remember(digest, data)
+        return digest
+
+    def get(self, digest: str) -> bytes:
+        cached = self._cache.get(digest)
+        if cached is not None:
+            self._cache.move_to_end(digest)
+            return cached
+        data = self.backend.read(digest)
+        if data is None:
+            raise BlobNotFound(digest)
+        if digest_of(data) != digest:
+            raise ValueError(f"blob {digest} is corrupt")
+        self._remember(digest, data)
+        return data
+
+    def put_text(self, text: str) -> str:
+        return self.put(text.encode("utf-8"))
+
+    def get_text(self, digest: str) -> str:
+        return self.get(digest).decode("utf-8")
+
+    def put_json(self, value: Any) -> str:
+        return self.put(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+    def get_json(self, digest: str) -> Any:
+        return json.loads(self.get(digest))
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        if len(data) > 1_000_000:
+            return
+        self._cache[digest] = data
+        self._cache.move_to_end(digest)
+        while len(self._cache) > self._cache_entries:
+            self._cache.popitem(last=False)

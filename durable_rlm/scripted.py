@@ -1,0 +1,187 @@
+"""A scripted OpenAI-compatible chat server on 127.0.0.1, for tests and the demo.
+
+The real `openai` client talks HTTP to it. A script maps each request to a reply (text,
+HTTP error, delay). Every request is recorded, so a test can prove which calls were made
+and that none was repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    status: int = 200
+    delay_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]
+    received_at: float
+
+    @property
+    def is_root(self) -> bool:
+        return bool(self.messages) and self.messages[0].get("role") == "system"
+
+    @property
+    def turn(self) -> int:
+        """Root turn number (0-based): how many replies the conversation already holds."""
+        return sum(1 for m in self.messages if m.get("role") == "assistant")
+
+    @property
+    def last_user(self) -> str:
+        users = [m.get("content", "") for m in self.messages if m.get("role") == "user"]
+        return users[-1] if users else ""
+
+
+Script = Callable[[ChatRequest], "Reply | str"]
+
+
+def root_and_sub(
+    root_turns: Sequence[Reply | str], sub: Callable[[str], Reply | str] | None = None
+) -> Script:
+    """Root calls get `root_turns[turn]` (the last repeats); sub-calls get `sub(prompt)`."""
+
+    def script(request: ChatRequest) -> Reply | str:
+        if request.is_root:
+            return root_turns[min(request.turn, len(root_turns) - 1)]
+        if sub is None:
+            return Reply(status=500, error="this script has no sub-model")
+        return sub(request.last_user)
+
+    return script
+
+
+class ScriptedModelServer:
+    def __init__(
+        self,
+        script: Script,
+        models: set[str] | None = None,
+        api_key: str | None = None,
+        port: int = 0,
+    ) -> None:
+        self.script = script
+        self.models = models
+        self.api_key = api_key
+        self.requests: list[ChatRequest] = []
+        self.completed = 0
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> ScriptedModelServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> ScriptedModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def root_requests(self) -> list[ChatRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.is_root]
+
+    def sub_requests(self) -> list[ChatRequest]:
+        with self._lock:
+            return [r for r in self.requests if not r.is_root]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+                kind = "invalid_request_error" if status < 500 else "server_error"
+                self._send(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self.path.rstrip("/").endswith("/models"):
+                    names = sorted(server.models or {"scripted"})
+                    self._send(200, {"object": "list", "data": [
+                        {"id": n, "object": "model", "owned_by": "scripted"} for n in names]})
+                else:
+                    self._error(404, f"no route {self.path}")
+
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", "0"))
+                raw = self.rfile.read(length)
+                if not self.path.rstrip("/").endswith("/chat/completions"):
+                    return self._error(404, f"no route {self.path}")
+                if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    return self._error(401, "Incorrect API key provided")
+                try:
+                    body = json.loads(raw)
+                    request = ChatRequest(body["model"], list(body["messages"]), time.time())
+                except (ValueError, KeyError, TypeError):
+                    return self._error(400, "malformed chat completion request")
+                with server._lock:
+                    server.requests.append(request)
+                if server.models is not None and request.model not in server.models:
+                    return self._error(404, f"The model `{request.model}` does not exist")
+                reply = server.script(request)
+                if isinstance(reply, str):
+                    reply = Reply(text=reply)
+                if reply.delay_s:
+                    time.sleep(reply.delay_s)
+                if reply.status != 200:
+                    return self._error(reply.status, reply.error or "scripted failure", reply.headers)
+                prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)
+                self._send(200, {
+                    "id": f"chatcmpl-scripted-{len(server.requests)}",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": request.model,
+                    "choices": [{
+                        "index": 0,
+                        "message": {"role": "assistant", "content": reply.text},
+                        "finish_reason": "stop",
+                    }],
+                    "usage": {
+                        "prompt_tokens": prompt_chars // 4,
+                        "completion_tokens": len(reply.text) // 4,
+                        "total_tokens": prompt_chars // 4 + len(reply.text) // 4,
+                    },
+                }, reply.headers)
+                with server._lock:
+                    server.completed += 1
+
+        return Handler

@@ -1,0 +1,75 @@
+"""Runtime settings from the environment, validated once at start-up."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+
+from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
+from durable_rlm.store import open_store
+
+
+class ConfigurationError(ValueError):
+    """Bad settings: reported before anything starts."""
+
+
+class Settings(BaseModel):
+    temporal_address: str | None = None
+    temporal_namespace: str = "default"
+    task_queue: str = "drlm-episodes"
+    data_dir: Path = Path(".drlm")
+    database_url: str | None = None
+    blob_store: str = Field(default="sql", description="'sql' or a directory path")
+    claim_check_threshold: int = Field(default=4096, ge=256)
+    sandbox_memory_mb: int = Field(default=4096, ge=64)
+    sandbox_idle_s: float = Field(default=1800.0, gt=0)
+    tracing: str = "off"
+
+    @field_validator("tracing")
+    @classmethod
+    def _tracing_kind(cls, value: str) -> str:
+        if value not in {"off", "console", "otlp"}:
+            raise ValueError("DRLM_TRACING must be off, console or otlp")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+        env = dict(os.environ if environ is None else environ)
+        mapping = {
+            "TEMPORAL_ADDRESS": "temporal_address",
+            "TEMPORAL_NAMESPACE": "temporal_namespace",
+            "DRLM_TASK_QUEUE": "task_queue",
+            "DRLM_DATA_DIR": "data_dir",
+            "DRLM_DATABASE_URL": "database_url",
+            "DRLM_BLOB_STORE": "blob_store",
+            "DRLM_CLAIM_CHECK_THRESHOLD": "claim_check_threshold",
+            "DRLM_SANDBOX_MEMORY_MB": "sandbox_memory_mb",
+            "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
+            "DRLM_TRACING": "tracing",
+        }
+        values = {field: env[name] for name, field in mapping.items() if env.get(name)}
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid configuration: {exc}") from exc
+
+    @property
+    def embedded(self) -> bool:
+        return not self.temporal_address
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'drlm.sqlite').resolve()}"
+
+    @property
+    def temporal_db_file(self) -> Path:
+        return (self.data_dir / "temporal.sqlite").resolve()
+
+    def open_blob_store(self) -> BlobStore:
+        if self.blob_store == "sql":
+            return BlobStore(SqlBackend(open_store(self.effective_database_url)))
+        return BlobStore(DirectoryBackend(Path(self.blob_store)))

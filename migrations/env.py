@@ -1,0 +1,29 @@
+"""Alembic environment: runs on the connection durable_rlm.store hands over, or on the URL."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import context
+
+from durable_rlm.schema import metadata
+
+config = context.config
+
+
+def run_migrations(connection: sa.Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        render_as_batch=True,  # SQLite cannot ALTER most things; batch mode rebuilds tables
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+connection = config.attributes.get("connection")
+if connection is not None:
+    run_migrations(connection)
+else:
+    engine = sa.create_engine(config.get_main_option("sqlalchemy.url"))
+    with engine.begin() as conn:
+        run_migrations(conn)

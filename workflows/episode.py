@@ -1,0 +1,425 @@
+"""The RLM episode workflow: the loop of DESIGN.md, with limits and a durable timer.
+
+Deterministic: every model call, REPL step and store write is an activity; time comes
+from workflow.now() and randomness from workflow.random().
+"""
+
+
+import asyncio
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError, TimeoutType
+
+with workflow.unsafe.imports_passed_through():
+    from workflows import names, prompts
+    from workflows.models import (
+        AuditEpisodeInput,
+        CallAnswer,
+        CellOutcome,
+        CloseSandboxInput,
+        EndReason,
+        EpisodeCarry,
+        EpisodeProgress,
+        EpisodeRequest,
+        EpisodeResult,
+        ExecuteCellInput,
+        Message,
+        ReadVariableInput,
+        ResumeCellInput,
+        RootCompletion,
+        RootCompletionInput,
+        SandboxRef,
+        SubCallRequest,
+        SubQueryInput,
+        SubQueryReply,
+        VariableValue,
+    )
+    from workflows.parsing import find_code_blocks, is_variable_name, parse_final_signal
+
+R = TypeVar("R")
+_AUDIT_RETRY = RetryPolicy(maximum_attempts=5)
+
+
+@workflow.defn(name=names.WORKFLOW)
+class EpisodeWorkflow:
+    def __init__(self) -> None:
+        self._s: EpisodeCarry | None = None
+        self._phase = "starting"
+        self._last_response = ""
+        self._last_output = ""
+        self._finished = False
+
+    @workflow.run
+    async def run(self, request: EpisodeRequest) -> EpisodeResult:
+        carry = request.carry
+        if carry is None:
+            seed = request.seed if request.seed is not None else workflow.random().randint(0, 2**31 - 1)
+            carry = EpisodeCarry(
+                seed=seed,
+                deadline=workflow.now() + request.limits.max_duration,
+                pending=prompts.opening_messages(request.task, request.context, request.code_fences[0]),
+            )
+            await self._audit(request, None)
+        self._s = carry
+
+        # The durable timer: it lives on the server, so it fires even while no worker runs.
+        remaining = max((carry.deadline - workflow.now()).total_seconds(), 0.001)
+        loop = asyncio.ensure_future(self._loop(request))
+        timer = asyncio.ensure_future(asyncio.sleep(remaining))
+        await workflow.wait([loop, timer], return_when=asyncio.FIRST_COMPLETED)
+        if loop.done():
+            timer.cancel()
+            result = loop.result()  # re-raises continue-as-new
+        else:
+            loop.cancel()
+            try:
+                await loop
+            except asyncio.CancelledError:
+                pass
+            result = self._result("max_duration", None)
+
+        self._finished, self._phase = True, f"ended: {result.ended_by}"
+        await self._close_sandbox()
+        await self._audit(request, result)
+        return result
+
+    @workflow.query(name="progress")
+    def progress(self) -> EpisodeProgress:
+        s = self._s
+        return EpisodeProgress(
+            iteration=s.iteration if s else 0,
+            phase=self._phase,
+            model_calls=s.model_calls if s else 0,
+            sub_calls=s.sub_calls if s else 0,
+            last_response=self._last_response,
+            last_output=self._last_output,
+            finished=self._finished,
+        )
+
+    # --- the loop -----------------------------------------------------------------------
+
+    async def _loop(self, request: EpisodeRequest) -> EpisodeResult:
+        s = self._state
+        limits = request.limits
+        fence = request.code_fences[0]
+        while True:
+            if s.iteration >= limits.max_iterations:
+                return self._result("max_iterations", None)
+            if s.sub_calls >= limits.max_llm_calls:
+                return self._result("max_llm_calls", None)
+            if workflow.info().is_continue_as_new_suggested():
+                workflow.continue_as_new(request.model_copy(update={"carry": s}))
+
+            s.iteration += 1
+            self._phase = "model"
+            try:
+                reply = await self._root_completion(request)
+            except ActivityError as err:
+                return self._result("model_error", None, error=describe_failure(err))
+            self._last_response = reply.text[-2_000:]
+
+            observations: list[str] = []
+            blocks = find_code_blocks(reply.text, request.code_fences)
+            for code in blocks:
+                s.cell_count += 1
+                self._phase = f"cell {s.cell_count}"
+                outcome = await self._run_cell(request, s.cell_count, code)
+                text = prompts.observation(
+                    s.cell_count, code, outcome.stdout, outcome.stderr, outcome.error,
+                    limits.output_truncation,
+                )
+                observations.append(text)
+                self._last_output = text[-2_000:]
+                if outcome.answer is not None:
+                    return self._result("answer_ready", outcome.answer)
+
+            signal = parse_final_signal(reply.text)
+            if signal is not None and signal.kind == "final":
+                return self._result("final", signal.value)
+            if signal is not None:
+                value = await self._read_variable(request, signal.value)
+                if value is not None:
+                    return self._result("final_var", value)
+                observations.append(prompts.MISSING_VAR_TURN.format(name=signal.value, fence=fence))
+
+            if not blocks and signal is None:
+                s.pending = [Message(role="user", content=prompts.NO_CODE_TURN.format(fence=fence))]
+            else:
+                s.pending = [prompts.next_turn(observations)]
+
+    async def _root_completion(self, request: EpisodeRequest) -> RootCompletion:
+        s = self._state
+        model = request.root_model
+        reply = await workflow.execute_activity(
+            names.ROOT_COMPLETION,
+            RootCompletionInput(
+                episode_id=workflow.info().workflow_id,
+                iteration=s.iteration,
+                model=model,
+                conversation=s.conversation,
+                append=s.pending,
+            ),
+            result_type=RootCompletion,
+            start_to_close_timeout=timedelta(seconds=model.request_timeout_s + 30),
+            heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
+            retry_policy=model_retry_policy(model.max_attempts),
+        )
+        s.conversation, s.pending = reply.conversation, []
+        s.model_calls += 1
+        s.usage = s.usage.add(reply.usage)
+        s.model_time_s += reply.model_time_s
+        return reply
+
+    # --- the REPL -----------------------------------------------------------------------
+
+    async def _run_cell(self, request: EpisodeRequest, cell_index: int, code: str) -> CellOutcome:
+        s = self._state
+        try:
+            outcome = await self._repl(
+                request,
+                names.REPL_EXECUTE,
+                ExecuteCellInput(
+                    sandbox=self._sandbox(request), iteration=s.iteration,
+                    cell_index=cell_index, code=code,
+                ),
+                CellOutcome,
+            )
+            while outcome.status == "suspended":
+                self._phase = f"cell {cell_index}: {len(outcome.requests)} model call(s)"
+                answers = await self._answer_calls(request, cell_index, outcome.requests)
+                outcome = await self._repl(
+                    request,
+                    names.REPL_RESUME,
+                    ResumeCellInput(
+                        sandbox=self._sandbox(request), cell_index=cell_index, answers=answers
+                    ),
+                    CellOutcome,
+                )
+        except ActivityError as err:
+            # The sandbox step failed beyond its retries: an observation, not a lost episode.
+            # The next step rebuilds the REPL from the last head the workflow accepted.
+            s.repl_queue = None
+            return CellOutcome(
+                status="completed",
+                log_head=s.log_head or "",
+                worker_queue="",
+                error=f"REPL failure: {describe_failure(err)}",
+            )
+        s.divergences += len(outcome.divergences)
+        return outcome
+
+    async def _read_variable(self, request: EpisodeRequest, name: str) -> str | None:
+        if not is_variable_name(name):
+            return None
+        try:
+            value = await self._repl(
+                request,
+                names.REPL_READ_VARIABLE,
+                ReadVariableInput(sandbox=self._sandbox(request), name=name),
+                VariableValue,
+            )
+        except ActivityError:
+            self._state.repl_queue = None
+            return None
+        return value.value if value.found else None
+
+    async def _repl(self, request: EpisodeRequest, activity: str, arg: Any, result: type[R]) -> R:
+        """A REPL step, routed to the worker that holds this episode's sandbox.
+
+        If that worker is gone (the step is not picked up in time), the step goes to the
+        shared queue, where any worker rebuilds the sandbox from the cell log.
+        """
+        s = self._state
+        while True:
+            sticky = s.repl_queue
+            try:
+                outcome = await workflow.execute_activity(
+                    activity,
+                    arg,
+                    result_type=result,
+                    task_queue=sticky or workflow.info().task_queue,
+                    schedule_to_start_timeout=(
+                        timedelta(seconds=request.durability.sticky_schedule_to_start_s)
+                        if sticky else None
+                    ),
+                    start_to_close_timeout=timedelta(seconds=request.limits.cell_timeout_s + 120),
+                    heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
+                    retry_policy=RetryPolicy(
+                        maximum_attempts=2 if sticky else 3,
+                        non_retryable_error_types=[names.SANDBOX_FAILURE],
+                    ),
+                )
+            except ActivityError as err:
+                if sticky and is_timeout(err):
+                    s.repl_queue = None
+                    continue
+                raise
+            s.log_head = outcome.log_head or s.log_head  # type: ignore[attr-defined]
+            s.repl_queue = outcome.worker_queue  # type: ignore[attr-defined]
+            return outcome
+
+    async def _answer_calls(
+        self, request: EpisodeRequest, cell_index: int, requests: list[SubCallRequest]
+    ) -> list[CallAnswer]:
+        """Run a suspended cell's model calls as activities, a batch in parallel waves."""
+        s = self._state
+        limits = request.limits
+        model = request.effective_sub_model
+        answers: list[CallAnswer] = []
+        width = limits.max_parallel_subcalls
+        for start in range(0, len(requests), width):
+            wave = requests[start : start + width]
+            calls: list[asyncio.Future[SubQueryReply] | None] = []
+            for call in wave:
+                if s.sub_calls >= limits.max_llm_calls:
+                    calls.append(None)
+                    continue
+                s.sub_calls += 1
+                s.model_calls += 1
+                calls.append(
+                    asyncio.ensure_future(
+                        workflow.execute_activity(
+                            names.SUB_QUERY,
+                            SubQueryInput(
+                                episode_id=workflow.info().workflow_id,
+                                iteration=s.iteration,
+                                cell_index=cell_index,
+                                call_index=call.call_index,
+                                model=model,
+                                prompt=call.prompt,
+                            ),
+                            result_type=SubQueryReply,
+                            start_to_close_timeout=timedelta(seconds=model.request_timeout_s + 30),
+                            heartbeat_timeout=timedelta(
+                                seconds=request.durability.heartbeat_timeout_s
+                            ),
+                            retry_policy=model_retry_policy(model.max_attempts),
+                        )
+                    )
+                )
+            for call, future in zip(wave, calls, strict=True):
+                answers.append(await self._answer(call, future, limits.max_llm_calls))
+        return answers
+
+    async def _answer(
+        self, call: SubCallRequest, future: asyncio.Future[SubQueryReply] | None, budget: int
+    ) -> CallAnswer:
+        s = self._state
+        if future is None:
+            return CallAnswer(
+                call_index=call.call_index, prompt_digest=call.prompt_digest, ok=False,
+                text=f"max_llm_calls ({budget}) reached: the call was not made",
+            )
+        try:
+            reply = await future
+        except ActivityError as err:
+            return CallAnswer(
+                call_index=call.call_index, prompt_digest=call.prompt_digest, ok=False,
+                text=describe_failure(err),
+            )
+        s.usage = s.usage.add(reply.usage)
+        s.model_time_s += reply.model_time_s
+        return CallAnswer(
+            call_index=call.call_index, prompt_digest=call.prompt_digest, ok=True, text=reply.text
+        )
+
+    def _sandbox(self, request: EpisodeRequest) -> SandboxRef:
+        s = self._state
+        return SandboxRef(
+            episode_id=workflow.info().workflow_id,
+            context=request.context,
+            seed=s.seed,
+            log_head=s.log_head,
+            cell_timeout_s=request.limits.cell_timeout_s,
+            output_truncation=request.limits.output_truncation,
+        )
+
+    # --- ending -------------------------------------------------------------------------
+
+    @property
+    def _state(self) -> EpisodeCarry:
+        assert self._s is not None
+        return self._s
+
+    def _result(self, ended_by: EndReason, answer: str | None, error: str | None = None) -> EpisodeResult:
+        s = self._state
+        return EpisodeResult(
+            answer=answer,
+            ended_by=ended_by,
+            iterations=s.iteration,
+            model_calls=s.model_calls,
+            sub_calls=s.sub_calls,
+            usage=s.usage,
+            model_time_s=round(s.model_time_s, 6),
+            error=error,
+            replay_divergences=s.divergences,
+        )
+
+    async def _close_sandbox(self) -> None:
+        queue = self._state.repl_queue
+        if queue is None:
+            return
+        try:
+            await workflow.execute_activity(
+                names.REPL_CLOSE,
+                CloseSandboxInput(episode_id=workflow.info().workflow_id),
+                result_type=bool,
+                task_queue=queue,
+                schedule_to_start_timeout=timedelta(seconds=10),
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError:
+            pass  # the worker is gone, and its sandbox with it; idle reaping covers the rest
+
+    async def _audit(self, request: EpisodeRequest, result: EpisodeResult | None) -> None:
+        info = workflow.info()
+        try:
+            await workflow.execute_activity(
+                names.AUDIT_EPISODE,
+                AuditEpisodeInput(
+                    episode_id=info.workflow_id,
+                    run_id=info.run_id,
+                    task=request.task,
+                    root_model=request.root_model.model,
+                    status="running" if result is None else "completed",
+                    result=result,
+                ),
+                start_to_close_timeout=timedelta(seconds=30),
+                retry_policy=_AUDIT_RETRY,
+            )
+        except ActivityError:
+            workflow.logger.warning("audit store write failed; history remains the record")
+
+
+def model_retry_policy(max_attempts: int) -> RetryPolicy:
+    return RetryPolicy(
+        initial_interval=timedelta(seconds=1),
+        backoff_coefficient=2.0,
+        maximum_interval=timedelta(seconds=60),
+        maximum_attempts=max_attempts,
+        non_retryable_error_types=[names.MODEL_REQUEST_REJECTED],
+    )
+
+
+def is_timeout(err: ActivityError) -> bool:
+    cause = err.cause
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.SCHEDULE_TO_START,
+        TimeoutType.HEARTBEAT,
+        TimeoutType.START_TO_CLOSE,
+    )
+
+
+def describe_failure(err: BaseException) -> str:
+    """The most specific message in a failure chain: what the user needs to read."""
+    messages: list[str] = []
+    current: BaseException | None = err
+    while current is not None:
+        if isinstance(current, (ApplicationError, TimeoutError)) and str(current):
+            messages.append(str(current))
+        current = current.__cause__ or getattr(current, "cause", None)
+    return messages[0] if messages else str(err)

@@ -1,0 +1,304 @@
+"""Pydantic models that cross the workflow/activity boundary.
+
+Every activity takes exactly one of these as input so fields can be added later without
+breaking running histories. Large text fields are fine here: the claim-check codec moves
+any payload over its threshold into the blob store, and history keeps the digest.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- request ------------------------------------------------------------------------------
+
+
+class ModelSettings(StrictModel):
+    """Where a model lives. Never holds a secret: only the name of the worker's env var."""
+
+    model: str = Field(min_length=1)
+    base_url: str | None = None
+    api_key_env: str = "OPENAI_API_KEY"
+    temperature: float | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    max_attempts: int = Field(default=6, ge=1)
+
+
+class ContextRef(StrictModel):
+    """The episode's context, stored once in the blob store before the episode starts."""
+
+    digest: str
+    kind: Literal["text", "json"] = "text"
+    size: int = Field(ge=0)
+    type_name: str = "str"
+
+
+class EpisodeLimits(StrictModel):
+    max_iterations: int = Field(default=20, ge=1)
+    max_llm_calls: int = Field(default=50, ge=1, description="sub-calls made from the REPL")
+    max_duration: timedelta = Field(default=timedelta(hours=1))
+    cell_timeout_s: float = Field(default=60.0, gt=0)
+    output_truncation: int = Field(default=20_000, ge=100)
+    max_parallel_subcalls: int = Field(default=16, ge=1, le=500)
+
+    @field_validator("max_duration")
+    @classmethod
+    def _positive_duration(cls, value: timedelta) -> timedelta:
+        if value.total_seconds() <= 0:
+            raise ValueError("max_duration must be positive")
+        return value
+
+
+class DurabilitySettings(StrictModel):
+    """How fast a dead worker is noticed. Tests shorten these; production keeps defaults."""
+
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
+    sticky_schedule_to_start_s: float = Field(default=10.0, gt=0)
+
+
+class EpisodeRequest(StrictModel):
+    task: str
+    context: ContextRef | None = None
+    root_model: ModelSettings
+    sub_model: ModelSettings | None = None
+    limits: EpisodeLimits = Field(default_factory=EpisodeLimits)
+    durability: DurabilitySettings = Field(default_factory=DurabilitySettings)
+    code_fences: list[str] = Field(default_factory=lambda: ["repl"], min_length=1)
+    seed: int | None = None
+    carry: EpisodeCarry | None = Field(
+        default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
+    )
+
+    @field_validator("task")
+    @classmethod
+    def _task_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("task must not be empty")
+        return value
+
+    @field_validator("code_fences")
+    @classmethod
+    def _fences_are_words(cls, value: list[str]) -> list[str]:
+        for fence in value:
+            if not fence or not all(c.isalnum() or c in "-_+" for c in fence):
+                raise ValueError(f"invalid code fence language {fence!r}")
+        return value
+
+    @property
+    def effective_sub_model(self) -> ModelSettings:
+        return self.sub_model or self.root_model
+
+
+# --- result -------------------------------------------------------------------------------
+
+EndReason = Literal[
+    "final",
+    "final_var",
+    "answer_ready",
+    "max_iterations",
+    "max_llm_calls",
+    "max_duration",
+    "model_error",
+]
+
+
+class TokenUsage(StrictModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def add(self, other: TokenUsage) -> TokenUsage:
+        return TokenUsage(
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            completion_tokens=self.completion_tokens + other.completion_tokens,
+        )
+
+
+class EpisodeResult(StrictModel):
+    answer: str | None
+    ended_by: EndReason
+    iterations: int
+    model_calls: int
+    sub_calls: int
+    usage: TokenUsage
+    model_time_s: float = 0.0
+    error: str | None = None
+    replay_divergences: int = 0
+
+
+class EpisodeProgress(StrictModel):
+    """Live state for `drlm run`'s progress lines (a query, so it costs no history)."""
+
+    iteration: int
+    phase: str
+    model_calls: int
+    sub_calls: int
+    last_response: str = ""
+    last_output: str = ""
+    finished: bool = False
+
+
+# --- model activities ---------------------------------------------------------------------
+
+
+class Message(StrictModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class RootCompletionInput(StrictModel):
+    """One root-model turn. The conversation is a hash chain in the blob store: history
+    carries its head digest and only this turn's new messages, never the whole transcript."""
+
+    episode_id: str
+    iteration: int
+    model: ModelSettings
+    conversation: str | None
+    append: list[Message]
+
+
+class RootCompletion(StrictModel):
+    text: str
+    conversation: str
+    usage: TokenUsage
+    model_time_s: float
+
+
+class SubQueryInput(StrictModel):
+    episode_id: str
+    iteration: int
+    cell_index: int
+    call_index: int
+    model: ModelSettings
+    prompt: str
+
+
+class SubQueryReply(StrictModel):
+    text: str
+    usage: TokenUsage
+    model_time_s: float
+
+
+# --- REPL activities ----------------------------------------------------------------------
+
+
+class SandboxRef(StrictModel):
+    """Which REPL state a step applies to: the cell log head names it exactly, so a worker
+    whose live sandbox is at another head rebuilds instead of running on stale state."""
+
+    episode_id: str
+    context: ContextRef | None
+    seed: int
+    log_head: str | None
+    cell_timeout_s: float
+    output_truncation: int
+
+
+class ExecuteCellInput(StrictModel):
+    sandbox: SandboxRef
+    iteration: int
+    cell_index: int
+    code: str
+
+
+class CallAnswer(StrictModel):
+    call_index: int
+    prompt_digest: str
+    ok: bool
+    text: str
+
+
+class ResumeCellInput(StrictModel):
+    sandbox: SandboxRef
+    cell_index: int
+    answers: list[CallAnswer]
+
+
+class ReadVariableInput(StrictModel):
+    sandbox: SandboxRef
+    name: str
+
+
+class CloseSandboxInput(StrictModel):
+    episode_id: str
+
+
+class SubCallRequest(StrictModel):
+    call_index: int
+    prompt: str
+    prompt_digest: str
+
+
+class CellOutcome(StrictModel):
+    """Result of one REPL step: either the cell finished, or it is suspended at model calls
+    the workflow must run before resuming it."""
+
+    status: Literal["completed", "suspended"]
+    log_head: str
+    worker_queue: str
+    requests: list[SubCallRequest] = Field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    answer: str | None = None
+    rebuilt: bool = False
+    divergences: list[str] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class VariableValue(StrictModel):
+    found: bool
+    value: str | None = None
+    log_head: str
+    worker_queue: str
+
+
+# --- audit ------------------------------------------------------------------------------------
+
+
+class AuditEpisodeInput(StrictModel):
+    episode_id: str
+    run_id: str
+    task: str
+    root_model: str
+    status: Literal["running", "completed"]
+    result: EpisodeResult | None = None
+
+
+# --- workflow state ----------------------------------------------------------------------------
+
+
+class EpisodeCarry(StrictModel):
+    """Everything the loop knows, small by construction (heads of chains, counters), so it
+    survives continue-as-new and keeps each new run's first event small."""
+
+    seed: int
+    deadline: datetime
+    iteration: int = 0
+    cell_count: int = 0
+    conversation: str | None = None
+    pending: list[Message] = Field(default_factory=list)
+    log_head: str | None = None
+    repl_queue: str | None = None
+    model_calls: int = 0
+    sub_calls: int = 0
+    usage: TokenUsage = Field(default_factory=TokenUsage)
+    model_time_s: float = 0.0
+    divergences: int = 0
+
+
+EpisodeRequest.model_rebuild()

@@ -1,0 +1,17 @@
+"""Stable names of the workflow and its activities. Never rename one once deployed: running
+histories refer to these strings."""
+
+WORKFLOW = "RlmEpisode"
+
+ROOT_COMPLETION = "drlm.root_completion"
+SUB_QUERY = "drlm.sub_query"
+REPL_EXECUTE = "drlm.repl_execute"
+REPL_RESUME = "drlm.repl_resume"
+REPL_READ_VARIABLE = "drlm.repl_read_variable"
+REPL_CLOSE = "drlm.repl_close"
+AUDIT_EPISODE = "drlm.audit_episode"
+
+# Error types the workflow and the retry policies key on.
+MODEL_REQUEST_REJECTED = "ModelRequestRejected"
+MODEL_UNAVAILABLE = "ModelUnavailable"
+SANDBOX_FAILURE = "SandboxFailure"

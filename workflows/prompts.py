@@ -1,0 +1,88 @@
+"""Prompt text of an episode. Pure: the same request gives the same messages on replay."""
+
+from __future__ import annotations
+
+from workflows.models import ContextRef, Message
+from workflows.parsing import truncate_output
+
+SYSTEM_PROMPT = """\
+You answer a query with the help of a Python REPL. The query's context lives in the REPL, \
+not in this conversation: inspect it with code instead of asking for it.
+
+The REPL provides:
+1. `context` - {context_description}
+2. `llm_query(prompt: str) -> str` - asks a sub-model (it can read a large prompt). Use it \
+to analyse chunks of the context semantically.
+3. `llm_query_batched(prompts: list[str]) -> list[str]` - many independent sub-model \
+queries at once, answers in the same order. Much faster than a loop of `llm_query`.
+4. `SHOW_VARS()` - lists the variables you have created.
+5. `print(...)` - the only way to see values; long outputs are truncated, so print \
+summaries and keep intermediate results in variables.
+
+Variables persist between your turns. To run code, put it in a fenced block whose \
+language is {fence}:
+```{fence}
+chunk = context[:1000]
+print(llm_query(f"Summarise: {{chunk}}"))
+```
+
+When you are done, give the answer on a line of its own, outside any code, in one of \
+these forms:
+FINAL(your answer here)
+FINAL_VAR(variable_name)   <- returns the value of a REPL variable you created
+You may instead set `answer["content"] = ...` and `answer["ready"] = True` in a cell.
+Do not answer before you have looked at the context."""
+
+FIRST_TURN = """\
+Query: {task}
+
+You have not looked at the context yet. Start by inspecting it in the REPL; do not give \
+a final answer in this turn."""
+
+NEXT_TURN = "Continue with the REPL, or give FINAL(...) / FINAL_VAR(...) when you are sure."
+
+NO_CODE_TURN = (
+    "Your last reply had no ```{fence}``` block and no FINAL(...) / FINAL_VAR(...) line. "
+    "Write code in a ```{fence}``` block, or give the final answer."
+)
+
+MISSING_VAR_TURN = (
+    "FINAL_VAR({name}) names no REPL variable. Create it in a ```{fence}``` block first, "
+    "or answer with FINAL(...)."
+)
+
+
+def describe_context(context: ContextRef | None) -> str:
+    if context is None:
+        return "None (this query has no separate context)."
+    return f"a {context.type_name} of {context.size:,} characters."
+
+
+def opening_messages(task: str, context: ContextRef | None, fence: str) -> list[Message]:
+    return [
+        Message(
+            role="system",
+            content=SYSTEM_PROMPT.format(context_description=describe_context(context), fence=fence),
+        ),
+        Message(role="user", content=FIRST_TURN.format(task=task)),
+    ]
+
+
+def observation(
+    cell_number: int, code: str, stdout: str, stderr: str, error: str | None, limit: int
+) -> str:
+    """What the model sees of one executed cell, bounded by the output truncation limit."""
+    parts = [stdout]
+    if stderr:
+        parts.append(f"[stderr]\n{stderr}")
+    if error:
+        parts.append(f"[error]\n{error}")
+    body = "\n".join(p for p in parts if p) or "(no output)"
+    return (
+        f"Cell {cell_number}:\n```python\n{truncate_output(code, 2_000)}\n```\n"
+        f"Output:\n{truncate_output(body, limit)}"
+    )
+
+
+def next_turn(observations: list[str]) -> Message:
+    return Message(role="user", content="\n\n".join([*observations, NEXT_TURN]))
