@@ -45,6 +45,21 @@ STARTUP_TIMEOUT_S = 30.0
 SKIPPED_ON_REBUILD = {"killed", "timeout"}
 
 
+def prepare_sandbox_root(root: Path) -> Path:
+    """Create the root; when sandboxes drop to `nobody`, every parent must let it through."""
+    root = root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chmod(root, 0o711)
+        for parent in [root, *root.parents]:
+            if not os.stat(parent).st_mode & 0o001:
+                raise ValueError(
+                    f"sandbox directory {root} is unreachable for the unprivileged sandbox user: "
+                    f"{parent} is not traversable by others (chmod o+x, or choose another root)"
+                )
+    return root
+
+
 def _beat() -> None:
     if activity.in_activity():
         activity.heartbeat()
@@ -124,7 +139,7 @@ class ReplActivities:
     ) -> None:
         self.blobs = blobs
         self.worker_queue = worker_queue
-        self.sandbox_root = Path(sandbox_root)
+        self.sandbox_root = prepare_sandbox_root(Path(sandbox_root))
         self.memory_mb = memory_mb
         self.idle_s = idle_s
         self._live: dict[str, LiveSandbox] = {}
@@ -293,6 +308,8 @@ class ReplActivities:
 
     async def _killed(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:
         """The cell ignored its interrupt or the process died: the namespace is gone."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(box.process.wait(), 1.0)  # reap it if it exited
         code = box.process.returncode
         await self._discard(box)
         reason = (

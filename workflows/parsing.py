@@ -128,7 +128,7 @@ def find_final_answer(text: str | None, environment: CodeEnvironment | None = No
     stdout = stdout or ""
     if _MISSING_MARKER in stdout:
         return None
-    return stdout[:-1] if stdout.endswith("\n") else stdout
+    return stdout  # the reader prints with end='', so this is the value's text exactly
 
 
 def _strip_quotes(value: str) -> str:

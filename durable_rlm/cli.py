@@ -1,0 +1,269 @@
+"""`drlm`: run, follow, show and list RLM episodes.
+
+Without TEMPORAL_ADDRESS every command starts the embedded Temporal dev server on the data
+directory's SQLite file (and, when an episode has to make progress, an in-process worker).
+With it, the CLI is only a client and `python worker.py` does the work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from pydantic import ValidationError
+from temporalio.client import WorkflowFailureError
+from temporalio.service import RPCError
+
+from durable_rlm import demo, schema
+from durable_rlm.episodes import follow, load_context_file, start_episode, store_context
+from durable_rlm.runtime import Services, connect, running_workers
+from durable_rlm.scripted import ScriptedModelServer
+from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.timeline import episode_timeline, render
+from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drlm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an episode and print its answer")
+    run.add_argument("task")
+    run.add_argument("--context", type=Path, help="file whose text (or JSON, for .json) is `context`")
+    _model_args(run)
+    run.add_argument("--max-iterations", type=int, default=20)
+    run.add_argument("--max-llm-calls", type=int, default=50, help="sub-calls from the REPL")
+    run.add_argument("--max-duration", type=float, default=3600.0, help="seconds")
+    run.add_argument("--cell-timeout", type=float, default=60.0, help="seconds per REPL cell")
+    run.add_argument("--output-truncation", type=int, default=20_000, help="chars of cell output shown")
+    run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
+    run.add_argument("--id", help="episode id (default: a new one)")
+    run.add_argument("--json", action="store_true", help="print only the EpisodeResult as JSON")
+    run.add_argument("--no-wait", action="store_true", help="start the episode and print its id")
+
+    dem = sub.add_parser("demo", help="run the demo episode (scripted model unless OPENAI_API_KEY)")
+    _model_args(dem)
+    dem.add_argument("--json", action="store_true")
+
+    show = sub.add_parser("show", help="an episode's timeline from its history")
+    show.add_argument("episode_id")
+    show.add_argument("--json", action="store_true")
+    show.add_argument("--full", action="store_true", help="do not shorten long texts")
+
+    resume = sub.add_parser("resume", help="wait for an episode, working on it if embedded")
+    resume.add_argument("episode_id")
+    resume.add_argument("--json", action="store_true")
+
+    listing = sub.add_parser("list", help="episodes in the audit store")
+    listing.add_argument("--limit", type=int, default=20)
+    return parser
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
+    parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
+    parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: OPENAI_BASE_URL)")
+    parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
+
+
+def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
+    root = ModelSettings(model=args.model, base_url=args.base_url)
+    return EpisodeRequest(
+        task=args.task,
+        context=context,
+        root_model=root,
+        sub_model=root.model_copy(update={"model": args.sub_model}) if args.sub_model else None,
+        limits=EpisodeLimits(
+            max_iterations=args.max_iterations,
+            max_llm_calls=args.max_llm_calls,
+            max_duration=timedelta(seconds=args.max_duration),
+            cell_timeout_s=args.cell_timeout,
+            output_truncation=args.output_truncation,
+        ),
+        code_fences=args.fence or ["repl"],
+    )
+
+
+def _credentials(settings: Settings, api_key: str | None) -> dict[str, str]:
+    if api_key and not settings.embedded:
+        raise ConfigurationError(
+            "--api-key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
+            "the key to the worker process (OPENAI_API_KEY in its environment)"
+        )
+    return {"OPENAI_API_KEY": api_key} if api_key else {}
+
+
+@contextlib.asynccontextmanager
+async def _session(settings: Settings, credentials: dict[str, str], work: bool) -> AsyncIterator[Services]:
+    async with connect(settings) as services:
+        if work and settings.embedded:
+            async with running_workers(services, credentials):
+                yield services
+        else:
+            yield services
+
+
+def _print_result(result: EpisodeResult, as_json: bool) -> int:
+    if as_json:
+        print(result.model_dump_json())
+    else:
+        _stderr(
+            f"ended by {result.ended_by} after {result.iterations} iteration(s), "
+            f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
+        )
+        if result.error:
+            _stderr(f"error: {result.error}")
+        if result.answer is not None:
+            print(result.answer)
+    if result.ended_by == "model_error":
+        return EXIT_FAILED
+    return EXIT_OK if result.answer is not None else EXIT_NO_ANSWER
+
+
+async def _run_episode(
+    settings: Settings, args: argparse.Namespace, context_value: Any, credentials: dict[str, str]
+) -> int:
+    async with _session(settings, credentials, work=not args.no_wait) as services:
+        if context_value is None and getattr(args, "context", None):
+            context = load_context_file(services.blobs, args.context)
+        elif context_value is not None:
+            context = store_context(services.blobs, context_value)
+        else:
+            context = None
+        request = _request(args, context)
+        handle = await start_episode(services.client, request, settings.task_queue, getattr(args, "id", None))
+        if args.no_wait:
+            print(handle.id)
+            return EXIT_OK
+        if not args.json:
+            _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
+        result = await follow(handle, None if args.json else _stderr)
+        return _print_result(result, args.json)
+
+
+async def _demo(settings: Settings, args: argparse.Namespace) -> int:
+    args.task, args.no_wait, args.id = demo.TASK, False, None
+    args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
+    args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
+    credentials = _credentials(settings, args.api_key)
+    if os.environ.get("OPENAI_API_KEY") or args.api_key:
+        if not args.json:
+            _stderr(f"demo: using the real model {args.model!r}")
+        return await _run_episode(settings, args, demo.demo_log(), credentials)
+    with ScriptedModelServer(demo.demo_script()) as server:
+        args.base_url, args.model, args.sub_model = server.base_url, "scripted-rlm", None
+        if not args.json:
+            _stderr(
+                f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
+                "transcript; set OPENAI_API_KEY to run the same demo against a real model)"
+            )
+        code = await _run_episode(settings, args, demo.demo_log(), credentials)
+        if not args.json:
+            service, count = demo.expected_answer(demo.demo_log())
+            _stderr(f"demo: ground truth is {service} with {count} ERROR lines")
+        return code
+
+
+async def _show(settings: Settings, args: argparse.Namespace) -> int:
+    async with connect(settings) as services:
+        timeline = await episode_timeline(services.client, args.episode_id)
+    if args.json:
+        print(timeline.model_dump_json())
+    else:
+        print(render(timeline, width=10**9 if args.full else 2_000))
+    return EXIT_OK
+
+
+async def _resume(settings: Settings, args: argparse.Namespace) -> int:
+    async with _session(settings, {}, work=True) as services:
+        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        result = await follow(handle, None if args.json else _stderr)
+        return _print_result(result, args.json)
+
+
+def _list(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.store import open_store
+
+    engine = open_store(settings.effective_database_url)
+    table = schema.episodes
+    with engine.connect() as conn:
+        rows = conn.execute(sa.select(table).order_by(table.c.updated_at.desc()).limit(args.limit)).all()
+    for row in rows:
+        answer = (row.answer or "").replace("\n", " ")[:60]
+        print(f"{row.episode_id}  {row.status:<9} {row.ended_by or '-':<14} {row.task[:40]!r}  {answer}")
+    return EXIT_OK
+
+
+async def _dispatch(args: argparse.Namespace) -> int:
+    settings = Settings.from_env()
+    if args.command == "run":
+        credentials = _credentials(settings, args.api_key)
+        if args.context is not None and not args.context.is_file():
+            raise ConfigurationError(f"context file not found: {args.context}")
+        _request(args, None)  # validate before starting anything
+        return await _run_episode(settings, args, None, credentials)
+    if args.command == "demo":
+        return await _demo(settings, args)
+    if args.command == "show":
+        return await _show(settings, args)
+    if args.command == "resume":
+        return await _resume(settings, args)
+    return _list(settings, args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    # The SDK logs every failed activity attempt with a traceback; the CLI reports retries
+    # and failures itself. DRLM_LOG_LEVEL brings the logs back.
+    logging.basicConfig(level=os.environ.get("DRLM_LOG_LEVEL", "ERROR"))
+    logging.getLogger("temporalio").setLevel(os.environ.get("DRLM_LOG_LEVEL", "CRITICAL"))
+    try:
+        code = asyncio.run(_dispatch(args))
+    except (ConfigurationError, ValidationError) as exc:
+        _stderr(f"drlm: {_explain(exc)}")
+        code = EXIT_USAGE
+    except LookupError as exc:
+        _stderr(f"drlm: {exc.args[0] if exc.args else exc}")
+        code = EXIT_USAGE
+    except WorkflowFailureError as exc:
+        _stderr(f"drlm: the episode failed: {exc.cause or exc}")
+        code = EXIT_FAILED
+    except RPCError as exc:
+        _stderr(f"drlm: Temporal error: {exc}")
+        code = EXIT_FAILED
+    except KeyboardInterrupt:
+        _stderr("drlm: interrupted; the episode goes on durably (`drlm resume ID` to follow it)")
+        code = 130
+    # temporalio can crash at interpreter exit after all work is done (sdk-python#300).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _explain(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'value'}: {err['msg']}" for err in exc.errors()
+        )
+        return f"invalid episode request: {problems}"
+    return str(exc)
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,201 @@
+"""An episode's timeline, read from its Temporal history (the audit trail itself).
+
+Every run of the episode (continue-as-new included) is read; activity inputs and results
+are decoded with the project's converter, so claim-checked payloads come back whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+
+from workflows import names
+from workflows.models import (
+    CellOutcome,
+    EpisodeRequest,
+    EpisodeResult,
+    ExecuteCellInput,
+    ResumeCellInput,
+    RootCompletion,
+    RootCompletionInput,
+    SubQueryInput,
+    SubQueryReply,
+)
+
+
+class SubCall(BaseModel):
+    call_index: int
+    prompt: str
+    reply: str | None = None
+    error: str | None = None
+
+
+class CellView(BaseModel):
+    cell_index: int
+    code: str
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None
+    rebuilt: bool = False
+    sub_calls: list[SubCall] = Field(default_factory=list)
+
+
+class IterationView(BaseModel):
+    iteration: int
+    response: str | None = None
+    model_error: str | None = None
+    cells: list[CellView] = Field(default_factory=list)
+
+
+class Timeline(BaseModel):
+    episode_id: str
+    status: str
+    task: str = ""
+    runs: int = 0
+    iterations: list[IterationView] = Field(default_factory=list)
+    result: EpisodeResult | None = None
+    failure: str | None = None
+
+
+_INPUTS: dict[str, type] = {
+    names.ROOT_COMPLETION: RootCompletionInput,
+    names.SUB_QUERY: SubQueryInput,
+    names.REPL_EXECUTE: ExecuteCellInput,
+    names.REPL_RESUME: ResumeCellInput,
+}
+_RESULTS: dict[str, type] = {
+    names.ROOT_COMPLETION: RootCompletion,
+    names.SUB_QUERY: SubQueryReply,
+    names.REPL_EXECUTE: CellOutcome,
+    names.REPL_RESUME: CellOutcome,
+}
+
+
+async def _decode(client: Client, payloads: Any, hint: type) -> Any:
+    items: list[Payload] = list(payloads.payloads) if payloads else []
+    if not items:
+        return None
+    values = await client.data_converter.decode(items[:1], [hint])
+    return values[0]
+
+
+async def episode_timeline(client: Client, episode_id: str) -> Timeline:
+    runs = [run async for run in client.list_workflows(f'WorkflowId = "{episode_id}"')]
+    runs.sort(key=lambda r: r.start_time)
+    if not runs:
+        raise LookupError(f"no episode with id {episode_id!r}")
+    timeline = Timeline(episode_id=episode_id, status=runs[-1].status.name.lower(), runs=len(runs))
+    iterations: dict[int, IterationView] = {}
+    cells: dict[int, CellView] = {}
+
+    def iteration(number: int) -> IterationView:
+        return iterations.setdefault(number, IterationView(iteration=number))
+
+    for run in runs:
+        history = await client.get_workflow_handle(episode_id, run_id=run.run_id).fetch_history()
+        scheduled: dict[int, tuple[str, Any]] = {}
+        for event in history.events:
+            kind = event.event_type
+            if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
+                attrs = event.workflow_execution_started_event_attributes
+                request = await _decode(client, attrs.input, EpisodeRequest)
+                timeline.task = request.task
+            elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                attrs = event.activity_task_scheduled_event_attributes
+                activity = attrs.activity_type.name
+                hint = _INPUTS.get(activity)
+                arg = await _decode(client, attrs.input, hint) if hint else None
+                scheduled[event.event_id] = (activity, arg)
+                if activity == names.REPL_EXECUTE:
+                    cell = CellView(cell_index=arg.cell_index, code=arg.code)
+                    cells[arg.cell_index] = cell
+                    iteration(arg.iteration).cells.append(cell)
+                elif activity == names.SUB_QUERY and arg.cell_index in cells:
+                    cells[arg.cell_index].sub_calls.append(
+                        SubCall(call_index=arg.call_index, prompt=arg.prompt)
+                    )
+            elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                attrs = event.activity_task_completed_event_attributes
+                activity, arg = scheduled.get(attrs.scheduled_event_id, ("", None))
+                hint = _RESULTS.get(activity)
+                if hint is None:
+                    continue
+                value = await _decode(client, attrs.result, hint)
+                _apply_result(activity, arg, value, iteration, cells)
+            elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
+                attrs = event.activity_task_failed_event_attributes
+                activity, arg = scheduled.get(attrs.scheduled_event_id, ("", None))
+                message = attrs.failure.message
+                if activity == names.ROOT_COMPLETION:
+                    iteration(arg.iteration).model_error = message
+                elif activity == names.SUB_QUERY and arg.cell_index in cells:
+                    for call in cells[arg.cell_index].sub_calls:
+                        if call.call_index == arg.call_index:
+                            call.error = message
+            elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
+                attrs = event.workflow_execution_completed_event_attributes
+                timeline.result = await _decode(client, attrs.result, EpisodeResult)
+            elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
+                timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
+    timeline.iterations = [iterations[k] for k in sorted(iterations)]
+    return timeline
+
+
+def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: dict[int, CellView]) -> None:
+    if activity == names.ROOT_COMPLETION:
+        iteration(arg.iteration).response = value.text
+    elif activity == names.SUB_QUERY and arg.cell_index in cells:
+        for call in cells[arg.cell_index].sub_calls:
+            if call.call_index == arg.call_index:
+                call.reply = value.text
+    elif activity in (names.REPL_EXECUTE, names.REPL_RESUME):
+        cell = cells.get(arg.cell_index)
+        if cell is not None and value.status == "completed":
+            cell.stdout, cell.stderr, cell.error = value.stdout, value.stderr, value.error
+            cell.rebuilt = cell.rebuilt or value.rebuilt
+
+
+def render(timeline: Timeline, width: int = 2_000) -> str:
+    """The timeline as text for a person: each iteration's response, code, output, calls."""
+
+    def clip(text: str | None) -> str:
+        text = text or ""
+        return text if len(text) <= width else text[:width] + f" ... [{len(text) - width} more chars]"
+
+    lines = [f"Episode {timeline.episode_id}: {timeline.status} ({timeline.runs} run(s))"]
+    lines.append(f"Task: {clip(timeline.task)}")
+    for it in timeline.iterations:
+        lines.append(f"\n=== iteration {it.iteration} ===")
+        if it.model_error:
+            lines.append(f"model error: {it.model_error}")
+        lines.append("model:\n" + _indent(clip(it.response)))
+        for cell in it.cells:
+            lines.append(f"--- cell {cell.cell_index}{' (rebuilt)' if cell.rebuilt else ''} ---")
+            lines.append(_indent(clip(cell.code)))
+            for call in cell.sub_calls:
+                outcome = call.reply if call.error is None else f"ERROR {call.error}"
+                lines.append(
+                    f"  sub-call {call.call_index}: {clip(call.prompt)[:120]!r} -> {clip(outcome)[:120]!r}"
+                )
+            output = "\n".join(x for x in (cell.stdout, cell.stderr, cell.error or "") if x)
+            lines.append("output:\n" + _indent(clip(output) or "(none)"))
+    if timeline.result is not None:
+        r = timeline.result
+        lines.append(
+            f"\nEnded by {r.ended_by} after {r.iterations} iteration(s), {r.model_calls} model "
+            f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens"
+        )
+        if r.error:
+            lines.append(f"Error: {r.error}")
+        lines.append(f"Answer: {r.answer}")
+    if timeline.failure:
+        lines.append(f"\nFailed: {timeline.failure}")
+    return "\n".join(lines)
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines()) or "    "

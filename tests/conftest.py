@@ -1,0 +1,114 @@
+"""Real parts for tests: a Temporal dev server, SQLite stores, in-process workers and a
+scripted OpenAI-compatible server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from temporalio.client import Client
+
+from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.codec import data_converter
+from durable_rlm.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.scripted import Script, ScriptedModelServer
+from durable_rlm.settings import Settings
+from durable_rlm.store import open_store
+from workflows import names
+from workflows.models import (
+    DurabilitySettings,
+    EpisodeLimits,
+    EpisodeRequest,
+    EpisodeResult,
+    ModelSettings,
+)
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("drlm")
+
+
+@pytest.fixture(scope="session")
+async def temporal_address(session_dir: Path) -> AsyncIterator[str]:
+    async with EmbeddedServer(session_dir / "temporal.sqlite") as address:
+        yield address
+
+
+@pytest.fixture(scope="session")
+def store(session_dir: Path) -> tuple[BlobStore, sa.Engine]:
+    engine = open_store(f"sqlite:///{session_dir / 'drlm.sqlite'}")
+    return BlobStore(SqlBackend(engine)), engine
+
+
+@pytest.fixture(scope="session")
+def blobs(store: tuple[BlobStore, sa.Engine]) -> BlobStore:
+    return store[0]
+
+
+@pytest.fixture(scope="session")
+async def client(temporal_address: str, blobs: BlobStore) -> Client:
+    return await Client.connect(temporal_address, data_converter=data_converter(blobs))
+
+
+@pytest.fixture
+def scripted() -> Iterator[callable]:
+    servers: list[ScriptedModelServer] = []
+
+    def start(script: Script, **kwargs: object) -> ScriptedModelServer:
+        server = ScriptedModelServer(script, **kwargs).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@contextlib.asynccontextmanager
+async def workers_for(
+    client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path, task_queue: str
+) -> AsyncIterator[object]:
+    blobs, engine = store
+    settings = Settings(task_queue=task_queue, data_dir=session_dir)
+    services = Services(settings, blobs, engine, client)
+    async with running_workers(services) as repl:
+        yield repl
+
+
+@pytest.fixture
+async def worker(client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path) -> AsyncIterator[object]:
+    """In-process workers on a queue of this test's own; yields the REPL host."""
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    async with workers_for(client, store, session_dir, queue) as repl:
+        repl.task_queue = queue  # type: ignore[attr-defined]
+        yield repl
+
+
+def request_for(server: ScriptedModelServer, task: str = "answer the question", **overrides: object) -> EpisodeRequest:
+    limits = overrides.pop("limits", None) or EpisodeLimits(
+        max_iterations=8, max_llm_calls=40, max_duration=timedelta(minutes=10), cell_timeout_s=10
+    )
+    return EpisodeRequest(
+        task=task,
+        root_model=ModelSettings(model="scripted", base_url=server.base_url, max_attempts=3),
+        limits=limits,
+        durability=DurabilitySettings(heartbeat_timeout_s=3, sticky_schedule_to_start_s=3),
+        **overrides,
+    )
+
+
+async def run_episode(client: Client, request: EpisodeRequest, task_queue: str, episode_id: str | None = None) -> EpisodeResult:
+    return await client.execute_workflow(
+        names.WORKFLOW,
+        request,
+        id=episode_id or f"test-{uuid.uuid4().hex[:10]}",
+        task_queue=task_queue,
+        result_type=EpisodeResult,
+        execution_timeout=timedelta(minutes=5),
+    )

@@ -1,0 +1,350 @@
+"""The REPL host and its sandbox process, driven directly (no Temporal needed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from activities.repl import ReplActivities
+from durable_rlm.blobs import BlobStore, DirectoryBackend
+from durable_rlm.episodes import store_context
+from workflows.models import (
+    CallAnswer,
+    CellOutcome,
+    ExecuteCellInput,
+    ReadVariableInput,
+    ResumeCellInput,
+    SandboxRef,
+)
+
+
+class Episode:
+    """Drives cells the way the workflow does, tracking the log head."""
+
+    def __init__(self, host: ReplActivities, context: object = None, cell_timeout_s: float = 5.0,
+                 truncation: int = 2_000) -> None:
+        self.host = host
+        self.context = None if context is None else store_context(host.blobs, context)
+        self.head: str | None = None
+        self.cells = 0
+        self.episode_id = f"ep-{id(self)}"
+        self.cell_timeout_s = cell_timeout_s
+        self.truncation = truncation
+
+    def ref(self) -> SandboxRef:
+        return SandboxRef(episode_id=self.episode_id, context=self.context, seed=1234,
+                          log_head=self.head, cell_timeout_s=self.cell_timeout_s,
+                          output_truncation=self.truncation)
+
+    async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:
+        self.cells += 1
+        outcome = await self.host.execute_cell(
+            ExecuteCellInput(sandbox=self.ref(), iteration=1, cell_index=self.cells, code=code))
+        self.head = outcome.log_head
+        while outcome.status == "suspended":
+            answers = [CallAnswer(call_index=r.call_index, prompt_digest=r.prompt_digest, ok=True,
+                                  text=answer(r.prompt)) for r in outcome.requests]
+            outcome = await self.host.resume_cell(
+                ResumeCellInput(sandbox=self.ref(), cell_index=self.cells, answers=answers))
+            self.head = outcome.log_head
+        return outcome
+
+    async def read(self, name: str) -> str | None:
+        value = await self.host.read_variable(ReadVariableInput(sandbox=self.ref(), name=name))
+        return value.value if value.found else None
+
+
+@pytest.fixture
+def sandboxes() -> Iterator[Path]:
+    """Sandbox roots must be reachable by the unprivileged sandbox user (pytest's are not)."""
+    root = Path(tempfile.mkdtemp(prefix="drlm-test-", dir="/tmp"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def blob_store(tmp_path: Path) -> BlobStore:
+    return BlobStore(DirectoryBackend(tmp_path / "blobs"))
+
+
+@pytest.fixture
+async def host(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActivities]:
+    repl = ReplActivities(blob_store, "queue-a", sandboxes, memory_mb=1024)
+    yield repl
+    await repl.close_all()
+
+
+async def test_variables_persist_across_cells(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("x = 20")
+    outcome = await episode.run("x += 1\nprint(x * 2)")
+    assert outcome.stdout == "42\n"
+    assert outcome.error is None
+
+
+async def test_context_is_a_variable(host: ReplActivities) -> None:
+    episode = Episode(host, context="alpha beta gamma")
+    outcome = await episode.run("print(len(context.split()), context[:5])")
+    assert outcome.stdout == "3 alpha\n"
+
+
+async def test_json_context_keeps_its_structure(host: ReplActivities) -> None:
+    episode = Episode(host, context={"docs": [1, 2, 3]})
+    assert (await episode.run("sum(context['docs'])")).stdout == "6\n"
+
+
+async def test_trailing_expression_is_echoed(host: ReplActivities) -> None:
+    assert (await Episode(host).run("1 + 1")).stdout == "2\n"
+
+
+async def test_exceptions_become_the_cell_error(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("y = 1\nraise ValueError('bad input')")
+    assert outcome.error is not None
+    assert "ValueError: bad input" in outcome.error
+    assert "<cell 1>" in outcome.error
+
+
+async def test_syntax_errors_are_reported(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("def broken(:\n  pass")
+    assert "SyntaxError" in (outcome.error or "")
+
+
+async def test_stderr_is_captured(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("import sys\nprint('warn', file=sys.stderr)")
+    assert outcome.stderr == "warn\n"
+
+
+async def test_output_is_truncated_to_the_limit(host: ReplActivities) -> None:
+    outcome = await Episode(host, truncation=100).run("print('x' * 100_000)")
+    assert outcome.stdout.startswith("x" * 100)
+    assert "99901 more characters truncated" in outcome.stdout
+    assert len(outcome.stdout) < 200
+
+
+async def test_llm_query_suspends_the_cell_and_resumes_with_the_answer(host: ReplActivities) -> None:
+    episode = Episode(host)
+    first = await host.execute_cell(ExecuteCellInput(
+        sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('hi')\nprint(r)"))
+    assert first.status == "suspended"
+    assert [r.prompt for r in first.requests] == ["hi"]
+    episode.head, episode.cells = first.log_head, 1
+    done = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
+        CallAnswer(call_index=0, prompt_digest=first.requests[0].prompt_digest, ok=True, text="hello")]))
+    assert done.status == "completed"
+    assert done.stdout == "hello\n"
+
+
+async def test_llm_query_batched_asks_for_all_prompts_at_once(host: ReplActivities) -> None:
+    episode = Episode(host)
+    outcome = await episode.run("print(llm_query_batched(['a', 'b', 'c']))")
+    assert outcome.stdout == "['A', 'B', 'C']\n"
+
+
+async def test_failed_sub_call_raises_in_llm_query_and_marks_batched_entries(host: ReplActivities) -> None:
+    episode = Episode(host)
+    episode.cells = 1
+    out = await host.execute_cell(ExecuteCellInput(
+        sandbox=episode.ref(), iteration=1, cell_index=1,
+        code="print(llm_query_batched(['a']))\ntry:\n    llm_query('b')\nexcept RuntimeError as e:\n    print(e)"))
+    episode.head = out.log_head
+    out = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
+        CallAnswer(call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 500")]))
+    episode.head = out.log_head
+    out = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
+        CallAnswer(call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 503")]))
+    assert out.stdout == "['Error: HTTP 500']\nllm_query failed: HTTP 503\n"
+
+
+async def test_llm_query_rejects_non_string_prompts(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("llm_query(42)")
+    assert "TypeError" in (outcome.error or "")
+
+
+async def test_answer_dict_ends_the_cell_with_an_answer(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("answer['content'] = 6 * 7\nanswer['ready'] = True")
+    assert outcome.answer == "42"
+
+
+async def test_show_vars_lists_user_variables(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("alpha = 1\nbeta = 'b'")
+    outcome = await episode.run("SHOW_VARS()")
+    assert "alpha: int" in outcome.stdout and "beta: str" in outcome.stdout
+    assert "llm_query" not in outcome.stdout
+
+
+async def test_read_variable_for_final_var(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("result = {'a': 1}")
+    assert await episode.read("result") == "{'a': 1}"
+    assert await episode.read("missing") is None
+    assert await episode.read("llm_query") is None
+
+
+async def test_a_looping_cell_is_interrupted_and_the_namespace_survives(host: ReplActivities) -> None:
+    episode = Episode(host, cell_timeout_s=1.0)
+    await episode.run("kept = 'yes'")
+    outcome = await episode.run("while True:\n    pass")
+    assert "time limit" in (outcome.error or "")
+    assert (await episode.run("print(kept)")).stdout == "yes\n"
+
+
+async def test_a_cell_that_swallows_its_interrupt_is_killed_and_state_rebuilt(host: ReplActivities) -> None:
+    episode = Episode(host, cell_timeout_s=1.0)
+    await episode.run("kept = 41")
+    outcome = await episode.run("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass")
+    assert "did not stop" in (outcome.error or "")
+    assert (await episode.run("print(kept + 1)")).stdout == "42\n"
+
+
+async def test_os_exit_in_a_cell_loses_only_that_cell(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("kept = 'still here'")
+    outcome = await episode.run("import os\nos._exit(9)")
+    assert "exited" in (outcome.error or "")
+    assert (await episode.run("print(kept)")).stdout == "still here\n"
+
+
+async def test_exit_is_refused(host: ReplActivities) -> None:
+    episode = Episode(host)
+    outcome = await episode.run("exit()")
+    assert "not allowed" in (outcome.error or "")
+    assert (await episode.run("print('alive')")).stdout == "alive\n"
+
+
+async def test_another_worker_rebuilds_the_repl_from_the_log_without_model_calls(
+    blob_store: BlobStore, sandboxes: Path
+) -> None:
+    first = ReplActivities(blob_store, "queue-a", sandboxes / "a")
+    second = ReplActivities(blob_store, "queue-b", sandboxes / "b")
+    try:
+        episode = Episode(first)
+        await episode.run("import random\nnoise = random.random()\nr = llm_query('q1')")
+        await episode.run("both = llm_query_batched(['q2', 'q3'])\nprint(noise)")
+        noise = (await episode.run("print(noise)")).stdout
+
+        episode.host = second  # the first worker is gone; the second has no sandbox
+        asked: list[str] = []
+
+        def must_not_be_called(prompt: str) -> str:
+            asked.append(prompt)
+            return "live"
+
+        outcome = await episode.run("print(r, both, noise)", answer=must_not_be_called)
+        assert outcome.stdout == f"Q1 ['Q2', 'Q3'] {noise.strip()}\n"
+        assert outcome.rebuilt is True
+        assert outcome.divergences == []
+        assert asked == []
+        assert outcome.worker_queue == "queue-b"
+    finally:
+        await first.close_all()
+        await second.close_all()
+
+
+async def test_rebuild_mid_cell_resumes_at_the_pending_call(blob_store: BlobStore, sandboxes: Path) -> None:
+    first = ReplActivities(blob_store, "queue-a", sandboxes / "a")
+    second = ReplActivities(blob_store, "queue-b", sandboxes / "b")
+    try:
+        episode = Episode(first)
+        episode.cells = 1
+        code = "a = llm_query('one')\nb = llm_query('two')\nprint(a + b)"
+        out = await first.execute_cell(ExecuteCellInput(sandbox=episode.ref(), iteration=1, cell_index=1, code=code))
+        episode.head = out.log_head
+        out = await first.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
+            CallAnswer(call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=True, text="1")]))
+        assert out.status == "suspended" and out.requests[0].prompt == "two"
+        episode.head = out.log_head
+        await first.close_all()  # the worker dies while the cell waits for 'two'
+
+        done = await second.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
+            CallAnswer(call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=True, text="2")]))
+        assert done.status == "completed"
+        assert done.stdout == "12\n"
+        assert done.rebuilt is True
+    finally:
+        await second.close_all()
+
+
+async def test_a_stale_head_forces_a_rebuild_instead_of_running_on_wrong_state(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("n = 1")
+    before = episode.head
+    await episode.run("n = 100")
+    episode.head = before  # the workflow never accepted the second cell (e.g. it was retried)
+    outcome = await episode.run("print(n)")
+    assert outcome.stdout == "1\n"
+    assert outcome.rebuilt is True
+
+
+# --- isolation --------------------------------------------------------------------------------
+
+async def test_cells_do_not_see_worker_credentials(host: ReplActivities, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-of-the-worker")
+    outcome = await Episode(host).run("import os\nprint(sorted(os.environ))\nprint(os.environ.get('OPENAI_API_KEY'))")
+    assert "sk-secret" not in outcome.stdout
+    assert outcome.stdout.endswith("None\n")
+
+
+async def test_cells_have_no_network(host: ReplActivities) -> None:
+    code = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', 80))"
+    outcome = await Episode(host).run(code)
+    assert outcome.error is not None
+    assert "not allowed" in outcome.error or "unreachable" in outcome.error
+
+
+async def test_cells_cannot_read_files_outside_the_sandbox(host: ReplActivities, blob_store: BlobStore) -> None:
+    digest = blob_store.put_text("secret blob")
+    secret = blob_store.backend._path(digest)  # type: ignore[attr-defined]
+    outcome = await Episode(host).run(f"print(open({str(secret)!r}).read())")
+    assert "not allowed" in (outcome.error or "")
+    outcome = await Episode(host).run(f"import os\nprint(os.listdir({str(Path.cwd())!r}))")
+    assert "not allowed" in (outcome.error or "")
+
+
+async def test_cells_can_use_files_in_their_own_directory(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("open('notes.txt', 'w').write('kept')")
+    assert (await episode.run("print(open('notes.txt').read())")).stdout == "kept\n"
+
+
+async def test_cells_cannot_write_outside_the_sandbox(host: ReplActivities, tmp_path: Path) -> None:
+    target = tmp_path / "escape.txt"
+    outcome = await Episode(host).run(f"open({str(target)!r}, 'w').write('x')")
+    assert outcome.error is not None
+    assert not target.exists()
+
+
+async def test_cells_cannot_start_processes_or_signal_the_worker(host: ReplActivities) -> None:
+    episode = Episode(host)
+    outcome = await episode.run("import subprocess\nsubprocess.run(['id'])")
+    assert "not allowed" in (outcome.error or "")
+    outcome = await episode.run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
+    assert "not allowed" in (outcome.error or "")
+    outcome = await episode.run("import ctypes\nctypes.CDLL(None)")
+    assert outcome.error is not None
+
+
+async def test_a_memory_bomb_is_a_cell_error(host: ReplActivities) -> None:
+    episode = Episode(host)
+    outcome = await episode.run("x = bytearray(4 * 1024 ** 3)")
+    assert "MemoryError" in (outcome.error or "")
+    assert (await episode.run("print('alive')")).stdout == "alive\n"
+
+
+async def test_sandbox_runs_unprivileged_when_the_worker_is_root(host: ReplActivities) -> None:
+    outcome = await Episode(host).run("import os\nprint(os.getuid())")
+    expected = "65534" if os.geteuid() == 0 else str(os.getuid())
+    assert outcome.stdout.strip() == expected
+
+
+def test_an_unreachable_sandbox_root_is_a_clear_error(tmp_path: Path, blob_store: BlobStore) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root drops the sandbox to another user")
+    with pytest.raises(ValueError, match="not traversable"):
+        ReplActivities(blob_store, "q", tmp_path / "sandboxes")
