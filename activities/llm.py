@@ -12,7 +12,7 @@ import email.utils
 import os
 import time
 from collections.abc import Awaitable, Mapping
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import openai
@@ -67,10 +67,13 @@ def retry_after(headers: Mapping[str, str] | None) -> timedelta | None:
     try:
         return timedelta(seconds=max(0.0, float(value)))
     except ValueError:
-        parsed = email.utils.parsedate_to_datetime(value)
-        if parsed is None:
+        try:
+            parsed = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
             return None
-        return max(timedelta(0), parsed - email.utils.parsedate_to_datetime(email.utils.formatdate()))
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        return max(timedelta(0), parsed - datetime.now(UTC))
 
 
 def _provider_message(exc: openai.APIStatusError) -> str:

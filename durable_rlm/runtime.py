@@ -57,10 +57,17 @@ class EmbeddedServer:
     would corrupt `drlm run --json`.)
     """
 
-    def __init__(self, db_file: Path, namespace: str = "default", port: int | None = None) -> None:
+    def __init__(
+        self,
+        db_file: Path,
+        namespace: str = "default",
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.db_file = Path(db_file)
         self.namespace = namespace
         self.port = port or free_port()
+        self.extra_args = extra_args
         self.process: asyncio.subprocess.Process | None = None
 
     @property
@@ -74,7 +81,7 @@ class EmbeddedServer:
             temporal_binary(), "server", "start-dev", "--headless",
             "--ip", "127.0.0.1", "--port", str(self.port),
             "--db-filename", str(self.db_file), "--namespace", self.namespace,
-            "--log-level", "error",
+            "--log-level", "error", *self.extra_args,
             stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
         )
         log.close()

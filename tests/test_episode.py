@@ -1,0 +1,202 @@
+"""Episodes end to end on a real Temporal dev server, real sandbox, real HTTP model."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import sqlalchemy as sa
+from temporalio.client import Client
+
+from durable_rlm import schema
+from durable_rlm.blobs import BlobStore
+from durable_rlm.episodes import store_context
+from durable_rlm.runtime import EmbeddedServer
+from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.timeline import episode_timeline, render
+from tests.conftest import request_for, run_episode, workers_for
+from workflows import prompts
+from workflows.models import EpisodeLimits
+
+MULTI = [
+    "Let me look.\n```repl\nwords = context.split()\nprint(len(words))\n```",
+    "```repl\nfirst = llm_query('summarise: ' + words[0])\n"
+    "rest = llm_query_batched(['tag: ' + w for w in words[1:]])\n"
+    "result = first + ' | ' + ','.join(rest)\nprint(result)\n```",
+    "All done.\nFINAL_VAR(result)",
+]
+
+
+def upper(prompt: str) -> str:
+    return prompt.upper()
+
+
+async def test_a_multi_iteration_episode_answers_through_final_var(client, blobs, worker, scripted) -> None:
+    server = scripted(root_and_sub(MULTI, upper))
+    request = request_for(server, context=store_context(blobs, "alpha beta gamma"))
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.answer == "SUMMARISE: ALPHA | TAG: BETA,TAG: GAMMA"
+    assert result.ended_by == "final_var"
+    assert (result.iterations, result.model_calls, result.sub_calls) == (3, 6, 3)
+    assert len(server.root_requests()) == 3 and len(server.sub_requests()) == 3
+    assert result.usage.total_tokens > 0
+
+
+async def test_final_literal_ends_the_episode(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nprint(6 * 7)\n```", "The product is known.\nFINAL(42)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert (result.answer, result.ended_by, result.iterations) == ("42", "final", 2)
+
+
+async def test_the_answer_dict_ends_the_episode(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nanswer['content'] = 'via dict'\nanswer['ready'] = True\n```"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert (result.answer, result.ended_by, result.iterations) == ("via dict", "answer_ready", 1)
+
+
+async def test_a_cell_error_is_fed_back_to_the_model(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nx = 1 / 0\n```", "FINAL(recovered)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.answer == "recovered"
+    assert "ZeroDivisionError" in server.root_requests()[1].last_user
+
+
+async def test_malformed_output_gets_a_nudge_and_the_loop_goes_on(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["I am thinking about it (no code, no answer).", "FINAL(ok)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.answer == "ok"
+    assert server.root_requests()[1].last_user == prompts.NO_CODE_TURN.format(fence="repl")
+
+
+async def test_final_var_of_a_missing_variable_keeps_going(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL_VAR(nothing_here)", "FINAL(second try)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert (result.answer, result.iterations) == ("second try", 2)
+    assert "nothing_here" in server.root_requests()[1].last_user
+
+
+async def test_max_iterations_ends_without_an_answer(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nprint('still working')\n```"]))
+    limits = EpisodeLimits(max_iterations=3, cell_timeout_s=10)
+    result = await run_episode(client, request_for(server, limits=limits), worker.task_queue)
+    assert (result.answer, result.ended_by, result.iterations) == (None, "max_iterations", 3)
+
+
+async def test_max_llm_calls_stops_sub_calls_and_the_episode(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(
+        ["```repl\nr = llm_query_batched(['a', 'b', 'c', 'd', 'e'])\nprint(r)\n```", "FINAL(never)"], upper
+    ))
+    limits = EpisodeLimits(max_iterations=5, max_llm_calls=3, cell_timeout_s=10)
+    result = await run_episode(client, request_for(server, limits=limits), worker.task_queue)
+    assert (result.ended_by, result.sub_calls) == ("max_llm_calls", 3)
+    assert len(server.sub_requests()) == 3
+    assert "max_llm_calls (3) reached" in server.root_requests()[-1].last_user or len(server.root_requests()) == 1
+
+
+async def test_an_unknown_model_ends_the_episode_with_a_clear_error(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL(x)"]), models={"scripted-only"})
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.ended_by == "model_error"
+    assert "scripted" in (result.error or "") and "HTTP 404" in (result.error or "")
+    assert len(server.requests) == 1  # not retried
+
+
+async def test_provider_errors_are_retried_by_temporal(client, worker, scripted) -> None:
+    calls = {"n": 0}
+
+    def flaky(request):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return Reply(status=503, error="overloaded", headers={"retry-after": "0"})
+        return "FINAL(after retry)"
+
+    server = scripted(flaky)
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.answer == "after retry"
+    assert len(server.requests) == 2
+
+
+async def test_a_failing_sub_call_is_an_observation_not_a_crash(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(
+        ["```repl\ntry:\n    llm_query('x')\nexcept RuntimeError as e:\n    print('caught', e)\n```", "FINAL(fine)"],
+        lambda p: Reply(status=400, error="bad prompt"),
+    ))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.answer == "fine"
+    assert "caught llm_query failed" in server.root_requests()[1].last_user
+    assert "bad prompt" in server.root_requests()[1].last_user
+
+
+async def test_timeline_shows_each_iteration(client, blobs, worker, scripted) -> None:
+    server = scripted(root_and_sub(MULTI, upper))
+    episode_id = f"timeline-{uuid.uuid4().hex[:8]}"
+    request = request_for(server, context=store_context(blobs, "alpha beta gamma"))
+    await run_episode(client, request, worker.task_queue, episode_id)
+    timeline = await episode_timeline(client, episode_id)
+    assert [i.iteration for i in timeline.iterations] == [1, 2, 3]
+    cell = timeline.iterations[1].cells[0]
+    assert "llm_query_batched" in cell.code
+    assert [c.reply for c in cell.sub_calls] == ["SUMMARISE: ALPHA", "TAG: BETA", "TAG: GAMMA"]
+    assert cell.stdout.startswith("SUMMARISE: ALPHA")
+    text = render(timeline)
+    assert "=== iteration 2 ===" in text and "Answer: SUMMARISE: ALPHA" in text
+
+
+async def test_the_audit_store_records_the_episode(client, store, worker, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL(audited)"]))
+    episode_id = f"audit-{uuid.uuid4().hex[:8]}"
+    await run_episode(client, request_for(server), worker.task_queue, episode_id)
+    with store[1].connect() as conn:
+        row = conn.execute(sa.select(schema.episodes).where(schema.episodes.c.episode_id == episode_id)).one()
+    assert (row.status, row.ended_by, row.answer, row.iterations) == ("completed", "final", "audited", 1)
+
+
+async def test_history_grows_by_bounded_bytes_per_iteration(client, blobs, worker, scripted) -> None:
+    """Claim check: a 2 MB context and 60 KB of output per cell; history per iteration flat."""
+    turn = "```repl\nprint(context[:60_000])\n```"
+    server = scripted(root_and_sub([turn]))
+    context = store_context(blobs, "x" * 2_000_000)
+    sizes = {}
+    for iterations in (3, 6, 12):
+        episode_id = f"bounded-{iterations}-{uuid.uuid4().hex[:6]}"
+        limits = EpisodeLimits(max_iterations=iterations, cell_timeout_s=10)
+        await run_episode(client, request_for(server, context=context, limits=limits), worker.task_queue, episode_id)
+        history = await client.get_workflow_handle(episode_id).fetch_history()
+        sizes[iterations] = sum(e.ByteSize() for e in history.events)
+        assert max(e.ByteSize() for e in history.events) < 16_000
+    early = (sizes[6] - sizes[3]) / 3
+    late = (sizes[12] - sizes[6]) / 6
+    assert late < early * 1.25, sizes  # linear in iterations, not quadratic
+    assert late < 20_000, sizes
+
+
+async def test_continue_as_new_carries_the_episode_over(session_dir: Path, store, blobs, scripted) -> None:
+    server = scripted(root_and_sub([
+        "```repl\ncount = globals().get('count', 0) + 1\nprint(count)\n```",
+        "```repl\ncount += 1\n```", "```repl\ncount += 1\n```", "```repl\ncount += 1\n```",
+        "FINAL_VAR(count)",
+    ]))
+    args = ("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20")
+    async with EmbeddedServer(session_dir / "can.sqlite", extra_args=args) as address:
+        from durable_rlm.codec import data_converter
+
+        can_client = await Client.connect(address, data_converter=data_converter(blobs))
+        async with workers_for(can_client, store, session_dir, "can-queue"):
+            episode_id = f"can-{uuid.uuid4().hex[:6]}"
+            result = await run_episode(can_client, request_for(server), "can-queue", episode_id)
+            timeline = await episode_timeline(can_client, episode_id)
+    assert result.answer == "4"  # REPL state crossed runs: the sandbox followed the log head
+    assert result.iterations == 5
+    assert timeline.runs > 1
+
+
+async def test_results_are_the_same_for_the_same_script(client, blobs, worker, scripted) -> None:
+    server = scripted(root_and_sub(MULTI, upper))
+    context = store_context(blobs, "one two")
+    first = await run_episode(client, request_for(server, context=context, seed=5), worker.task_queue)
+    second = await run_episode(client, request_for(server, context=context, seed=5), worker.task_queue)
+    assert first.answer == second.answer
+    assert first.model_calls == second.model_calls
+    assert isinstance(blobs, BlobStore)
+    assert timedelta(0) <= timedelta(seconds=first.model_time_s)

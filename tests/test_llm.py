@@ -1,0 +1,133 @@
+"""Model calls: the real `openai` client over HTTP to a scripted server on 127.0.0.1."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+
+from activities.llm import ModelActivities, retry_after
+from durable_rlm.blobs import BlobStore, DirectoryBackend
+from durable_rlm.runtime import free_port
+from durable_rlm.scripted import Reply
+from workflows import names
+from workflows.models import Message, ModelSettings, RootCompletionInput
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> ModelActivities:
+    return ModelActivities(BlobStore(DirectoryBackend(tmp_path / "blobs")))
+
+
+def settings(server, **kw: object) -> ModelSettings:
+    return ModelSettings(model="m", base_url=server.base_url, **kw)
+
+
+USER = [Message(role="user", content="hi")]
+
+
+async def test_a_completion_returns_text_usage_and_time(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: "hello there")
+    text, usage, elapsed = await models.complete(settings(server), USER)
+    assert text == "hello there"
+    assert usage.completion_tokens == len("hello there") // 4
+    assert elapsed > 0
+
+
+async def test_client_side_retries_are_off(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: Reply(status=500, error="boom"))
+    with pytest.raises(ApplicationError):
+        await models.complete(settings(server), USER)
+    assert len(server.requests) == 1  # Temporal retries, each attempt visible in history
+
+
+async def test_rate_limits_are_retryable_and_honour_retry_after(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: Reply(status=429, error="slow down", headers={"retry-after": "7"}))
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(settings(server), USER)
+    assert not info.value.non_retryable
+    assert info.value.type == names.MODEL_UNAVAILABLE
+    assert info.value.next_retry_delay == timedelta(seconds=7)
+
+
+@pytest.mark.parametrize("status", [500, 502, 503])
+async def test_server_errors_are_retryable(models: ModelActivities, scripted, status: int) -> None:
+    server = scripted(lambda r: Reply(status=status, error="upstream trouble"))
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(settings(server), USER)
+    assert not info.value.non_retryable
+    assert "upstream trouble" in str(info.value)
+
+
+@pytest.mark.parametrize(("status", "hint"), [(400, "rejected"), (401, "API key"), (404, "unknown model")])
+async def test_client_errors_are_not_retried_and_say_why(
+    models: ModelActivities, scripted, status: int, hint: str
+) -> None:
+    server = scripted(lambda r: Reply(status=status, error="provider says no"))
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(settings(server), USER)
+    assert info.value.non_retryable
+    assert info.value.type == names.MODEL_REQUEST_REJECTED
+    assert hint in str(info.value) and "provider says no" in str(info.value)
+
+
+async def test_unknown_model_is_reported_by_name(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: "x", models={"real-model"})
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(ModelSettings(model="no-such-model", base_url=server.base_url), USER)
+    assert "no-such-model" in str(info.value) and info.value.non_retryable
+
+
+async def test_wrong_api_key_is_not_retried(tmp_path: Path, scripted) -> None:
+    server = scripted(lambda r: "x", api_key="right")
+    models = ModelActivities(BlobStore(DirectoryBackend(tmp_path)), credentials={"OPENAI_API_KEY": "wrong"})
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(settings(server), USER)
+    assert info.value.non_retryable and "HTTP 401" in str(info.value)
+
+
+async def test_unreachable_endpoint_is_retryable_and_named(models: ModelActivities) -> None:
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(ModelSettings(model="m", base_url=url), USER)
+    assert not info.value.non_retryable
+    assert "cannot reach" in str(info.value) and url in str(info.value)
+
+
+async def test_request_timeout_is_retryable(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: Reply(text="late", delay_s=3))
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(settings(server, request_timeout_s=0.5), USER)
+    assert "timed out" in str(info.value) and not info.value.non_retryable
+
+
+async def test_no_key_for_the_default_openai_endpoint_is_a_clear_error(
+    models: ModelActivities, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(ModelSettings(model="gpt-4o"), USER)
+    assert info.value.non_retryable and "OPENAI_API_KEY" in str(info.value)
+
+
+async def test_root_completion_grows_the_conversation_chain(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: f"turn {r.turn}")
+    first = await models.root_completion(RootCompletionInput(
+        episode_id="e", iteration=1, model=settings(server), conversation=None,
+        append=[Message(role="system", content="sys"), Message(role="user", content="q")]))
+    second = await models.root_completion(RootCompletionInput(
+        episode_id="e", iteration=2, model=settings(server), conversation=first.conversation,
+        append=[Message(role="user", content="more")]))
+    assert (first.text, second.text) == ("turn 0", "turn 1")
+    sent = server.requests[-1].messages
+    assert [m["content"] for m in sent] == ["sys", "q", "turn 0", "more"]
+
+
+def test_retry_after_forms() -> None:
+    assert retry_after({"retry-after": "2"}) == timedelta(seconds=2)
+    assert retry_after({"retry-after-ms": "1500"}) == timedelta(milliseconds=1500)
+    assert retry_after({}) is None
+    assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == timedelta(0)
