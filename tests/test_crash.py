@@ -1,0 +1,93 @@
+"""Crash resume: SIGKILL a real worker process mid-episode; a new worker finishes it.
+
+The scripted model server counts every request, so the tests prove that no model call was
+paid twice, except the one cut mid-flight, and that REPL state was rebuilt from the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+import pytest
+
+from durable_rlm.scripted import Reply, root_and_sub
+from tests.conftest import request_for, run_episode
+from workflows import names
+from workflows.models import EpisodeResult
+
+pytestmark = pytest.mark.chaos
+
+
+async def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.05)
+
+
+def sub(prompt: str) -> str:
+    return f"<{prompt}>"
+
+
+async def undisturbed(client, scripted, turns, worker_processes) -> EpisodeResult:
+    server = scripted(root_and_sub(turns, sub))
+    worker = worker_processes()
+    try:
+        return await run_episode(client, request_for(server), worker_processes.queue)
+    finally:
+        worker.stop()
+
+
+async def test_killed_during_a_model_call_finishes_with_the_same_answer(client, scripted, worker_processes) -> None:
+    turns = [
+        "```repl\nparts = llm_query_batched(['p1', 'p2'])\nprint(parts)\n```",
+        Reply(text="```repl\nresult = '+'.join(parts)\n```", delay_s=4),
+        "FINAL_VAR(result)",
+    ]
+    expected = await undisturbed(client, scripted, turns, worker_processes)
+
+    server = scripted(root_and_sub(turns, sub))
+    first = worker_processes()
+    handle = await client.start_workflow(
+        names.WORKFLOW, request_for(server), id=f"crash-model-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue, result_type=EpisodeResult,
+    )
+    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    first.kill()  # mid-flight: the model is still "thinking" about turn 1
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+
+    assert result.answer == expected.answer == "<p1>+<p2>"
+    root_turns = [r.turn for r in server.root_requests()]
+    assert sorted(root_turns) == [0, 1, 1, 2]  # only the call cut mid-flight was repeated
+    assert len(server.sub_requests()) == 2
+
+
+async def test_killed_during_a_cell_rebuilds_the_repl_without_repeating_model_calls(
+    client, scripted, worker_processes
+) -> None:
+    turns = [
+        "```repl\nseed_value = 7\n```",
+        "```repl\nparts = llm_query_batched(['p1', 'p2'])\nimport time\ntime.sleep(4)\n"
+        "result = '+'.join(parts) + f'#{seed_value}'\nprint(result)\n```",
+        "FINAL_VAR(result)",
+    ]
+    expected = await undisturbed(client, scripted, turns, worker_processes)
+
+    server = scripted(root_and_sub(turns, sub))
+    first = worker_processes()
+    handle = await client.start_workflow(
+        names.WORKFLOW, request_for(server), id=f"crash-cell-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue, result_type=EpisodeResult,
+    )
+    await wait_until(lambda: len(server.sub_requests()) == 2 and server.completed >= 4)
+    await asyncio.sleep(1.5)  # the cell now sleeps inside the worker's sandbox
+    first.kill()
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+
+    assert result.answer == expected.answer == "<p1>+<p2>#7"
+    assert [r.turn for r in server.root_requests()] == [0, 1, 2]  # no root call repeated
+    assert len(server.sub_requests()) == 2  # the rebuilt cell was answered from the log

@@ -1,0 +1,76 @@
+"""Replay: every stored history replays with the current workflow code."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio import workflow
+from temporalio.client import WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
+
+from durable_rlm.runtime import workflow_runner
+from durable_rlm.scripted import root_and_sub
+from tests.conftest import request_for, run_episode
+from workflows import names
+from workflows.episode import EpisodeWorkflow
+from workflows.models import EpisodeRequest, EpisodeResult
+
+HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+
+
+def load(path: Path) -> WorkflowHistory:
+    return WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+
+
+def test_there_is_a_stored_multi_iteration_history() -> None:
+    assert HISTORIES, "tests/histories/ holds no history"
+    events = json.loads(HISTORIES[0].read_text())["events"]
+    scheduled = [e for e in events if e.get("eventType") in ("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", 10)]
+    roots = [e for e in scheduled
+             if e["activityTaskScheduledEventAttributes"]["activityType"]["name"] == names.ROOT_COMPLETION]
+    assert len(roots) >= 3
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
+async def test_stored_history_replays(path: Path) -> None:
+    replayer = Replayer(workflows=[EpisodeWorkflow], data_converter=pydantic_data_converter,
+                        workflow_runner=workflow_runner())
+    result = await replayer.replay_workflow(load(path))
+    assert result.replay_failure is None
+
+
+@workflow.defn(name=names.WORKFLOW, sandboxed=False)
+class WithoutAudit(EpisodeWorkflow):
+    """A logic change that drops an activity: replay must notice."""
+
+    @workflow.run
+    async def run(self, request: EpisodeRequest) -> EpisodeResult:
+        return await super().run(request)
+
+    async def _audit(self, request, result) -> None:  # type: ignore[override]
+        return None
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
+async def test_an_unpatched_logic_change_fails_replay(path: Path) -> None:
+    replayer = Replayer(workflows=[WithoutAudit], data_converter=pydantic_data_converter,
+                        workflow_runner=UnsandboxedWorkflowRunner())
+    result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)
+    assert result.replay_failure is not None
+
+
+async def test_a_fresh_claim_checked_history_replays(client, blobs, worker, scripted) -> None:
+    server = scripted(root_and_sub([
+        "```repl\nbig = 'y' * 50_000\nprint(big)\nr = llm_query(big[:10])\n```", "FINAL_VAR(r)"
+    ], str.upper))
+    episode_id = f"replay-{uuid.uuid4().hex[:6]}"
+    await run_episode(client, request_for(server), worker.task_queue, episode_id)
+    history = await client.get_workflow_handle(episode_id).fetch_history()
+    replayer = Replayer(workflows=[EpisodeWorkflow], data_converter=client.data_converter,
+                        workflow_runner=workflow_runner())
+    result = await replayer.replay_workflow(history)
+    assert result.replay_failure is None

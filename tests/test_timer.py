@@ -1,0 +1,77 @@
+"""The durable max_duration timer, on Temporal's time-skipping test server.
+
+The test server skips time only while nothing runs, so "a model that never finishes" is a
+provider that answers every call with 429 and a ten-minute retry-after: between attempts
+the episode waits, and an hour passes in moments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from temporalio.testing import WorkflowEnvironment
+
+from durable_rlm.codec import data_converter
+from durable_rlm.runtime import Services, running_workers, time_skipping_server_binary
+from durable_rlm.scripted import Reply
+from durable_rlm.settings import Settings
+from tests.conftest import request_for
+from workflows import names
+from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult
+
+
+@pytest.fixture
+async def skipping_env(blobs):
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=data_converter(blobs), test_server_existing_path=time_skipping_server_binary()
+    )
+    yield env
+    await env.shutdown()
+
+
+def never_answering(scripted) -> tuple[EpisodeRequest, object]:
+    server = scripted(lambda r: Reply(status=429, error="overloaded", headers={"retry-after": "600"}))
+    limits = EpisodeLimits(max_iterations=1000, max_duration=timedelta(hours=1), cell_timeout_s=10)
+    request = request_for(server, limits=limits)
+    request.root_model.max_attempts = 1000
+    return request, server
+
+
+async def test_max_duration_ends_an_episode_whose_model_never_answers(
+    skipping_env, store, session_dir: Path, scripted
+) -> None:
+    request, server = never_answering(scripted)
+    settings = Settings(task_queue=f"skip-{uuid.uuid4().hex[:6]}", data_dir=session_dir)
+    started = time.monotonic()
+    async with running_workers(Services(settings, store[0], store[1], skipping_env.client)):
+        result = await skipping_env.client.execute_workflow(
+            names.WORKFLOW, request, id=f"timer-{uuid.uuid4().hex[:6]}",
+            task_queue=settings.task_queue, result_type=EpisodeResult,
+        )
+    elapsed = time.monotonic() - started
+    assert (result.ended_by, result.answer) == ("max_duration", None)
+    assert 5 <= len(server.requests) <= 8  # one attempt per 10 minutes of episode time
+    assert elapsed < 30, f"an hour of episode time took {elapsed:.1f} s of real time"
+
+
+async def test_the_timer_fires_while_no_worker_runs(client, worker_processes, scripted) -> None:
+    """Real dev server, real time: every worker is dead when the deadline passes."""
+    server = scripted(lambda r: Reply(text="never in time", delay_s=60))
+    request = request_for(server, limits=EpisodeLimits(max_duration=timedelta(seconds=4), cell_timeout_s=10))
+    first = worker_processes()
+    handle = await client.start_workflow(
+        names.WORKFLOW, request, id=f"deadline-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue, result_type=EpisodeResult,
+    )
+    while not server.requests:
+        await asyncio.sleep(0.05)
+    first.kill()
+    await asyncio.sleep(6)  # the deadline passes with no worker anywhere
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 60)
+    assert (result.ended_by, result.answer) == ("max_duration", None)
