@@ -1,0 +1,145 @@
+"""The SQL store and blob store on SQLite and on a throwaway PostgreSQL 15 cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from temporalio.api.common.v1 import Payload
+
+from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
+from durable_rlm.codec import ENCODING, ClaimCheckCodec
+from durable_rlm.runtime import free_port
+from durable_rlm.schema import metadata
+from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.store import create_engine, downgrade, migrate
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1, started and removed by the test."""
+    if not (PG_BIN / "initdb").exists():
+        pytest.skip("PostgreSQL 15 server binaries are not installed")
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
+    data, sock = root / "data", root / "sock"
+    data.mkdir()
+    sock.mkdir()
+    as_postgres: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+        for d in (data, sock):
+            shutil.chown(d, "postgres")
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    subprocess.run([*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
+                   check=True, capture_output=True)
+    subprocess.run([*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w",
+                    "-o", f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}", "start"],
+                   check=True, capture_output=True)
+    url = f"postgresql+psycopg://drlm@127.0.0.1:{port}/postgres"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with sa.create_engine(url).connect():
+                    break
+            except sa.exc.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield url
+    finally:
+        subprocess.run([*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sa.Engine]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'store.sqlite'}"
+    else:
+        url = request.getfixturevalue("postgres_url")
+    engine = create_engine(url)
+    downgrade(engine)
+    yield engine
+    downgrade(engine)
+    engine.dispose()
+
+
+def test_migrations_go_up_and_down(engine: sa.Engine) -> None:
+    migrate(engine)
+    assert {"blobs", "episodes"} <= set(sa.inspect(engine).get_table_names())
+    downgrade(engine)
+    assert not {"blobs", "episodes"} & set(sa.inspect(engine).get_table_names())
+
+
+def test_migrations_match_the_schema_the_code_uses(engine: sa.Engine) -> None:
+    migrate(engine)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), metadata)
+    assert diff == []
+
+
+def test_sql_blob_store_round_trips_and_dedupes(engine: sa.Engine) -> None:
+    migrate(engine)
+    store = BlobStore(SqlBackend(engine), cache_entries=0)
+    data = os.urandom(100_000)
+    digest = store.put(data)
+    assert store.put(data) == digest == digest_of(data)
+    assert store.get(digest) == data
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("select count(*) from blobs")).scalar() == 1
+
+
+def test_missing_blob_is_a_clear_error(tmp_path: Path) -> None:
+    store = BlobStore(DirectoryBackend(tmp_path))
+    with pytest.raises(BlobNotFound):
+        store.get(digest_of(b"never stored"))
+    with pytest.raises(ValueError, match="malformed"):
+        store.get("sha256:../../etc/passwd")
+
+
+def test_a_corrupt_blob_is_detected(tmp_path: Path) -> None:
+    store = BlobStore(DirectoryBackend(tmp_path), cache_entries=0)
+    digest = store.put(b"original")
+    store.backend._path(digest).write_bytes(b"tampered")  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="corrupt"):
+        store.get(digest)
+
+
+async def test_codec_moves_only_large_payloads_to_the_store(tmp_path: Path) -> None:
+    codec = ClaimCheckCodec(BlobStore(DirectoryBackend(tmp_path)), threshold=1024)
+    small = Payload(metadata={"encoding": b"json/plain"}, data=b'"x"')
+    large = Payload(metadata={"encoding": b"json/plain"}, data=b'"' + b"y" * 10_000 + b'"')
+    encoded = await codec.encode([small, large])
+    assert encoded[0] == small
+    assert encoded[1].metadata["encoding"] == ENCODING
+    assert encoded[1].ByteSize() < 200
+    assert await codec.decode(encoded) == [small, large]
+
+
+def test_bad_settings_are_rejected_with_the_variable_name() -> None:
+    with pytest.raises(ConfigurationError, match="claim_check_threshold"):
+        Settings.from_env({"DRLM_CLAIM_CHECK_THRESHOLD": "ten"})
+    with pytest.raises(ConfigurationError, match="DRLM_TRACING"):
+        Settings.from_env({"DRLM_TRACING": "loud"})
+
+
+def test_settings_default_to_the_embedded_server_and_sqlite(tmp_path: Path) -> None:
+    settings = Settings.from_env({"DRLM_DATA_DIR": str(tmp_path)})
+    assert settings.embedded
+    assert settings.effective_database_url == f"sqlite:///{tmp_path.resolve() / 'drlm.sqlite'}"
+    assert not Settings.from_env({"TEMPORAL_ADDRESS": "localhost:7233"}).embedded
