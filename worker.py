@@ -24,7 +24,9 @@ async def serve(settings: Settings) -> None:
     async with connect(settings) as services, running_workers(services) as repl:
         logging.info(
             "worker polling %s (REPL queue %s) on %s",
-            settings.task_queue, repl.worker_queue, settings.temporal_address,
+            settings.task_queue,
+            repl.worker_queue,
+            settings.temporal_address,
         )
         print(f"worker ready: {settings.task_queue} / {repl.worker_queue}", flush=True)
         await stop.wait()

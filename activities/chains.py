@@ -38,7 +38,4 @@ def append_message(blobs: BlobStore, head: str | None, message: Message) -> str:
 
 
 def read_conversation(blobs: BlobStore, head: str | None) -> list[Message]:
-    return [
-        Message(role=node["role"], content=blobs.get_text(node["content"]))
-        for node in walk(blobs, head)
-    ]
+    return [Message(role=node["role"], content=blobs.get_text(node["content"])) for node in walk(blobs, head)]

@@ -125,8 +125,8 @@ class ModelActivities:
         self._clients: dict[tuple[str | None, str, float], openai.AsyncOpenAI] = {}
 
     def _base_url(self, settings: ModelSettings) -> str | None:
-        return settings.base_url or self.credentials.get("OPENAI_BASE_URL") or os.environ.get(
-            "OPENAI_BASE_URL"
+        return (
+            settings.base_url or self.credentials.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
         )
 
     def _client(self, settings: ModelSettings) -> openai.AsyncOpenAI:

@@ -158,8 +158,12 @@ class ReplActivities:
                 )
             head = await self._log(
                 box.log_head,
-                {"t": "cell", "cell": request.cell_index, "iteration": request.iteration,
-                 "code": request.code},
+                {
+                    "t": "cell",
+                    "cell": request.cell_index,
+                    "iteration": request.iteration,
+                    "code": request.code,
+                },
             )
             box.log_head, box.cell_index, box.next_call = head, request.cell_index, 0
             await box.send(self._exec_message(request.sandbox, request.cell_index, request.code))
@@ -183,8 +187,12 @@ class ReplActivities:
                     non_retryable=True,
                 )
             answer_refs = [
-                {"call": a.call_index, "prompt": a.prompt_digest, "ok": a.ok,
-                 "text": await asyncio.to_thread(self.blobs.put_text, a.text)}
+                {
+                    "call": a.call_index,
+                    "prompt": a.prompt_digest,
+                    "ok": a.ok,
+                    "text": await asyncio.to_thread(self.blobs.put_text, a.text),
+                }
                 for a in request.answers
             ]
             box.log_head = await self._log(
@@ -230,8 +238,7 @@ class ReplActivities:
         """Kill sandboxes unused for `idle_s`; a later step rebuilds them from the log."""
         now = time.monotonic()
         stale = [
-            e for e, b in self._live.items()
-            if now - b.last_used > self.idle_s and not self._lock(e).locked()
+            e for e, b in self._live.items() if now - b.last_used > self.idle_s and not self._lock(e).locked()
         ]
         for episode_id in stale:
             await self._discard(self._live[episode_id])
@@ -290,9 +297,7 @@ class ReplActivities:
         self, box: LiveSandbox, frame: dict[str, Any], rebuilt: bool, divergences: list[str]
     ) -> CellOutcome:
         status = frame.get("status", "error")
-        box.log_head = await self._log(
-            box.log_head, {"t": "end", "cell": box.cell_index, "status": status}
-        )
+        box.log_head = await self._log(box.log_head, {"t": "end", "cell": box.cell_index, "status": status})
         box.cell_index, box.pending, box.early_done = None, [], None
         return CellOutcome(
             status="completed",
@@ -320,9 +325,7 @@ class ReplActivities:
             "the REPL was restarted with the variables of earlier cells"
         )
         head = await self._log(box.log_head, {"t": "end", "cell": box.cell_index, "status": "killed"})
-        return CellOutcome(
-            status="completed", log_head=head, worker_queue=self.worker_queue, error=reason
-        )
+        return CellOutcome(status="completed", log_head=head, worker_queue=self.worker_queue, error=reason)
 
     async def _ensure(self, ref: SandboxRef) -> tuple[LiveSandbox, bool, list[str]]:
         box = self._live.get(ref.episode_id)
@@ -352,10 +355,18 @@ class ReplActivities:
         if os.geteuid() == 0:
             for p in [directory, *directory.iterdir()]:
                 os.chown(p, NOBODY, NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(directory), "LANG": "C.UTF-8",
-               "PYTHONHASHSEED": str(ref.seed % 4294967295)}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(directory),
+            "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": str(ref.seed % 4294967295),
+        }
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", str(CHILD_PATH), str(os.getpid()), str(directory),
+            sys.executable,
+            "-I",
+            str(CHILD_PATH),
+            str(os.getpid()),
+            str(directory),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=open(directory / "sandbox.err", "wb"),  # noqa: SIM115 - child owns it
@@ -389,8 +400,7 @@ class ReplActivities:
         cells: list[dict[str, Any]] = []
         for entry in entries:
             if entry["t"] == "cell":
-                cells.append({"index": entry["cell"], "code": entry["code"], "answers": [],
-                              "status": None})
+                cells.append({"index": entry["cell"], "code": entry["code"], "answers": [], "status": None})
             elif entry["t"] == "answers":
                 cells[-1]["answers"].extend(entry["answers"])
             elif entry["t"] == "end":
@@ -423,8 +433,7 @@ class ReplActivities:
                 if cell["status"] is None and not recorded:
                     # The in-progress cell reached the calls the workflow is answering now.
                     box.pending = [
-                        SubCallRequest(call_index=box.next_call + i, prompt=p,
-                                       prompt_digest=text_digest(p))
+                        SubCallRequest(call_index=box.next_call + i, prompt=p, prompt_digest=text_digest(p))
                         for i, p in enumerate(prompts)
                     ]
                     box.next_call += len(prompts)
@@ -446,4 +455,3 @@ class ReplActivities:
                     replies.append({"ok": answer["ok"], "text": text})
                 await box.send({"op": "answers", "answers": replies})
         return divergences
-

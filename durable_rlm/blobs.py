@@ -87,9 +87,7 @@ class SqlBackend:
     def read(self, digest: str) -> bytes | None:
         _check_digest(digest)
         with self.engine.connect() as conn:
-            row = conn.execute(
-                sa.select(schema.blobs.c.data).where(schema.blobs.c.digest == digest)
-            ).first()
+            row = conn.execute(sa.select(schema.blobs.c.data).where(schema.blobs.c.digest == digest)).first()
         return None if row is None else bytes(row[0])
 
 

@@ -266,4 +266,3 @@ def _explain(exc: Exception) -> str:
 
 if __name__ == "__main__":
     main()
-

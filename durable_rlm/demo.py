@@ -25,7 +25,9 @@ def demo_log(lines: int = 600, seed: int = 7) -> str:
     for i in range(lines):
         service = rng.choice(SERVICES)
         level = "ERROR" if rng.random() < weights[service] else rng.choice(("INFO", "INFO", "WARN"))
-        out.append(f"2026-11-22T10:{i // 60:02d}:{i % 60:02d}Z {level} {service}: event {rng.randint(1, 9999)}")
+        out.append(
+            f"2026-11-22T10:{i // 60:02d}:{i % 60:02d}Z {level} {service}: event {rng.randint(1, 9999)}"
+        )
     return "\n".join(out)
 
 

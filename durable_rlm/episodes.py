@@ -23,7 +23,9 @@ def store_context(blobs: BlobStore, value: Any) -> ContextRef:
     if isinstance(value, str):
         return ContextRef(digest=blobs.put_text(value), kind="text", size=len(value), type_name="str")
     text = json.dumps(value, ensure_ascii=False)
-    return ContextRef(digest=blobs.put_text(text), kind="json", size=len(text), type_name=type(value).__name__)
+    return ContextRef(
+        digest=blobs.put_text(text), kind="json", size=len(text), type_name=type(value).__name__
+    )
 
 
 def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
@@ -87,9 +89,7 @@ async def follow(
             if result_task.done() or on_progress is None:
                 continue
             try:
-                progress: EpisodeProgress = await handle.query(
-                    "progress", result_type=EpisodeProgress
-                )
+                progress: EpisodeProgress = await handle.query("progress", result_type=EpisodeProgress)
             except RPCError:
                 continue
             if (progress.iteration, progress.phase) != seen:

@@ -42,8 +42,10 @@ def temporal_binary() -> str:
 
 
 def time_skipping_server_binary() -> str:
-    candidates = [Path(sys.executable).with_name("temporal-test-server"),
-                  shutil.which("temporal-test-server")]
+    candidates = [
+        Path(sys.executable).with_name("temporal-test-server"),
+        shutil.which("temporal-test-server"),
+    ]
     for candidate in candidates:
         if candidate and Path(candidate).exists():
             return str(candidate)
@@ -78,11 +80,24 @@ class EmbeddedServer:
         self.db_file.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.db_file.with_suffix(".log"), "ab")  # noqa: SIM115 - the server holds it
         self.process = await asyncio.create_subprocess_exec(
-            temporal_binary(), "server", "start-dev", "--headless",
-            "--ip", "127.0.0.1", "--port", str(self.port),
-            "--db-filename", str(self.db_file), "--namespace", self.namespace,
-            "--log-level", "error", *self.extra_args,
-            stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
+            temporal_binary(),
+            "server",
+            "start-dev",
+            "--headless",
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--db-filename",
+            str(self.db_file),
+            "--namespace",
+            self.namespace,
+            "--log-level",
+            "error",
+            *self.extra_args,
+            stdout=log,
+            stderr=log,
+            stdin=asyncio.subprocess.DEVNULL,
         )
         log.close()
         deadline = time.monotonic() + 30
@@ -128,8 +143,12 @@ def workflow_runner() -> SandboxedWorkflowRunner:
     # re-importing pydantic models on every workflow run.
     return SandboxedWorkflowRunner(
         restrictions=SandboxRestrictions.default.with_passthrough_modules(
-            "pydantic", "pydantic_core", "workflows.models", "workflows.parsing",
-            "workflows.prompts", "workflows.names",
+            "pydantic",
+            "pydantic_core",
+            "workflows.models",
+            "workflows.parsing",
+            "workflows.prompts",
+            "workflows.names",
         )
     )
 
@@ -207,8 +226,7 @@ def build_workers(
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
     )
-    own = Worker(client, task_queue=worker_queue, activities=repl_activities,
-                 max_concurrent_activities=64)
+    own = Worker(client, task_queue=worker_queue, activities=repl_activities, max_concurrent_activities=64)
     return [shared, own], repl
 
 

@@ -8,6 +8,7 @@ and that none was repeated.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -119,6 +120,12 @@ class ScriptedModelServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def setup(self) -> None:
+                super().setup()
+                # Headers and body go out in separate writes; without this, Nagle and delayed
+                # ACKs add ~40 ms to every keep-alive request and pollute timings.
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(status)
@@ -136,8 +143,13 @@ class ScriptedModelServer:
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.rstrip("/").endswith("/models"):
                     names = sorted(server.models or {"scripted"})
-                    self._send(200, {"object": "list", "data": [
-                        {"id": n, "object": "model", "owned_by": "scripted"} for n in names]})
+                    self._send(
+                        200,
+                        {
+                            "object": "list",
+                            "data": [{"id": n, "object": "model", "owned_by": "scripted"} for n in names],
+                        },
+                    )
                 else:
                     self._error(404, f"no route {self.path}")
 
@@ -165,22 +177,28 @@ class ScriptedModelServer:
                 if reply.status != 200:
                     return self._error(reply.status, reply.error or "scripted failure", reply.headers)
                 prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)
-                self._send(200, {
-                    "id": f"chatcmpl-scripted-{len(server.requests)}",
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": request.model,
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": reply.text},
-                        "finish_reason": "stop",
-                    }],
-                    "usage": {
-                        "prompt_tokens": prompt_chars // 4,
-                        "completion_tokens": len(reply.text) // 4,
-                        "total_tokens": prompt_chars // 4 + len(reply.text) // 4,
+                self._send(
+                    200,
+                    {
+                        "id": f"chatcmpl-scripted-{len(server.requests)}",
+                        "object": "chat.completion",
+                        "created": int(time.time()),
+                        "model": request.model,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": reply.text},
+                                "finish_reason": "stop",
+                            }
+                        ],
+                        "usage": {
+                            "prompt_tokens": prompt_chars // 4,
+                            "completion_tokens": len(reply.text) // 4,
+                            "total_tokens": prompt_chars // 4 + len(reply.text) // 4,
+                        },
                     },
-                }, reply.headers)
+                    reply.headers,
+                )
                 with server._lock:
                     server.completed += 1
 

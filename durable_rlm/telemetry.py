@@ -19,9 +19,7 @@ def client_interceptors(kind: str) -> list[Interceptor]:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
-            raise RuntimeError(
-                "DRLM_TRACING=otlp needs opentelemetry-exporter-otlp installed"
-            ) from exc
+            raise RuntimeError("DRLM_TRACING=otlp needs opentelemetry-exporter-otlp installed") from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     else:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))

@@ -31,7 +31,6 @@ from workflows.models import (
     ModelSettings,
 )
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -88,7 +87,9 @@ async def workers_for(
 
 
 @pytest.fixture
-async def worker(client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path) -> AsyncIterator[object]:
+async def worker(
+    client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path
+) -> AsyncIterator[object]:
     """In-process workers on a queue of this test's own; yields the REPL host."""
     queue = f"test-{uuid.uuid4().hex[:8]}"
     async with workers_for(client, store, session_dir, queue) as repl:
@@ -96,7 +97,9 @@ async def worker(client: Client, store: tuple[BlobStore, sa.Engine], session_dir
         yield repl
 
 
-def request_for(server: ScriptedModelServer, task: str = "answer the question", **overrides: object) -> EpisodeRequest:
+def request_for(
+    server: ScriptedModelServer, task: str = "answer the question", **overrides: object
+) -> EpisodeRequest:
     limits = overrides.pop("limits", None) or EpisodeLimits(
         max_iterations=8, max_llm_calls=40, max_duration=timedelta(minutes=10), cell_timeout_s=10
     )
@@ -109,7 +112,9 @@ def request_for(server: ScriptedModelServer, task: str = "answer the question", 
     )
 
 
-async def run_episode(client: Client, request: EpisodeRequest, task_queue: str, episode_id: str | None = None) -> EpisodeResult:
+async def run_episode(
+    client: Client, request: EpisodeRequest, task_queue: str, episode_id: str | None = None
+) -> EpisodeResult:
     return await client.execute_workflow(
         names.WORKFLOW,
         request,
@@ -123,11 +128,19 @@ async def run_episode(client: Client, request: EpisodeRequest, task_queue: str, 
 class WorkerProcess:
     def __init__(self, address: str, database_url: str, task_queue: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
-        env.update(TEMPORAL_ADDRESS=address, DRLM_DATABASE_URL=database_url,
-                   DRLM_TASK_QUEUE=task_queue, DRLM_LOG_LEVEL="WARNING")
+        env.update(
+            TEMPORAL_ADDRESS=address,
+            DRLM_DATABASE_URL=database_url,
+            DRLM_TASK_QUEUE=task_queue,
+            DRLM_LOG_LEVEL="WARNING",
+        )
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "worker.py")], env=env, cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            [sys.executable, str(ROOT / "worker.py")],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
         )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()

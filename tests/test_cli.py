@@ -38,8 +38,18 @@ def context_file(tmp_path: Path) -> Path:
 
 def test_run_json_prints_only_the_episode_result(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
-    out = drlm(tmp_path, "run", "count the lines", "--context", str(context_file),
-               "--base-url", server.base_url, "--model", "scripted", "--json")
+    out = drlm(
+        tmp_path,
+        "run",
+        "count the lines",
+        "--context",
+        str(context_file),
+        "--base-url",
+        server.base_url,
+        "--model",
+        "scripted",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # the whole of stdout is one JSON object
     assert result["answer"] == "NAME FOR 3"
@@ -48,8 +58,17 @@ def test_run_json_prints_only_the_episode_result(tmp_path: Path, scripted, conte
 
 def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
-    out = drlm(tmp_path, "run", "count the lines", "--context", str(context_file),
-               "--base-url", server.base_url, "--model", "scripted")
+    out = drlm(
+        tmp_path,
+        "run",
+        "count the lines",
+        "--context",
+        str(context_file),
+        "--base-url",
+        server.base_url,
+        "--model",
+        "scripted",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NAME FOR 3"
     assert "iteration" in out.stderr and "ended by final_var" in out.stderr
@@ -58,8 +77,20 @@ def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_fi
 def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     episode_id = f"cli-{uuid.uuid4().hex[:6]}"
-    drlm(tmp_path, "run", "count", "--context", str(context_file), "--base-url", server.base_url,
-         "--model", "scripted", "--id", episode_id, "--json")
+    drlm(
+        tmp_path,
+        "run",
+        "count",
+        "--context",
+        str(context_file),
+        "--base-url",
+        server.base_url,
+        "--model",
+        "scripted",
+        "--id",
+        episode_id,
+        "--json",
+    )
     out = drlm(tmp_path, "show", episode_id)
     assert out.returncode == 0, out.stderr
     assert "=== iteration 3 ===" in out.stdout
@@ -71,8 +102,20 @@ def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) 
 def test_an_episode_survives_a_restart_of_the_cli(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     episode_id = f"later-{uuid.uuid4().hex[:6]}"
-    started = drlm(tmp_path, "run", "count", "--context", str(context_file), "--base-url", server.base_url,
-                   "--model", "scripted", "--id", episode_id, "--no-wait")
+    started = drlm(
+        tmp_path,
+        "run",
+        "count",
+        "--context",
+        str(context_file),
+        "--base-url",
+        server.base_url,
+        "--model",
+        "scripted",
+        "--id",
+        episode_id,
+        "--no-wait",
+    )
     assert started.returncode == 0 and started.stdout.strip() == episode_id
     assert server.requests == []  # nothing ran: the CLI and its server are gone
     resumed = drlm(tmp_path, "resume", episode_id, "--json")
@@ -128,6 +171,12 @@ def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:
 
 def test_worker_py_needs_a_temporal_address(tmp_path: Path) -> None:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
-    out = subprocess.run([sys.executable, "worker.py"], capture_output=True, text=True, timeout=60,
-                         env=environ, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "worker.py"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=environ,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 2 and "TEMPORAL_ADDRESS" in out.stderr

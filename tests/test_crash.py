@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+
 import pytest
 
 from durable_rlm.scripted import Reply, root_and_sub
@@ -40,7 +41,9 @@ async def undisturbed(client, scripted, turns, worker_processes) -> EpisodeResul
         worker.stop()
 
 
-async def test_killed_during_a_model_call_finishes_with_the_same_answer(client, scripted, worker_processes) -> None:
+async def test_killed_during_a_model_call_finishes_with_the_same_answer(
+    client, scripted, worker_processes
+) -> None:
     turns = [
         "```repl\nparts = llm_query_batched(['p1', 'p2'])\nprint(parts)\n```",
         Reply(text="```repl\nresult = '+'.join(parts)\n```", delay_s=4),
@@ -51,8 +54,11 @@ async def test_killed_during_a_model_call_finishes_with_the_same_answer(client, 
     server = scripted(root_and_sub(turns, sub))
     first = worker_processes()
     handle = await client.start_workflow(
-        names.WORKFLOW, request_for(server), id=f"crash-model-{uuid.uuid4().hex[:6]}",
-        task_queue=worker_processes.queue, result_type=EpisodeResult,
+        names.WORKFLOW,
+        request_for(server),
+        id=f"crash-model-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue,
+        result_type=EpisodeResult,
     )
     await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
     first.kill()  # mid-flight: the model is still "thinking" about turn 1
@@ -79,8 +85,11 @@ async def test_killed_during_a_cell_rebuilds_the_repl_without_repeating_model_ca
     server = scripted(root_and_sub(turns, sub))
     first = worker_processes()
     handle = await client.start_workflow(
-        names.WORKFLOW, request_for(server), id=f"crash-cell-{uuid.uuid4().hex[:6]}",
-        task_queue=worker_processes.queue, result_type=EpisodeResult,
+        names.WORKFLOW,
+        request_for(server),
+        id=f"crash-cell-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue,
+        result_type=EpisodeResult,
     )
     await wait_until(lambda: len(server.sub_requests()) == 2 and server.completed >= 4)
     await asyncio.sleep(1.5)  # the cell now sleeps inside the worker's sandbox

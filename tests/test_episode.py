@@ -84,14 +84,20 @@ async def test_max_iterations_ends_without_an_answer(client, worker, scripted) -
 
 
 async def test_max_llm_calls_stops_sub_calls_and_the_episode(client, worker, scripted) -> None:
-    server = scripted(root_and_sub(
-        ["```repl\nr = llm_query_batched(['a', 'b', 'c', 'd', 'e'])\nprint(r)\n```", "FINAL(never)"], upper
-    ))
+    server = scripted(
+        root_and_sub(
+            ["```repl\nr = llm_query_batched(['a', 'b', 'c', 'd', 'e'])\nprint(r)\n```", "FINAL(never)"],
+            upper,
+        )
+    )
     limits = EpisodeLimits(max_iterations=5, max_llm_calls=3, cell_timeout_s=10)
     result = await run_episode(client, request_for(server, limits=limits), worker.task_queue)
     assert (result.ended_by, result.sub_calls) == ("max_llm_calls", 3)
     assert len(server.sub_requests()) == 3
-    assert "max_llm_calls (3) reached" in server.root_requests()[-1].last_user or len(server.root_requests()) == 1
+    assert (
+        "max_llm_calls (3) reached" in server.root_requests()[-1].last_user
+        or len(server.root_requests()) == 1
+    )
 
 
 async def test_an_unknown_model_ends_the_episode_with_a_clear_error(client, worker, scripted) -> None:
@@ -118,10 +124,15 @@ async def test_provider_errors_are_retried_by_temporal(client, worker, scripted)
 
 
 async def test_a_failing_sub_call_is_an_observation_not_a_crash(client, worker, scripted) -> None:
-    server = scripted(root_and_sub(
-        ["```repl\ntry:\n    llm_query('x')\nexcept RuntimeError as e:\n    print('caught', e)\n```", "FINAL(fine)"],
-        lambda p: Reply(status=400, error="bad prompt"),
-    ))
+    server = scripted(
+        root_and_sub(
+            [
+                "```repl\ntry:\n    llm_query('x')\nexcept RuntimeError as e:\n    print('caught', e)\n```",
+                "FINAL(fine)",
+            ],
+            lambda p: Reply(status=400, error="bad prompt"),
+        )
+    )
     result = await run_episode(client, request_for(server), worker.task_queue)
     assert result.answer == "fine"
     assert "caught llm_query failed" in server.root_requests()[1].last_user
@@ -161,7 +172,9 @@ async def test_history_grows_by_bounded_bytes_per_iteration(client, blobs, worke
     for iterations in (3, 6, 12):
         episode_id = f"bounded-{iterations}-{uuid.uuid4().hex[:6]}"
         limits = EpisodeLimits(max_iterations=iterations, cell_timeout_s=10)
-        await run_episode(client, request_for(server, context=context, limits=limits), worker.task_queue, episode_id)
+        await run_episode(
+            client, request_for(server, context=context, limits=limits), worker.task_queue, episode_id
+        )
         history = await client.get_workflow_handle(episode_id).fetch_history()
         sizes[iterations] = sum(e.ByteSize() for e in history.events)
         assert max(e.ByteSize() for e in history.events) < 16_000
@@ -172,11 +185,17 @@ async def test_history_grows_by_bounded_bytes_per_iteration(client, blobs, worke
 
 
 async def test_continue_as_new_carries_the_episode_over(session_dir: Path, store, blobs, scripted) -> None:
-    server = scripted(root_and_sub([
-        "```repl\ncount = globals().get('count', 0) + 1\nprint(count)\n```",
-        "```repl\ncount += 1\n```", "```repl\ncount += 1\n```", "```repl\ncount += 1\n```",
-        "FINAL_VAR(count)",
-    ]))
+    server = scripted(
+        root_and_sub(
+            [
+                "```repl\ncount = globals().get('count', 0) + 1\nprint(count)\n```",
+                "```repl\ncount += 1\n```",
+                "```repl\ncount += 1\n```",
+                "```repl\ncount += 1\n```",
+                "FINAL_VAR(count)",
+            ]
+        )
+    )
     args = ("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20")
     async with EmbeddedServer(session_dir / "can.sqlite", extra_args=args) as address:
         from durable_rlm.codec import data_converter

@@ -115,12 +115,24 @@ async def test_no_key_for_the_default_openai_endpoint_is_a_clear_error(
 
 async def test_root_completion_grows_the_conversation_chain(models: ModelActivities, scripted) -> None:
     server = scripted(lambda r: f"turn {r.turn}")
-    first = await models.root_completion(RootCompletionInput(
-        episode_id="e", iteration=1, model=settings(server), conversation=None,
-        append=[Message(role="system", content="sys"), Message(role="user", content="q")]))
-    second = await models.root_completion(RootCompletionInput(
-        episode_id="e", iteration=2, model=settings(server), conversation=first.conversation,
-        append=[Message(role="user", content="more")]))
+    first = await models.root_completion(
+        RootCompletionInput(
+            episode_id="e",
+            iteration=1,
+            model=settings(server),
+            conversation=None,
+            append=[Message(role="system", content="sys"), Message(role="user", content="q")],
+        )
+    )
+    second = await models.root_completion(
+        RootCompletionInput(
+            episode_id="e",
+            iteration=2,
+            model=settings(server),
+            conversation=first.conversation,
+            append=[Message(role="user", content="more")],
+        )
+    )
     assert (first.text, second.text) == ("turn 0", "turn 1")
     sent = server.requests[-1].messages
     assert [m["content"] for m in sent] == ["sys", "q", "turn 0", "more"]

@@ -38,6 +38,7 @@ class LocalEnvironment:
 
 # --- seed 001 example table -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("snippet", "expected"),
     [
@@ -56,6 +57,7 @@ def test_seed_001_final_var_example_reads_the_environment() -> None:
 
 
 # --- format rules -----------------------------------------------------------------------------
+
 
 def test_final_must_start_a_line() -> None:
     assert find_final_answer("The answer is FINAL(42) as computed.") is None
@@ -132,6 +134,7 @@ def test_balanced_extraction_requires_an_open_paren() -> None:
 
 # --- code blocks ------------------------------------------------------------------------------
 
+
 def test_code_blocks_of_the_configured_fences_only() -> None:
     text = "```repl\nx = 1\n```\n```python\ny = 2\n```\n```\nz = 3\n```"
     assert find_code_blocks(text) == ["x = 1"]
@@ -148,6 +151,7 @@ def test_truncation_says_how_much_was_cut() -> None:
 
 
 # --- real model output (gpt-4o through rlms) --------------------------------------------------
+
 
 def _trace_iterations() -> list[dict]:
     rows = [json.loads(line) for line in TRACE.read_text().splitlines()]

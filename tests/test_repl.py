@@ -26,8 +26,13 @@ from workflows.models import (
 class Episode:
     """Drives cells the way the workflow does, tracking the log head."""
 
-    def __init__(self, host: ReplActivities, context: object = None, cell_timeout_s: float = 5.0,
-                 truncation: int = 2_000) -> None:
+    def __init__(
+        self,
+        host: ReplActivities,
+        context: object = None,
+        cell_timeout_s: float = 5.0,
+        truncation: int = 2_000,
+    ) -> None:
         self.host = host
         self.context = None if context is None else store_context(host.blobs, context)
         self.head: str | None = None
@@ -37,20 +42,31 @@ class Episode:
         self.truncation = truncation
 
     def ref(self) -> SandboxRef:
-        return SandboxRef(episode_id=self.episode_id, context=self.context, seed=1234,
-                          log_head=self.head, cell_timeout_s=self.cell_timeout_s,
-                          output_truncation=self.truncation)
+        return SandboxRef(
+            episode_id=self.episode_id,
+            context=self.context,
+            seed=1234,
+            log_head=self.head,
+            cell_timeout_s=self.cell_timeout_s,
+            output_truncation=self.truncation,
+        )
 
     async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:
         self.cells += 1
         outcome = await self.host.execute_cell(
-            ExecuteCellInput(sandbox=self.ref(), iteration=1, cell_index=self.cells, code=code))
+            ExecuteCellInput(sandbox=self.ref(), iteration=1, cell_index=self.cells, code=code)
+        )
         self.head = outcome.log_head
         while outcome.status == "suspended":
-            answers = [CallAnswer(call_index=r.call_index, prompt_digest=r.prompt_digest, ok=True,
-                                  text=answer(r.prompt)) for r in outcome.requests]
+            answers = [
+                CallAnswer(
+                    call_index=r.call_index, prompt_digest=r.prompt_digest, ok=True, text=answer(r.prompt)
+                )
+                for r in outcome.requests
+            ]
             outcome = await self.host.resume_cell(
-                ResumeCellInput(sandbox=self.ref(), cell_index=self.cells, answers=answers))
+                ResumeCellInput(sandbox=self.ref(), cell_index=self.cells, answers=answers)
+            )
             self.head = outcome.log_head
         return outcome
 
@@ -129,13 +145,23 @@ async def test_output_is_truncated_to_the_limit(host: ReplActivities) -> None:
 
 async def test_llm_query_suspends_the_cell_and_resumes_with_the_answer(host: ReplActivities) -> None:
     episode = Episode(host)
-    first = await host.execute_cell(ExecuteCellInput(
-        sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('hi')\nprint(r)"))
+    first = await host.execute_cell(
+        ExecuteCellInput(
+            sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('hi')\nprint(r)"
+        )
+    )
     assert first.status == "suspended"
     assert [r.prompt for r in first.requests] == ["hi"]
     episode.head, episode.cells = first.log_head, 1
-    done = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
-        CallAnswer(call_index=0, prompt_digest=first.requests[0].prompt_digest, ok=True, text="hello")]))
+    done = await host.resume_cell(
+        ResumeCellInput(
+            sandbox=episode.ref(),
+            cell_index=1,
+            answers=[
+                CallAnswer(call_index=0, prompt_digest=first.requests[0].prompt_digest, ok=True, text="hello")
+            ],
+        )
+    )
     assert done.status == "completed"
     assert done.stdout == "hello\n"
 
@@ -149,15 +175,41 @@ async def test_llm_query_batched_asks_for_all_prompts_at_once(host: ReplActiviti
 async def test_failed_sub_call_raises_in_llm_query_and_marks_batched_entries(host: ReplActivities) -> None:
     episode = Episode(host)
     episode.cells = 1
-    out = await host.execute_cell(ExecuteCellInput(
-        sandbox=episode.ref(), iteration=1, cell_index=1,
-        code="print(llm_query_batched(['a']))\ntry:\n    llm_query('b')\nexcept RuntimeError as e:\n    print(e)"))
+    out = await host.execute_cell(
+        ExecuteCellInput(
+            sandbox=episode.ref(),
+            iteration=1,
+            cell_index=1,
+            code=(
+                "print(llm_query_batched(['a']))\n"
+                "try:\n    llm_query('b')\nexcept RuntimeError as e:\n    print(e)"
+            ),
+        )
+    )
     episode.head = out.log_head
-    out = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
-        CallAnswer(call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 500")]))
+    out = await host.resume_cell(
+        ResumeCellInput(
+            sandbox=episode.ref(),
+            cell_index=1,
+            answers=[
+                CallAnswer(
+                    call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 500"
+                )
+            ],
+        )
+    )
     episode.head = out.log_head
-    out = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
-        CallAnswer(call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 503")]))
+    out = await host.resume_cell(
+        ResumeCellInput(
+            sandbox=episode.ref(),
+            cell_index=1,
+            answers=[
+                CallAnswer(
+                    call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=False, text="HTTP 503"
+                )
+            ],
+        )
+    )
     assert out.stdout == "['Error: HTTP 500']\nllm_query failed: HTTP 503\n"
 
 
@@ -198,7 +250,9 @@ async def test_a_looping_cell_is_interrupted_and_the_namespace_survives(host: Re
 async def test_a_cell_that_swallows_its_interrupt_is_killed_and_state_rebuilt(host: ReplActivities) -> None:
     episode = Episode(host, cell_timeout_s=1.0)
     await episode.run("kept = 41")
-    outcome = await episode.run("import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass")
+    outcome = await episode.run(
+        "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass"
+    )
     assert "did not stop" in (outcome.error or "")
     assert (await episode.run("print(kept + 1)")).stdout == "42\n"
 
@@ -254,16 +308,32 @@ async def test_rebuild_mid_cell_resumes_at_the_pending_call(blob_store: BlobStor
         episode = Episode(first)
         episode.cells = 1
         code = "a = llm_query('one')\nb = llm_query('two')\nprint(a + b)"
-        out = await first.execute_cell(ExecuteCellInput(sandbox=episode.ref(), iteration=1, cell_index=1, code=code))
+        out = await first.execute_cell(
+            ExecuteCellInput(sandbox=episode.ref(), iteration=1, cell_index=1, code=code)
+        )
         episode.head = out.log_head
-        out = await first.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
-            CallAnswer(call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=True, text="1")]))
+        out = await first.resume_cell(
+            ResumeCellInput(
+                sandbox=episode.ref(),
+                cell_index=1,
+                answers=[
+                    CallAnswer(call_index=0, prompt_digest=out.requests[0].prompt_digest, ok=True, text="1")
+                ],
+            )
+        )
         assert out.status == "suspended" and out.requests[0].prompt == "two"
         episode.head = out.log_head
         await first.close_all()  # the worker dies while the cell waits for 'two'
 
-        done = await second.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[
-            CallAnswer(call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=True, text="2")]))
+        done = await second.resume_cell(
+            ResumeCellInput(
+                sandbox=episode.ref(),
+                cell_index=1,
+                answers=[
+                    CallAnswer(call_index=1, prompt_digest=out.requests[0].prompt_digest, ok=True, text="2")
+                ],
+            )
+        )
         assert done.status == "completed"
         assert done.stdout == "12\n"
         assert done.rebuilt is True
@@ -284,9 +354,14 @@ async def test_a_stale_head_forces_a_rebuild_instead_of_running_on_wrong_state(h
 
 # --- isolation --------------------------------------------------------------------------------
 
-async def test_cells_do_not_see_worker_credentials(host: ReplActivities, monkeypatch: pytest.MonkeyPatch) -> None:
+
+async def test_cells_do_not_see_worker_credentials(
+    host: ReplActivities, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-of-the-worker")
-    outcome = await Episode(host).run("import os\nprint(sorted(os.environ))\nprint(os.environ.get('OPENAI_API_KEY'))")
+    outcome = await Episode(host).run(
+        "import os\nprint(sorted(os.environ))\nprint(os.environ.get('OPENAI_API_KEY'))"
+    )
     assert "sk-secret" not in outcome.stdout
     assert outcome.stdout.endswith("None\n")
 
@@ -298,7 +373,9 @@ async def test_cells_have_no_network(host: ReplActivities) -> None:
     assert "not allowed" in outcome.error or "unreachable" in outcome.error
 
 
-async def test_cells_cannot_read_files_outside_the_sandbox(host: ReplActivities, blob_store: BlobStore) -> None:
+async def test_cells_cannot_read_files_outside_the_sandbox(
+    host: ReplActivities, blob_store: BlobStore
+) -> None:
     digest = blob_store.put_text("secret blob")
     secret = blob_store.backend._path(digest)  # type: ignore[attr-defined]
     outcome = await Episode(host).run(f"print(open({str(secret)!r}).read())")

@@ -30,15 +30,19 @@ def test_there_is_a_stored_multi_iteration_history() -> None:
     assert HISTORIES, "tests/histories/ holds no history"
     events = json.loads(HISTORIES[0].read_text())["events"]
     scheduled = [e for e in events if e.get("eventType") in ("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", 10)]
-    roots = [e for e in scheduled
-             if e["activityTaskScheduledEventAttributes"]["activityType"]["name"] == names.ROOT_COMPLETION]
+    roots = [
+        e
+        for e in scheduled
+        if e["activityTaskScheduledEventAttributes"]["activityType"]["name"] == names.ROOT_COMPLETION
+    ]
     assert len(roots) >= 3
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 async def test_stored_history_replays(path: Path) -> None:
-    replayer = Replayer(workflows=[EpisodeWorkflow], data_converter=pydantic_data_converter,
-                        workflow_runner=workflow_runner())
+    replayer = Replayer(
+        workflows=[EpisodeWorkflow], data_converter=pydantic_data_converter, workflow_runner=workflow_runner()
+    )
     result = await replayer.replay_workflow(load(path))
     assert result.replay_failure is None
 
@@ -57,20 +61,27 @@ class WithoutAudit(EpisodeWorkflow):
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
 async def test_an_unpatched_logic_change_fails_replay(path: Path) -> None:
-    replayer = Replayer(workflows=[WithoutAudit], data_converter=pydantic_data_converter,
-                        workflow_runner=UnsandboxedWorkflowRunner())
+    replayer = Replayer(
+        workflows=[WithoutAudit],
+        data_converter=pydantic_data_converter,
+        workflow_runner=UnsandboxedWorkflowRunner(),
+    )
     result = await replayer.replay_workflow(load(path), raise_on_replay_failure=False)
     assert result.replay_failure is not None
 
 
 async def test_a_fresh_claim_checked_history_replays(client, blobs, worker, scripted) -> None:
-    server = scripted(root_and_sub([
-        "```repl\nbig = 'y' * 50_000\nprint(big)\nr = llm_query(big[:10])\n```", "FINAL_VAR(r)"
-    ], str.upper))
+    server = scripted(
+        root_and_sub(
+            ["```repl\nbig = 'y' * 50_000\nprint(big)\nr = llm_query(big[:10])\n```", "FINAL_VAR(r)"],
+            str.upper,
+        )
+    )
     episode_id = f"replay-{uuid.uuid4().hex[:6]}"
     await run_episode(client, request_for(server), worker.task_queue, episode_id)
     history = await client.get_workflow_handle(episode_id).fetch_history()
-    replayer = Replayer(workflows=[EpisodeWorkflow], data_converter=client.data_converter,
-                        workflow_runner=workflow_runner())
+    replayer = Replayer(
+        workflows=[EpisodeWorkflow], data_converter=client.data_converter, workflow_runner=workflow_runner()
+    )
     result = await replayer.replay_workflow(history)
     assert result.replay_failure is None

@@ -43,11 +43,27 @@ def postgres_url() -> Iterator[str]:
             shutil.chown(d, "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"]
     port = free_port()
-    subprocess.run([*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
-                   check=True, capture_output=True)
-    subprocess.run([*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w",
-                    "-o", f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}", "start"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *as_postgres,
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(root / "log"),
+            "-w",
+            "-o",
+            f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
     url = f"postgresql+psycopg://drlm@127.0.0.1:{port}/postgres"
     try:
         deadline = time.monotonic() + 20
@@ -61,8 +77,10 @@ def postgres_url() -> Iterator[str]:
                 time.sleep(0.2)
         yield url
     finally:
-        subprocess.run([*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-                       capture_output=True)
+        subprocess.run(
+            [*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+            capture_output=True,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 

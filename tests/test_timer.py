@@ -50,8 +50,11 @@ async def test_max_duration_ends_an_episode_whose_model_never_answers(
     started = time.monotonic()
     async with running_workers(Services(settings, store[0], store[1], skipping_env.client)):
         result = await skipping_env.client.execute_workflow(
-            names.WORKFLOW, request, id=f"timer-{uuid.uuid4().hex[:6]}",
-            task_queue=settings.task_queue, result_type=EpisodeResult,
+            names.WORKFLOW,
+            request,
+            id=f"timer-{uuid.uuid4().hex[:6]}",
+            task_queue=settings.task_queue,
+            result_type=EpisodeResult,
         )
     elapsed = time.monotonic() - started
     assert (result.ended_by, result.answer) == ("max_duration", None)
@@ -65,8 +68,11 @@ async def test_the_timer_fires_while_no_worker_runs(client, worker_processes, sc
     request = request_for(server, limits=EpisodeLimits(max_duration=timedelta(seconds=4), cell_timeout_s=10))
     first = worker_processes()
     handle = await client.start_workflow(
-        names.WORKFLOW, request, id=f"deadline-{uuid.uuid4().hex[:6]}",
-        task_queue=worker_processes.queue, result_type=EpisodeResult,
+        names.WORKFLOW,
+        request,
+        id=f"deadline-{uuid.uuid4().hex[:6]}",
+        task_queue=worker_processes.queue,
+        result_type=EpisodeResult,
     )
     while not server.requests:
         await asyncio.sleep(0.05)

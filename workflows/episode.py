@@ -4,7 +4,6 @@ Deterministic: every model call, REPL step and store write is an activity; time 
 from workflow.now() and randomness from workflow.random().
 """
 
-
 import asyncio
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -128,7 +127,11 @@ class EpisodeWorkflow:
                 self._phase = f"cell {s.cell_count}"
                 outcome = await self._run_cell(request, s.cell_count, code)
                 text = prompts.observation(
-                    s.cell_count, code, outcome.stdout, outcome.stderr, outcome.error,
+                    s.cell_count,
+                    code,
+                    outcome.stdout,
+                    outcome.stderr,
+                    outcome.error,
                     limits.output_truncation,
                 )
                 observations.append(text)
@@ -182,8 +185,10 @@ class EpisodeWorkflow:
                 request,
                 names.REPL_EXECUTE,
                 ExecuteCellInput(
-                    sandbox=self._sandbox(request), iteration=s.iteration,
-                    cell_index=cell_index, code=code,
+                    sandbox=self._sandbox(request),
+                    iteration=s.iteration,
+                    cell_index=cell_index,
+                    code=code,
                 ),
                 CellOutcome,
             )
@@ -193,9 +198,7 @@ class EpisodeWorkflow:
                 outcome = await self._repl(
                     request,
                     names.REPL_RESUME,
-                    ResumeCellInput(
-                        sandbox=self._sandbox(request), cell_index=cell_index, answers=answers
-                    ),
+                    ResumeCellInput(sandbox=self._sandbox(request), cell_index=cell_index, answers=answers),
                     CellOutcome,
                 )
         except ActivityError as err:
@@ -242,8 +245,7 @@ class EpisodeWorkflow:
                     result_type=result,
                     task_queue=sticky or workflow.info().task_queue,
                     schedule_to_start_timeout=(
-                        timedelta(seconds=request.durability.sticky_schedule_to_start_s)
-                        if sticky else None
+                        timedelta(seconds=request.durability.sticky_schedule_to_start_s) if sticky else None
                     ),
                     start_to_close_timeout=timedelta(seconds=request.limits.cell_timeout_s + 120),
                     heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
@@ -293,9 +295,7 @@ class EpisodeWorkflow:
                             ),
                             result_type=SubQueryReply,
                             start_to_close_timeout=timedelta(seconds=model.request_timeout_s + 30),
-                            heartbeat_timeout=timedelta(
-                                seconds=request.durability.heartbeat_timeout_s
-                            ),
+                            heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
                             retry_policy=model_retry_policy(model.max_attempts),
                         )
                     )
@@ -310,14 +310,18 @@ class EpisodeWorkflow:
         s = self._state
         if future is None:
             return CallAnswer(
-                call_index=call.call_index, prompt_digest=call.prompt_digest, ok=False,
+                call_index=call.call_index,
+                prompt_digest=call.prompt_digest,
+                ok=False,
                 text=f"max_llm_calls ({budget}) reached: the call was not made",
             )
         try:
             reply = await future
         except ActivityError as err:
             return CallAnswer(
-                call_index=call.call_index, prompt_digest=call.prompt_digest, ok=False,
+                call_index=call.call_index,
+                prompt_digest=call.prompt_digest,
+                ok=False,
                 text=describe_failure(err),
             )
         s.usage = s.usage.add(reply.usage)

@@ -104,10 +104,7 @@ def variable_reader_code(name: str) -> str:
     if not is_variable_name(name):
         raise ValueError(f"not a variable name: {name!r}")
     return (
-        "try:\n"
-        f"    print(str({name}), end='')\n"
-        "except NameError:\n"
-        f"    print({_MISSING_MARKER!r}, end='')\n"
+        f"try:\n    print(str({name}), end='')\nexcept NameError:\n    print({_MISSING_MARKER!r}, end='')\n"
     )
 
 

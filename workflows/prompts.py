@@ -68,9 +68,7 @@ def opening_messages(task: str, context: ContextRef | None, fence: str) -> list[
     ]
 
 
-def observation(
-    cell_number: int, code: str, stdout: str, stderr: str, error: str | None, limit: int
-) -> str:
+def observation(cell_number: int, code: str, stdout: str, stderr: str, error: str | None, limit: int) -> str:
     """What the model sees of one executed cell, bounded by the output truncation limit."""
     parts = [stdout]
     if stderr:

@@ -175,10 +175,7 @@ def _readable_roots(sandbox_dir: str) -> tuple[str, ...]:
     import sysconfig
 
     paths = sysconfig.get_paths()
-    roots = {
-        paths.get(key, "")
-        for key in ("stdlib", "platstdlib", "purelib", "platlib")
-    }
+    roots = {paths.get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     roots |= {
         os.path.join(sys.base_prefix, "lib"),
         "/usr/share/zoneinfo",

@@ -19,9 +19,7 @@ def upgrade() -> None:
         sa.Column("digest", sa.String(80), primary_key=True),
         sa.Column("size", sa.BigInteger, nullable=False),
         sa.Column("data", sa.LargeBinary, nullable=False),
-        sa.Column(
-            "created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
-        ),
+        sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     )
     op.create_table(
         "episodes",
@@ -37,9 +35,7 @@ def upgrade() -> None:
         sa.Column("prompt_tokens", sa.Integer),
         sa.Column("completion_tokens", sa.Integer),
         sa.Column("error", sa.Text),
-        sa.Column(
-            "updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False
-        ),
+        sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
     )
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
 
+from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.episodes import store_context
 from durable_rlm.runtime import EmbeddedServer, Services, running_workers
 from durable_rlm.scripted import ScriptedModelServer, root_and_sub
 from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.episodes import store_context
 from workflows import names
 from workflows.models import EpisodeRequest, EpisodeResult, ModelSettings
 
