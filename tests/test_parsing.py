@@ -18,7 +18,7 @@ from workflows.parsing import (
     truncate_output,
 )
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "rlms_trace_gpt4o.jsonl"
+TRACE = Path(__file__).resolve().parent / "fixtures" / "rlms_trace_gpt4o.jsonl"
 
 
 class LocalEnvironment:
