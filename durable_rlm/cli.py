@@ -161,7 +161,7 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
     args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
     credentials = _credentials(settings, args.api_key)
-    if os.environ.get("OPENAI_API_KEY") or args.api_key:
+    if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
         if not args.json:
             _stderr(f"demo: using the real model {args.model!r}")
         return await _run_episode(settings, args, demo.demo_log(), credentials)

@@ -94,7 +94,8 @@ class ScriptedModelServer:
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
+        if self._thread is not None:  # shutdown() waits forever for a loop that never ran
+            self._server.shutdown()
         self._server.server_close()
 
     def __enter__(self) -> ScriptedModelServer:

@@ -108,6 +108,17 @@ async def test_an_unknown_model_ends_the_episode_with_a_clear_error(client, work
     assert len(server.requests) == 1  # not retried
 
 
+async def test_an_unreachable_base_url_ends_with_a_clear_error(client, worker) -> None:
+    from types import SimpleNamespace
+
+    from durable_rlm.runtime import free_port
+
+    nowhere = SimpleNamespace(base_url=f"http://127.0.0.1:{free_port()}/v1")  # nothing listens
+    result = await run_episode(client, request_for(nowhere), worker.task_queue)
+    assert result.ended_by == "model_error"
+    assert "cannot reach" in (result.error or "") and nowhere.base_url in (result.error or "")
+
+
 async def test_provider_errors_are_retried_by_temporal(client, worker, scripted) -> None:
     calls = {"n": 0}
 
