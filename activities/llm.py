@@ -12,6 +12,7 @@ import email.utils
 import os
 import time
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -116,6 +117,21 @@ def classify(exc: Exception, settings: ModelSettings, base_url: str) -> Applicat
     return ApplicationError(f"{where}: {type(exc).__name__}: {exc}", type=names.MODEL_UNAVAILABLE)
 
 
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    usage: TokenUsage
+    elapsed: float
+    mean_logprob: float | None = None
+
+
+def mean_logprob(choice: Any) -> float | None:
+    """Mean token log-probability of a choice, when the provider returned logprobs."""
+    tokens = getattr(getattr(choice, "logprobs", None), "content", None) or []
+    values = [t.logprob for t in tokens if isinstance(getattr(t, "logprob", None), (int, float))]
+    return sum(values) / len(values) if values else None
+
+
 class ModelActivities:
     """Holds the credentials (never in history) and one client per endpoint."""
 
@@ -149,9 +165,7 @@ class ModelActivities:
             self._clients[cache_key] = client
         return client
 
-    async def complete(
-        self, settings: ModelSettings, messages: list[Message]
-    ) -> tuple[str, TokenUsage, float]:
+    async def complete(self, settings: ModelSettings, messages: list[Message]) -> Completion:
         client = self._client(settings)
         base_url = str(client.base_url)
         kwargs: dict[str, Any] = {}
@@ -159,6 +173,8 @@ class ModelActivities:
             kwargs["temperature"] = settings.temperature
         if settings.max_tokens is not None:
             kwargs["max_tokens"] = settings.max_tokens
+        if settings.logprobs:
+            kwargs["logprobs"] = True
         started = time.monotonic()
         try:
             response = await with_heartbeats(
@@ -176,28 +192,32 @@ class ModelActivities:
                 f"model {settings.model!r} at {base_url} returned no choices",
                 type=names.MODEL_UNAVAILABLE,
             )
-        text = response.choices[0].message.content or ""
+        choice = response.choices[0]
         usage = TokenUsage(
             prompt_tokens=getattr(response.usage, "prompt_tokens", 0) or 0,
             completion_tokens=getattr(response.usage, "completion_tokens", 0) or 0,
         )
-        return text, usage, elapsed
+        return Completion(choice.message.content or "", usage, elapsed, mean_logprob(choice))
 
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:
         head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
-        text, usage, elapsed = await self.complete(request.model, messages)
+        done = await self.complete(request.model, messages)
         head = await asyncio.to_thread(
-            chains.append_message, self.blobs, head, Message(role="assistant", content=text)
+            chains.append_message, self.blobs, head, Message(role="assistant", content=done.text)
         )
-        return RootCompletion(text=text, conversation=head, usage=usage, model_time_s=elapsed)
+        return RootCompletion(
+            text=done.text,
+            conversation=head,
+            usage=done.usage,
+            model_time_s=done.elapsed,
+            mean_logprob=done.mean_logprob,
+        )
 
     @activity.defn(name=names.SUB_QUERY)
     async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
-        text, usage, elapsed = await self.complete(
-            request.model, [Message(role="user", content=request.prompt)]
-        )
-        return SubQueryReply(text=text, usage=usage, model_time_s=elapsed)
+        done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
+        return SubQueryReply(text=done.text, usage=done.usage, model_time_s=done.elapsed)
 
     def _extend(self, head: str | None, new: list[Message]) -> tuple[str | None, list[Message]]:
         for message in new:

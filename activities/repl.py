@@ -309,6 +309,7 @@ class ReplActivities:
             answer=frame.get("answer"),
             rebuilt=rebuilt,
             divergences=divergences,
+            variables=frame.get("variables") or {},
         )
 
     async def _killed(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -20,16 +21,25 @@ from typing import Any
 
 import sqlalchemy as sa
 from pydantic import ValidationError
-from temporalio.client import WorkflowFailureError
+from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from durable_rlm import demo, schema
-from durable_rlm.episodes import follow, load_context_file, start_episode, store_context
+from durable_rlm.episodes import follow, load_context_file, send_reward, start_episode, store_context
 from durable_rlm.runtime import Services, connect, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import episode_timeline, render
-from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings
+from workflows.episode import episode_policy
+from workflows.models import (
+    EpisodeLimits,
+    EpisodeRequest,
+    EpisodeResult,
+    ModelSettings,
+    RewardSpec,
+    TerminationSpec,
+)
+from workflows.termination import PolicyError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
 
@@ -52,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=float, default=60.0, help="seconds per REPL cell")
     run.add_argument("--output-truncation", type=int, default=20_000, help="chars of cell output shown")
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
+    run.add_argument("--policy", default="final_pattern", help="termination policy (seed 003)")
+    run.add_argument("--policy-config", type=_json_object, default={}, help="policy config as JSON")
+    run.add_argument("--reward-function", default="none", help="per-action reward: none or outcome")
+    run.add_argument("--logprobs", action="store_true", help="ask the root model for logprobs")
     run.add_argument("--id", help="episode id (default: a new one)")
     run.add_argument("--json", action="store_true", help="print only the EpisodeResult as JSON")
     run.add_argument("--no-wait", action="store_true", help="start the episode and print its id")
@@ -69,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("episode_id")
     resume.add_argument("--json", action="store_true")
 
+    reward = sub.add_parser("reward", help="send a reward to a running episode")
+    reward.add_argument("episode_id")
+    reward.add_argument("value", type=float)
+    reward.add_argument("--note")
+
     listing = sub.add_parser("list", help="episodes in the audit store")
     listing.add_argument("--limit", type=int, default=20)
     return parser
@@ -81,8 +100,18 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
-    root = ModelSettings(model=args.model, base_url=args.base_url)
+    root = ModelSettings(model=args.model, base_url=args.base_url, logprobs=getattr(args, "logprobs", False))
     return EpisodeRequest(
         task=args.task,
         context=context,
@@ -96,6 +125,10 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
             output_truncation=args.output_truncation,
         ),
         code_fences=args.fence or ["repl"],
+        termination=TerminationSpec(
+            name=getattr(args, "policy", "final_pattern"), config=getattr(args, "policy_config", {})
+        ),
+        reward=RewardSpec(function=getattr(args, "reward_function", "none")),
     )
 
 
@@ -126,6 +159,9 @@ def _print_result(result: EpisodeResult, as_json: bool) -> int:
             f"ended by {result.ended_by} after {result.iterations} iteration(s), "
             f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
         )
+        if result.termination:
+            t = result.termination
+            _stderr(f"termination: policy {t.policy} at step {t.step}: {t.reason}")
         if result.error:
             _stderr(f"error: {result.error}")
         if result.answer is not None:
@@ -189,6 +225,19 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _reward(settings: Settings, args: argparse.Namespace) -> int:
+    async with connect(settings) as services:
+        try:
+            receipt = await send_reward(services.client, args.episode_id, args.value, args.note)
+        except WorkflowUpdateFailedError as exc:
+            raise ConfigurationError(f"reward refused: {exc.cause or exc}") from exc
+    print(
+        f"reward accepted ({receipt.accepted} so far; pending {receipt.pending:g}, "
+        f"cumulative {receipt.cumulative:g})"
+    )
+    return EXIT_OK
+
+
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:
     async with _session(settings, {}, work=True) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
@@ -215,7 +264,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         credentials = _credentials(settings, args.api_key)
         if args.context is not None and not args.context.is_file():
             raise ConfigurationError(f"context file not found: {args.context}")
-        _request(args, None)  # validate before starting anything
+        episode_policy(_request(args, None))  # validate before starting anything
         return await _run_episode(settings, args, None, credentials)
     if args.command == "demo":
         return await _demo(settings, args)
@@ -223,6 +272,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _show(settings, args)
     if args.command == "resume":
         return await _resume(settings, args)
+    if args.command == "reward":
+        return await _reward(settings, args)
     return _list(settings, args)
 
 
@@ -234,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("temporalio").setLevel(os.environ.get("DRLM_LOG_LEVEL", "CRITICAL"))
     try:
         code = asyncio.run(_dispatch(args))
-    except (ConfigurationError, ValidationError) as exc:
+    except (ConfigurationError, ValidationError, PolicyError) as exc:
         _stderr(f"drlm: {_explain(exc)}")
         code = EXIT_USAGE
     except LookupError as exc:

@@ -15,7 +15,15 @@ from temporalio.service import RPCError
 from durable_rlm.blobs import BlobStore
 from durable_rlm.settings import ConfigurationError
 from workflows import names
-from workflows.models import ContextRef, EpisodeProgress, EpisodeRequest, EpisodeResult
+from workflows.episode import episode_policy
+from workflows.models import (
+    ContextRef,
+    EpisodeProgress,
+    EpisodeRequest,
+    EpisodeResult,
+    RewardReceipt,
+    RewardUpdate,
+)
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
@@ -50,6 +58,8 @@ def new_episode_id() -> str:
 async def start_episode(
     client: Client, request: EpisodeRequest, task_queue: str, episode_id: str | None = None
 ) -> WorkflowHandle[Any, EpisodeResult]:
+    """Start an episode; a bad policy or reward function is rejected here, before any call."""
+    episode_policy(request)
     return await client.start_workflow(
         names.WORKFLOW,
         request,
@@ -106,3 +116,13 @@ async def follow(
     finally:
         if not result_task.done():
             result_task.cancel()
+
+
+async def send_reward(
+    client: Client, episode_id: str, value: float, note: str | None = None
+) -> RewardReceipt:
+    """Send a reward to a running episode (a Temporal update: it returns once applied)."""
+    handle = client.get_workflow_handle(episode_id)
+    return await handle.execute_update(
+        "reward", RewardUpdate(value=value, note=note), result_type=RewardReceipt
+    )

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import importlib
+import json
+import os
 import shutil
 import socket
 import sys
@@ -138,9 +142,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def workflow_runner() -> SandboxedWorkflowRunner:
+def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
     # Our models and pure helpers are deterministic; passing them through avoids
-    # re-importing pydantic models on every workflow run.
+    # re-importing pydantic models on every workflow run. The termination module must be
+    # shared with the worker so that policies its modules registered are found.
     return SandboxedWorkflowRunner(
         restrictions=SandboxRestrictions.default.with_passthrough_modules(
             "pydantic",
@@ -149,8 +154,20 @@ def workflow_runner() -> SandboxedWorkflowRunner:
             "workflows.parsing",
             "workflows.prompts",
             "workflows.names",
+            "workflows.signals",
+            "workflows.termination",
+            *policy_modules,
         )
     )
+
+
+def import_policy_modules(modules: tuple[str, ...]) -> None:
+    """Import the modules that register custom termination policies (deterministic code)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigurationError(f"DRLM_POLICY_MODULES: cannot import {module!r}: {exc}") from exc
 
 
 @dataclass
@@ -187,8 +204,7 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
         )
         yield Services(settings, blobs, engine, client)
         return
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    async with EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace) as address:
+    async with embedded_server(settings) as address:
         client = await Client.connect(
             address,
             namespace=settings.temporal_namespace,
@@ -196,6 +212,39 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
             interceptors=interceptors,
         )
         yield Services(settings, blobs, engine, client)
+
+
+@contextlib.asynccontextmanager
+async def embedded_server(settings: Settings) -> AsyncIterator[str]:
+    """The data dir's dev server: reuse the one another `drlm` process runs on it (two
+    servers must never share one SQLite file), or start one and stop it afterwards."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    marker = settings.data_dir / "temporal.server.json"
+    with open(settings.data_dir / "temporal.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process at a time decides
+        running = await _live_server(marker, settings.temporal_namespace)
+        server = None
+        if running is None:
+            server = EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace)
+            running = await server.start()
+            marker.write_text(json.dumps({"address": running, "pid": server.process.pid}))
+    try:
+        yield running
+    finally:
+        if server is not None:
+            marker.unlink(missing_ok=True)
+            await server.stop()
+
+
+async def _live_server(marker: Path, namespace: str) -> str | None:
+    try:
+        info = json.loads(marker.read_text())
+        os.kill(int(info["pid"]), 0)
+        client = await Client.connect(info["address"], namespace=namespace)
+        await asyncio.wait_for(client.workflow_service.get_system_info(GetSystemInfoRequest()), 5)
+        return str(info["address"])
+    except Exception:  # noqa: BLE001 - no marker, dead pid, or not answering: start our own
+        return None
 
 
 def build_workers(
@@ -207,9 +256,11 @@ def build_workers(
     sandbox_root: Path | None = None,
     sandbox_memory_mb: int = 4096,
     sandbox_idle_s: float = 1800.0,
+    policy_modules: tuple[str, ...] = (),
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
+    import_policy_modules(policy_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
     root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
     repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
@@ -221,7 +272,7 @@ def build_workers(
         task_queue=task_queue,
         workflows=[EpisodeWorkflow],
         activities=[models.root_completion, models.sub_query, audit.audit_episode, *repl_activities],
-        workflow_runner=workflow_runner(),
+        workflow_runner=workflow_runner(policy_modules),
         max_concurrent_activities=64,
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
@@ -243,6 +294,7 @@ async def running_workers(
         credentials,
         sandbox_memory_mb=settings.sandbox_memory_mb,
         sandbox_idle_s=settings.sandbox_idle_s,
+        policy_modules=settings.policy_module_names,
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))

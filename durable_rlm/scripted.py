@@ -24,6 +24,7 @@ class Reply:
     delay_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    logprobs: list[float] | None = None  # per-token, returned when the request asks
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ChatRequest:
     model: str
     messages: list[dict[str, Any]]
     received_at: float
+    body: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_root(self) -> bool:
@@ -163,7 +165,7 @@ class ScriptedModelServer:
                     return self._error(401, "Incorrect API key provided")
                 try:
                     body = json.loads(raw)
-                    request = ChatRequest(body["model"], list(body["messages"]), time.time())
+                    request = ChatRequest(body["model"], list(body["messages"]), time.time(), body)
                 except (ValueError, KeyError, TypeError):
                     return self._error(400, "malformed chat completion request")
                 with server._lock:
@@ -178,6 +180,18 @@ class ScriptedModelServer:
                 if reply.status != 200:
                     return self._error(reply.status, reply.error or "scripted failure", reply.headers)
                 prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": reply.text},
+                    "finish_reason": "stop",
+                }
+                if request.body.get("logprobs") and reply.logprobs is not None:
+                    choice["logprobs"] = {
+                        "content": [
+                            {"token": f"t{i}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                            for i, lp in enumerate(reply.logprobs)
+                        ]
+                    }
                 self._send(
                     200,
                     {
@@ -185,13 +199,7 @@ class ScriptedModelServer:
                         "object": "chat.completion",
                         "created": int(time.time()),
                         "model": request.model,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "message": {"role": "assistant", "content": reply.text},
-                                "finish_reason": "stop",
-                            }
-                        ],
+                        "choices": [choice],
                         "usage": {
                             "prompt_tokens": prompt_chars // 4,
                             "completion_tokens": len(reply.text) // 4,

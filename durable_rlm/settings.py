@@ -26,6 +26,7 @@ class Settings(BaseModel):
     sandbox_memory_mb: int = Field(default=4096, ge=64)
     sandbox_idle_s: float = Field(default=1800.0, gt=0)
     tracing: str = "off"
+    policy_modules: str = Field(default="", description="comma-separated modules registering policies")
 
     @field_validator("tracing")
     @classmethod
@@ -48,12 +49,17 @@ class Settings(BaseModel):
             "DRLM_SANDBOX_MEMORY_MB": "sandbox_memory_mb",
             "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
             "DRLM_TRACING": "tracing",
+            "DRLM_POLICY_MODULES": "policy_modules",
         }
         values = {field: env[name] for name, field in mapping.items() if env.get(name)}
         try:
             return cls(**values)
         except ValueError as exc:
             raise ConfigurationError(f"invalid configuration: {exc}") from exc
+
+    @property
+    def policy_module_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.policy_modules.split(",") if m.strip())
 
     @property
     def embedded(self) -> bool:

@@ -189,6 +189,9 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
             f"\nEnded by {r.ended_by} after {r.iterations} iteration(s), {r.model_calls} model "
             f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens"
         )
+        if r.termination is not None:
+            t = r.termination
+            lines.append(f"Termination: policy {t.policy} at step {t.step} ({t.action_type}): {t.reason}")
         if r.error:
             lines.append(f"Error: {r.error}")
         lines.append(f"Answer: {r.answer}")

@@ -121,7 +121,7 @@ async def run_episode(
         id=episode_id or f"test-{uuid.uuid4().hex[:10]}",
         task_queue=task_queue,
         result_type=EpisodeResult,
-        execution_timeout=timedelta(minutes=5),
+        execution_timeout=timedelta(minutes=2),
     )
 
 

@@ -30,10 +30,18 @@ USER = [Message(role="user", content="hi")]
 
 async def test_a_completion_returns_text_usage_and_time(models: ModelActivities, scripted) -> None:
     server = scripted(lambda r: "hello there")
-    text, usage, elapsed = await models.complete(settings(server), USER)
-    assert text == "hello there"
-    assert usage.completion_tokens == len("hello there") // 4
-    assert elapsed > 0
+    done = await models.complete(settings(server), USER)
+    assert done.text == "hello there"
+    assert done.usage.completion_tokens == len("hello there") // 4
+    assert done.elapsed > 0
+    assert done.mean_logprob is None  # not asked for
+
+
+async def test_logprobs_give_a_mean_token_logprob(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: Reply(text="sure", logprobs=[-0.1, -0.3]))
+    done = await models.complete(settings(server, logprobs=True), USER)
+    assert done.mean_logprob == pytest.approx(-0.2)
+    assert server.requests[-1].body["logprobs"] is True
 
 
 async def test_client_side_retries_are_off(models: ModelActivities, scripted) -> None:

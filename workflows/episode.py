@@ -28,15 +28,20 @@ with workflow.unsafe.imports_passed_through():
         Message,
         ReadVariableInput,
         ResumeCellInput,
+        RewardReceipt,
+        RewardUpdate,
         RootCompletion,
         RootCompletionInput,
         SandboxRef,
         SubCallRequest,
         SubQueryInput,
         SubQueryReply,
+        TerminationDecision,
         VariableValue,
     )
     from workflows.parsing import find_code_blocks, is_variable_name, parse_final_signal
+    from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
+    from workflows.termination import PolicyContext, PolicyError, PolicyRegistry, TerminationPolicy
 
 R = TypeVar("R")
 _AUDIT_RETRY = RetryPolicy(maximum_attempts=5)
@@ -50,18 +55,37 @@ class EpisodeWorkflow:
         self._last_response = ""
         self._last_output = ""
         self._finished = False
+        self._policy: TerminationPolicy | None = None
+        # Rewards may arrive before the run method has set up its state.
+        self._reward_inbox = 0.0
+        self._rewards_received = 0
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
+        try:
+            self._policy = episode_policy(request)
+        except PolicyError as exc:
+            raise ApplicationError(
+                f"invalid episode request: {exc}", type=names.INVALID_REQUEST, non_retryable=True
+            ) from exc
         carry = request.carry
         if carry is None:
             seed = request.seed if request.seed is not None else workflow.random().randint(0, 2**31 - 1)
             carry = EpisodeCarry(
                 seed=seed,
                 deadline=workflow.now() + request.limits.max_duration,
-                pending=prompts.opening_messages(request.task, request.context, request.code_fences[0]),
+                pending=prompts.opening_messages(
+                    request.task,
+                    request.context,
+                    request.code_fences[0],
+                    ask_confidence=uses_confidence(request.termination.name, request.termination.config),
+                ),
             )
             await self._audit(request, None)
+        else:
+            self._policy.set_state(carry.policy_state)
+        self._reward_inbox += carry.reward_inbox
+        self._rewards_received += carry.rewards_received
         self._s = carry
 
         # The durable timer: it lives on the server, so it fires even while no worker runs.
@@ -84,6 +108,24 @@ class EpisodeWorkflow:
         await self._close_sandbox()
         await self._audit(request, result)
         return result
+
+    @workflow.update(name="reward")
+    def reward(self, update: RewardUpdate) -> RewardReceipt:
+        """A reward from an evaluator or a person; the next policy decision reads it."""
+        self._reward_inbox += update.value
+        self._rewards_received += 1
+        if update.note:
+            workflow.logger.info("reward %s: %s", update.value, update.note)
+        return RewardReceipt(
+            accepted=self._rewards_received,
+            pending=self._reward_inbox,
+            cumulative=self._s.cumulative_reward if self._s else 0.0,
+        )
+
+    @reward.validator
+    def _reward_allowed(self, update: RewardUpdate) -> None:
+        if self._finished:
+            raise ValueError("the episode has ended; it takes no more rewards")
 
     @workflow.query(name="progress")
     def progress(self) -> EpisodeProgress:
@@ -110,6 +152,7 @@ class EpisodeWorkflow:
             if s.sub_calls >= limits.max_llm_calls:
                 return self._result("max_llm_calls", None)
             if workflow.info().is_continue_as_new_suggested():
+                s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
             s.iteration += 1
@@ -121,6 +164,9 @@ class EpisodeWorkflow:
             self._last_response = reply.text[-2_000:]
 
             observations: list[str] = []
+            outputs: list[tuple[str, str, str | None]] = []
+            answer: str | None = None
+            kind: EndReason | None = None
             blocks = find_code_blocks(reply.text, request.code_fences)
             for code in blocks:
                 s.cell_count += 1
@@ -135,23 +181,77 @@ class EpisodeWorkflow:
                     limits.output_truncation,
                 )
                 observations.append(text)
+                outputs.append((outcome.stdout, outcome.stderr, outcome.error))
                 self._last_output = text[-2_000:]
+                if outcome.variables or outcome.ok:
+                    s.variables = outcome.variables
                 if outcome.answer is not None:
-                    return self._result("answer_ready", outcome.answer)
+                    answer, kind = outcome.answer, "answer_ready"
+                    break
 
-            signal = parse_final_signal(reply.text)
+            signal = parse_final_signal(reply.text) if answer is None else None
             if signal is not None and signal.kind == "final":
-                return self._result("final", signal.value)
-            if signal is not None:
+                answer, kind = signal.value, "final"
+            elif signal is not None:
                 value = await self._read_variable(request, signal.value)
                 if value is not None:
-                    return self._result("final_var", value)
-                observations.append(prompts.MISSING_VAR_TURN.format(name=signal.value, fence=fence))
+                    answer, kind = value, "final_var"
+                else:
+                    observations.append(prompts.MISSING_VAR_TURN.format(name=signal.value, fence=fence))
 
-            if not blocks and signal is None:
+            action = build_action(answer, outputs, reply.text, reply.mean_logprob)
+            decision = self._decide(request, action)
+            if decision is not None:
+                ended_by = kind if action.action_type == "final" and kind else "policy"
+                return self._result(ended_by, decision.answer, decision=decision)
+
+            if answer is not None:
+                observations.append(prompts.ANSWER_NOT_ACCEPTED.format(policy=request.termination.name))
+            if not observations:
                 s.pending = [Message(role="user", content=prompts.NO_CODE_TURN.format(fence=fence))]
             else:
                 s.pending = [prompts.next_turn(observations)]
+
+    def _decide(self, request: EpisodeRequest, action: Any) -> TerminationDecision | None:
+        """Feed the iteration to the termination policy (seed 003); its state is workflow
+        state, so replay, a crash and continue-as-new all reach the same decision."""
+        s = self._state
+        policy = self._policy
+        assert policy is not None
+        reward = self._reward_inbox + action_reward(request.reward.function, request.reward.config, action)
+        self._reward_inbox = 0.0
+        s.cumulative_reward += reward
+        context = PolicyContext(
+            task=request.task,
+            step=s.iteration - 1,
+            variables=dict(s.variables),
+            metrics={
+                "last_reward": reward,
+                "cumulative_reward": s.cumulative_reward,
+                "iteration": s.iteration,
+                "model_calls": s.model_calls,
+                "sub_calls": s.sub_calls,
+            },
+        )
+        policy.last_reason = None
+        try:
+            stop, answer = policy.should_terminate(action, context)
+        except Exception as exc:
+            raise ApplicationError(
+                f"termination policy {request.termination.name!r} raised {type(exc).__name__}: {exc}",
+                type=names.POLICY_FAILURE,
+                non_retryable=True,
+            ) from exc
+        s.policy_state = policy.get_state()
+        if not stop:
+            return None
+        return TerminationDecision(
+            policy=request.termination.name,
+            step=context.step,
+            reason=policy.last_reason or f"{request.termination.name} decided to stop",
+            answer=answer,
+            action_type=action.action_type,
+        )
 
     async def _root_completion(self, request: EpisodeRequest) -> RootCompletion:
         s = self._state
@@ -348,7 +448,13 @@ class EpisodeWorkflow:
         assert self._s is not None
         return self._s
 
-    def _result(self, ended_by: EndReason, answer: str | None, error: str | None = None) -> EpisodeResult:
+    def _result(
+        self,
+        ended_by: EndReason,
+        answer: str | None,
+        error: str | None = None,
+        decision: TerminationDecision | None = None,
+    ) -> EpisodeResult:
         s = self._state
         return EpisodeResult(
             answer=answer,
@@ -360,6 +466,8 @@ class EpisodeWorkflow:
             model_time_s=round(s.model_time_s, 6),
             error=error,
             replay_divergences=s.divergences,
+            termination=decision,
+            cumulative_reward=s.cumulative_reward,
         )
 
     async def _close_sandbox(self) -> None:
@@ -397,6 +505,12 @@ class EpisodeWorkflow:
             )
         except ActivityError:
             workflow.logger.warning("audit store write failed; history remains the record")
+
+
+def episode_policy(request: EpisodeRequest) -> TerminationPolicy:
+    """The request's termination policy, built and checked; raises PolicyError."""
+    validate_reward_function(request.reward.function, request.reward.config)
+    return PolicyRegistry.get_termination(request.termination.name, request.termination.config)
 
 
 def model_retry_policy(max_attempts: int) -> RetryPolicy:

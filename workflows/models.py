@@ -8,7 +8,7 @@ any payload over its threshold into the blob store, and history keeps the digest
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -30,6 +30,7 @@ class ModelSettings(StrictModel):
     max_tokens: int | None = Field(default=None, ge=1)
     request_timeout_s: float = Field(default=120.0, gt=0)
     max_attempts: int = Field(default=6, ge=1)
+    logprobs: bool = Field(default=False, description="ask for token logprobs (a confidence source)")
 
 
 class ContextRef(StrictModel):
@@ -64,6 +65,20 @@ class DurabilitySettings(StrictModel):
     sticky_schedule_to_start_s: float = Field(default=10.0, gt=0)
 
 
+class TerminationSpec(StrictModel):
+    """Which termination policy (seed 003) decides that the episode is done."""
+
+    name: str = "final_pattern"
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class RewardSpec(StrictModel):
+    """A deterministic per-action reward added to any reward sent by update."""
+
+    function: str = "none"
+    config: dict[str, float] = Field(default_factory=dict)
+
+
 class EpisodeRequest(StrictModel):
     task: str
     context: ContextRef | None = None
@@ -73,6 +88,8 @@ class EpisodeRequest(StrictModel):
     durability: DurabilitySettings = Field(default_factory=DurabilitySettings)
     code_fences: list[str] = Field(default_factory=lambda: ["repl"], min_length=1)
     seed: int | None = None
+    termination: TerminationSpec = Field(default_factory=TerminationSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
     )
@@ -107,6 +124,7 @@ EndReason = Literal[
     "max_llm_calls",
     "max_duration",
     "model_error",
+    "policy",
 ]
 
 
@@ -125,6 +143,16 @@ class TokenUsage(StrictModel):
         )
 
 
+class TerminationDecision(StrictModel):
+    """Which policy ended the episode, at which step (iteration - 1), and why."""
+
+    policy: str
+    step: int
+    reason: str
+    answer: str | None
+    action_type: str
+
+
 class EpisodeResult(StrictModel):
     answer: str | None
     ended_by: EndReason
@@ -135,6 +163,8 @@ class EpisodeResult(StrictModel):
     model_time_s: float = 0.0
     error: str | None = None
     replay_divergences: int = 0
+    termination: TerminationDecision | None = None
+    cumulative_reward: float = 0.0
 
 
 class EpisodeProgress(StrictModel):
@@ -173,6 +203,7 @@ class RootCompletion(StrictModel):
     conversation: str
     usage: TokenUsage
     model_time_s: float
+    mean_logprob: float | None = None
 
 
 class SubQueryInput(StrictModel):
@@ -254,6 +285,7 @@ class CellOutcome(StrictModel):
     answer: str | None = None
     rebuilt: bool = False
     divergences: list[str] = Field(default_factory=list)
+    variables: dict[str, str] = Field(default_factory=dict, description="bounded summary")
 
     @property
     def ok(self) -> bool:
@@ -265,6 +297,29 @@ class VariableValue(StrictModel):
     value: str | None = None
     log_head: str
     worker_queue: str
+
+
+# --- updates -----------------------------------------------------------------------------------
+
+
+class RewardUpdate(StrictModel):
+    """A reward from an evaluator or a person, sent to a running episode."""
+
+    value: float
+    note: str | None = Field(default=None, max_length=2_000)
+
+    @field_validator("value")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("reward must be a finite number")
+        return value
+
+
+class RewardReceipt(StrictModel):
+    accepted: int
+    pending: float
+    cumulative: float
 
 
 # --- audit ------------------------------------------------------------------------------------
@@ -299,6 +354,11 @@ class EpisodeCarry(StrictModel):
     usage: TokenUsage = Field(default_factory=TokenUsage)
     model_time_s: float = 0.0
     divergences: int = 0
+    policy_state: dict[str, Any] = Field(default_factory=dict)
+    variables: dict[str, str] = Field(default_factory=dict)
+    reward_inbox: float = 0.0
+    cumulative_reward: float = 0.0
+    rewards_received: int = 0
 
 
 EpisodeRequest.model_rebuild()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from workflows.models import ContextRef, Message
 from workflows.parsing import truncate_output
+from workflows.signals import CONFIDENCE_INSTRUCTION
 
 SYSTEM_PROMPT = """\
 You answer a query with the help of a Python REPL. The query's context lives in the REPL, \
@@ -46,6 +47,11 @@ NO_CODE_TURN = (
     "Write code in a ```{fence}``` block, or give the final answer."
 )
 
+ANSWER_NOT_ACCEPTED = (
+    "Your answer was noted, but the episode's termination policy ({policy}) has not ended the "
+    "episode yet. Keep working, and give your answer again when you are done."
+)
+
 MISSING_VAR_TURN = (
     "FINAL_VAR({name}) names no REPL variable. Create it in a ```{fence}``` block first, "
     "or answer with FINAL(...)."
@@ -58,12 +64,14 @@ def describe_context(context: ContextRef | None) -> str:
     return f"a {context.type_name} of {context.size:,} characters."
 
 
-def opening_messages(task: str, context: ContextRef | None, fence: str) -> list[Message]:
+def opening_messages(
+    task: str, context: ContextRef | None, fence: str, ask_confidence: bool = False
+) -> list[Message]:
+    system = SYSTEM_PROMPT.format(context_description=describe_context(context), fence=fence)
+    if ask_confidence:
+        system += "\n" + CONFIDENCE_INSTRUCTION
     return [
-        Message(
-            role="system",
-            content=SYSTEM_PROMPT.format(context_description=describe_context(context), fence=fence),
-        ),
+        Message(role="system", content=system),
         Message(role="user", content=FIRST_TURN.format(task=task)),
     ]
 

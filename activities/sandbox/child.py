@@ -364,7 +364,27 @@ class Session:
             "stderr": stderr.getvalue(),
             "error": error,
             "answer": self._ready_answer(),
+            "variables": self.variables_summary(),
         }
+
+    def variables_summary(self, limit: int = 50, width: int = 200) -> dict[str, str]:
+        """A bounded text view of user variables, for termination policies."""
+        import types
+
+        summary: dict[str, str] = {}
+        for name, value in list(self.namespace.items()):
+            if len(summary) >= limit:
+                break
+            if name.startswith("_") or name in self.reserved - {"answer"}:
+                continue
+            if isinstance(value, (types.ModuleType, types.FunctionType, type)):
+                continue
+            try:
+                text = str(value) if isinstance(value, (str, int, float, bool)) else repr(value)
+            except Exception:  # noqa: BLE001 - hostile __repr__
+                text = f"<{type(value).__name__}>"
+            summary[name] = text[:width]
+        return summary
 
     def _run(self, code: str, cell_name: str) -> None:
         tree = ast.parse(code, filename=cell_name, mode="exec")

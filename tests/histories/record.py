@@ -1,4 +1,6 @@
-"""Record episode histories for the replay tests: `python -m tests.histories.record`.
+"""Record episode histories for the replay tests: `python -m tests.histories.record [NAME ...]`.
+
+Keep old histories: they prove that today's workflow code replays what yesterday's wrote.
 
 Recorded with the plain pydantic converter (no claim check) and small payloads, so the
 histories replay without the blob store. Re-record only for a deliberate, patched change.
@@ -10,6 +12,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from temporalio.client import Client
@@ -22,7 +25,14 @@ from durable_rlm.scripted import ScriptedModelServer, root_and_sub
 from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
 from workflows import names
-from workflows.models import EpisodeRequest, EpisodeResult, ModelSettings
+from workflows.models import (
+    EpisodeRequest,
+    EpisodeResult,
+    ModelSettings,
+    RewardSpec,
+    RewardUpdate,
+    TerminationSpec,
+)
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,7 +51,36 @@ SCRIPTS = {
 }
 
 
-async def record() -> None:
+async def record_reward_driven(client: Client, blobs: BlobStore) -> None:
+    """reward_threshold decided by updates that arrive while the episode runs."""
+    gates = [threading.Event() for _ in range(3)]
+
+    def gated(request):
+        if request.is_root:
+            gates[min(request.turn, 2)].wait(30)
+        return "```repl\nprint('working')\n```"
+
+    with ScriptedModelServer(gated) as server:
+        request = EpisodeRequest(
+            task="record a reward-driven history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            termination=TerminationSpec(name="reward_threshold"),
+            reward=RewardSpec(function="outcome"),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="reward_driven", task_queue="record", result_type=EpisodeResult
+        )
+        for turn, value in [(0, 0.3), (1, 0.35)]:
+            while not any(r.turn == turn for r in server.root_requests()):
+                await asyncio.sleep(0.05)
+            await handle.execute_update("reward", RewardUpdate(value=value, note="recorder"))
+            gates[turn].set()
+        print("reward_driven", await handle.result())
+        (HERE / "reward_driven.json").write_text((await handle.fetch_history()).to_json())
+
+
+async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
     blobs = BlobStore(SqlBackend(engine))
@@ -50,6 +89,8 @@ async def record() -> None:
         settings = Settings(task_queue="record", data_dir=work)
         async with running_workers(Services(settings, blobs, engine, client)):
             for name, (turns, context) in SCRIPTS.items():
+                if only and name not in only:
+                    continue
                 with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
                     request = EpisodeRequest(
                         task="record a history",
@@ -63,9 +104,11 @@ async def record() -> None:
                     print(name, await handle.result())
                     history = await handle.fetch_history()
                     (HERE / f"{name}.json").write_text(history.to_json())
+            if not only or "reward_driven" in only:
+                await record_reward_driven(client, blobs)
 
 
 if __name__ == "__main__":
-    asyncio.run(record())
+    asyncio.run(record(set(sys.argv[1:])))
     sys.stdout.flush()
     os._exit(0)

@@ -1,0 +1,397 @@
+"""Seed 003: every code example of the termination-policy spec, plus errors and state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from workflows.termination import (
+    ActionResult,
+    CompositeTerminationPolicy,
+    ConfidenceTerminationPolicy,
+    FinalPatternTerminationPolicy,
+    PolicyContext,
+    PolicyError,
+    PolicyRegistry,
+    RewardThresholdTerminationPolicy,
+    TerminationPolicy,
+)
+
+# --- the seed's convergence example, registered exactly as the spec writes it ----------------
+
+
+@PolicyRegistry.register_termination("convergence")
+class ConvergenceTerminationPolicy(TerminationPolicy):
+    """
+    Terminate when the agent's outputs converge (stop changing).
+    """
+
+    name = "convergence"
+    description = "Stop when outputs converge (stabilize)"
+
+    @classmethod
+    def get_default_config(cls) -> dict[str, Any]:
+        return {"window_size": 3, "similarity_threshold": 0.9, "min_steps": 3}
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self._recent_outputs: list[str] = []
+
+    def should_terminate(self, result, context):
+        config = {**self.get_default_config(), **self.config}
+        self._recent_outputs.append(result.output or "")
+        if context.step < config["min_steps"]:
+            return False, None
+        window = self._recent_outputs[-config["window_size"] :]
+        if len(window) < config["window_size"]:
+            return False, None
+        if len(set(window)) == 1:
+            return True, window[-1]
+        return False, None
+
+    def reset(self):
+        self._recent_outputs = []
+
+
+# --- final_pattern ----------------------------------------------------------------------------
+
+
+def test_final_pattern_is_registered_under_its_seed_name() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    assert isinstance(policy, FinalPatternTerminationPolicy)
+    assert policy.name == "final_pattern" and policy.description
+
+
+def test_final_pattern_default_config_is_the_seeds() -> None:
+    assert FinalPatternTerminationPolicy.get_default_config() == {
+        "final_patterns": [
+            r"FINAL\s*\(\s*['\"](.+?)['\"]\s*\)",
+            r"FINAL\s*\(\s*(.+?)\s*\)",
+            r"FINAL_VAR\s*\(\s*['\"](\w+)['\"]\s*\)",
+        ],
+        "case_sensitive": False,
+        "extract_answer": True,
+    }
+
+
+def test_seed_example_final_in_output() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    result = ActionResult(
+        action_type="code", success=True, output="After computing, the answer is FINAL('42')"
+    )
+    assert policy.should_terminate(result, PolicyContext(task="What is 6*7?")) == (True, "42")
+
+
+def test_seed_example_final_var_looks_up_the_variable() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    result = ActionResult(action_type="code", success=True, output="FINAL_VAR('result')")
+    context = PolicyContext(task="Compute the sum", variables={"result": 4950})
+    assert policy.should_terminate(result, context) == (True, "4950")
+
+
+def test_a_final_action_terminates_with_its_output() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    assert policy.should_terminate(ActionResult(action_type="final", output="done"), PolicyContext()) == (
+        True,
+        "done",
+    )
+
+
+def test_no_pattern_no_termination() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    assert policy.should_terminate(ActionResult(action_type="code", output="progress"), PolicyContext()) == (
+        False,
+        None,
+    )
+
+
+def test_final_var_of_a_missing_variable_does_not_terminate() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern")
+    result = ActionResult(action_type="code", output="FINAL_VAR('nope')")
+    assert policy.should_terminate(result, PolicyContext()) == (False, None)
+
+
+def test_seed_example_custom_patterns() -> None:
+    policy = PolicyRegistry.get_termination(
+        "final_pattern",
+        config={
+            "final_patterns": [
+                r"FINAL\s*\(\s*['\"](.+?)['\"]\s*\)",
+                r"ANSWER:\s*(.+?)$",
+                r"SOLUTION\s*=\s*(.+?)$",
+            ],
+            "case_sensitive": False,
+            "extract_answer": True,
+        },
+    )
+    assert policy.should_terminate(ActionResult("code", output="ANSWER: 42"), PolicyContext()) == (True, "42")
+    assert policy.should_terminate(ActionResult("code", output="solution = x+1"), PolicyContext()) == (
+        True,
+        "x+1",
+    )
+
+
+def test_case_sensitive_patterns() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern", config={"case_sensitive": True})
+    assert policy.should_terminate(ActionResult("code", output="final('x')"), PolicyContext()) == (
+        False,
+        None,
+    )
+
+
+def test_extract_answer_false_returns_the_whole_output() -> None:
+    policy = PolicyRegistry.get_termination("final_pattern", config={"extract_answer": False})
+    output = "the answer is FINAL('42')"
+    assert policy.should_terminate(ActionResult("code", output=output), PolicyContext()) == (True, output)
+
+
+# --- reward_threshold -------------------------------------------------------------------------
+
+
+def test_reward_threshold_default_config_is_the_seeds() -> None:
+    assert RewardThresholdTerminationPolicy.get_default_config() == {
+        "min_reward_threshold": 0.8,
+        "max_negative_streak": 3,
+        "require_final_action": False,
+    }
+
+
+def test_seed_example_reward_accumulates_to_the_threshold() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    step1 = policy.should_terminate(
+        ActionResult(action_type="code", success=True, output="progress..."),
+        PolicyContext(metrics={"last_reward": 0.4}),
+    )
+    assert step1 == (False, None)
+    step2 = policy.should_terminate(
+        ActionResult(action_type="code", success=True, output="more progress..."),
+        PolicyContext(metrics={"last_reward": 0.5}),
+    )
+    assert step2 == (True, "Reward threshold reached: 0.90")
+
+
+def test_seed_example_custom_threshold() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold", config={"min_reward_threshold": 0.9})
+    assert (
+        policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.85}))[0]
+        is False
+    )
+    assert (
+        policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.05}))[0] is True
+    )
+
+
+def test_negative_streak_terminates() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    for _ in range(2):
+        assert (
+            policy.should_terminate(ActionResult("error"), PolicyContext(metrics={"last_reward": -0.1}))[0]
+            is False
+        )
+    stop, answer = policy.should_terminate(
+        ActionResult("error"), PolicyContext(metrics={"last_reward": -0.1})
+    )
+    assert stop and "3 consecutive negative rewards" in answer
+
+
+def test_a_positive_reward_breaks_the_streak() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold", config={"min_reward_threshold": 10.0})
+    rewards = [-0.1, -0.1, 0.2, -0.1, -0.1]
+    assert not any(
+        policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": r}))[0]
+        for r in rewards
+    )
+
+
+def test_require_final_action_waits_for_a_final() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold", config={"require_final_action": True})
+    assert policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 1.0})) == (
+        False,
+        None,
+    )
+    assert policy.should_terminate(ActionResult("final", output="42"), PolicyContext()) == (True, "42")
+
+
+def test_reset_clears_the_cumulative_reward() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.7}))
+    policy.reset()
+    assert policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.7})) == (
+        False,
+        None,
+    )
+
+
+# --- confidence -------------------------------------------------------------------------------
+
+
+def test_confidence_default_config_is_the_seeds() -> None:
+    assert ConfidenceTerminationPolicy.get_default_config() == {
+        "confidence_threshold": 0.85,
+        "min_steps_before_termination": 2,
+        "confidence_key": "confidence",
+        "fallback_to_final_pattern": True,
+    }
+
+
+@pytest.mark.parametrize("config", [None, {"confidence_threshold": 0.95, "min_steps_before_termination": 3}])
+def test_seed_examples_confidence(config: dict | None) -> None:
+    policy = PolicyRegistry.get_termination("confidence", config=config)
+    result = ActionResult(action_type="code", success=True, output="42", metadata={"confidence": 0.99})
+    assert policy.should_terminate(result, PolicyContext(step=0)) == (False, None)
+    assert policy.should_terminate(result, PolicyContext(step=3)) == (True, "42")
+    result2 = ActionResult(
+        action_type="code",
+        success=True,
+        output="I think it might be FINAL('42')",
+        metadata={"confidence": 0.4},
+    )
+    assert policy.should_terminate(result2, PolicyContext(step=3)) == (True, "42")
+
+
+def test_confidence_without_fallback_ignores_final() -> None:
+    policy = PolicyRegistry.get_termination("confidence", config={"fallback_to_final_pattern": False})
+    result = ActionResult("code", output="FINAL('42')", metadata={"confidence": 0.4})
+    assert policy.should_terminate(result, PolicyContext(step=5)) == (False, None)
+
+
+def test_confidence_reads_its_configured_key() -> None:
+    policy = PolicyRegistry.get_termination("confidence", config={"confidence_key": "p"})
+    result = ActionResult("code", output="x", metadata={"p": 0.9})
+    assert policy.should_terminate(result, PolicyContext(step=2)) == (True, "x")
+
+
+# --- composite --------------------------------------------------------------------------------
+
+
+def test_composite_default_config_is_the_seeds() -> None:
+    assert CompositeTerminationPolicy.get_default_config() == {
+        "policies": ["final_pattern", "reward_threshold"],
+        "require_all": False,
+    }
+
+
+def test_seed_example_composite_or() -> None:
+    policy = PolicyRegistry.get_termination(
+        "composite",
+        config={
+            "policies": ["final_pattern", "reward_threshold"],
+            "require_all": False,
+        },
+    )
+    assert policy.should_terminate(ActionResult("code", output="FINAL('a')"), PolicyContext()) == (True, "a")
+    stop, answer = policy.should_terminate(
+        ActionResult("code", output="x"), PolicyContext(metrics={"last_reward": 0.9})
+    )
+    assert stop and answer == "Reward threshold reached: 0.90"
+
+
+def test_seed_example_composite_and() -> None:
+    policy = PolicyRegistry.get_termination(
+        "composite",
+        config={
+            "policies": ["confidence", "final_pattern"],
+            "require_all": True,
+        },
+    )
+    sure_no_final = ActionResult("code", output="42", metadata={"confidence": 0.99})
+    assert policy.should_terminate(sure_no_final, PolicyContext(step=3)) == (False, None)
+    sure_final = ActionResult("final", output="42", metadata={"confidence": 0.99})
+    assert policy.should_terminate(sure_final, PolicyContext(step=3)) == (True, "42")
+
+
+def test_composite_of_three_or() -> None:
+    policy = PolicyRegistry.get_termination(
+        "composite",
+        config={
+            "policies": ["final_pattern", "confidence", "reward_threshold"],
+        },
+    )
+    result = ActionResult("code", output="41", metadata={"confidence": 0.9})
+    assert policy.should_terminate(result, PolicyContext(step=2)) == (True, "41")
+
+
+def test_composite_sub_policies_can_carry_config() -> None:
+    policy = PolicyRegistry.get_termination(
+        "composite",
+        config={
+            "policies": [{"name": "reward_threshold", "config": {"min_reward_threshold": 0.1}}],
+        },
+    )
+    assert policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.2}))[0]
+
+
+# --- custom policy (the seed's convergence example) -------------------------------------------
+
+
+def test_seed_example_convergence_policy() -> None:
+    policy = PolicyRegistry.get_termination("convergence", config={"window_size": 4, "min_steps": 5})
+    outputs = ["a", "b", "42", "42", "42", "42"]
+    decisions = [
+        policy.should_terminate(ActionResult("code", output=o), PolicyContext(step=i))
+        for i, o in enumerate(outputs)
+    ]
+    assert decisions[:5] == [(False, None)] * 5
+    assert decisions[5] == (True, "42")
+
+
+def test_convergence_needs_min_steps() -> None:
+    policy = PolicyRegistry.get_termination("convergence")
+    decisions = [
+        policy.should_terminate(ActionResult("code", output="same"), PolicyContext(step=i)) for i in range(4)
+    ]
+    assert [d[0] for d in decisions] == [False, False, False, True]
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_unknown_policy_names_the_policy_and_the_known_ones() -> None:
+    with pytest.raises(PolicyError, match="unknown termination policy 'nope'.*final_pattern"):
+        PolicyRegistry.get_termination("nope")
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "message"),
+    [
+        ("reward_threshold", {"min_reward": 1}, "policy 'reward_threshold': unknown config key 'min_reward'"),
+        ("reward_threshold", {"min_reward_threshold": "high"}, "'min_reward_threshold' must be a number"),
+        ("confidence", {"fallback_to_final_pattern": "yes"}, "'fallback_to_final_pattern' must be a boolean"),
+        ("final_pattern", {"final_patterns": "FINAL"}, "'final_patterns' must be a list"),
+        ("final_pattern", {"final_patterns": ["(unclosed"]}, "bad regex"),
+        ("composite", {"policies": ["final_pattern", "nope"]}, "unknown termination policy 'nope'"),
+        ("composite", {"policies": []}, "at least one policy"),
+        ("composite", {"policies": [42]}, "each entry of 'policies'"),
+        ("convergence", {"window": 3}, "policy 'convergence': unknown config key 'window'"),
+    ],
+)
+def test_invalid_configs_name_the_policy_and_the_key(name: str, config: dict, message: str) -> None:
+    with pytest.raises(PolicyError, match=message.replace("(", r"\(")):
+        PolicyRegistry.get_termination(name, config)
+
+
+def test_registering_a_non_policy_is_refused() -> None:
+    with pytest.raises(PolicyError):
+        PolicyRegistry.register_termination("bad")(dict)  # type: ignore[arg-type]
+
+
+# --- state for workflow persistence -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["reward_threshold", "convergence", "composite"])
+def test_policy_state_round_trips_through_json(name: str) -> None:
+    import json
+
+    first = PolicyRegistry.get_termination(name)
+    for i, reward in enumerate([0.3, -0.2]):
+        first.should_terminate(
+            ActionResult("code", output="o"), PolicyContext(step=i, metrics={"last_reward": reward})
+        )
+    state = json.loads(json.dumps(first.get_state()))
+    second = PolicyRegistry.get_termination(name)
+    second.set_state(state)
+    follow = ActionResult("code", output="o")
+    ctx = PolicyContext(step=2, metrics={"last_reward": 0.6})
+    assert second.should_terminate(follow, ctx) == first.should_terminate(follow, ctx)
+    assert second.get_state() == first.get_state()
