@@ -297,7 +297,12 @@ class ReplActivities:
         self, box: LiveSandbox, frame: dict[str, Any], rebuilt: bool, divergences: list[str]
     ) -> CellOutcome:
         status = frame.get("status", "error")
-        box.log_head = await self._log(box.log_head, {"t": "end", "cell": box.cell_index, "status": status})
+        # The output is logged so fallback extraction can rebuild the REPL history.
+        output = "\n".join(x for x in (frame.get("stdout"), frame.get("stderr"), frame.get("error")) if x)
+        output_ref = await asyncio.to_thread(self.blobs.put_text, output)
+        box.log_head = await self._log(
+            box.log_head, {"t": "end", "cell": box.cell_index, "status": status, "output": output_ref}
+        )
         box.cell_index, box.pending, box.early_done = None, [], None
         return CellOutcome(
             status="completed",
@@ -310,6 +315,7 @@ class ReplActivities:
             rebuilt=rebuilt,
             divergences=divergences,
             variables=frame.get("variables") or {},
+            submitted=frame.get("submitted"),
         )
 
     async def _killed(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:
@@ -325,7 +331,10 @@ class ReplActivities:
             else f"cell exceeded its {ref.cell_timeout_s:g} s time limit and did not stop; "
             "the REPL was restarted with the variables of earlier cells"
         )
-        head = await self._log(box.log_head, {"t": "end", "cell": box.cell_index, "status": "killed"})
+        output_ref = await asyncio.to_thread(self.blobs.put_text, reason)
+        head = await self._log(
+            box.log_head, {"t": "end", "cell": box.cell_index, "status": "killed", "output": output_ref}
+        )
         return CellOutcome(status="completed", log_head=head, worker_queue=self.worker_queue, error=reason)
 
     async def _ensure(self, ref: SandboxRef) -> tuple[LiveSandbox, bool, list[str]]:

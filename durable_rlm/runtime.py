@@ -26,6 +26,7 @@ from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.audit import AuditActivities
+from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore, SqlBackend
@@ -156,6 +157,7 @@ def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRu
             "workflows.names",
             "workflows.signals",
             "workflows.termination",
+            "workflows.fallback",
             *policy_modules,
         )
     )
@@ -266,12 +268,19 @@ def build_workers(
     repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
+    extraction = ExtractionActivities(models, blobs)
     repl_activities = [repl.execute_cell, repl.resume_cell, repl.read_variable, repl.close_sandbox]
     shared = Worker(
         client,
         task_queue=task_queue,
         workflows=[EpisodeWorkflow],
-        activities=[models.root_completion, models.sub_query, audit.audit_episode, *repl_activities],
+        activities=[
+            models.root_completion,
+            models.sub_query,
+            extraction.extract_fallback,
+            audit.audit_episode,
+            *repl_activities,
+        ],
         workflow_runner=workflow_runner(policy_modules),
         max_concurrent_activities=64,
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.

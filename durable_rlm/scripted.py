@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from workflows.fallback import EXTRACTION_MARKER
+
 
 @dataclass
 class Reply:
@@ -39,6 +41,11 @@ class ChatRequest:
         return bool(self.messages) and self.messages[0].get("role") == "system"
 
     @property
+    def is_extraction(self) -> bool:
+        """A fallback-extraction call (seed 004): one user message with the seed's prompt."""
+        return not self.is_root and self.last_user.lstrip().startswith(EXTRACTION_MARKER)
+
+    @property
     def turn(self) -> int:
         """Root turn number (0-based): how many replies the conversation already holds."""
         return sum(1 for m in self.messages if m.get("role") == "assistant")
@@ -52,14 +59,22 @@ class ChatRequest:
 Script = Callable[[ChatRequest], "Reply | str"]
 
 
+NOTHING_EXTRACTED = '{"answer": null, "_extraction_notes": "scripted: no extraction reply was scripted"}'
+
+
 def root_and_sub(
-    root_turns: Sequence[Reply | str], sub: Callable[[str], Reply | str] | None = None
+    root_turns: Sequence[Reply | str],
+    sub: Callable[[str], Reply | str] | None = None,
+    extract: Callable[[str], Reply | str] | None = None,
 ) -> Script:
-    """Root calls get `root_turns[turn]` (the last repeats); sub-calls get `sub(prompt)`."""
+    """Root calls get `root_turns[turn]` (the last repeats); sub-calls get `sub(prompt)`;
+    fallback extraction gets `extract(prompt)` (default: a reply that extracts nothing)."""
 
     def script(request: ChatRequest) -> Reply | str:
         if request.is_root:
             return root_turns[min(request.turn, len(root_turns) - 1)]
+        if request.is_extraction:
+            return extract(request.last_user) if extract else NOTHING_EXTRACTED
         if sub is None:
             return Reply(status=500, error="this script has no sub-model")
         return sub(request.last_user)
@@ -112,7 +127,11 @@ class ScriptedModelServer:
 
     def sub_requests(self) -> list[ChatRequest]:
         with self._lock:
-            return [r for r in self.requests if not r.is_root]
+            return [r for r in self.requests if not r.is_root and not r.is_extraction]
+
+    def extraction_requests(self) -> list[ChatRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.is_extraction]
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         server = self

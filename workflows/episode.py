@@ -5,6 +5,7 @@ from workflow.now() and randomness from workflow.random().
 """
 
 import asyncio
+import json
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -14,6 +15,20 @@ from temporalio.exceptions import ActivityError, ApplicationError, TimeoutError,
 
 with workflow.unsafe.imports_passed_through():
     from workflows import names, prompts
+    from workflows.fallback import (
+        ANSWER_FIELDS,
+        ExecutionResult,
+        ExecutionState,
+        Extracted,
+        Failed,
+        FallbackReason,
+        FallbackTrigger,
+        FieldSpec,
+        Submitted,
+        calculate_extraction_confidence,
+        check_outputs,
+        parse_extraction_response,
+    )
     from workflows.models import (
         AuditEpisodeInput,
         CallAnswer,
@@ -25,6 +40,8 @@ with workflow.unsafe.imports_passed_through():
         EpisodeRequest,
         EpisodeResult,
         ExecuteCellInput,
+        ExtractionInput,
+        ExtractionReply,
         Message,
         ReadVariableInput,
         ResumeCellInput,
@@ -79,6 +96,7 @@ class EpisodeWorkflow:
                     request.context,
                     request.code_fences[0],
                     ask_confidence=uses_confidence(request.termination.name, request.termination.config),
+                    output_fields=request.output_fields,
                 ),
             )
             await self._audit(request, None)
@@ -102,7 +120,12 @@ class EpisodeWorkflow:
                 await loop
             except asyncio.CancelledError:
                 pass
-            result = self._result("max_duration", None)
+            reason = FallbackReason(
+                kind="timeout",
+                value=self._elapsed(request).total_seconds(),
+                limit=request.limits.max_duration.total_seconds(),
+            )
+            result = await self._fallback(request, reason)
 
         self._finished, self._phase = True, f"ended: {result.ended_by}"
         await self._close_sandbox()
@@ -146,11 +169,14 @@ class EpisodeWorkflow:
         s = self._state
         limits = request.limits
         fence = request.code_fences[0]
+        trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
+        fields = request.output_fields or ANSWER_FIELDS
         while True:
-            if s.iteration >= limits.max_iterations:
-                return self._result("max_iterations", None)
-            if s.sub_calls >= limits.max_llm_calls:
-                return self._result("max_llm_calls", None)
+            reason = trigger.should_trigger(
+                ExecutionState(iterations=s.iteration, llm_calls=s.sub_calls, elapsed=self._elapsed(request))
+            )
+            if reason is not None:
+                return await self._fallback(request, reason)
             if workflow.info().is_continue_as_new_suggested():
                 s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
@@ -160,12 +186,17 @@ class EpisodeWorkflow:
             try:
                 reply = await self._root_completion(request)
             except ActivityError as err:
-                return self._result("model_error", None, error=describe_failure(err))
+                error = describe_failure(err)
+                failed = Failed(reason=f"model call failed: {error}")
+                return self._result(
+                    "model_error", None, error=error, execution=ExecutionResult(variant=failed)
+                )
             self._last_response = reply.text[-2_000:]
 
             observations: list[str] = []
             outputs: list[tuple[str, str, str | None]] = []
             answer: str | None = None
+            submitted: dict[str, Any] | None = None
             kind: EndReason | None = None
             blocks = find_code_blocks(reply.text, request.code_fences)
             for code in blocks:
@@ -185,6 +216,14 @@ class EpisodeWorkflow:
                 self._last_output = text[-2_000:]
                 if outcome.variables or outcome.ok:
                     s.variables = outcome.variables
+                if outcome.submitted is not None:
+                    problems = check_outputs(outcome.submitted, fields, allow_null=False)
+                    if problems:
+                        observations.append(prompts.SUBMIT_REJECTED.format(problems="; ".join(problems)))
+                    else:
+                        submitted, kind = outcome.submitted, "submitted"
+                        answer = answer_text(submitted, fields)
+                        break
                 if outcome.answer is not None:
                     answer, kind = outcome.answer, "answer_ready"
                     break
@@ -199,11 +238,23 @@ class EpisodeWorkflow:
                 else:
                     observations.append(prompts.MISSING_VAR_TURN.format(name=signal.value, fence=fence))
 
+            if answer is not None and submitted is None:
+                submitted = answer_outputs(answer, fields)
+                if submitted is None:  # FINAL cannot fill a typed schema
+                    answer, kind = None, None
+                    observations.append(prompts.NEEDS_SUBMIT)
+
             action = build_action(answer, outputs, reply.text, reply.mean_logprob)
             decision = self._decide(request, action)
             if decision is not None:
                 ended_by = kind if action.action_type == "final" and kind else "policy"
-                return self._result(ended_by, decision.answer, decision=decision)
+                if submitted is None or action.action_type != "final":
+                    submitted = {f.name: None for f in fields}
+                    submitted[fields[0].name] = decision.answer
+                execution = ExecutionResult(
+                    variant=Submitted(outputs=submitted, iterations=s.iteration, llm_calls=s.sub_calls)
+                )
+                return self._result(ended_by, decision.answer, decision=decision, execution=execution)
 
             if answer is not None:
                 observations.append(prompts.ANSWER_NOT_ACCEPTED.format(policy=request.termination.name))
@@ -454,6 +505,7 @@ class EpisodeWorkflow:
         answer: str | None,
         error: str | None = None,
         decision: TerminationDecision | None = None,
+        execution: ExecutionResult | None = None,
     ) -> EpisodeResult:
         s = self._state
         return EpisodeResult(
@@ -468,7 +520,69 @@ class EpisodeWorkflow:
             replay_divergences=s.divergences,
             termination=decision,
             cumulative_reward=s.cumulative_reward,
+            execution=execution,
         )
+
+    def _elapsed(self, request: EpisodeRequest) -> timedelta:
+        started = self._state.deadline - request.limits.max_duration
+        return workflow.now() - started
+
+    async def _fallback(self, request: EpisodeRequest, reason: FallbackReason) -> EpisodeResult:
+        """A limit came before a submit: extract the outputs from the history (seed 004)."""
+        s = self._state
+        ended_by: EndReason = {
+            "max_iterations": "max_iterations",
+            "max_llm_calls": "max_llm_calls",
+            "timeout": "max_duration",
+        }[reason.kind]
+        # Episodes that ended on a limit before extraction existed completed without it.
+        if not workflow.patched("fallback-extraction"):
+            return self._result(ended_by, None)
+        fields = request.output_fields or ANSWER_FIELDS
+        if not request.fallback_extraction:
+            failed = Failed(reason=f"{reason}; fallback extraction is disabled")
+            return self._result(ended_by, None, execution=ExecutionResult(variant=failed))
+        self._phase = f"extracting ({reason})"
+        model = request.root_model
+        try:
+            reply = await workflow.execute_activity(
+                names.EXTRACT_FALLBACK,
+                ExtractionInput(
+                    episode_id=workflow.info().workflow_id,
+                    model=model,
+                    conversation=s.conversation,
+                    log_head=s.log_head,
+                    variables=s.variables,
+                    output_fields=fields,
+                    reason=reason,
+                ),
+                result_type=ExtractionReply,
+                start_to_close_timeout=timedelta(seconds=model.request_timeout_s + 30),
+                heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
+                retry_policy=model_retry_policy(model.max_attempts),
+            )
+        except ActivityError as err:
+            failed = Failed(reason=f"Extraction LLM call failed: {describe_failure(err)}")
+            return self._result(ended_by, None, execution=ExecutionResult(variant=failed))
+        s.model_calls += 1
+        s.usage = s.usage.add(reply.usage)
+        s.model_time_s += reply.model_time_s
+        parsed = parse_extraction_response(reply.text, fields)
+        if parsed.outputs is None:
+            failed = Failed(
+                reason=parsed.error or "extraction failed",
+                partial_outputs=parsed.partial,
+                history=reply.history,
+            )
+            return self._result(ended_by, None, execution=ExecutionResult(variant=failed))
+        extracted = Extracted(
+            outputs=parsed.outputs,
+            confidence=calculate_extraction_confidence(parsed.outputs, reply.history, s.variables),
+            reason=reason,
+            extraction_notes=parsed.notes,
+        )
+        answer = answer_text(parsed.outputs, fields)
+        return self._result(ended_by, answer, execution=ExecutionResult(variant=extracted))
 
     async def _close_sandbox(self) -> None:
         queue = self._state.repl_queue
@@ -505,6 +619,21 @@ class EpisodeWorkflow:
             )
         except ActivityError:
             workflow.logger.warning("audit store write failed; history remains the record")
+
+
+def answer_outputs(answer: str, fields: list[FieldSpec]) -> dict[str, Any] | None:
+    """FINAL(...) fills the default single `answer` field, and nothing else."""
+    if [f.name for f in fields] == ["answer"]:
+        return {"answer": answer}
+    return None
+
+
+def answer_text(outputs: dict[str, Any], fields: list[FieldSpec]) -> str | None:
+    """The answer as text: the `answer` field when that is the schema, else the JSON."""
+    if [f.name for f in fields] == ["answer"]:
+        value = outputs.get("answer")
+        return None if value is None else value if isinstance(value, str) else json.dumps(value)
+    return json.dumps(outputs, sort_keys=True)
 
 
 def episode_policy(request: EpisodeRequest) -> TerminationPolicy:

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
+
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -90,6 +92,10 @@ class EpisodeRequest(StrictModel):
     seed: int | None = None
     termination: TerminationSpec = Field(default_factory=TerminationSpec)
     reward: RewardSpec = Field(default_factory=RewardSpec)
+    output_fields: list[FieldSpec] | None = Field(
+        default=None, description="typed outputs for SUBMIT(...); None means one `answer` string"
+    )
+    fallback_extraction: bool = Field(default=True, description="extract outputs when a limit is hit")
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
     )
@@ -113,6 +119,17 @@ class EpisodeRequest(StrictModel):
     def effective_sub_model(self) -> ModelSettings:
         return self.sub_model or self.root_model
 
+    @field_validator("output_fields")
+    @classmethod
+    def _distinct_fields(cls, value: list[FieldSpec] | None) -> list[FieldSpec] | None:
+        if value is not None:
+            names = [f.name for f in value]
+            if not names:
+                raise ValueError("output_fields needs at least one field")
+            if len(set(names)) != len(names):
+                raise ValueError(f"output_fields names must be distinct: {names}")
+        return value
+
 
 # --- result -------------------------------------------------------------------------------
 
@@ -125,6 +142,7 @@ EndReason = Literal[
     "max_duration",
     "model_error",
     "policy",
+    "submitted",
 ]
 
 
@@ -165,6 +183,7 @@ class EpisodeResult(StrictModel):
     replay_divergences: int = 0
     termination: TerminationDecision | None = None
     cumulative_reward: float = 0.0
+    execution: ExecutionResult | None = None
 
 
 class EpisodeProgress(StrictModel):
@@ -286,6 +305,7 @@ class CellOutcome(StrictModel):
     rebuilt: bool = False
     divergences: list[str] = Field(default_factory=list)
     variables: dict[str, str] = Field(default_factory=dict, description="bounded summary")
+    submitted: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -297,6 +317,30 @@ class VariableValue(StrictModel):
     value: str | None = None
     log_head: str
     worker_queue: str
+
+
+# --- fallback extraction ---------------------------------------------------------------------
+
+
+class ExtractionInput(StrictModel):
+    """Chain heads, not transcripts: the activity rebuilds the history itself."""
+
+    episode_id: str
+    model: ModelSettings
+    conversation: str | None
+    log_head: str | None
+    variables: dict[str, str]
+    output_fields: list[FieldSpec]
+    reason: FallbackReason
+    max_history: int = 50
+
+
+class ExtractionReply(StrictModel):
+    text: str
+    usage: TokenUsage
+    model_time_s: float
+    history: list[REPLHistoryEntry]
+    prompt_chars: int
 
 
 # --- updates -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ REPL_RESUME = "drlm.repl_resume"
 REPL_READ_VARIABLE = "drlm.repl_read_variable"
 REPL_CLOSE = "drlm.repl_close"
 AUDIT_EPISODE = "drlm.audit_episode"
+EXTRACT_FALLBACK = "drlm.extract_fallback"
 
 # Error types the workflow and the retry policies key on.
 MODEL_REQUEST_REJECTED = "ModelRequestRejected"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from workflows.fallback import FieldSpec, format_output_fields
 from workflows.models import ContextRef, Message
 from workflows.parsing import truncate_output
 from workflows.signals import CONFIDENCE_INSTRUCTION
@@ -47,6 +48,18 @@ NO_CODE_TURN = (
     "Write code in a ```{fence}``` block, or give the final answer."
 )
 
+SUBMIT_INSTRUCTION = """\
+This task needs structured outputs. Instead of FINAL(...), finish by calling
+`SUBMIT(field=value, ...)` in a code cell with exactly these fields:
+{fields}"""
+
+SUBMIT_REJECTED = "SUBMIT was rejected: {problems}. Fix the values and call SUBMIT again."
+
+NEEDS_SUBMIT = (
+    "This episode needs structured outputs: call SUBMIT(...) in a code cell with the fields "
+    "listed in the instructions instead of FINAL(...)."
+)
+
 ANSWER_NOT_ACCEPTED = (
     "Your answer was noted, but the episode's termination policy ({policy}) has not ended the "
     "episode yet. Keep working, and give your answer again when you are done."
@@ -65,9 +78,15 @@ def describe_context(context: ContextRef | None) -> str:
 
 
 def opening_messages(
-    task: str, context: ContextRef | None, fence: str, ask_confidence: bool = False
+    task: str,
+    context: ContextRef | None,
+    fence: str,
+    ask_confidence: bool = False,
+    output_fields: list[FieldSpec] | None = None,
 ) -> list[Message]:
     system = SYSTEM_PROMPT.format(context_description=describe_context(context), fence=fence)
+    if output_fields:
+        system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:
         system += "\n" + CONFIDENCE_INSTRUCTION
     return [

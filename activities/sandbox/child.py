@@ -268,6 +268,7 @@ class Session:
         self.channel_out = channel_out
         self.namespace: dict[str, Any] = {}
         self.timeout = 60.0
+        self.submitted: dict[str, Any] | None = None
 
     # helpers visible to model code
     def _call(self, prompts: list[str]) -> list[dict[str, Any]]:
@@ -308,6 +309,15 @@ class Session:
         ]
         print("\n".join(names) if names else "(no variables yet)")
 
+    def submit(self, **fields: Any) -> None:
+        """Record typed outputs; the workflow validates them against the episode's fields."""
+        try:
+            json.dumps(fields)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"SUBMIT values must be JSON-serialisable: {exc}") from None
+        self.submitted = fields
+        print(f"SUBMIT received: {', '.join(sorted(fields)) or '(no fields)'}")
+
     def final_var(self, name: str) -> str:
         if name not in self.namespace:
             raise NameError(f"FINAL_VAR: no variable named {name!r}")
@@ -330,12 +340,14 @@ class Session:
             "llm_query_batched": self.llm_query_batched,
             "SHOW_VARS": self.show_vars,
             "FINAL_VAR": self.final_var,
+            "SUBMIT": self.submit,
             "answer": {"content": "", "ready": False},
         }
         self.reserved = set(self.namespace)
 
     def execute(self, code: str, cell_name: str, timeout: float, limit: int) -> dict[str, Any]:
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
+        self.submitted = None
         error: str | None = None
         status = "ok"
         saved = sys.stdout, sys.stderr
@@ -364,6 +376,7 @@ class Session:
             "stderr": stderr.getvalue(),
             "error": error,
             "answer": self._ready_answer(),
+            "submitted": self.submitted,
             "variables": self.variables_summary(),
         }
 

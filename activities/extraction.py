@@ -1,0 +1,70 @@
+"""The fallback extraction call (seed 004): history from the chains, prompt from the pure
+template, one model call through the same client as the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from temporalio import activity
+
+from activities import chains
+from activities.llm import ModelActivities
+from durable_rlm.blobs import BlobStore
+from workflows import names
+from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt, strip_code_blocks
+from workflows.models import ExtractionInput, ExtractionReply, Message
+from workflows.parsing import truncate_output
+
+
+class ExtractionActivities:
+    def __init__(self, models: ModelActivities, blobs: BlobStore) -> None:
+        self.models = models
+        self.blobs = blobs
+
+    @activity.defn(name=names.EXTRACT_FALLBACK)
+    async def extract_fallback(self, request: ExtractionInput) -> ExtractionReply:
+        history = await asyncio.to_thread(self.history, request.conversation, request.log_head)
+        history = history[-request.max_history :]
+        prompt = extraction_prompt(
+            ExtractFallbackInputs(
+                history=history,
+                variables=request.variables,
+                output_fields=request.output_fields,
+                fallback_reason=str(request.reason),
+            )
+        )
+        done = await self.models.complete(request.model, [Message(role="user", content=prompt)])
+        return ExtractionReply(
+            text=done.text,
+            usage=done.usage,
+            model_time_s=done.elapsed,
+            history=history,
+            prompt_chars=len(prompt),
+        )
+
+    def history(self, conversation: str | None, log_head: str | None) -> list[REPLHistoryEntry]:
+        """One entry per executed cell: its iteration's reasoning, code, output, success."""
+        responses = [
+            m.content for m in chains.read_conversation(self.blobs, conversation) if m.role == "assistant"
+        ]
+        entries: list[REPLHistoryEntry] = []
+        open_cells: dict[int, dict[str, Any]] = {}
+        for entry in chains.walk(self.blobs, log_head):
+            if entry["t"] == "cell":
+                open_cells[entry["cell"]] = entry
+            elif entry["t"] == "end" and entry["cell"] in open_cells:
+                cell = open_cells.pop(entry["cell"])
+                iteration = int(cell.get("iteration", 0))
+                reasoning = responses[iteration - 1] if 0 < iteration <= len(responses) else None
+                output = self.blobs.get_text(entry["output"]) if entry.get("output") else ""
+                entries.append(
+                    REPLHistoryEntry(
+                        iteration=iteration,
+                        reasoning=strip_code_blocks(reasoning) if reasoning else None,
+                        code=cell["code"],
+                        output=truncate_output(output, 4_000),
+                        success=entry.get("status") == "ok",
+                    )
+                )
+        return entries

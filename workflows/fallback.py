@@ -1,0 +1,374 @@
+"""Fallback extraction (seed 004, SPEC-27): when a limit is hit before a submit, ask a model
+to extract the outputs from the REPL history. Pure: trigger, prompt, reply parsing,
+confidence and the result variants; the model call itself is activities/extraction.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- output fields ---------------------------------------------------------------------------
+
+FieldType = Literal["string", "integer", "number", "boolean", "array", "object"]
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+class FieldSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    type: FieldType = "string"
+    description: str = ""
+    required: bool = True
+
+
+ANSWER_FIELDS = [FieldSpec(name="answer", type="string", description="the final answer")]
+
+
+def fields_from_json_schema(schema: dict[str, Any]) -> list[FieldSpec]:
+    """Output fields from a JSON Schema object (what pydantic's model_json_schema() gives)."""
+    if schema.get("type", "object") != "object" or not isinstance(schema.get("properties"), dict):
+        raise ValueError("an output schema must be a JSON Schema object with 'properties'")
+    required = set(schema.get("required", list(schema["properties"])))
+    fields = []
+    for name, prop in schema["properties"].items():
+        kind = prop.get("type", "string")
+        if isinstance(kind, list):  # e.g. ["string", "null"]
+            kind = next((k for k in kind if k != "null"), "string")
+        if kind not in _JSON_TYPES:
+            raise ValueError(f"output field {name!r}: unsupported type {kind!r}")
+        fields.append(
+            FieldSpec(
+                name=name, type=kind, description=prop.get("description", ""), required=name in required
+            )
+        )
+    if not fields:
+        raise ValueError("an output schema needs at least one field")
+    return fields
+
+
+def fields_from_model(model: type[BaseModel]) -> list[FieldSpec]:
+    return fields_from_json_schema(model.model_json_schema())
+
+
+def check_outputs(values: dict[str, Any], fields: list[FieldSpec], allow_null: bool) -> list[str]:
+    """Problems with `values` against the fields: missing, unknown, or mistyped ones."""
+    problems = []
+    known = {f.name for f in fields}
+    for name in values:
+        if name not in known and name != "_extraction_notes":
+            problems.append(f"unknown field {name!r}")
+    for spec in fields:
+        if spec.name not in values:
+            if spec.required and not allow_null:
+                problems.append(f"missing field {spec.name!r}")
+            continue
+        value = values[spec.name]
+        if value is None:
+            if not allow_null:
+                problems.append(f"field {spec.name!r} is null")
+            continue
+        wrong_bool = isinstance(value, bool) and spec.type in ("integer", "number")
+        if wrong_bool or not isinstance(value, _JSON_TYPES[spec.type]):
+            problems.append(f"field {spec.name!r} must be {spec.type}, got {type(value).__name__}")
+    return problems
+
+
+# --- trigger ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExecutionState:
+    iterations: int
+    llm_calls: int
+    elapsed: timedelta
+    submitted: bool = False
+
+
+class FallbackReason(BaseModel):
+    """Why extraction ran; str() is the readable form used in the prompt and the result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["max_iterations", "max_llm_calls", "timeout"]
+    value: float
+    limit: float
+
+    def __str__(self) -> str:
+        if self.kind == "max_iterations":
+            return f"max iterations reached ({self.value:g}/{self.limit:g})"
+        if self.kind == "max_llm_calls":
+            return f"max LLM calls reached ({self.value:g}/{self.limit:g})"
+        return f"timeout ({self.value:.1f}s elapsed, limit {self.limit:.1f}s)"
+
+
+@dataclass(frozen=True)
+class FallbackTrigger:
+    max_iterations: int = 20
+    max_llm_calls: int = 50
+    max_duration: timedelta = timedelta(seconds=300)
+
+    def should_trigger(self, state: ExecutionState) -> FallbackReason | None:
+        """Priority: submitted (no fallback) > max iterations > max LLM calls > timeout."""
+        if state.submitted:
+            return None
+        if state.iterations >= self.max_iterations:
+            return FallbackReason(kind="max_iterations", value=state.iterations, limit=self.max_iterations)
+        if state.llm_calls >= self.max_llm_calls:
+            return FallbackReason(kind="max_llm_calls", value=state.llm_calls, limit=self.max_llm_calls)
+        if state.elapsed >= self.max_duration:
+            return FallbackReason(
+                kind="timeout",
+                value=state.elapsed.total_seconds(),
+                limit=self.max_duration.total_seconds(),
+            )
+        return None
+
+
+# --- extraction inputs and prompt ---------------------------------------------------------------
+
+
+class REPLHistoryEntry(BaseModel):
+    iteration: int
+    reasoning: str | None = None
+    code: str
+    output: str
+    success: bool
+
+
+class ExtractFallbackInputs(BaseModel):
+    history: list[REPLHistoryEntry]
+    variables: dict[str, Any]
+    output_fields: list[FieldSpec]
+    fallback_reason: str
+
+
+EXTRACTION_PROMPT_TEMPLATE = """
+The REPL execution reached its limit ({fallback_reason}).
+Extract the final outputs from the execution history and variables.
+
+## REPL History
+
+{history}
+
+## Current Variables
+
+{variables}
+
+## Required Outputs
+
+You must extract values for these fields:
+{output_fields}
+
+## Instructions
+
+1. Review the REPL history to understand what was computed
+2. Look at the current variable values
+3. Extract or infer the required output values
+4. Return ONLY valid JSON matching the output schema
+
+If a value cannot be determined, use null and explain in _extraction_notes.
+
+## Output Schema
+
+```json
+{{
+{output_schema}
+  "_extraction_notes": "string (optional explanation)"
+}}
+```
+
+Return the JSON now:
+"""
+
+EXTRACTION_MARKER = "The REPL execution reached its limit"
+_CODE_BLOCK = re.compile(r"```[^\n]*\n.*?```", re.DOTALL)
+
+
+def strip_code_blocks(text: str) -> str:
+    """The reasoning of a reply: its text without the fenced code."""
+    return _CODE_BLOCK.sub("", text).strip()
+
+
+def format_history(history: list[REPLHistoryEntry]) -> str:
+    return "\n".join(
+        f"### Iteration {e.iteration}\n{e.reasoning or ''}\n```python\n{e.code}\n```\nOutput: {e.output}\n"
+        for e in history
+    )
+
+
+def format_variables(variables: dict[str, Any]) -> str:
+    if not variables:
+        return "(none)"
+    return "\n".join(f"- {name} = {_text(value)}" for name, value in variables.items())
+
+
+def format_output_fields(fields: list[FieldSpec]) -> str:
+    return "\n".join(
+        f"- {f.name} ({f.type}{', required' if f.required else ', optional'})"
+        + (f": {f.description}" if f.description else "")
+        for f in fields
+    )
+
+
+def generate_schema(fields: list[FieldSpec]) -> str:
+    """One line per field, in the seed's `"name": "type (description)",` shape."""
+    return "\n".join(
+        f'  "{f.name}": "{f.type}' + (f" ({f.description})" if f.description else "") + '",' for f in fields
+    )
+
+
+def extraction_prompt(inputs: ExtractFallbackInputs) -> str:
+    return (
+        EXTRACTION_PROMPT_TEMPLATE.replace("{fallback_reason}", inputs.fallback_reason)
+        .replace("{history}", format_history(inputs.history))
+        .replace("{variables}", format_variables(inputs.variables))
+        .replace("{output_fields}", format_output_fields(inputs.output_fields))
+        .replace("{output_schema}", generate_schema(inputs.output_fields))
+        .replace("{{", "{")
+        .replace("}}", "}")
+    )
+
+
+# --- the reply -----------------------------------------------------------------------------------
+
+_FENCED_JSON = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?```", re.DOTALL)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    candidates = [text.strip(), *(m.group(1).strip() for m in _FENCED_JSON.finditer(text))]
+    start, end = text.find("{"), text.rfind("}")
+    if 0 <= start < end:
+        candidates.append(text[start : end + 1])
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except (json.JSONDecodeError, ValueError):
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ParsedExtraction:
+    outputs: dict[str, Any] | None
+    notes: str | None
+    error: str | None
+    partial: dict[str, Any] | None
+
+
+def parse_extraction_response(text: str, fields: list[FieldSpec]) -> ParsedExtraction:
+    """Raw JSON or JSON in a markdown fence; anything else is a failure that keeps whatever
+    JSON object could be read as partial outputs."""
+    value = _json_object(text or "")
+    if value is None:
+        return ParsedExtraction(None, None, "Failed to parse extraction: no JSON object in the reply", None)
+    notes = value.get("_extraction_notes")
+    outputs = {k: v for k, v in value.items() if k != "_extraction_notes"}
+    problems = check_outputs(outputs, fields, allow_null=True)
+    if problems:
+        return ParsedExtraction(None, None, "Failed to parse extraction: " + "; ".join(problems), outputs)
+    full = {f.name: outputs.get(f.name) for f in fields}
+    return ParsedExtraction(full, notes if isinstance(notes, str) else None, None, outputs)
+
+
+# --- confidence ----------------------------------------------------------------------------------
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def outputs_in_variables(outputs: dict[str, Any], variables: dict[str, Any]) -> bool:
+    """Some extracted value is the value of a REPL variable."""
+    values = {_text(v).strip() for v in variables.values()}
+    return any(v is not None and _text(v).strip() in values for v in outputs.values())
+
+
+def outputs_in_history(outputs: dict[str, Any], history: list[REPLHistoryEntry], recent: int = 3) -> bool:
+    """Some extracted value appears in the output of one of the last `recent` iterations."""
+    texts = [e.output for e in history[-recent:]]
+    return any(
+        v is not None and _text(v).strip() and any(_text(v).strip() in t for t in texts)
+        for v in outputs.values()
+    )
+
+
+def null_field_ratio(outputs: dict[str, Any]) -> float:
+    return sum(v is None for v in outputs.values()) / len(outputs) if outputs else 1.0
+
+
+def calculate_extraction_confidence(
+    outputs: dict[str, Any], history: list[REPLHistoryEntry], variables: dict[str, Any]
+) -> float:
+    confidence = 0.5
+    if outputs_in_variables(outputs, variables):
+        confidence += 0.3
+    if outputs_in_history(outputs, history):
+        confidence += 0.2
+    confidence -= null_field_ratio(outputs) * 0.3
+    return round(min(max(confidence, 0.1), 0.99), 6)
+
+
+# --- the result ----------------------------------------------------------------------------------
+
+
+class Submitted(BaseModel):
+    kind: Literal["submitted"] = "submitted"
+    outputs: dict[str, Any]
+    iterations: int
+    llm_calls: int
+
+    def confidence(self) -> float:
+        return 1.0
+
+
+class Extracted(BaseModel):
+    kind: Literal["extracted"] = "extracted"
+    outputs: dict[str, Any]
+    confidence_value: float = Field(alias="confidence")
+    reason: FallbackReason
+    extraction_notes: str | None = None
+    model_config = ConfigDict(populate_by_name=True)
+
+    def confidence(self) -> float:
+        return self.confidence_value
+
+
+class Failed(BaseModel):
+    kind: Literal["failed"] = "failed"
+    reason: str
+    partial_outputs: dict[str, Any] | None = None
+    history: list[REPLHistoryEntry] = Field(default_factory=list)
+
+    def confidence(self) -> float:
+        return 0.0
+
+
+class ExecutionResult(BaseModel):
+    """Submitted | Extracted | Failed, with the seed's accessors."""
+
+    variant: Submitted | Extracted | Failed = Field(discriminator="kind")
+
+    def outputs(self) -> dict[str, Any] | None:
+        return None if isinstance(self.variant, Failed) else self.variant.outputs
+
+    def was_extracted(self) -> bool:
+        return isinstance(self.variant, Extracted)
+
+    def confidence(self) -> float:
+        return self.variant.confidence()
