@@ -29,8 +29,9 @@ from durable_rlm.episodes import follow, load_context_file, send_reward, start_e
 from durable_rlm.runtime import Services, connect, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.timeline import describe_execution, episode_timeline, render
 from workflows.episode import episode_policy
+from workflows.fallback import FieldSpec, fields_from_json_schema
 from workflows.models import (
     EpisodeLimits,
     EpisodeRequest,
@@ -66,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policy-config", type=_json_object, default={}, help="policy config as JSON")
     run.add_argument("--reward-function", default="none", help="per-action reward: none or outcome")
     run.add_argument("--logprobs", action="store_true", help="ask the root model for logprobs")
+    run.add_argument("--output-schema", type=Path, help="JSON Schema of typed outputs (SUBMIT)")
+    run.add_argument("--no-extraction", action="store_true", help="no fallback extraction at limits")
     run.add_argument("--id", help="episode id (default: a new one)")
     run.add_argument("--json", action="store_true", help="print only the EpisodeResult as JSON")
     run.add_argument("--no-wait", action="store_true", help="start the episode and print its id")
@@ -129,7 +132,20 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
             name=getattr(args, "policy", "final_pattern"), config=getattr(args, "policy_config", {})
         ),
         reward=RewardSpec(function=getattr(args, "reward_function", "none")),
+        output_fields=_output_fields(getattr(args, "output_schema", None)),
+        fallback_extraction=not getattr(args, "no_extraction", False),
     )
+
+
+def _output_fields(path: Path | None) -> list[FieldSpec] | None:
+    if path is None:
+        return None
+    try:
+        return fields_from_json_schema(json.loads(path.read_text(encoding="utf-8")))
+    except FileNotFoundError as exc:
+        raise ConfigurationError(f"output schema not found: {path}") from exc
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise ConfigurationError(f"invalid output schema {path}: {exc}") from exc
 
 
 def _credentials(settings: Settings, api_key: str | None) -> dict[str, str]:
@@ -162,6 +178,8 @@ def _print_result(result: EpisodeResult, as_json: bool) -> int:
         if result.termination:
             t = result.termination
             _stderr(f"termination: policy {t.policy} at step {t.step}: {t.reason}")
+        if result.execution is not None:
+            _stderr(describe_execution(result.execution))
         if result.error:
             _stderr(f"error: {result.error}")
         if result.answer is not None:

@@ -6,6 +6,7 @@ are decoded with the project's converter, so claim-checked payloads come back wh
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -14,6 +15,7 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
 from workflows import names
+from workflows.fallback import ExecutionResult
 from workflows.models import (
     CellOutcome,
     EpisodeRequest,
@@ -192,12 +194,31 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         if r.termination is not None:
             t = r.termination
             lines.append(f"Termination: policy {t.policy} at step {t.step} ({t.action_type}): {t.reason}")
+        if r.execution is not None:
+            lines.append(describe_execution(r.execution))
         if r.error:
             lines.append(f"Error: {r.error}")
         lines.append(f"Answer: {r.answer}")
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
     return "\n".join(lines)
+
+
+def describe_execution(execution: ExecutionResult) -> str:
+    """One line on how the outputs were obtained (seed 004's three variants)."""
+    v = execution.variant
+    if v.kind == "submitted":
+        return f"Result: submitted (confidence 1.0), outputs {json.dumps(v.outputs, sort_keys=True)}"
+    if v.kind == "extracted":
+        notes = f"; notes: {v.extraction_notes}" if v.extraction_notes else ""
+        return (
+            f"Result: extracted after {v.reason} (confidence {v.confidence():.2f}), "
+            f"outputs {json.dumps(v.outputs, sort_keys=True)}{notes}"
+        )
+    partial = (
+        f"; partial outputs {json.dumps(v.partial_outputs, sort_keys=True)}" if v.partial_outputs else ""
+    )
+    return f"Result: failed: {v.reason}{partial}; {len(v.history)} history entries kept"
 
 
 def _indent(text: str) -> str:

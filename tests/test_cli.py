@@ -180,3 +180,21 @@ def test_worker_py_needs_a_temporal_address(tmp_path: Path) -> None:
         cwd=Path(__file__).resolve().parents[1],
     )
     assert out.returncode == 2 and "TEMPORAL_ADDRESS" in out.stderr
+
+
+def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: Path, scripted) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"colour": {"type": "string"}}}))
+    server = scripted(root_and_sub(["```repl\ncolour = 'blue'\n```"], extract=lambda p: '{"colour": "blue"}'))
+    out = drlm(tmp_path, "run", "which colour?", "--base-url", server.base_url, "--model", "m",
+               "--max-iterations", "1", "--output-schema", str(schema))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"colour": "blue"}
+    assert "Result: extracted after max iterations reached (1/1) (confidence 0.80)" in out.stderr
+
+
+def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array"}')
+    out = drlm(tmp_path, "run", "t", "--output-schema", str(schema))
+    assert out.returncode == 2 and "invalid output schema" in out.stderr

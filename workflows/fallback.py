@@ -45,9 +45,12 @@ def fields_from_json_schema(schema: dict[str, Any]) -> list[FieldSpec]:
     required = set(schema.get("required", list(schema["properties"])))
     fields = []
     for name, prop in schema["properties"].items():
-        kind = prop.get("type", "string")
+        kind = prop.get("type")
+        if kind is None and "anyOf" in prop:  # Optional[...] in pydantic's schema
+            kind = [option.get("type") for option in prop["anyOf"]]
         if isinstance(kind, list):  # e.g. ["string", "null"]
-            kind = next((k for k in kind if k != "null"), "string")
+            kind = next((k for k in kind if k not in (None, "null")), "string")
+        kind = kind or "string"
         if kind not in _JSON_TYPES:
             raise ValueError(f"output field {name!r}: unsupported type {kind!r}")
         fields.append(

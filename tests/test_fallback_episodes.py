@@ -1,0 +1,138 @@
+"""Seed 004 at the orchestrator level, on the real Temporal dev server: submit bypasses
+extraction; each limit extracts with its reason; an unparseable reply fails and keeps the
+history and partial outputs."""
+
+from __future__ import annotations
+
+import json
+
+from durable_rlm.scripted import root_and_sub
+from tests.conftest import request_for, run_episode
+from workflows.fallback import FieldSpec
+from workflows.models import EpisodeLimits
+
+FIELDS = [
+    FieldSpec(name="colour", type="string", description="the colour"),
+    FieldSpec(name="count", type="integer", description="how many"),
+]
+NEVER_DONE = "```repl\nresult = 'blue'\nprint('still thinking')\n```"
+
+
+def limits(**kw) -> EpisodeLimits:
+    return EpisodeLimits(**{"max_iterations": 3, "cell_timeout_s": 10, **kw})
+
+
+async def test_submit_ends_the_episode_without_extraction(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nSUBMIT(colour='blue', count=3)\n```"]))
+    request = request_for(server, output_fields=FIELDS, limits=limits(max_iterations=1))
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.ended_by == "submitted"
+    assert result.execution.variant.kind == "submitted"
+    assert result.execution.outputs() == {"colour": "blue", "count": 3}
+    assert result.execution.confidence() == 1.0
+    assert json.loads(result.answer) == {"colour": "blue", "count": 3}
+    assert server.extraction_requests() == []
+    assert "SUBMIT(field=value" in server.root_requests()[0].messages[0]["content"]
+
+
+async def test_an_invalid_submit_is_fed_back_and_the_episode_goes_on(client, worker, scripted) -> None:
+    server = scripted(
+        root_and_sub(
+            [
+                "```repl\nSUBMIT(colour='blue', count='three')\n```",
+                "```repl\nSUBMIT(colour='blue', count=3)\n```",
+            ]
+        )
+    )
+    result = await run_episode(client, request_for(server, output_fields=FIELDS), worker.task_queue)
+    assert result.iterations == 2 and result.execution.outputs() == {"colour": "blue", "count": 3}
+    assert "'count' must be integer" in server.root_requests()[1].last_user
+
+
+async def test_final_cannot_fill_a_typed_schema(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL(blue)", "```repl\nSUBMIT(colour='blue', count=1)\n```"]))
+    result = await run_episode(client, request_for(server, output_fields=FIELDS), worker.task_queue)
+    assert result.ended_by == "submitted" and result.iterations == 2
+    assert "call SUBMIT" in server.root_requests()[1].last_user
+
+
+async def test_final_without_a_schema_is_a_submitted_answer(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL(42)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert result.execution.variant.kind == "submitted"
+    assert result.execution.outputs() == {"answer": "42"}
+
+
+async def test_max_iterations_extracts_with_the_seeds_confidence(client, worker, scripted) -> None:
+    server = scripted(
+        root_and_sub([NEVER_DONE], extract=lambda p: '{"answer": "blue", "_extraction_notes": "n"}')
+    )
+    result = await run_episode(client, request_for(server, limits=limits()), worker.task_queue)
+    assert (result.ended_by, result.answer) == ("max_iterations", "blue")
+    variant = result.execution.variant
+    assert variant.kind == "extracted" and str(variant.reason) == "max iterations reached (3/3)"
+    assert variant.extraction_notes == "n"
+    # 0.5 base + 0.3 ("blue" is the variable `result`), not printed in the history: 0.8
+    assert result.execution.confidence() == 0.8
+    prompt = server.extraction_requests()[0].last_user
+    assert "max iterations reached (3/3)" in prompt and "### Iteration 3" in prompt
+    assert "- result = blue" in prompt and "still thinking" in prompt
+    assert result.model_calls == 4  # three root calls and the extraction: all in the audit
+
+
+async def test_max_llm_calls_extracts_with_its_reason(client, worker, scripted) -> None:
+    server = scripted(
+        root_and_sub(
+            ["```repl\nparts = llm_query_batched(['a', 'b'])\nprint(parts)\n```"],
+            str.upper,
+            extract=lambda p: '```json\n{"answer": "A"}\n```',
+        )
+    )
+    request = request_for(server, limits=limits(max_iterations=10, max_llm_calls=4))
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.ended_by == "max_llm_calls"
+    variant = result.execution.variant
+    assert variant.kind == "extracted" and variant.reason.kind == "max_llm_calls"
+    assert result.answer == "A"
+    assert variant.confidence() == 0.7  # "A" is in the recent output, not a variable
+
+
+async def test_typed_outputs_are_extracted_against_the_schema(client, worker, scripted) -> None:
+    server = scripted(root_and_sub([NEVER_DONE], extract=lambda p: '{"colour": "blue", "count": null}'))
+    request = request_for(server, output_fields=FIELDS, limits=limits(max_iterations=2))
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.execution.outputs() == {"colour": "blue", "count": None}
+    assert result.execution.confidence() == 0.65  # 0.5 + 0.3 - 0.3 x 1/2
+    assert '"count": "integer (how many)"' in server.extraction_requests()[0].last_user
+
+
+async def test_an_unparseable_extraction_fails_and_keeps_history_and_partial_outputs(
+    client, worker, scripted
+) -> None:
+    server = scripted(root_and_sub([NEVER_DONE], extract=lambda p: '{"colour": "blue", "count": "lots"}'))
+    request = request_for(server, output_fields=FIELDS, limits=limits(max_iterations=2))
+    result = await run_episode(client, request, worker.task_queue)
+    variant = result.execution.variant
+    assert variant.kind == "failed" and result.answer is None
+    assert variant.partial_outputs == {"colour": "blue", "count": "lots"}
+    assert [e.iteration for e in variant.history] == [1, 2]
+    assert variant.history[0].code.startswith("result = 'blue'") and variant.history[0].success
+    assert result.execution.confidence() == 0.0
+
+
+async def test_garbage_extraction_fails_without_partial_outputs(client, worker, scripted) -> None:
+    server = scripted(root_and_sub([NEVER_DONE], extract=lambda p: "I cannot help with that."))
+    result = await run_episode(
+        client, request_for(server, limits=limits(max_iterations=1)), worker.task_queue
+    )
+    variant = result.execution.variant
+    assert variant.kind == "failed" and variant.partial_outputs is None
+    assert variant.reason.startswith("Failed to parse extraction")
+
+
+async def test_extraction_can_be_turned_off(client, worker, scripted) -> None:
+    server = scripted(root_and_sub([NEVER_DONE]))
+    request = request_for(server, limits=limits(max_iterations=1), fallback_extraction=False)
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.execution.variant.kind == "failed" and "disabled" in result.execution.variant.reason
+    assert server.extraction_requests() == []
