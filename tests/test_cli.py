@@ -186,8 +186,19 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"colour": {"type": "string"}}}))
     server = scripted(root_and_sub(["```repl\ncolour = 'blue'\n```"], extract=lambda p: '{"colour": "blue"}'))
-    out = drlm(tmp_path, "run", "which colour?", "--base-url", server.base_url, "--model", "m",
-               "--max-iterations", "1", "--output-schema", str(schema))
+    out = drlm(
+        tmp_path,
+        "run",
+        "which colour?",
+        "--base-url",
+        server.base_url,
+        "--model",
+        "m",
+        "--max-iterations",
+        "1",
+        "--output-schema",
+        str(schema),
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == {"colour": "blue"}
     assert "Result: extracted after max iterations reached (1/1) (confidence 0.80)" in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from pathlib import Path
@@ -28,7 +29,7 @@ def load(path: Path) -> WorkflowHistory:
 
 def test_there_is_a_stored_multi_iteration_history() -> None:
     assert HISTORIES, "tests/histories/ holds no history"
-    events = json.loads(HISTORIES[0].read_text())["events"]
+    events = json.loads((HISTORIES[0].parent / "multi_iteration_final_var.json").read_text())["events"]
     scheduled = [e for e in events if e.get("eventType") in ("EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", 10)]
     roots = [
         e
@@ -36,6 +37,35 @@ def test_there_is_a_stored_multi_iteration_history() -> None:
         if e["activityTaskScheduledEventAttributes"]["activityType"]["name"] == names.ROOT_COMPLETION
     ]
     assert len(roots) >= 3
+
+
+def _activity_types(name: str) -> list[str]:
+    events = json.loads((HISTORIES[0].parent / name).read_text())["events"]
+    return [
+        e["activityTaskScheduledEventAttributes"]["activityType"]["name"]
+        for e in events
+        if "activityTaskScheduledEventAttributes" in e
+    ]
+
+
+def _has_patch_marker(name: str) -> bool:
+    events = json.loads((HISTORIES[0].parent / name).read_text())["events"]
+    for event in events:
+        marker = event.get("markerRecordedEventAttributes")
+        if marker and marker["markerName"] == "core_patch":
+            payload = marker["details"]["patch-data"]["payloads"][0]["data"]
+            if json.loads(base64.b64decode(payload))["id"] == "fallback-extraction":
+                return True
+    return False
+
+
+def test_both_sides_of_the_fallback_patch_are_stored() -> None:
+    # Recorded by the code before seed 004: the limit ended the episode, no extraction.
+    assert names.EXTRACT_FALLBACK not in _activity_types("limit_before_extraction.json")
+    assert not _has_patch_marker("limit_before_extraction.json")
+    # Recorded today: the same kind of limit runs the extraction, behind the patch marker.
+    assert names.EXTRACT_FALLBACK in _activity_types("fallback_extracted.json")
+    assert _has_patch_marker("fallback_extracted.json")
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)

@@ -26,6 +26,7 @@ from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
 from workflows import names
 from workflows.models import (
+    EpisodeLimits,
     EpisodeRequest,
     EpisodeResult,
     ModelSettings,
@@ -80,6 +81,23 @@ async def record_reward_driven(client: Client, blobs: BlobStore) -> None:
         (HERE / "reward_driven.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_fallback_extracted(client: Client, blobs: BlobStore) -> None:
+    """A limit reached before any answer: fallback extraction (seed 004)."""
+    script = root_and_sub(["```repl\nx = 41 + 1\n```"], extract=lambda p: '{"answer": "42"}')
+    with ScriptedModelServer(script) as server:
+        request = EpisodeRequest(
+            task="record an extracted episode",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            limits=EpisodeLimits(max_iterations=2),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="fallback_extracted", task_queue="record", result_type=EpisodeResult
+        )
+        print("fallback_extracted", await handle.result())
+        (HERE / "fallback_extracted.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -106,6 +124,8 @@ async def record(only: set[str]) -> None:
                     (HERE / f"{name}.json").write_text(history.to_json())
             if not only or "reward_driven" in only:
                 await record_reward_driven(client, blobs)
+            if not only or "fallback_extracted" in only:
+                await record_fallback_extracted(client, blobs)
 
 
 if __name__ == "__main__":
