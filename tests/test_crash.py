@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
+from durable_rlm.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
 from tests.conftest import request_for, run_episode
-from workflows import names
 from workflows.models import EpisodeResult
 
 pytestmark = pytest.mark.chaos
@@ -53,12 +53,8 @@ async def test_killed_during_a_model_call_finishes_with_the_same_answer(
 
     server = scripted(root_and_sub(turns, sub))
     first = worker_processes()
-    handle = await client.start_workflow(
-        names.WORKFLOW,
-        request_for(server),
-        id=f"crash-model-{uuid.uuid4().hex[:6]}",
-        task_queue=worker_processes.queue,
-        result_type=EpisodeResult,
+    handle = await start_episode(
+        client, request_for(server), worker_processes.queue, f"crash-model-{uuid.uuid4().hex[:6]}"
     )
     await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
     first.kill()  # mid-flight: the model is still "thinking" about turn 1
@@ -84,12 +80,8 @@ async def test_killed_during_a_cell_rebuilds_the_repl_without_repeating_model_ca
 
     server = scripted(root_and_sub(turns, sub))
     first = worker_processes()
-    handle = await client.start_workflow(
-        names.WORKFLOW,
-        request_for(server),
-        id=f"crash-cell-{uuid.uuid4().hex[:6]}",
-        task_queue=worker_processes.queue,
-        result_type=EpisodeResult,
+    handle = await start_episode(
+        client, request_for(server), worker_processes.queue, f"crash-cell-{uuid.uuid4().hex[:6]}"
     )
     await wait_until(lambda: len(server.sub_requests()) == 2 and server.completed >= 4)
     await asyncio.sleep(1.5)  # the cell now sleeps inside the worker's sandbox
