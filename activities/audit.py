@@ -20,31 +20,33 @@ class AuditActivities:
     @activity.defn(name=names.AUDIT_EPISODE)
     async def audit_episode(self, record: AuditEpisodeInput) -> None:
         if self.engine is not None:
-            await asyncio.to_thread(self._upsert, record)
+            await asyncio.to_thread(upsert_episode, self.engine, record)
 
-    def _upsert(self, record: AuditEpisodeInput) -> None:
-        values: dict[str, object] = {
-            "run_id": record.run_id,
-            "task": record.task[:10_000],
-            "root_model": record.root_model,
-            "status": record.status,
-            "updated_at": sa.func.now(),
-        }
-        if record.result is not None:
-            result = record.result
-            values.update(
-                ended_by=result.ended_by,
-                answer=result.answer,
-                iterations=result.iterations,
-                model_calls=result.model_calls,
-                prompt_tokens=result.usage.prompt_tokens,
-                completion_tokens=result.usage.completion_tokens,
-                error=result.error,
-            )
-        table = schema.episodes
-        with self.engine.begin() as conn:  # type: ignore[union-attr]
-            updated = conn.execute(
-                table.update().where(table.c.episode_id == record.episode_id).values(**values)
-            ).rowcount
-            if not updated:
-                conn.execute(table.insert().values(episode_id=record.episode_id, **values))
+
+def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
+    """Insert or update one episode's row: the same write for the activity and a rebuild."""
+    values: dict[str, object] = {
+        "run_id": record.run_id,
+        "task": record.task[:10_000],
+        "root_model": record.root_model,
+        "status": record.status,
+        "updated_at": sa.func.now(),
+    }
+    if record.result is not None:
+        result = record.result
+        values.update(
+            ended_by=result.ended_by,
+            answer=result.answer,
+            iterations=result.iterations,
+            model_calls=result.model_calls,
+            prompt_tokens=result.usage.prompt_tokens,
+            completion_tokens=result.usage.completion_tokens,
+            error=result.error,
+        )
+    table = schema.episodes
+    with engine.begin() as conn:
+        updated = conn.execute(
+            table.update().where(table.c.episode_id == record.episode_id).values(**values)
+        ).rowcount
+        if not updated:
+            conn.execute(table.insert().values(episode_id=record.episode_id, **values))

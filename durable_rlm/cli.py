@@ -26,6 +26,7 @@ from temporalio.service import RPCError
 
 from durable_rlm import demo, schema
 from durable_rlm.episodes import follow, load_context_file, send_reward, start_episode, store_context
+from durable_rlm.projection import rebuild_audit
 from durable_rlm.runtime import Services, connect, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("episode_id")
     reward.add_argument("value", type=float)
     reward.add_argument("--note")
+
+    sub.add_parser("audit-rebuild", help="rebuild the SQL audit projection from the histories")
 
     listing = sub.add_parser("list", help="episodes in the audit store")
     listing.add_argument("--limit", type=int, default=20)
@@ -292,6 +295,11 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _resume(settings, args)
     if args.command == "reward":
         return await _reward(settings, args)
+    if args.command == "audit-rebuild":
+        async with connect(settings) as services:
+            count = await rebuild_audit(services.client, services.engine)
+        print(f"audit store rebuilt from history: {count} episode(s)")
+        return EXIT_OK
     return _list(settings, args)
 
 

@@ -230,3 +230,21 @@ async def test_results_are_the_same_for_the_same_script(client, blobs, worker, s
     assert first.model_calls == second.model_calls
     assert isinstance(blobs, BlobStore)
     assert timedelta(0) <= timedelta(seconds=first.model_time_s)
+
+
+async def test_the_audit_projection_is_rebuilt_from_histories(client, store, worker, scripted) -> None:
+    from durable_rlm.projection import rebuild_audit
+
+    server = scripted(root_and_sub(["FINAL(rebuilt)"]))
+    episode_id = f"rebuild-{uuid.uuid4().hex[:8]}"
+    await run_episode(client, request_for(server, task="audit me"), worker.task_queue, episode_id)
+    table = schema.episodes
+    with store[1].connect() as conn:
+        before = conn.execute(sa.select(table).where(table.c.episode_id == episode_id)).one()
+    count = await rebuild_audit(client, store[1])  # drops every row, then reads histories
+    assert count >= 1
+    with store[1].connect() as conn:
+        after = conn.execute(sa.select(table).where(table.c.episode_id == episode_id)).one()
+    keys = ("run_id", "task", "status", "ended_by", "answer", "iterations", "model_calls", "prompt_tokens")
+    assert [getattr(after, k) for k in keys] == [getattr(before, k) for k in keys]
+    assert after.answer == "rebuilt"

@@ -95,4 +95,3 @@ async def test_the_timer_fires_while_no_worker_runs(client, worker_processes, sc
     result = await asyncio.wait_for(handle.result(), 60)
     assert (result.ended_by, result.answer) == ("max_duration", "partial result")
     assert result.execution.variant.reason.kind == "timeout"
-
