@@ -7,13 +7,14 @@ import asyncio
 from typing import Any
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
 from activities import chains
 from activities.llm import ModelActivities
 from durable_rlm.blobs import BlobStore
 from workflows import names
 from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt, strip_code_blocks
-from workflows.models import ExtractionInput, ExtractionReply, Message
+from workflows.models import ExtractionInput, ExtractionReply, Message, TokenUsage
 from workflows.parsing import truncate_output
 
 
@@ -34,7 +35,21 @@ class ExtractionActivities:
                 fallback_reason=str(request.reason),
             )
         )
-        done = await self.models.complete(request.model, [Message(role="user", content=prompt)])
+        try:
+            done = await self.models.complete(request.model, [Message(role="user", content=prompt)])
+        except ApplicationError as exc:
+            # Retry while attempts remain; on the last one, hand back the history with the
+            # error so the episode's Failed result keeps it (seed 004).
+            if not exc.non_retryable and activity.info().attempt < request.model.max_attempts:
+                raise
+            return ExtractionReply(
+                text="",
+                usage=TokenUsage(),
+                model_time_s=0.0,
+                history=history,
+                prompt_chars=len(prompt),
+                error=str(exc),
+            )
         return ExtractionReply(
             text=done.text,
             usage=done.usage,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from durable_rlm.scripted import root_and_sub
 from tests.conftest import request_for, run_episode
 from workflows.fallback import FieldSpec
@@ -136,3 +138,20 @@ async def test_extraction_can_be_turned_off(client, worker, scripted) -> None:
     result = await run_episode(client, request, worker.task_queue)
     assert result.execution.variant.kind == "failed" and "disabled" in result.execution.variant.reason
     assert server.extraction_requests() == []
+
+
+@pytest.mark.parametrize(("status", "attempts"), [(400, 1), (500, 3)])
+async def test_a_failed_extraction_call_keeps_the_history(client, worker, scripted, status, attempts) -> None:
+    from durable_rlm.scripted import Reply
+
+    server = scripted(
+        root_and_sub([NEVER_DONE], extract=lambda p: Reply(status=status, error="prompt too long"))
+    )
+    result = await run_episode(
+        client, request_for(server, limits=limits(max_iterations=2)), worker.task_queue
+    )
+    variant = result.execution.variant
+    assert variant.kind == "failed" and variant.reason.startswith("Extraction LLM call failed")
+    assert "prompt too long" in variant.reason
+    assert [e.iteration for e in variant.history] == [1, 2]
+    assert len(server.extraction_requests()) == attempts  # rejected: once; server errors: every attempt

@@ -567,6 +567,9 @@ class EpisodeWorkflow:
         s.model_calls += 1
         s.usage = s.usage.add(reply.usage)
         s.model_time_s += reply.model_time_s
+        if reply.error is not None:
+            failed = Failed(reason=f"Extraction LLM call failed: {reply.error}", history=reply.history)
+            return self._result(ended_by, None, execution=ExecutionResult(variant=failed))
         parsed = parse_extraction_response(reply.text, fields)
         if parsed.outputs is None:
             failed = Failed(

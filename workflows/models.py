@@ -341,6 +341,7 @@ class ExtractionReply(StrictModel):
     model_time_s: float
     history: list[REPLHistoryEntry]
     prompt_chars: int
+    error: str | None = None
 
 
 # --- updates -----------------------------------------------------------------------------------
