@@ -144,7 +144,6 @@ class ReplActivities:
         self.idle_s = idle_s
         self._live: dict[str, LiveSandbox] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.rebuilds = 0
 
     # --- activities -----------------------------------------------------------------------
 
@@ -248,9 +247,6 @@ class ReplActivities:
         for box in list(self._live.values()):
             await self._discard(box)
 
-    def live_episodes(self) -> list[str]:
-        return list(self._live)
-
     # --- internals ------------------------------------------------------------------------
 
     def _lock(self, episode_id: str) -> asyncio.Lock:
@@ -348,8 +344,6 @@ class ReplActivities:
         divergences = await self._replay(box, ref)
         box.log_head = ref.log_head
         self._live[ref.episode_id] = box
-        if ref.log_head is not None:
-            self.rebuilds += 1
         return box, ref.log_head is not None, divergences
 
     async def _spawn(self, ref: SandboxRef) -> LiveSandbox:

@@ -15,7 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from activities.audit import AuditActivities
 from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store import open_store
@@ -180,14 +180,14 @@ class Services:
     blobs: BlobStore
     engine: sa.Engine | None
     client: Client
-    extras: list[object] = field(default_factory=list)
 
 
 def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
+    """The SQL store, and the blob store: its `blobs` table, or a directory."""
     engine = open_store(settings.effective_database_url)
     if settings.blob_store == "sql":
         return BlobStore(SqlBackend(engine)), engine
-    return settings.open_blob_store(), engine
+    return BlobStore(DirectoryBackend(Path(settings.blob_store))), engine
 
 
 @contextlib.asynccontextmanager

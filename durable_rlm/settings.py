@@ -7,9 +7,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
-from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
-from durable_rlm.store import open_store
-
 
 class ConfigurationError(ValueError):
     """Bad settings: reported before anything starts."""
@@ -74,8 +71,3 @@ class Settings(BaseModel):
     @property
     def temporal_db_file(self) -> Path:
         return (self.data_dir / "temporal.sqlite").resolve()
-
-    def open_blob_store(self) -> BlobStore:
-        if self.blob_store == "sql":
-            return BlobStore(SqlBackend(open_store(self.effective_database_url)))
-        return BlobStore(DirectoryBackend(Path(self.blob_store)))

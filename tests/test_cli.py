@@ -29,6 +29,22 @@ def drlm(data_dir: Path, *args: str, timeout: float = 120, **env: str) -> subpro
     return subprocess.run([DRLM, *args], capture_output=True, text=True, timeout=timeout, env=environ)
 
 
+def run_counting(tmp_path: Path, server, context_file: Path, *extra: str, task: str = "count the lines"):
+    """`drlm run` of the TURNS episode against the scripted server."""
+    return drlm(
+        tmp_path,
+        "run",
+        task,
+        "--context",
+        str(context_file),
+        "--base-url",
+        server.base_url,
+        "--model",
+        "scripted",
+        *extra,
+    )
+
+
 @pytest.fixture
 def context_file(tmp_path: Path) -> Path:
     path = tmp_path / "context.txt"
@@ -38,18 +54,7 @@ def context_file(tmp_path: Path) -> Path:
 
 def test_run_json_prints_only_the_episode_result(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
-    out = drlm(
-        tmp_path,
-        "run",
-        "count the lines",
-        "--context",
-        str(context_file),
-        "--base-url",
-        server.base_url,
-        "--model",
-        "scripted",
-        "--json",
-    )
+    out = run_counting(tmp_path, server, context_file, "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)  # the whole of stdout is one JSON object
     assert result["answer"] == "NAME FOR 3"
@@ -58,17 +63,7 @@ def test_run_json_prints_only_the_episode_result(tmp_path: Path, scripted, conte
 
 def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
-    out = drlm(
-        tmp_path,
-        "run",
-        "count the lines",
-        "--context",
-        str(context_file),
-        "--base-url",
-        server.base_url,
-        "--model",
-        "scripted",
-    )
+    out = run_counting(tmp_path, server, context_file)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NAME FOR 3"
     assert "iteration" in out.stderr and "ended by final_var" in out.stderr
@@ -77,20 +72,7 @@ def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_fi
 def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     episode_id = f"cli-{uuid.uuid4().hex[:6]}"
-    drlm(
-        tmp_path,
-        "run",
-        "count",
-        "--context",
-        str(context_file),
-        "--base-url",
-        server.base_url,
-        "--model",
-        "scripted",
-        "--id",
-        episode_id,
-        "--json",
-    )
+    run_counting(tmp_path, server, context_file, "--id", episode_id, "--json", task="count")
     out = drlm(tmp_path, "show", episode_id)
     assert out.returncode == 0, out.stderr
     assert "=== iteration 3 ===" in out.stdout
@@ -102,20 +84,7 @@ def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) 
 def test_an_episode_survives_a_restart_of_the_cli(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     episode_id = f"later-{uuid.uuid4().hex[:6]}"
-    started = drlm(
-        tmp_path,
-        "run",
-        "count",
-        "--context",
-        str(context_file),
-        "--base-url",
-        server.base_url,
-        "--model",
-        "scripted",
-        "--id",
-        episode_id,
-        "--no-wait",
-    )
+    started = run_counting(tmp_path, server, context_file, "--id", episode_id, "--no-wait", task="count")
     assert started.returncode == 0 and started.stdout.strip() == episode_id
     assert server.requests == []  # nothing ran: the CLI and its server are gone
     resumed = drlm(tmp_path, "resume", episode_id, "--json")
