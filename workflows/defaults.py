@@ -1,0 +1,157 @@
+"""Every default number of an episode, defined once, each with its reason.
+
+Models, the CLI, the workflow and the activities read these; nothing else repeats them.
+(The sandbox child is standard-library only and cannot import this: the host passes it the
+values it needs in its init message.)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+# --- episode limits ------------------------------------------------------------------------
+
+MAX_ITERATIONS = 20
+"""Seed 004's FallbackTrigger default: enough turns for look, chunk, query, combine."""
+
+MAX_LLM_CALLS = 50
+"""Seed 004's FallbackTrigger default for sub-calls made from the REPL."""
+
+MAX_DURATION = timedelta(hours=1)
+"""An episode's wall-clock budget, counted from submission. Seed 004's bare trigger says 5
+minutes, but a production RLM run with a few dozen sub-calls routinely takes longer;
+episodes always pass their own limit, so SEED_TRIGGER_MAX_DURATION is only the seed's
+`FallbackTrigger()` default."""
+
+SEED_TRIGGER_MAX_DURATION = timedelta(seconds=300)
+"""Seed 004's `FallbackTrigger::default()`; kept for the seed's API, not used by episodes."""
+
+CELL_TIMEOUT_S = 60.0
+"""One REPL cell's compute time (model calls excluded): long enough for real pandas-free
+text processing of a large context, short enough that a runaway loop costs a minute."""
+
+OUTPUT_TRUNCATION = 20_000
+"""Characters of a cell's output the model sees (rlms truncates at a similar size)."""
+
+STORED_OUTPUT_CHARS = 1_000_000
+"""Characters of a cell's output kept for the record (history, cell log, extraction). The
+sandbox counts and drops the rest as it is printed, so a runaway print cannot fill memory."""
+
+MAX_PARALLEL_SUBCALLS = 16
+"""Sub-calls of one llm_query_batched in flight at once: providers rate-limit bursts."""
+
+MAX_PARALLEL_SUBCALLS_CEILING = 500
+"""Below Temporal's 2,000 pending activities per execution, with room for the rest."""
+
+MAX_CELLS_PER_REPLY = 16
+"""Code blocks run from one reply. A reply with thousands of blocks is not a plan, and each
+block is a REPL step in history."""
+
+# --- models --------------------------------------------------------------------------------
+
+REQUEST_TIMEOUT_S = 120.0
+"""One model request. Long replies from large models take a minute or more."""
+
+MODEL_ATTEMPTS = 6
+"""Temporal attempts per model call; with the back-off below that covers ~2 minutes of a
+provider's 429/5xx before the call is given up."""
+
+MODEL_RETRY_INITIAL = timedelta(seconds=1)
+MODEL_RETRY_BACKOFF = 2.0
+MODEL_RETRY_MAX_INTERVAL = timedelta(seconds=60)
+"""Exponential back-off between model attempts; a provider's retry-after overrides it."""
+
+ACTIVITY_SLACK_S = 30.0
+"""Added to a request or cell timeout for an activity's start-to-close: the activity also
+reads and writes the blob store around the call."""
+
+REPLY_TOKENS_RESERVED = 4_096
+"""Tokens kept free for the reply when the model's max_tokens is not set (compaction)."""
+
+CHARS_PER_TOKEN = 4
+"""Rough size of a token in English text; used only to estimate new messages' tokens. The
+provider's own prompt_tokens count of the previous call is used wherever there is one."""
+
+# --- conversation --------------------------------------------------------------------------
+
+COMPACT_AT_SHARE = 0.8
+"""Compact when the next request plus its reserved reply would pass this share of the
+context window (rlms's default share); the rest is headroom for estimation error."""
+
+COMPACTION_KEEP_MESSAGES = 2
+"""Most recent messages kept verbatim by a compaction: the observation before the model's
+latest reply, and that reply; the newest observation follows them. After the model has
+said a request is too long, a compaction keeps none."""
+
+COMPACTION_INPUT_CHARS = 200_000
+"""Characters of earlier turns given to the summariser; the middle of longer ones is cut."""
+
+RESENT_MESSAGE_CHARS = 20_000
+"""An earlier reply or observation longer than this is shortened in what is resent (head
+and tail kept); the stored conversation keeps it whole."""
+
+# --- durability ----------------------------------------------------------------------------
+
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A worker that stops heartbeating for this long is presumed dead and the step retried."""
+
+STICKY_SCHEDULE_TO_START_S = 10.0
+"""How long a REPL step waits for the worker that holds its sandbox before another worker
+rebuilds the sandbox from the log."""
+
+HEARTBEAT_EVERY_S = 1.0
+"""Heartbeat period of long activities; the SDK throttles what reaches the server."""
+
+REPL_ATTEMPTS_STICKY = 2
+REPL_ATTEMPTS_SHARED = 3
+"""A REPL step gets two tries on its worker, then three on any worker (rebuilding); after
+that the cell is recorded as lost and the episode goes on without it."""
+
+REPL_SLACK_S = 120.0
+"""Added to the cell timeout for a REPL step: a rebuild replays earlier cells first."""
+
+AUDIT_ATTEMPTS = 5
+"""The audit store is a projection: a few retries, then history alone is the record."""
+
+CLOSE_SANDBOX_TIMEOUT_S = 10.0
+"""Waiting for the worker that holds the sandbox at the end; idle reaping covers the rest."""
+
+# --- sandbox -------------------------------------------------------------------------------
+
+SANDBOX_MEMORY_MB = 4_096
+SANDBOX_FILE_MB = 256
+"""Address space and largest file of a sandbox: room for a large context and its copies."""
+
+SANDBOX_IDLE_S = 1_800.0
+"""A sandbox unused this long is killed; the next step rebuilds it from the log."""
+
+SANDBOX_STARTUP_S = 30.0
+"""A sandbox that is not ready in this time failed to start."""
+
+HARD_KILL_GRACE_S = 5.0
+"""After a cell's timeout, how long its interrupt has before the process is killed."""
+
+MAX_FRAME_BYTES = 256 * 1024 * 1024
+"""Largest message between sandbox and host; larger is reported as an oversize frame."""
+
+VARIABLES_SHOWN = 50
+VARIABLE_CHARS = 200
+"""The bounded summary of REPL variables that policies and extraction see."""
+
+# --- what the model and people see ---------------------------------------------------------
+
+CODE_SHOWN_CHARS = 2_000
+"""Code echoed back in an observation: the model wrote it, it needs only a reminder."""
+
+PROGRESS_TEXT_CHARS = 2_000
+"""Last response and output kept for the `progress` query."""
+
+POLICY_TEXT_CHARS = 4_000
+"""Text a termination policy's regexes may scan (opt-in printed output): user patterns run
+inside the workflow task, so their input is bounded."""
+
+EXTRACTION_HISTORY_ENTRIES = 50
+EXTRACTION_OUTPUT_CHARS = 4_000
+"""Seed 004's extraction prompt: the last cells, each output shortened."""
+
+REWARD_NOTE_CHARS = 2_000
