@@ -47,7 +47,11 @@ def test_stated_confidence_wins_over_logprobs() -> None:
 def test_actions_by_kind() -> None:
     assert build_action("42", [], "FINAL(42)", None).action_type == "final"
     code = build_action(None, [("out\n", "", None)], "", None)
-    assert (code.action_type, code.success, code.output) == ("code", True, "out")
+    # What a cell printed is data: policies see it only when asked to scan it.
+    assert (code.action_type, code.success, code.output) == ("code", True, "")
+    assert code.metadata["printed_output"] == "out"
+    scanned = build_action(None, [("out\n", "", None)], "", None, show_printed=True, limit=2)
+    assert scanned.output == "ou"
     error = build_action(None, [("", "", "ValueError: x")], "", None)
     assert (error.action_type, error.success) == ("error", False)
     message = build_action(None, [], "I will call FINAL(x) later", None)

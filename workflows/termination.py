@@ -1,14 +1,19 @@
 """Termination policies (seed 003): when an episode is done.
 
 Deterministic workflow code: a policy sees the iteration's `ActionResult` and a
-`PolicyContext` and returns `(should_terminate, final_answer)`. Stateful policies keep their
-state in attributes whose names start with `_`; `get_state()` / `set_state()` move that state
-through continue-as-new, and replay rebuilds it by feeding the same results again.
+`PolicyContext` and returns `(should_terminate, final_answer)` (the seed's API), or a
+`PolicyDecision` from `decide()`, which keeps an answer apart from a status message.
+
+A policy's state crosses continue-as-new as JSON. Built-ins declare it as a pydantic
+`State` model whose fields are the policy's `_field` attributes; a custom policy without
+one has its `_` attributes checked instead, and registration refuses a policy whose state
+would not come back as it went (a compiled regex would come back as a string).
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import re
 from abc import ABC, abstractmethod
@@ -16,9 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 
 class PolicyError(ValueError):
-    """An unknown policy or a bad configuration, named precisely."""
+    """An unknown policy, a bad configuration or unsafe state, named precisely."""
 
 
 @dataclass
@@ -40,9 +47,49 @@ class PolicyContext:
     metrics: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PolicyDecision:
+    """A decision with its parts kept apart: `answer` is text the policy stands behind as
+    the answer (None: none); `reason` says why, and is never an answer."""
+
+    stop: bool
+    answer: str | None = None
+    reason: str = ""
+
+    def as_tuple(self) -> tuple[bool, str | None]:
+        """The seed's `(should_terminate, final_answer)`: a status message fills the
+        second place when there is no answer, as the seed's examples show."""
+        if not self.stop:
+            return False, None
+        return True, self.answer if self.answer is not None else (self.reason or None)
+
+
+class NoState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _json_round_trip(name: str, attribute: str, value: Any) -> Any:
+    try:
+        back = json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(
+            f"policy {name!r}: state attribute {attribute!r} holds {type(value).__name__}, which "
+            f"cannot cross continue-as-new as JSON ({exc}); declare a pydantic `State` model, "
+            "or rebuild the value from config in __init__ and keep it out of `_` attributes"
+        ) from None
+    if back != value or type(back) is not type(value):
+        raise PolicyError(
+            f"policy {name!r}: state attribute {attribute!r} ({type(value).__name__}) would come "
+            f"back from JSON as {type(back).__name__}; declare a pydantic `State` model"
+        )
+    return back
+
+
 class Policy:
     name: ClassVar[str] = "policy_base"
     description: ClassVar[str] = "Base policy"
+    State: ClassVar[type[BaseModel] | None] = None
+    """The policy's state: field `x` is attribute `_x`. None: every `_` attribute, checked."""
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         if config is not None and not isinstance(config, dict):
@@ -77,12 +124,42 @@ class Policy:
         """Clear state between independent episodes."""
 
     def get_state(self) -> dict[str, Any]:
-        return {k: copy.deepcopy(v) for k, v in vars(self).items() if k.startswith("_")}
+        """The state as JSON-safe data; raises PolicyError when it cannot be that."""
+        if self.State is not None:
+            values = {key: getattr(self, "_" + key) for key in self.State.model_fields}
+            try:
+                return self.State.model_validate(values).model_dump(mode="json")
+            except ValidationError as exc:
+                raise PolicyError(f"policy {self.name!r}: state does not fit its State model: {exc}") from exc
+        return {
+            key: _json_round_trip(self.name, key, value)
+            for key, value in vars(self).items()
+            if key.startswith("_")
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        if self.State is not None:
+            # Histories written before State models carried the attribute names ("_x").
+            plain = {key.removeprefix("_"): value for key, value in state.items()}
+            try:
+                value = self.State.model_validate(plain)
+            except ValidationError as exc:
+                raise PolicyError(f"policy {self.name!r}: cannot restore state: {exc}") from exc
+            for key in self.State.model_fields:
+                setattr(self, "_" + key, copy.deepcopy(getattr(value, key)))
+            return
         for key, value in state.items():
             if key.startswith("_"):
                 setattr(self, key, copy.deepcopy(value))
+
+
+def check_state_round_trip(policy: Policy) -> None:
+    """Refuse a policy whose state would not survive continue-as-new unchanged."""
+    state = policy.get_state()
+    twin = copy.deepcopy(policy)
+    twin.set_state(json.loads(json.dumps(state)))
+    if twin.get_state() != state:
+        raise PolicyError(f"policy {policy.name!r}: its state does not come back unchanged from JSON")
 
 
 class TerminationPolicy(Policy, ABC):
@@ -90,11 +167,18 @@ class TerminationPolicy(Policy, ABC):
 
     name: ClassVar[str] = "termination_base"
     description: ClassVar[str] = "Base termination policy"
-    last_reason: str | None = None
 
     @abstractmethod
     def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
         """Return (should_terminate, final_answer_if_any)."""
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
+        """The decision with answer and reason apart. Policies written to the seed's API
+        only implement should_terminate; what they return counts as their answer."""
+        stop, text = self.should_terminate(result, context)
+        return PolicyDecision(
+            bool(stop), text if stop else None, f"{self.name} decided to stop" if stop else ""
+        )
 
 
 class PolicyRegistry:
@@ -105,6 +189,14 @@ class PolicyRegistry:
         def register(policy_cls: type[TerminationPolicy]) -> type[TerminationPolicy]:
             if not (isinstance(policy_cls, type) and issubclass(policy_cls, TerminationPolicy)):
                 raise PolicyError(f"{policy_cls!r} is not a TerminationPolicy")
+            try:
+                probe = policy_cls()
+            except PolicyError:
+                raise
+            except Exception:  # noqa: BLE001 - needs config; checked when built with one
+                probe = None
+            if probe is not None:
+                check_state_round_trip(probe)
             cls._termination[name] = policy_cls
             return policy_cls
 
@@ -116,7 +208,9 @@ class PolicyRegistry:
         if policy_cls is None:
             known = ", ".join(sorted(cls._termination))
             raise PolicyError(f"unknown termination policy {name!r} (known: {known})")
-        return policy_cls(config)
+        policy = policy_cls(config)
+        check_state_round_trip(policy)
+        return policy
 
     @classmethod
     def list_termination(cls) -> list[str]:
@@ -129,6 +223,7 @@ class FinalPatternTerminationPolicy(TerminationPolicy):
 
     name = "final_pattern"
     description = "Stop on FINAL(...) / FINAL_VAR(...) (the RLM paper's protocol)"
+    State = NoState  # compiled patterns are rebuilt from config
 
     @classmethod
     def get_default_config(cls) -> dict[str, Any]:
@@ -154,35 +249,39 @@ class FinalPatternTerminationPolicy(TerminationPolicy):
                     f"policy 'final_pattern': bad regex {pattern!r} in final_patterns: {exc}"
                 ) from exc
 
-    def get_state(self) -> dict[str, Any]:
-        return {}  # stateless; compiled patterns are rebuilt from config
-
     def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+        return self.decide(result, context).as_tuple()
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
         if result.action_type == "final":
-            self.last_reason = "final action"
-            return True, result.output
+            return PolicyDecision(True, result.output, "final action")
         output = result.output or ""
         for pattern, compiled in self._compiled_patterns:
             match = compiled.search(output)
             if match is None:
                 continue
             if not self.settings["extract_answer"]:
-                self.last_reason = f"pattern {pattern!r} matched"
-                return True, output
+                return PolicyDecision(True, output, f"pattern {pattern!r} matched")
             captured = match.group(1) if compiled.groups else match.group(0)
             if "FINAL_VAR" in pattern:
                 if captured not in context.variables:
                     continue  # the variable does not exist (yet): not an answer
                 captured = str(context.variables[captured])
-            self.last_reason = f"pattern {pattern!r} matched"
-            return True, captured
-        return False, None
+            return PolicyDecision(True, captured, f"pattern {pattern!r} matched")
+        return PolicyDecision(False)
+
+
+class RewardState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    cumulative_reward: float = 0.0
+    negative_streak: int = 0
 
 
 @PolicyRegistry.register_termination("reward_threshold")
 class RewardThresholdTerminationPolicy(TerminationPolicy):
     name = "reward_threshold"
     description = "Stop when cumulative reward reaches a threshold, or after a negative streak"
+    State = RewardState
 
     @classmethod
     def get_default_config(cls) -> dict[str, Any]:
@@ -194,23 +293,28 @@ class RewardThresholdTerminationPolicy(TerminationPolicy):
         self._negative_streak = 0
 
     def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+        return self.decide(result, context).as_tuple()
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
         settings = self.settings
         reward = float(context.metrics.get("last_reward") or 0.0)
         self._cumulative_reward += reward
         self._negative_streak = self._negative_streak + 1 if reward < 0 else 0
         if self._cumulative_reward >= settings["min_reward_threshold"]:
             if settings["require_final_action"] and result.action_type != "final":
-                return False, None
-            self.last_reason = (
-                f"cumulative reward {self._cumulative_reward:.2f} >= {settings['min_reward_threshold']}"
-            )
+                return PolicyDecision(False)
             if result.action_type == "final":
-                return True, result.output
-            return True, f"Reward threshold reached: {self._cumulative_reward:.2f}"
+                return PolicyDecision(
+                    True,
+                    result.output,
+                    f"cumulative reward {self._cumulative_reward:.2f} >= {settings['min_reward_threshold']}",
+                )
+            return PolicyDecision(True, None, f"Reward threshold reached: {self._cumulative_reward:.2f}")
         if self._negative_streak >= settings["max_negative_streak"]:
-            self.last_reason = f"{self._negative_streak} consecutive negative rewards"
-            return True, f"Terminated after {self._negative_streak} consecutive negative rewards"
-        return False, None
+            return PolicyDecision(
+                True, None, f"Terminated after {self._negative_streak} consecutive negative rewards"
+            )
+        return PolicyDecision(False)
 
     def reset(self) -> None:
         self._cumulative_reward = 0.0
@@ -221,6 +325,7 @@ class RewardThresholdTerminationPolicy(TerminationPolicy):
 class ConfidenceTerminationPolicy(TerminationPolicy):
     name = "confidence"
     description = "Stop when the model's confidence reaches a threshold"
+    State = NoState  # the fallback policy is stateless and rebuilt from config
 
     @classmethod
     def get_default_config(cls) -> dict[str, Any]:
@@ -235,29 +340,35 @@ class ConfidenceTerminationPolicy(TerminationPolicy):
         super().__init__(config)
         self._fallback = FinalPatternTerminationPolicy()
 
-    def get_state(self) -> dict[str, Any]:
-        return {}
-
     def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+        return self.decide(result, context).as_tuple()
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
         settings = self.settings
         if context.step < settings["min_steps_before_termination"]:
-            return False, None
+            return PolicyDecision(False)
         confidence = result.metadata.get(settings["confidence_key"])
         if isinstance(confidence, (int, float)) and confidence >= settings["confidence_threshold"]:
-            self.last_reason = f"confidence {confidence:.2f} >= {settings['confidence_threshold']}"
-            return True, result.output
+            return PolicyDecision(
+                True, result.output, f"confidence {confidence:.2f} >= {settings['confidence_threshold']}"
+            )
         if settings["fallback_to_final_pattern"]:
-            stop, answer = self._fallback.should_terminate(result, context)
-            if stop:
-                self.last_reason = f"confidence below threshold; {self._fallback.last_reason}"
-            return stop, answer
-        return False, None
+            fallback = self._fallback.decide(result, context)
+            if fallback.stop:
+                return PolicyDecision(True, fallback.answer, f"confidence below threshold; {fallback.reason}")
+        return PolicyDecision(False)
+
+
+class CompositeState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    policies: list[dict[str, Any]] = []
 
 
 @PolicyRegistry.register_termination("composite")
 class CompositeTerminationPolicy(TerminationPolicy):
     name = "composite"
     description = "Combine policies with OR (any) or AND (all)"
+    State = CompositeState
 
     @classmethod
     def get_default_config(cls) -> dict[str, Any]:
@@ -279,29 +390,45 @@ class CompositeTerminationPolicy(TerminationPolicy):
         if not self.policies:
             raise PolicyError("policy 'composite': 'policies' must name at least one policy")
 
+    def _decisions(
+        self, result: ActionResult, context: PolicyContext
+    ) -> list[tuple[TerminationPolicy, PolicyDecision]]:
+        if self.settings["require_all"]:
+            return [(p, p.decide(result, context)) for p in self.policies]
+        for policy in self.policies:  # OR: the first that stops; later ones are not asked
+            decision = policy.decide(result, context)
+            if decision.stop:
+                return [(policy, decision)]
+        return []
+
     def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
-        if not self.settings["require_all"]:
-            for policy in self.policies:
-                stop, answer = policy.should_terminate(result, context)
-                if stop:
-                    self.last_reason = f"{policy.name}: {policy.last_reason or 'triggered'}"
-                    return True, answer
+        decisions = self._decisions(result, context)
+        if not decisions or not all(d.stop for _, d in decisions):
             return False, None
-        decisions = [(p, *p.should_terminate(result, context)) for p in self.policies]
-        if all(stop for _, stop, _ in decisions):
-            self.last_reason = "all of " + ", ".join(p.name for p, _, _ in decisions)
-            return True, next((a for _, _, a in decisions if a is not None), None)
-        return False, None
+        return True, next((d.as_tuple()[1] for _, d in decisions if d.as_tuple()[1] is not None), None)
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
+        decisions = self._decisions(result, context)
+        if not decisions or not all(d.stop for _, d in decisions):
+            return PolicyDecision(False)
+        answer = next((d.answer for _, d in decisions if d.answer is not None), None)
+        if self.settings["require_all"]:
+            reason = "all of " + ", ".join(f"{p.name} ({d.reason})" for p, d in decisions)
+        else:
+            policy, decision = decisions[0]
+            reason = f"{policy.name}: {decision.reason}"
+        return PolicyDecision(True, answer, reason)
 
     def reset(self) -> None:
         for policy in self.policies:
             policy.reset()
 
     def get_state(self) -> dict[str, Any]:
-        return {"_policies": [p.get_state() for p in self.policies]}
+        return CompositeState(policies=[p.get_state() for p in self.policies]).model_dump(mode="json")
 
     def set_state(self, state: dict[str, Any]) -> None:
-        for policy, sub_state in zip(self.policies, state.get("_policies", []), strict=False):
+        saved = state.get("policies", state.get("_policies", []))
+        for policy, sub_state in zip(self.policies, saved, strict=False):
             policy.set_state(sub_state)
 
 
