@@ -3,33 +3,133 @@
 History carries only a chain's head digest and the entries one step adds, so its bytes per
 iteration stay bounded (DESIGN invariant 5). Entries name their predecessor, so a head
 digest identifies the whole sequence: two workers agree on REPL state iff heads are equal.
+
+The cell log is typed: `CellStarted`, `CallsAnswered`, `CellEnded` and (room for REPL
+snapshots) `SnapshotTaken`, stored as `{"prev": ..., "t": ..., ...}` JSON nodes, the shape
+logs had before these models, so old logs read the same. `read_cell_log` is the one reader.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from durable_rlm.blobs import BlobStore
 from workflows.models import Message
 
 MAX_CHAIN = 1_000_000
 
+CellStatus = Literal["ok", "error", "timeout", "killed", "lost"]
+SKIPPED_ON_REBUILD: frozenset[str] = frozenset({"killed", "timeout", "lost"})
+"""Cells whose effects did not survive: a rebuild does not run them again."""
 
-def append(blobs: BlobStore, head: str | None, entry: dict[str, Any]) -> str:
-    return blobs.put_json({"prev": head, **entry})
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CellStarted(_Entry):
+    t: Literal["cell"] = "cell"
+    cell: int
+    iteration: int = 0
+    code: str
+
+
+class LoggedAnswer(_Entry):
+    """A call's recorded result: the prompt's digest (to detect divergence) and the
+    reply's blob digest, so a rebuild answers the call without calling anything."""
+
+    call: int
+    prompt: str
+    ok: bool
+    text: str
+    kind: str = "llm_query"
+
+
+class CallsAnswered(_Entry):
+    t: Literal["answers"] = "answers"
+    cell: int
+    answers: list[LoggedAnswer]
+
+
+class CellEnded(_Entry):
+    t: Literal["end"] = "end"
+    cell: int | None
+    status: CellStatus
+    output: str | None = None  # blob digest of stdout + stderr + error
+
+
+class SnapshotTaken(_Entry):
+    """A checkpoint of the namespace after the cells before it (REPL snapshots)."""
+
+    t: Literal["snapshot"] = "snapshot"
+    ref: str
+    cells: int
+
+
+LogEntry = Annotated[CellStarted | CallsAnswered | CellEnded | SnapshotTaken, Field(discriminator="t")]
+_ENTRY = TypeAdapter(LogEntry)
+
+
+@dataclass
+class LoggedCell:
+    """One cell as the log tells it: its code, the answers it got, how it ended."""
+
+    index: int
+    iteration: int
+    code: str
+    answers: list[LoggedAnswer] = field(default_factory=list)
+    status: CellStatus | None = None  # None: the cell has not ended (it is mid-call)
+    output: str | None = None
+
+
+@dataclass
+class CellLog:
+    cells: list[LoggedCell]
+    snapshot: SnapshotTaken | None = None  # the latest snapshot, if any
+
+    @property
+    def open_cell(self) -> LoggedCell | None:
+        """The last cell if it has not ended: a step of it is in flight."""
+        return self.cells[-1] if self.cells and self.cells[-1].status is None else None
+
+
+def append(blobs: BlobStore, head: str | None, entry: _Entry | dict[str, Any]) -> str:
+    body = entry.model_dump(mode="json") if isinstance(entry, BaseModel) else entry
+    return blobs.put_json({"prev": head, **body})
 
 
 def walk(blobs: BlobStore, head: str | None) -> list[dict[str, Any]]:
-    """Entries from the first to `head`."""
-    entries: list[dict[str, Any]] = []
+    """Nodes from the first to `head`."""
+    nodes: list[dict[str, Any]] = []
     while head is not None:
         node = blobs.get_json(head)
-        entries.append(node)
+        nodes.append(node)
         head = node["prev"]
-        if len(entries) > MAX_CHAIN:
+        if len(nodes) > MAX_CHAIN:
             raise ValueError("chain too long or cyclic")
-    entries.reverse()
-    return entries
+    nodes.reverse()
+    return nodes
+
+
+def read_cell_log(blobs: BlobStore, head: str | None) -> CellLog:
+    """The cell log up to `head`, as cells."""
+    log = CellLog(cells=[])
+    for node in walk(blobs, head):
+        entry = _ENTRY.validate_python({k: v for k, v in node.items() if k != "prev"})
+        if isinstance(entry, CellStarted):
+            log.cells.append(LoggedCell(entry.cell, entry.iteration, entry.code))
+        elif isinstance(entry, SnapshotTaken):
+            log.snapshot = entry
+        elif not log.cells:
+            raise ValueError(f"cell log entry {entry.t!r} before any cell")
+        elif isinstance(entry, CallsAnswered):
+            log.cells[-1].answers.extend(entry.answers)
+        else:
+            log.cells[-1].status, log.cells[-1].output = entry.status, entry.output
+    return log
 
 
 def append_message(blobs: BlobStore, head: str | None, message: Message) -> str:

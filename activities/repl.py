@@ -1,22 +1,28 @@
 """REPL cell execution: one sandbox process per episode, cells as resumable coroutines.
 
 A cell that calls `llm_query` stops at the call; the activity returns `suspended` with the
-requests, the workflow runs them as activities, and `repl_resume` hands the answers back.
-Every step is appended to the cell log (a hash chain in the blob store). A step names the
-log head it expects; a worker whose live sandbox is at another head (or has none) rebuilds
-one by re-running the logged cells and answering their model calls from the log, without
-calling any model (DESIGN invariant 3).
+requests (each naming its kind), the workflow answers them, and `repl_resume` hands the
+answers back. Every step is appended to the cell log (a typed hash chain in the blob
+store). A step names the log head it expects; a worker whose live sandbox is at another
+head (or has none) rebuilds one by re-running the logged cells and answering their calls
+from the log, without calling any model (DESIGN invariant 3).
+
+Every step heartbeats on a timer for as long as it runs, a rebuild included, so a long log
+of quick cells is not mistaken for a dead worker; a step that fails or is cancelled kills
+its sandbox, so no half-run process is left behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +31,11 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
+from activities.chains import CallsAnswered, CellEnded, CellStarted, LoggedAnswer, LoggedCell
 from activities.sandbox import CHILD_PATH
-from activities.sandbox.child import HEADER, MAX_FRAME, NOBODY, decode_body, encode_frame
+from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
 from durable_rlm.blobs import BlobStore, text_digest
-from workflows import names
+from workflows import defaults, names
 from workflows.models import (
     CellOutcome,
     CloseSandboxInput,
@@ -40,9 +47,9 @@ from workflows.models import (
     VariableValue,
 )
 
-HARD_KILL_GRACE_S = 5.0
-STARTUP_TIMEOUT_S = 30.0
-SKIPPED_ON_REBUILD = {"killed", "timeout"}
+log = logging.getLogger(__name__)
+
+BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame
 
 
 def prepare_sandbox_root(root: Path) -> Path:
@@ -60,9 +67,25 @@ def prepare_sandbox_root(root: Path) -> Path:
     return root
 
 
-def _beat() -> None:
-    if activity.in_activity():
-        activity.heartbeat()
+@contextlib.asynccontextmanager
+async def heartbeating(every_s: float = defaults.HEARTBEAT_EVERY_S) -> AsyncIterator[None]:
+    """Heartbeat for as long as the block runs, whatever it is waiting on."""
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(every_s)
+
+    if not activity.in_activity():
+        yield
+        return
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @dataclass
@@ -78,7 +101,7 @@ class LiveSandbox:
     pending: list[SubCallRequest] = field(default_factory=list)
     early_done: dict[str, Any] | None = None
     last_used: float = field(default_factory=time.monotonic)
-    network: str = ""
+    layers: dict[str, str] = field(default_factory=dict)
 
     async def send(self, message: dict[str, Any]) -> None:
         assert self.process.stdin is not None
@@ -87,15 +110,10 @@ class LiveSandbox:
 
     async def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next frame; None when the process died or stayed silent past `timeout`."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            try:
-                return await asyncio.wait_for(self.frames.get(), min(1.0, remaining))
-            except TimeoutError:
-                _beat()
+        try:
+            return await asyncio.wait_for(self.frames.get(), timeout)
+        except TimeoutError:
+            return None
 
     async def kill(self) -> None:
         self.reader.cancel()
@@ -106,17 +124,35 @@ class LiveSandbox:
                 await asyncio.wait_for(self.process.wait(), 5)
         shutil.rmtree(self.directory, ignore_errors=True)
 
+    async def exit_code(self) -> int | None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.process.wait(), 1.0)
+        return self.process.returncode
 
-async def _read_frames(process: asyncio.subprocess.Process, queue: asyncio.Queue) -> None:
+
+async def _read_frames(process: asyncio.subprocess.Process, queue: asyncio.Queue, max_frame: int) -> None:
+    """Frames from the sandbox; what is not a frame is reported as what it is."""
     assert process.stdout is not None
     try:
         while True:
             header = await process.stdout.readexactly(HEADER.size)
             (length,) = HEADER.unpack(header)
-            if length > MAX_FRAME:
-                break
-            await queue.put(decode_body(await process.stdout.readexactly(length)))
-    except (asyncio.IncompleteReadError, ValueError, ConnectionError):
+            if length > max_frame:
+                await queue.put(
+                    {
+                        "op": BROKEN,
+                        "error": f"the sandbox sent a {length:,}-byte frame, "
+                        f"over the {max_frame:,}-byte limit",
+                    }
+                )
+                return
+            body = await process.stdout.readexactly(length)
+            try:
+                await queue.put(decode_body(body))
+            except (ValueError, UnicodeDecodeError) as exc:
+                await queue.put({"op": BROKEN, "error": f"the sandbox sent a malformed frame: {exc}"})
+                return
+    except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
         await queue.put(None)
@@ -134,14 +170,19 @@ class ReplActivities:
         blobs: BlobStore,
         worker_queue: str,
         sandbox_root: Path,
-        memory_mb: int = 4096,
-        idle_s: float = 1800.0,
+        memory_mb: int = defaults.SANDBOX_MEMORY_MB,
+        idle_s: float = defaults.SANDBOX_IDLE_S,
+        max_frame_bytes: int = defaults.MAX_FRAME_BYTES,
+        audit_hook: bool = True,
     ) -> None:
         self.blobs = blobs
         self.worker_queue = worker_queue
         self.sandbox_root = prepare_sandbox_root(Path(sandbox_root))
         self.memory_mb = memory_mb
         self.idle_s = idle_s
+        self.max_frame_bytes = max_frame_bytes
+        self.audit_hook = audit_hook  # tests turn it off to prove the other layers hold alone
+        self.network_warned = False
         self._live: dict[str, LiveSandbox] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
@@ -149,71 +190,67 @@ class ReplActivities:
 
     @activity.defn(name=names.REPL_EXECUTE)
     async def execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
-        async with self._lock(request.sandbox.episode_id):
-            box, rebuilt, divergences = await self._ensure(request.sandbox)
-            if box.cell_index is not None:
-                raise ApplicationError(
-                    "sandbox is mid-cell; cannot start another", type=names.SANDBOX_FAILURE
+        async with self._lock(request.sandbox.episode_id), heartbeating():
+            box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=False)
+            async with self._discard_on_failure(box):
+                box.log_head = await self._log(
+                    box.log_head,
+                    CellStarted(cell=request.cell_index, iteration=request.iteration, code=request.code),
                 )
-            head = await self._log(
-                box.log_head,
-                {
-                    "t": "cell",
-                    "cell": request.cell_index,
-                    "iteration": request.iteration,
-                    "code": request.code,
-                },
-            )
-            box.log_head, box.cell_index, box.next_call = head, request.cell_index, 0
-            await box.send(self._exec_message(request.sandbox, request.cell_index, request.code))
-            outcome = await self._drive(box, request.sandbox)
+                box.cell_index, box.next_call = request.cell_index, 0
+                await box.send(self._exec_message(request.sandbox, request.cell_index, request.code))
+                outcome = await self._drive(box, request.sandbox)
             return outcome.model_copy(update={"rebuilt": rebuilt, "divergences": divergences})
 
     @activity.defn(name=names.REPL_RESUME)
     async def resume_cell(self, request: ResumeCellInput) -> CellOutcome:
-        async with self._lock(request.sandbox.episode_id):
-            box, rebuilt, divergences = await self._ensure(request.sandbox)
-            if box.early_done is not None:
-                # Rebuilt code finished without asking for these calls: it diverged.
-                return await self._finish(box, box.early_done, rebuilt, divergences)
-            expected = [r.call_index for r in box.pending]
-            given = [a.call_index for a in request.answers]
-            if box.cell_index != request.cell_index or expected != given:
-                raise ApplicationError(
-                    f"answers for calls {given} of cell {request.cell_index} do not match the "
-                    f"pending calls {expected} of cell {box.cell_index}",
-                    type=names.SANDBOX_FAILURE,
-                    non_retryable=True,
+        async with self._lock(request.sandbox.episode_id), heartbeating():
+            box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=True)
+            async with self._discard_on_failure(box):
+                if box.early_done is not None:
+                    # Rebuilt code finished without asking for these calls: it diverged.
+                    return await self._finish(box, box.early_done, rebuilt, divergences)
+                expected = [r.call_index for r in box.pending]
+                given = [a.call_index for a in request.answers]
+                if box.cell_index != request.cell_index or expected != given:
+                    raise ApplicationError(
+                        f"answers for calls {given} of cell {request.cell_index} do not match the "
+                        f"pending calls {expected} of cell {box.cell_index}",
+                        type=names.SANDBOX_FAILURE,
+                        non_retryable=True,
+                    )
+                kinds = {r.call_index: r.kind for r in box.pending}
+                logged = [
+                    LoggedAnswer(
+                        call=a.call_index,
+                        prompt=a.prompt_digest,
+                        ok=a.ok,
+                        text=await asyncio.to_thread(self.blobs.put_text, a.text),
+                        kind=kinds[a.call_index],
+                    )
+                    for a in request.answers
+                ]
+                box.log_head = await self._log(
+                    box.log_head, CallsAnswered(cell=request.cell_index, answers=logged)
                 )
-            answer_refs = [
-                {
-                    "call": a.call_index,
-                    "prompt": a.prompt_digest,
-                    "ok": a.ok,
-                    "text": await asyncio.to_thread(self.blobs.put_text, a.text),
-                }
-                for a in request.answers
-            ]
-            box.log_head = await self._log(
-                box.log_head, {"t": "answers", "cell": request.cell_index, "answers": answer_refs}
-            )
-            box.pending = []
-            await box.send(
-                {"op": "answers", "answers": [{"ok": a.ok, "text": a.text} for a in request.answers]}
-            )
-            outcome = await self._drive(box, request.sandbox)
+                box.pending = []
+                await box.send(
+                    {"op": "answers", "answers": [{"ok": a.ok, "text": a.text} for a in request.answers]}
+                )
+                outcome = await self._drive(box, request.sandbox)
             return outcome.model_copy(update={"rebuilt": rebuilt, "divergences": divergences})
 
     @activity.defn(name=names.REPL_READ_VARIABLE)
     async def read_variable(self, request: ReadVariableInput) -> VariableValue:
-        async with self._lock(request.sandbox.episode_id):
-            box, _, _ = await self._ensure(request.sandbox)
+        async with self._lock(request.sandbox.episode_id), heartbeating():
+            box, _, _ = await self._ensure(request.sandbox, resuming=False)
             await box.send({"op": "read_var", "name": request.name})
-            reply = await box.receive(request.sandbox.cell_timeout_s + HARD_KILL_GRACE_S)
+            reply = await box.receive(request.sandbox.cell_timeout_s + defaults.HARD_KILL_GRACE_S)
             if reply is None or reply.get("op") != "var":
+                problem = await self._silence(box, reply, request.sandbox.cell_timeout_s)
                 await self._discard(box)
                 raise ApplicationError(
-                    f"sandbox did not answer a read of {request.name!r}", type=names.SANDBOX_FAILURE
+                    f"reading {request.name!r} failed: {problem}", type=names.SANDBOX_FAILURE
                 )
             return VariableValue(
                 found=bool(reply["found"]),
@@ -247,12 +284,41 @@ class ReplActivities:
         for box in list(self._live.values()):
             await self._discard(box)
 
+    def live_episodes(self) -> list[str]:
+        return sorted(self._live)
+
+    async def probe(self) -> dict[str, str]:
+        """Start a sandbox, report its isolation layers, and close it (`drlm doctor`)."""
+        ref = SandboxRef(
+            episode_id=f"doctor-{uuid.uuid4().hex[:8]}",
+            context=None,
+            seed=0,
+            log_head=None,
+            cell_timeout_s=5,
+            output_truncation=1_000,
+        )
+        box = await self._spawn(ref)
+        try:
+            return dict(box.layers)
+        finally:
+            await box.kill()
+
     # --- internals ------------------------------------------------------------------------
 
     def _lock(self, episode_id: str) -> asyncio.Lock:
         return self._locks.setdefault(episode_id, asyncio.Lock())
 
-    async def _log(self, head: str | None, entry: dict[str, Any]) -> str:
+    @contextlib.asynccontextmanager
+    async def _discard_on_failure(self, box: LiveSandbox) -> AsyncIterator[None]:
+        """A step that raises or is cancelled leaves its sandbox in an unknown state: kill it,
+        so the next step rebuilds from the log instead of trusting it."""
+        try:
+            yield
+        except BaseException:
+            await asyncio.shield(self._discard(box))
+            raise
+
+    async def _log(self, head: str | None, entry: chains.LogEntry) -> str:
         return await asyncio.to_thread(chains.append, self.blobs, head, entry)
 
     def _exec_message(self, ref: SandboxRef, cell_index: int, code: str) -> dict[str, Any]:
@@ -261,7 +327,7 @@ class ReplActivities:
             "code": code,
             "cell_name": f"<cell {cell_index}>",
             "timeout": ref.cell_timeout_s,
-            "limit": ref.output_truncation,
+            "limit": max(ref.stored_output_chars, ref.output_truncation),
         }
 
     async def _discard(self, box: LiveSandbox) -> None:
@@ -269,18 +335,23 @@ class ReplActivities:
             del self._live[box.episode_id]
         await box.kill()
 
+    def _requests(self, box: LiveSandbox, frame: dict[str, Any]) -> list[SubCallRequest]:
+        kind = str(frame.get("kind") or "llm_query")
+        requests = [
+            SubCallRequest(call_index=box.next_call + i, prompt=p, prompt_digest=text_digest(p), kind=kind)
+            for i, p in enumerate(frame["prompts"])
+        ]
+        box.next_call += len(requests)
+        return requests
+
     async def _drive(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:
-        """Run the current cell until it completes or stops at model calls."""
+        """Run the current cell until it completes or stops at calls."""
         box.last_used = time.monotonic()
-        frame = await box.receive(ref.cell_timeout_s + HARD_KILL_GRACE_S)
-        if frame is None:
-            return await self._killed(box, ref)
+        frame = await box.receive(ref.cell_timeout_s + defaults.HARD_KILL_GRACE_S)
+        if frame is None or frame.get("op") not in ("call", "done"):
+            return await self._killed(box, ref, frame)
         if frame["op"] == "call":
-            box.pending = [
-                SubCallRequest(call_index=box.next_call + i, prompt=p, prompt_digest=text_digest(p))
-                for i, p in enumerate(frame["prompts"])
-            ]
-            box.next_call += len(box.pending)
+            box.pending = self._requests(box, frame)
             return CellOutcome(
                 status="suspended",
                 log_head=box.log_head or "",
@@ -297,7 +368,7 @@ class ReplActivities:
         output = "\n".join(x for x in (frame.get("stdout"), frame.get("stderr"), frame.get("error")) if x)
         output_ref = await asyncio.to_thread(self.blobs.put_text, output)
         box.log_head = await self._log(
-            box.log_head, {"t": "end", "cell": box.cell_index, "status": status, "output": output_ref}
+            box.log_head, CellEnded(cell=box.cell_index, status=status, output=output_ref)
         )
         box.cell_index, box.pending, box.early_done = None, [], None
         return CellOutcome(
@@ -308,49 +379,101 @@ class ReplActivities:
             stderr=frame.get("stderr", ""),
             error=frame.get("error"),
             answer=frame.get("answer"),
+            answer_kind=frame.get("answer_kind"),
+            cell_status=status,
             rebuilt=rebuilt,
             divergences=divergences,
             variables=frame.get("variables") or {},
             submitted=frame.get("submitted"),
         )
 
-    async def _killed(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:
-        """The cell ignored its interrupt or the process died: the namespace is gone."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(box.process.wait(), 1.0)  # reap it if it exited
-        code = box.process.returncode
+    async def _silence(self, box: LiveSandbox, frame: dict[str, Any] | None, timeout: float) -> str:
+        """Why the sandbox did not answer as expected, in words."""
+        if frame is not None and frame.get("op") == BROKEN:
+            return str(frame["error"])
+        if frame is not None:
+            return f"the sandbox answered out of turn ({frame.get('op')!r})"
+        code = await box.exit_code()
+        if code is not None:
+            return f"the REPL process exited (code {code})"
+        return f"the sandbox did not answer within {timeout + defaults.HARD_KILL_GRACE_S:g} s"
+
+    async def _killed(self, box: LiveSandbox, ref: SandboxRef, frame: dict[str, Any] | None) -> CellOutcome:
+        """The cell ignored its interrupt, the process died, or it broke the channel: the
+        namespace is gone; the cell is logged as killed so a rebuild skips it."""
+        problem = await self._silence(box, frame, ref.cell_timeout_s)
+        timed_out = frame is None and box.process.returncode is None
         await self._discard(box)
-        reason = (
-            f"the REPL process exited (code {code}) during this cell; variables from earlier "
-            "cells are restored, this cell's effects are lost"
-            if code is not None
-            else f"cell exceeded its {ref.cell_timeout_s:g} s time limit and did not stop; "
-            "the REPL was restarted with the variables of earlier cells"
-        )
+        if timed_out:
+            reason = (
+                f"cell exceeded its {ref.cell_timeout_s:g} s time limit and did not stop; "
+                "the REPL was restarted with the variables of earlier cells"
+            )
+        else:
+            reason = (
+                f"{problem} during this cell; variables from earlier cells are restored, "
+                "this cell's effects are lost"
+            )
         output_ref = await asyncio.to_thread(self.blobs.put_text, reason)
         head = await self._log(
-            box.log_head, {"t": "end", "cell": box.cell_index, "status": "killed", "output": output_ref}
+            box.log_head, CellEnded(cell=box.cell_index, status="killed", output=output_ref)
         )
-        return CellOutcome(status="completed", log_head=head, worker_queue=self.worker_queue, error=reason)
+        return CellOutcome(
+            status="completed",
+            log_head=head,
+            worker_queue=self.worker_queue,
+            error=reason,
+            cell_status="killed",
+        )
 
-    async def _ensure(self, ref: SandboxRef) -> tuple[LiveSandbox, bool, list[str]]:
+    async def _ensure(self, ref: SandboxRef, resuming: bool) -> tuple[LiveSandbox, bool, list[str]]:
         box = self._live.get(ref.episode_id)
-        if box is not None and box.log_head == ref.log_head and box.process.returncode is None:
+        mid_cell = box is not None and box.cell_index is not None
+        if (
+            box is not None
+            and box.log_head == ref.log_head
+            and box.process.returncode is None
+            and (resuming or not mid_cell)
+        ):
             box.last_used = time.monotonic()
             return box, False, []
         if box is not None:
             await self._discard(box)
         box = await self._spawn(ref)
-        divergences = await self._replay(box, ref)
-        box.log_head = ref.log_head
+        try:
+            cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head)
+            open_cell = cell_log.open_cell
+            replayed = cell_log.cells if resuming or open_cell is None else cell_log.cells[:-1]
+            divergences = await self._replay(box, ref, replayed)
+            box.log_head = ref.log_head
+            if open_cell is not None and not resuming:
+                await self._abandon_open_cell(box, open_cell.index)
+        except BaseException:
+            await asyncio.shield(box.kill())
+            raise
         self._live[ref.episode_id] = box
         return box, ref.log_head is not None, divergences
+
+    async def _abandon_open_cell(self, box: LiveSandbox, cell: int) -> None:
+        """A new step arrives while the log's last cell never ended: the workflow gave up on
+        it. The REPL was rebuilt without it; log it as lost so later rebuilds skip it too."""
+        reason = await asyncio.to_thread(self.blobs.put_text, "abandoned: a later step was started")
+        box.log_head = await self._log(box.log_head, CellEnded(cell=cell, status="lost", output=reason))
+        box.cell_index, box.pending, box.early_done = None, [], None
 
     async def _spawn(self, ref: SandboxRef) -> LiveSandbox:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in ref.episode_id)[:80]
         directory = self.sandbox_root / f"{safe}-{uuid.uuid4().hex[:8]}"
         directory.mkdir(parents=True)
-        init: dict[str, Any] = {"op": "init", "seed": ref.seed, "memory_mb": self.memory_mb}
+        init: dict[str, Any] = {
+            "op": "init",
+            "seed": ref.seed,
+            "memory_mb": self.memory_mb,
+            "file_mb": defaults.SANDBOX_FILE_MB,
+            "variables_shown": defaults.VARIABLES_SHOWN,
+            "variable_chars": defaults.VARIABLE_CHARS,
+            "audit_hook": self.audit_hook,
+        }
         if ref.context is not None:
             data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
             path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
@@ -377,7 +500,7 @@ class ReplActivities:
             env=env,
             cwd=directory,
             start_new_session=True,
-            limit=MAX_FRAME,
+            limit=self.max_frame_bytes,
         )
         frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         box = LiveSandbox(
@@ -385,77 +508,73 @@ class ReplActivities:
             process=process,
             directory=directory,
             frames=frames,
-            reader=asyncio.create_task(_read_frames(process, frames)),
+            reader=asyncio.create_task(_read_frames(process, frames, self.max_frame_bytes)),
         )
-        await box.send(init)
-        ready = await box.receive(STARTUP_TIMEOUT_S)
+        try:
+            await box.send(init)
+            ready = await box.receive(defaults.SANDBOX_STARTUP_S)
+        except BaseException:
+            await asyncio.shield(box.kill())
+            raise
         if ready is None or ready.get("op") != "ready":
-            err = (directory / "sandbox.err").read_text(errors="replace")[-2_000:]
+            if ready is not None and ready.get("op") == "failed":
+                detail = str(ready.get("error"))
+            else:
+                detail = (directory / "sandbox.err").read_text(errors="replace")[-2_000:] or "no output"
             await box.kill()
-            raise ApplicationError(
-                f"the REPL sandbox failed to start: {err or 'no output'}", type=names.SANDBOX_FAILURE
+            raise ApplicationError(f"the REPL sandbox failed to start: {detail}", type=names.SANDBOX_FAILURE)
+        box.layers = dict(ready.get("layers") or {})
+        if box.layers.get("network") == "none" and not self.network_warned:
+            self.network_warned = True
+            log.warning(
+                "sandboxes have no network namespace on this worker (unshare refused); only the "
+                "audit hook refuses sockets. Run the worker as root or allow user namespaces."
             )
-        box.network = ready.get("network", "")
         return box
 
-    async def _replay(self, box: LiveSandbox, ref: SandboxRef) -> list[str]:
-        """Re-run the logged cells, answering their model calls from the log."""
-        entries = await asyncio.to_thread(chains.walk, self.blobs, ref.log_head)
-        cells: list[dict[str, Any]] = []
-        for entry in entries:
-            if entry["t"] == "cell":
-                cells.append({"index": entry["cell"], "code": entry["code"], "answers": [], "status": None})
-            elif entry["t"] == "answers":
-                cells[-1]["answers"].extend(entry["answers"])
-            elif entry["t"] == "end":
-                cells[-1]["status"] = entry["status"]
+    async def _replay(self, box: LiveSandbox, ref: SandboxRef, cells: list[LoggedCell]) -> list[str]:
+        """Re-run the logged cells, answering their calls from the log."""
         divergences: list[str] = []
         for cell in cells:
-            if cell["status"] in SKIPPED_ON_REBUILD:
+            if cell.status in chains.SKIPPED_ON_REBUILD:
                 continue
-            box.cell_index, box.next_call = cell["index"], 0
-            await box.send(self._exec_message(ref, cell["index"], cell["code"]))
-            recorded = list(cell["answers"])
+            box.cell_index, box.next_call = cell.index, 0
+            await box.send(self._exec_message(ref, cell.index, cell.code))
+            recorded = list(cell.answers)
             while True:
-                frame = await box.receive(ref.cell_timeout_s + HARD_KILL_GRACE_S)
-                if frame is None:
-                    await box.kill()
+                frame = await box.receive(ref.cell_timeout_s + defaults.HARD_KILL_GRACE_S)
+                if frame is None or frame.get("op") not in ("call", "done"):
+                    problem = await self._silence(box, frame, ref.cell_timeout_s)
                     raise ApplicationError(
-                        f"rebuilding the REPL failed: cell {cell['index']} did not finish",
+                        f"rebuilding the REPL failed: cell {cell.index} did not finish ({problem})",
                         type=names.SANDBOX_FAILURE,
                     )
                 if frame["op"] == "done":
-                    if cell["status"] is None:
+                    if cell.status is None:
                         divergences.append(
-                            f"cell {cell['index']}: finished during rebuild before its pending calls"
+                            f"cell {cell.index}: finished during rebuild before its pending calls"
                         )
                         box.early_done = frame
                     else:
                         box.cell_index = None
                     break
-                prompts: list[str] = frame["prompts"]
-                if cell["status"] is None and not recorded:
+                if cell.status is None and not recorded:
                     # The in-progress cell reached the calls the workflow is answering now.
-                    box.pending = [
-                        SubCallRequest(call_index=box.next_call + i, prompt=p, prompt_digest=text_digest(p))
-                        for i, p in enumerate(prompts)
-                    ]
-                    box.next_call += len(prompts)
+                    box.pending = self._requests(box, frame)
                     break
                 replies = []
-                for prompt in prompts:
-                    call = box.next_call
-                    box.next_call += 1
+                for request in self._requests(box, frame):
                     if not recorded:
-                        divergences.append(f"cell {cell['index']} call {call}: no recorded result")
+                        divergences.append(f"cell {cell.index} call {request.call_index}: no recorded result")
                         replies.append({"ok": False, "text": "replay diverged: no recorded result"})
                         continue
                     answer = recorded.pop(0)
-                    if answer["prompt"] != text_digest(prompt):
+                    if answer.prompt != request.prompt_digest or answer.kind != request.kind:
                         divergences.append(
-                            f"cell {cell['index']} call {call}: prompt differs from the recorded one"
+                            f"cell {cell.index} call {request.call_index}: the {request.kind} call differs "
+                            "from the recorded one"
                         )
-                    text = await asyncio.to_thread(self.blobs.get_text, answer["text"])
-                    replies.append({"ok": answer["ok"], "text": text})
+                    text = await asyncio.to_thread(self.blobs.get_text, answer.text)
+                    replies.append({"ok": answer.ok, "text": text})
                 await box.send({"op": "answers", "answers": replies})
         return divergences

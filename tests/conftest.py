@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -16,19 +18,27 @@ import pytest
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from durable_rlm.blobs import BlobStore, SqlBackend
+from activities.repl import ReplActivities
+from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
+from durable_rlm.episodes import store_context
 from durable_rlm.runtime import EmbeddedServer, Services, running_workers
 from durable_rlm.scripted import Script, ScriptedModelServer
 from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
 from workflows import names
 from workflows.models import (
+    CallAnswer,
+    CellOutcome,
     DurabilitySettings,
     EpisodeLimits,
     EpisodeRequest,
     EpisodeResult,
+    ExecuteCellInput,
     ModelSettings,
+    ReadVariableInput,
+    ResumeCellInput,
+    SandboxRef,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,11 +113,14 @@ def request_for(
     limits = overrides.pop("limits", None) or EpisodeLimits(
         max_iterations=8, max_llm_calls=40, max_duration=timedelta(minutes=10), cell_timeout_s=10
     )
+    durability = overrides.pop("durability", None) or DurabilitySettings(
+        heartbeat_timeout_s=3, sticky_schedule_to_start_s=3
+    )
     return EpisodeRequest(
         task=task,
         root_model=ModelSettings(model="scripted", base_url=server.base_url, max_attempts=3),
         limits=limits,
-        durability=DurabilitySettings(heartbeat_timeout_s=3, sticky_schedule_to_start_s=3),
+        durability=durability,
         **overrides,
     )
 
@@ -173,3 +186,82 @@ def worker_processes(temporal_address: str, session_dir: Path) -> Iterator:
     yield start
     for worker in started:
         worker.stop()
+
+
+# --- the REPL host, driven directly (no Temporal) ----------------------------------------
+
+
+class Episode:
+    """Drives cells the way the workflow does, tracking the log head."""
+
+    def __init__(
+        self,
+        host: ReplActivities,
+        context: object = None,
+        cell_timeout_s: float = 5.0,
+        truncation: int = 2_000,
+        stored: int = 1_000_000,
+    ) -> None:
+        self.host = host
+        self.context = None if context is None else store_context(host.blobs, context)
+        self.head: str | None = None
+        self.cells = 0
+        self.episode_id = f"ep-{id(self)}"
+        self.cell_timeout_s = cell_timeout_s
+        self.truncation = truncation
+        self.stored = stored
+
+    def ref(self) -> SandboxRef:
+        return SandboxRef(
+            episode_id=self.episode_id,
+            context=self.context,
+            seed=1234,
+            log_head=self.head,
+            cell_timeout_s=self.cell_timeout_s,
+            output_truncation=self.truncation,
+            stored_output_chars=self.stored,
+        )
+
+    async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:
+        self.cells += 1
+        outcome = await self.host.execute_cell(
+            ExecuteCellInput(sandbox=self.ref(), iteration=1, cell_index=self.cells, code=code)
+        )
+        self.head = outcome.log_head
+        while outcome.status == "suspended":
+            answers = [
+                CallAnswer(
+                    call_index=r.call_index, prompt_digest=r.prompt_digest, ok=True, text=answer(r.prompt)
+                )
+                for r in outcome.requests
+            ]
+            outcome = await self.host.resume_cell(
+                ResumeCellInput(sandbox=self.ref(), cell_index=self.cells, answers=answers)
+            )
+            self.head = outcome.log_head
+        return outcome
+
+    async def read(self, name: str) -> str | None:
+        value = await self.host.read_variable(ReadVariableInput(sandbox=self.ref(), name=name))
+        return value.value if value.found else None
+
+
+@pytest.fixture
+def sandboxes() -> Iterator[Path]:
+    """Sandbox roots must be reachable by the unprivileged sandbox user (pytest's are not)."""
+    root = Path(tempfile.mkdtemp(prefix="drlm-test-", dir="/tmp"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def blob_store(tmp_path: Path) -> BlobStore:
+    return BlobStore(DirectoryBackend(tmp_path / "blobs"))
+
+
+@pytest.fixture
+async def host(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActivities]:
+    repl = ReplActivities(blob_store, "queue-a", sandboxes, memory_mb=1024)
+    yield repl
+    await repl.close_all()

@@ -3,97 +3,18 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore, DirectoryBackend
-from durable_rlm.episodes import store_context
+from durable_rlm.blobs import BlobStore
+from tests.conftest import Episode
 from workflows.models import (
     CallAnswer,
-    CellOutcome,
     ExecuteCellInput,
-    ReadVariableInput,
     ResumeCellInput,
-    SandboxRef,
 )
-
-
-class Episode:
-    """Drives cells the way the workflow does, tracking the log head."""
-
-    def __init__(
-        self,
-        host: ReplActivities,
-        context: object = None,
-        cell_timeout_s: float = 5.0,
-        truncation: int = 2_000,
-    ) -> None:
-        self.host = host
-        self.context = None if context is None else store_context(host.blobs, context)
-        self.head: str | None = None
-        self.cells = 0
-        self.episode_id = f"ep-{id(self)}"
-        self.cell_timeout_s = cell_timeout_s
-        self.truncation = truncation
-
-    def ref(self) -> SandboxRef:
-        return SandboxRef(
-            episode_id=self.episode_id,
-            context=self.context,
-            seed=1234,
-            log_head=self.head,
-            cell_timeout_s=self.cell_timeout_s,
-            output_truncation=self.truncation,
-        )
-
-    async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:
-        self.cells += 1
-        outcome = await self.host.execute_cell(
-            ExecuteCellInput(sandbox=self.ref(), iteration=1, cell_index=self.cells, code=code)
-        )
-        self.head = outcome.log_head
-        while outcome.status == "suspended":
-            answers = [
-                CallAnswer(
-                    call_index=r.call_index, prompt_digest=r.prompt_digest, ok=True, text=answer(r.prompt)
-                )
-                for r in outcome.requests
-            ]
-            outcome = await self.host.resume_cell(
-                ResumeCellInput(sandbox=self.ref(), cell_index=self.cells, answers=answers)
-            )
-            self.head = outcome.log_head
-        return outcome
-
-    async def read(self, name: str) -> str | None:
-        value = await self.host.read_variable(ReadVariableInput(sandbox=self.ref(), name=name))
-        return value.value if value.found else None
-
-
-@pytest.fixture
-def sandboxes() -> Iterator[Path]:
-    """Sandbox roots must be reachable by the unprivileged sandbox user (pytest's are not)."""
-    root = Path(tempfile.mkdtemp(prefix="drlm-test-", dir="/tmp"))
-    root.chmod(0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture
-def blob_store(tmp_path: Path) -> BlobStore:
-    return BlobStore(DirectoryBackend(tmp_path / "blobs"))
-
-
-@pytest.fixture
-async def host(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActivities]:
-    repl = ReplActivities(blob_store, "queue-a", sandboxes, memory_mb=1024)
-    yield repl
-    await repl.close_all()
 
 
 async def test_variables_persist_across_cells(host: ReplActivities) -> None:
@@ -136,8 +57,8 @@ async def test_stderr_is_captured(host: ReplActivities) -> None:
     assert outcome.stderr == "warn\n"
 
 
-async def test_output_is_truncated_to_the_limit(host: ReplActivities) -> None:
-    outcome = await Episode(host, truncation=100).run("print('x' * 100_000)")
+async def test_output_is_kept_up_to_the_stored_limit_as_it_is_printed(host: ReplActivities) -> None:
+    outcome = await Episode(host, truncation=100, stored=100).run("print('x' * 100_000)")
     assert outcome.stdout.startswith("x" * 100)
     assert "99901 more characters truncated" in outcome.stdout
     assert len(outcome.stdout) < 200

@@ -103,8 +103,16 @@ def _libc() -> Any:
     return ctypes.CDLL(None, use_errno=True)
 
 
+class LayerError(RuntimeError):
+    """A sandbox layer that must hold could not be put in place: the sandbox does not start."""
+
+
 def isolate_network() -> str:
-    """Enter an empty network namespace: no interfaces, so no connection is possible."""
+    """Enter an empty network namespace: no interfaces, so no connection is possible.
+
+    Returns which namespace holds; "none" means only the audit hook refuses sockets, and the
+    host logs it and `drlm doctor` shows it.
+    """
     clone_newnet, clone_newuser = 0x40000000, 0x10000000
     try:
         libc = _libc()
@@ -114,7 +122,7 @@ def isolate_network() -> str:
             return "userns+netns"
     except OSError:
         pass
-    return "audit-hook-only"
+    return "none"
 
 
 # Imported before the uid drop: the interpreter may live where `nobody` cannot read
@@ -138,37 +146,45 @@ def preload_modules() -> None:
             pass
 
 
-def drop_privileges() -> None:
-    if os.geteuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+def drop_privileges() -> str:
+    if os.geteuid() != 0:
+        return f"uid {os.geteuid()} (worker not root: no drop)"
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    if os.geteuid() != NOBODY or os.getegid() != NOBODY:
+        raise LayerError("uid drop did not take effect")
+    return f"uid {NOBODY}"
 
 
-def die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> str:
     # Set after the uid change: the kernel clears the parent-death signal on credential
     # changes. A SIGKILLed worker must not leave sandboxes behind.
     try:
-        _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except OSError:
-        pass
+        result = _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except OSError as exc:
+        raise LayerError(f"cannot set the parent-death signal: {exc}") from exc
+    if result != 0:
+        raise LayerError("cannot set the parent-death signal: prctl failed")
     if os.getppid() != parent_pid:
-        os._exit(3)
+        os._exit(3)  # the worker died before we could ask to die with it
+    return "SIGKILL on worker death"
 
 
-def set_limits(memory_mb: int, file_mb: int) -> None:
+def set_limits(memory_mb: int, file_mb: int) -> str:
     import resource
 
     limits = {
-        resource.RLIMIT_AS: memory_mb * 1024 * 1024,
-        resource.RLIMIT_FSIZE: file_mb * 1024 * 1024,
-        resource.RLIMIT_CORE: 0,
+        "RLIMIT_AS": (resource.RLIMIT_AS, memory_mb * 1024 * 1024),
+        "RLIMIT_FSIZE": (resource.RLIMIT_FSIZE, file_mb * 1024 * 1024),
+        "RLIMIT_CORE": (resource.RLIMIT_CORE, 0),
     }
-    for kind, value in limits.items():
+    for label, (kind, value) in limits.items():
         try:
             resource.setrlimit(kind, (value, value))
-        except (ValueError, OSError):
-            pass
+        except (ValueError, OSError, OverflowError) as exc:
+            raise LayerError(f"cannot set {label} to {value}: {exc}") from exc
+    return f"address space {memory_mb} MB, files {file_mb} MB, no core"
 
 
 def _readable_roots(sandbox_dir: str) -> tuple[str, ...]:
@@ -260,6 +276,19 @@ class BoundedWriter(io.TextIOBase):
         return text
 
 
+_HELPERS: dict[str, str] = {}
+"""The REPL's helper functions: the name model code calls -> the Session method. One
+registry, so a new helper (rlm_query, a custom tool) is one decorated method."""
+
+
+def repl_helper(name: str) -> Any:
+    def register(method: Any) -> Any:
+        _HELPERS[name] = method.__name__
+        return method
+
+    return register
+
+
 class Session:
     """One episode's namespace and the host channel its model helpers talk through."""
 
@@ -267,13 +296,15 @@ class Session:
         self.channel_in = channel_in
         self.channel_out = channel_out
         self.namespace: dict[str, Any] = {}
-        self.timeout = 60.0
+        self.reserved: set[str] = set()
         self.submitted: dict[str, Any] | None = None
+        self.final: tuple[str, str] | None = None  # (kind, answer) set by FINAL / FINAL_VAR
+        self.variable_limits = (50, 200)
 
-    # helpers visible to model code
-    def _call(self, prompts: list[str]) -> list[dict[str, Any]]:
+    def _call(self, kind: str, prompts: list[str]) -> list[dict[str, Any]]:
+        """Suspend the cell at calls of one kind; the workflow routes them by kind."""
         remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model time is not cell time
-        write_frame(self.channel_out, {"op": "call", "prompts": prompts})
+        write_frame(self.channel_out, {"op": "call", "kind": kind, "prompts": prompts})
         reply = read_frame(self.channel_in)
         if reply is None:
             os._exit(0)
@@ -284,14 +315,16 @@ class Session:
             raise RuntimeError("sandbox: malformed answer from host")
         return answers
 
+    @repl_helper("llm_query")
     def llm_query(self, prompt: str) -> str:
         if not isinstance(prompt, str):
             raise TypeError(f"llm_query expects a str prompt, got {type(prompt).__name__}")
-        answer = self._call([prompt])[0]
+        answer = self._call("llm_query", [prompt])[0]
         if not answer["ok"]:
             raise RuntimeError(f"llm_query failed: {answer['text']}")
         return answer["text"]
 
+    @repl_helper("llm_query_batched")
     def llm_query_batched(self, prompts: list[str]) -> list[str]:
         prompts = list(prompts)
         for p in prompts:
@@ -299,8 +332,11 @@ class Session:
                 raise TypeError(f"llm_query_batched expects str prompts, got {type(p).__name__}")
         if not prompts:
             return []
-        return [a["text"] if a["ok"] else f"Error: {a['text']}" for a in self._call(prompts)]
+        return [
+            a["text"] if a["ok"] else f"Error: {a['text']}" for a in self._call("llm_query_batched", prompts)
+        ]
 
+    @repl_helper("SHOW_VARS")
     def show_vars(self) -> None:
         names = [
             f"{name}: {type(value).__name__}"
@@ -309,6 +345,7 @@ class Session:
         ]
         print("\n".join(names) if names else "(no variables yet)")
 
+    @repl_helper("SUBMIT")
     def submit(self, **fields: Any) -> None:
         """Record typed outputs; the workflow validates them against the episode's fields."""
         try:
@@ -318,10 +355,25 @@ class Session:
         self.submitted = fields
         print(f"SUBMIT received: {', '.join(sorted(fields)) or '(no fields)'}")
 
-    def final_var(self, name: str) -> str:
-        if name not in self.namespace:
-            raise NameError(f"FINAL_VAR: no variable named {name!r}")
-        return str(self.namespace[name])
+    @repl_helper("FINAL")
+    def final_value(self, value: Any) -> None:
+        """FINAL(x) in a cell: the answer is str(x), the value, not the name written."""
+        self.final = ("final", _text_of(value))
+
+    @repl_helper("FINAL_VAR")
+    def final_var(self, name: Any) -> None:
+        """FINAL_VAR("name") in a cell: the answer is the named variable's value."""
+        if not isinstance(name, str):
+            raise TypeError(
+                f"FINAL_VAR expects a variable name as a string, got {type(name).__name__}; "
+                "to answer with a value, call FINAL(value)"
+            )
+        key = name.strip().strip("'\"")
+        if key not in self.namespace or key in self.reserved - {"context", "answer"}:
+            raise NameError(
+                f"FINAL_VAR: no variable named {key!r}; to answer with a value, call FINAL(value)"
+            )
+        self.final = ("final_var", _text_of(self.namespace[key]))
 
     def init(self, message: dict[str, Any]) -> None:
         import random
@@ -332,22 +384,23 @@ class Session:
             with open(path, encoding="utf-8") as handle:
                 context = json.load(handle) if message.get("context_kind") == "json" else handle.read()
         random.seed(message.get("seed", 0))
+        self.variable_limits = (
+            int(message.get("variables_shown", 50)),
+            int(message.get("variable_chars", 200)),
+        )
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
             "context": context,
-            "llm_query": self.llm_query,
-            "llm_query_batched": self.llm_query_batched,
-            "SHOW_VARS": self.show_vars,
-            "FINAL_VAR": self.final_var,
-            "SUBMIT": self.submit,
             "answer": {"content": "", "ready": False},
         }
+        for name, method in _HELPERS.items():
+            self.namespace[name] = getattr(self, method)
         self.reserved = set(self.namespace)
 
     def execute(self, code: str, cell_name: str, timeout: float, limit: int) -> dict[str, Any]:
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
-        self.submitted = None
+        self.submitted, self.final = None, None
         error: str | None = None
         status = "ok"
         saved = sys.stdout, sys.stderr
@@ -369,15 +422,17 @@ class Session:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout, sys.stderr = saved
+        kind, answer = self.final if self.final is not None else ("answer_ready", self._ready_answer())
         return {
             "op": "done",
             "status": status,
             "stdout": stdout.getvalue(),
             "stderr": stderr.getvalue(),
             "error": error,
-            "answer": self._ready_answer(),
+            "answer": answer,
+            "answer_kind": kind if answer is not None else None,
             "submitted": self.submitted,
-            "variables": self.variables_summary(),
+            "variables": self.variables_summary(*self.variable_limits),
         }
 
     def variables_summary(self, limit: int = 50, width: int = 200) -> dict[str, str]:
@@ -415,10 +470,7 @@ class Session:
     def _ready_answer(self) -> str | None:
         answer = self.namespace.get("answer")
         if isinstance(answer, dict) and answer.get("ready") is True:
-            try:
-                return str(answer.get("content", ""))
-            except Exception as exc:  # noqa: BLE001
-                return f"<answer content could not be converted to text: {exc!r}>"
+            return _text_of(answer.get("content", ""))
         return None
 
     def read_variable(self, name: str) -> dict[str, Any]:
@@ -430,11 +482,35 @@ class Session:
             return {"op": "var", "found": True, "value": f"<str() failed: {exc!r}>"}
 
 
+def _text_of(value: Any) -> str:
+    try:
+        return str(value)
+    except Exception as exc:  # noqa: BLE001 - a hostile __str__
+        return f"<answer could not be converted to text: {exc!r}>"
+
+
 def _format_error(exc: BaseException) -> str:
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith("<cell")]
     lines = traceback.format_list(frames) if frames else []
     detail = "".join(traceback.format_exception_only(type(exc), exc))
     return ("Traceback (most recent call last):\n" + "".join(lines) if lines else "") + detail.rstrip()
+
+
+def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dict[str, str]:
+    """Put every isolation layer in place, strongest first; each reports what it did."""
+    layers = {"network": isolate_network()}
+    preload_modules()
+    guard = make_guard(sandbox_dir)
+    layers["rlimits"] = set_limits(int(init.get("memory_mb", 4096)), int(init.get("file_mb", 256)))
+    layers["uid"] = drop_privileges()
+    layers["death_signal"] = die_with_parent(parent_pid)
+    os.chdir(sandbox_dir)
+    if init.get("audit_hook", True):
+        sys.addaudithook(guard)
+        layers["audit_hook"] = "on"
+    else:  # only tests turn it off, to prove the other layers hold alone
+        layers["audit_hook"] = "off"
+    return layers
 
 
 def main() -> None:
@@ -449,17 +525,16 @@ def main() -> None:
     init = read_frame(channel_in)
     if init is None or init.get("op") != "init":
         os._exit(2)
-    network = isolate_network()
-    preload_modules()
-    guard = make_guard(sandbox_dir)
-    set_limits(int(init.get("memory_mb", 4096)), int(init.get("file_mb", 256)))
-    drop_privileges()
-    die_with_parent(parent_pid)
-    os.chdir(sandbox_dir)
     session = Session(channel_in, channel_out)
-    session.init(init)
-    sys.addaudithook(guard)
-    write_frame(channel_out, {"op": "ready", "network": network, "uid": os.getuid()})
+    try:
+        layers = start_layers(init, parent_pid, sandbox_dir)
+        session.init(init)
+    except (LayerError, OSError) as exc:
+        write_frame(channel_out, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
+        os._exit(4)
+    write_frame(
+        channel_out, {"op": "ready", "layers": layers, "network": layers["network"], "uid": os.getuid()}
+    )
 
     while True:
         message = read_frame(channel_in)
