@@ -4,7 +4,6 @@ template, one model call through the same client as the loop."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -12,10 +11,10 @@ from temporalio.exceptions import ApplicationError
 from activities import chains
 from activities.llm import ModelActivities
 from durable_rlm.blobs import BlobStore
-from workflows import names
-from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt, strip_code_blocks
+from workflows import defaults, names
+from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt
 from workflows.models import ExtractionInput, ExtractionReply, Message, TokenUsage
-from workflows.parsing import truncate_output
+from workflows.parsing import strip_code_blocks, truncate_output
 
 
 class ExtractionActivities:
@@ -59,27 +58,23 @@ class ExtractionActivities:
         )
 
     def history(self, conversation: str | None, log_head: str | None) -> list[REPLHistoryEntry]:
-        """One entry per executed cell: its iteration's reasoning, code, output, success."""
+        """One entry per finished cell: its iteration's reasoning, code, output, success."""
         responses = [
             m.content for m in chains.read_conversation(self.blobs, conversation) if m.role == "assistant"
         ]
         entries: list[REPLHistoryEntry] = []
-        open_cells: dict[int, dict[str, Any]] = {}
-        for entry in chains.walk(self.blobs, log_head):
-            if entry["t"] == "cell":
-                open_cells[entry["cell"]] = entry
-            elif entry["t"] == "end" and entry["cell"] in open_cells:
-                cell = open_cells.pop(entry["cell"])
-                iteration = int(cell.get("iteration", 0))
-                reasoning = responses[iteration - 1] if 0 < iteration <= len(responses) else None
-                output = self.blobs.get_text(entry["output"]) if entry.get("output") else ""
-                entries.append(
-                    REPLHistoryEntry(
-                        iteration=iteration,
-                        reasoning=strip_code_blocks(reasoning) if reasoning else None,
-                        code=cell["code"],
-                        output=truncate_output(output, 4_000),
-                        success=entry.get("status") == "ok",
-                    )
+        for cell in chains.read_cell_log(self.blobs, log_head).cells:
+            if cell.status is None:
+                continue  # never finished: nothing to extract from
+            reasoning = responses[cell.iteration - 1] if 0 < cell.iteration <= len(responses) else None
+            output = self.blobs.get_text(cell.output) if cell.output else ""
+            entries.append(
+                REPLHistoryEntry(
+                    iteration=cell.iteration,
+                    reasoning=strip_code_blocks(reasoning).strip() if reasoning else None,
+                    code=cell.code,
+                    output=truncate_output(output, defaults.EXTRACTION_OUTPUT_CHARS),
+                    success=cell.status == "ok",
                 )
+            )
         return entries

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import os
+import re
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from activities import chains
 from durable_rlm.blobs import BlobStore
 from workflows import names
 from workflows.models import (
+    CompactionInput,
+    CompactionReply,
     Message,
     ModelSettings,
     RootCompletion,
@@ -32,9 +35,18 @@ from workflows.models import (
     SubQueryReply,
     TokenUsage,
 )
+from workflows.parsing import shorten_middle
 
 T = TypeVar("T")
-_NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 422}
+_NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
+# How providers say "the prompt does not fit": OpenAI's code, and the wording of OpenAI,
+# vLLM, llama.cpp, Anthropic and others.
+_OVERFLOW_CODES = {"context_length_exceeded", "string_above_max_length"}
+_OVERFLOW_TEXT = re.compile(
+    r"maximum context length|context[ _-]?length|context window|prompt is too long|too many tokens"
+    r"|reduce the length of the messages|exceeds? the (?:model'?s? )?(?:maximum|max) (?:number of )?tokens",
+    re.IGNORECASE,
+)
 
 
 async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
@@ -86,12 +98,33 @@ def _provider_message(exc: openai.APIStatusError) -> str:
     return str(exc.message)
 
 
+def _error_code(exc: openai.APIStatusError) -> str | None:
+    body = exc.body
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        if isinstance(inner, dict) and isinstance(inner.get("code"), str):
+            return inner["code"]
+    return None
+
+
+def is_context_overflow(exc: openai.APIStatusError) -> bool:
+    if exc.status_code not in (400, 413, 422):
+        return False
+    return _error_code(exc) in _OVERFLOW_CODES or bool(_OVERFLOW_TEXT.search(_provider_message(exc)))
+
+
 def classify(exc: Exception, settings: ModelSettings, base_url: str) -> ApplicationError:
     """Turn a client exception into the error Temporal should (or should not) retry."""
     where = f"model {settings.model!r} at {base_url}"
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
         detail = _provider_message(exc)
+        if is_context_overflow(exc):
+            return ApplicationError(
+                f"{where} rejected the request: it exceeds the model's context window: {detail}",
+                type=names.MODEL_CONTEXT_OVERFLOW,
+                non_retryable=True,
+            )
         if status in _NOT_RETRYABLE_STATUS:
             hint = {
                 401: "check the API key given to the worker",
@@ -202,7 +235,8 @@ class ModelActivities:
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:
         head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
-        done = await self.complete(request.model, messages)
+        sent = resent_view(messages, request.resent_message_chars)
+        done = await self.complete(request.model, sent)
         head = await asyncio.to_thread(
             chains.append_message, self.blobs, head, Message(role="assistant", content=done.text)
         )
@@ -212,6 +246,7 @@ class ModelActivities:
             usage=done.usage,
             model_time_s=done.elapsed,
             mean_logprob=done.mean_logprob,
+            sent_chars=sum(len(m.content) for m in sent),
         )
 
     @activity.defn(name=names.SUB_QUERY)
@@ -219,7 +254,99 @@ class ModelActivities:
         done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
         return SubQueryReply(text=done.text, usage=done.usage, model_time_s=done.elapsed)
 
+    @activity.defn(name=names.COMPACT_CONVERSATION)
+    async def compact_conversation(self, request: CompactionInput) -> CompactionReply:
+        """Replace the middle of the conversation by a summary the model writes; the system
+        prompt, the task and the latest turns stay verbatim. Recorded as its own step."""
+        messages = await asyncio.to_thread(chains.read_conversation, self.blobs, request.conversation)
+        head, middle, tail = split_for_compaction(messages, request.keep_messages)
+        if not middle:
+            return CompactionReply(
+                conversation=request.conversation or "",
+                conversation_chars=sum(len(m.content) for m in messages),
+                summary="",
+                removed_messages=0,
+                kept_messages=len(messages),
+                usage=TokenUsage(),
+                model_time_s=0.0,
+            )
+        done = await self._summarise(request.model, middle, request.input_chars)
+        summary = Message(role="user", content=f"{COMPACTED_PREFIX}\n{done.text.strip()}")
+        kept = [*head, summary, *tail]
+        new_head = await asyncio.to_thread(self._rewrite, kept)
+        return CompactionReply(
+            conversation=new_head,
+            conversation_chars=sum(len(m.content) for m in kept),
+            summary=done.text,
+            removed_messages=len(middle),
+            kept_messages=len(kept),
+            usage=done.usage,
+            model_time_s=done.elapsed,
+        )
+
+    async def _summarise(self, model: ModelSettings, middle: list[Message], input_chars: int) -> Completion:
+        """The summary call; when even it does not fit the window (unknown to us), it reads
+        half as much of the earlier turns and tries again."""
+        while True:
+            prompt = compaction_prompt(middle, input_chars)
+            try:
+                return await self.complete(model, [Message(role="user", content=prompt)])
+            except ApplicationError as exc:
+                if exc.type != names.MODEL_CONTEXT_OVERFLOW or input_chars <= MIN_SUMMARY_INPUT_CHARS:
+                    raise
+                input_chars //= 2
+
+    def _rewrite(self, messages: list[Message]) -> str:
+        head: str | None = None
+        for message in messages:
+            head = chains.append_message(self.blobs, head, message)
+        assert head is not None
+        return head
+
     def _extend(self, head: str | None, new: list[Message]) -> tuple[str | None, list[Message]]:
         for message in new:
             head = chains.append_message(self.blobs, head, message)
         return head, chains.read_conversation(self.blobs, head)
+
+
+MIN_SUMMARY_INPUT_CHARS = 2_000
+COMPACTED_PREFIX = "[Summary of the earlier turns of this episode, written to stay within the context window]"
+
+COMPACTION_PROMPT = """You are compacting the working memory of an agent that answers a query \
+with a Python REPL. Below are the earlier turns of its conversation: its replies (reasoning and \
+code) and what the REPL printed. Write a summary the agent can continue from: what it has \
+learned about the context, the REPL variables it created and what they hold, what it tried \
+that failed, and what remains to do. Keep exact numbers, names and variable names. Do not \
+invent results. Plain text, at most a few hundred words.
+
+{turns}"""
+
+
+def split_for_compaction(
+    messages: list[Message], keep: int
+) -> tuple[list[Message], list[Message], list[Message]]:
+    """(system prompt and task, the turns to summarise, the latest turns kept verbatim)."""
+    fixed = 2 if len(messages) >= 2 else len(messages)
+    head, rest = messages[:fixed], messages[fixed:]
+    if len(rest) <= keep:
+        return head, [], rest
+    return head, rest[: len(rest) - keep], rest[len(rest) - keep :]
+
+
+def compaction_prompt(middle: list[Message], input_chars: int) -> str:
+    each = max(200, input_chars // max(1, len(middle)))
+    turns = "\n\n".join(f"[{m.role}]\n{shorten_middle(m.content, each)}" for m in middle)
+    return COMPACTION_PROMPT.format(turns=shorten_middle(turns, input_chars))
+
+
+def resent_view(messages: list[Message], limit: int) -> list[Message]:
+    """What is sent: earlier replies and observations longer than `limit` are shortened
+    (head and tail kept). The system prompt, the task and the newest message go whole; the
+    stored conversation always keeps every message whole."""
+    last = len(messages) - 1
+    return [
+        m
+        if i < 2 or i == last or len(m.content) <= limit
+        else Message(role=m.role, content=shorten_middle(m.content, limit))
+        for i, m in enumerate(messages)
+    ]

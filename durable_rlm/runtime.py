@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import importlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -34,6 +35,7 @@ from durable_rlm.codec import data_converter
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store import open_store
 from durable_rlm.telemetry import client_interceptors
+from workflows import defaults
 from workflows.episode import EpisodeWorkflow
 
 
@@ -151,13 +153,21 @@ def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRu
         restrictions=SandboxRestrictions.default.with_passthrough_modules(
             "pydantic",
             "pydantic_core",
+            "workflows.calls",
+            "workflows.compaction",
+            "workflows.defaults",
+            "workflows.ending",
+            "workflows.fallback",
+            "workflows.legacy",
             "workflows.models",
+            "workflows.names",
+            "workflows.outcome",
             "workflows.parsing",
             "workflows.prompts",
-            "workflows.names",
+            "workflows.repl_steps",
+            "workflows.retries",
             "workflows.signals",
             "workflows.termination",
-            "workflows.fallback",
             *policy_modules,
         )
     )
@@ -256,8 +266,8 @@ def build_workers(
     engine: sa.Engine | None,
     credentials: Mapping[str, str] | None = None,
     sandbox_root: Path | None = None,
-    sandbox_memory_mb: int = 4096,
-    sandbox_idle_s: float = 1800.0,
+    sandbox_memory_mb: int = defaults.SANDBOX_MEMORY_MB,
+    sandbox_idle_s: float = defaults.SANDBOX_IDLE_S,
     policy_modules: tuple[str, ...] = (),
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
@@ -277,6 +287,7 @@ def build_workers(
         activities=[
             models.root_completion,
             models.sub_query,
+            models.compact_conversation,
             extraction.extract_fallback,
             audit.audit_episode,
             *repl_activities,
@@ -307,10 +318,12 @@ async def running_workers(
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))
+    reconciler = asyncio.create_task(_reconcile_forever(services))
     try:
         yield repl
     finally:
         reaper.cancel()
+        reconciler.cancel()
         for worker in workers:
             await worker.shutdown()
         for task in tasks:
@@ -323,3 +336,15 @@ async def _reap_forever(repl: ReplActivities) -> None:
     while True:
         await asyncio.sleep(60)
         await repl.reap_idle()
+
+
+async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
+    """Audit rows of episodes that ended without running code (terminated, timed out)."""
+    from durable_rlm.projection import reconcile_audit
+
+    while services.engine is not None:
+        await asyncio.sleep(every_s)
+        try:
+            await reconcile_audit(services.client, services.engine)
+        except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
+            logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)

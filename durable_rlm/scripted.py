@@ -46,6 +46,11 @@ class ChatRequest:
         return not self.is_root and self.last_user.lstrip().startswith(EXTRACTION_MARKER)
 
     @property
+    def is_compaction(self) -> bool:
+        """A conversation-compaction call: one user message asking for a summary."""
+        return not self.is_root and self.last_user.lstrip().startswith(COMPACTION_MARKER)
+
+    @property
     def turn(self) -> int:
         """Root turn number (0-based): how many replies the conversation already holds."""
         return sum(1 for m in self.messages if m.get("role") == "assistant")
@@ -59,6 +64,9 @@ class ChatRequest:
 Script = Callable[[ChatRequest], "Reply | str"]
 
 
+COMPACTION_MARKER = "You are compacting the working memory"
+SCRIPTED_SUMMARY = "Scripted summary: the earlier turns looked at the context."
+
 NOTHING_EXTRACTED = '{"answer": null, "_extraction_notes": "scripted: no extraction reply was scripted"}'
 
 
@@ -68,13 +76,16 @@ def root_and_sub(
     extract: Callable[[str], Reply | str] | None = None,
 ) -> Script:
     """Root calls get `root_turns[turn]` (the last repeats); sub-calls get `sub(prompt)`;
-    fallback extraction gets `extract(prompt)` (default: a reply that extracts nothing)."""
+    fallback extraction gets `extract(prompt)` (default: a reply that extracts nothing);
+    compaction gets a fixed summary."""
 
     def script(request: ChatRequest) -> Reply | str:
         if request.is_root:
             return root_turns[min(request.turn, len(root_turns) - 1)]
         if request.is_extraction:
             return extract(request.last_user) if extract else NOTHING_EXTRACTED
+        if request.is_compaction:
+            return SCRIPTED_SUMMARY
         if sub is None:
             return Reply(status=500, error="this script has no sub-model")
         return sub(request.last_user)
@@ -89,10 +100,12 @@ class ScriptedModelServer:
         models: set[str] | None = None,
         api_key: str | None = None,
         port: int = 0,
+        context_window_tokens: int | None = None,
     ) -> None:
         self.script = script
         self.models = models
         self.api_key = api_key
+        self.context_window_tokens = context_window_tokens  # prompts over it get OpenAI's 400
         self.requests: list[ChatRequest] = []
         self.completed = 0
         self._lock = threading.Lock()
@@ -127,7 +140,11 @@ class ScriptedModelServer:
 
     def sub_requests(self) -> list[ChatRequest]:
         with self._lock:
-            return [r for r in self.requests if not r.is_root and not r.is_extraction]
+            return [r for r in self.requests if not (r.is_root or r.is_extraction or r.is_compaction)]
+
+    def compaction_requests(self) -> list[ChatRequest]:
+        with self._lock:
+            return [r for r in self.requests if r.is_compaction]
 
     def extraction_requests(self) -> list[ChatRequest]:
         with self._lock:
@@ -158,9 +175,12 @@ class ScriptedModelServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+            def _error(
+                self, status: int, message: str, headers: dict[str, str] | None = None, code: object = None
+            ) -> None:
                 kind = "invalid_request_error" if status < 500 else "server_error"
-                self._send(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+                error = {"message": message, "type": kind, "code": code if code is not None else status}
+                self._send(status, {"error": error}, headers)
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.rstrip("/").endswith("/models"):
@@ -191,6 +211,15 @@ class ScriptedModelServer:
                     server.requests.append(request)
                 if server.models is not None and request.model not in server.models:
                     return self._error(404, f"The model `{request.model}` does not exist")
+                window = server.context_window_tokens
+                tokens = sum(len(str(m.get("content", ""))) for m in request.messages) // 4
+                if window is not None and tokens + int(request.body.get("max_tokens") or 0) > window:
+                    return self._error(
+                        400,
+                        f"This model's maximum context length is {window} tokens. However, your "
+                        f"messages resulted in {tokens} tokens. Please reduce the length of the messages.",
+                        code="context_length_exceeded",
+                    )
                 reply = server.script(request)
                 if isinstance(reply, str):
                     reply = Reply(text=reply)

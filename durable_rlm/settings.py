@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from workflows import defaults
+
 
 class ConfigurationError(ValueError):
     """Bad settings: reported before anything starts."""
@@ -20,8 +22,8 @@ class Settings(BaseModel):
     database_url: str | None = None
     blob_store: str = Field(default="sql", description="'sql' or a directory path")
     claim_check_threshold: int = Field(default=4096, ge=256)
-    sandbox_memory_mb: int = Field(default=4096, ge=64)
-    sandbox_idle_s: float = Field(default=1800.0, gt=0)
+    sandbox_memory_mb: int = Field(default=defaults.SANDBOX_MEMORY_MB, ge=64)
+    sandbox_idle_s: float = Field(default=defaults.SANDBOX_IDLE_S, gt=0)
     tracing: str = "off"
     policy_modules: str = Field(default="", description="comma-separated modules registering policies")
 

@@ -205,7 +205,7 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
 
 
 def describe_execution(execution: ExecutionResult) -> str:
-    """One line on how the outputs were obtained (seed 004's three variants)."""
+    """One line on how the outputs were obtained (seed 004's variants, and a policy stop)."""
     v = execution.variant
     if v.kind == "submitted":
         return f"Result: submitted (confidence 1.0), outputs {json.dumps(v.outputs, sort_keys=True)}"
@@ -215,6 +215,9 @@ def describe_execution(execution: ExecutionResult) -> str:
             f"Result: extracted after {v.reason} (confidence {v.confidence():.2f}), "
             f"outputs {json.dumps(v.outputs, sort_keys=True)}{notes}"
         )
+    if v.kind == "stopped":
+        found = f", with an answer it found: {json.dumps(v.outputs, sort_keys=True)}" if v.outputs else ""
+        return f"Result: stopped by policy {v.policy} ({v.reason}){found}; no confidence claimed"
     partial = (
         f"; partial outputs {json.dumps(v.partial_outputs, sort_keys=True)}" if v.partial_outputs else ""
     )

@@ -50,10 +50,27 @@ async def test_final_pattern_ends_on_the_final_answer(client, worker, scripted) 
     }
 
 
-async def test_final_pattern_matches_final_var_printed_by_a_cell(client, worker, scripted) -> None:
-    server = scripted(root_and_sub(["```repl\ntotal = sum(range(100))\nprint(\"FINAL_VAR('total')\")\n```"]))
+PRINTS_FINAL_VAR = "```repl\ntotal = sum(range(100))\nprint(\"FINAL_VAR('total')\")\n```"
+
+
+async def test_printed_final_var_does_not_end_the_episode_by_default(client, worker, scripted) -> None:
+    server = scripted(root_and_sub([PRINTS_FINAL_VAR, "FINAL(the model's own)"]))
     result = await run_episode(client, with_policy(server, "final_pattern"), worker.task_queue)
+    assert (result.answer, result.ended_by, result.iterations) == ("the model's own", "final", 2)
+
+
+async def test_final_pattern_scans_printed_output_when_asked(client, worker, scripted) -> None:
+    server = scripted(root_and_sub([PRINTS_FINAL_VAR]))
+    request = with_policy(server, "final_pattern")
+    request.termination.scan_printed_output = True
+    result = await run_episode(client, request, worker.task_queue)
     assert (result.answer, result.ended_by, result.termination.step) == ("4950", "policy", 0)
+    assert (result.answer_source, result.answer_policy, result.confidence) == (
+        "policy",
+        "final_pattern",
+        None,
+    )
+    assert result.execution.variant.kind == "stopped"
 
 
 async def test_reward_threshold_is_driven_by_updates_sent_while_it_runs(client, worker, scripted) -> None:
@@ -76,7 +93,10 @@ async def test_reward_threshold_is_driven_by_updates_sent_while_it_runs(client, 
         gates[turn].set()
     result = await asyncio.wait_for(handle.result(), 60)
     assert result.ended_by == "policy"
-    assert result.answer == "Reward threshold reached: 0.90"
+    # The policy's status message is why it stopped, not an answer the model gave.
+    assert result.answer is None and result.answer_source == "none" and result.confidence is None
+    assert result.stop_reason == "reward_threshold: Reward threshold reached: 0.90"
+    assert result.execution.variant.kind == "stopped" and result.execution.confidence() is None
     assert result.termination.step == 1 and result.iterations == 2
     assert result.cumulative_reward == pytest.approx(0.9)
     with pytest.raises(Exception, match="completed|ended"):
@@ -89,7 +109,8 @@ async def test_reward_threshold_with_a_per_action_reward_function(client, worker
         client, with_policy(server, "reward_threshold", reward="outcome"), worker.task_queue
     )
     assert result.termination.step == 2  # three errors, -0.5 each: the negative streak
-    assert "3 consecutive negative rewards" in result.answer
+    assert result.answer is None
+    assert "3 consecutive negative rewards" in result.stop_reason
     assert result.cumulative_reward == pytest.approx(-1.5)
 
 
@@ -106,7 +127,13 @@ async def test_confidence_policy_ends_when_the_model_is_sure_after_min_steps(
         )
     )
     result = await run_episode(client, with_policy(server, "confidence"), worker.task_queue)
-    assert (result.answer, result.termination.step, result.ended_by) == ("42", 2, "policy")
+    # Confident, but what the cell printed is data: no answer unless the output is scanned.
+    assert (result.answer, result.termination.step, result.ended_by) == (None, 2, "policy")
+    assert result.stop_reason == "confidence: confidence 0.90 >= 0.85"
+    scanning = with_policy(server, "confidence")
+    scanning.termination.scan_printed_output = True
+    result = await run_episode(client, scanning, worker.task_queue)
+    assert (result.answer, result.answer_source, result.answer_policy) == ("42", "policy", "confidence")
     assert "CONFIDENCE:" in server.root_requests()[0].messages[0]["content"]  # the prompt asks for it
 
 
@@ -121,6 +148,7 @@ async def test_confidence_from_token_logprobs(client, worker, scripted) -> None:
     )
     request = with_policy(server, "confidence", {"min_steps_before_termination": 0})
     request.root_model.logprobs = True
+    request.termination.scan_printed_output = True
     result = await run_episode(client, request, worker.task_queue)
     assert (result.answer, result.termination.step) == ("8", 1)
     assert server.root_requests()[0].body["logprobs"] is True
@@ -140,8 +168,8 @@ async def test_composite_or_stops_on_whichever_signal_comes_first(client, worker
         reward="outcome",
     )
     result = await run_episode(client, request, worker.task_queue)
-    assert (result.termination.step, result.answer) == (2, "Reward threshold reached: 0.30")
-    assert result.termination.reason.startswith("reward_threshold")
+    assert (result.termination.step, result.answer) == (2, None)
+    assert result.stop_reason == "composite: reward_threshold: Reward threshold reached: 0.30"
 
 
 async def test_composite_and_needs_every_policy(client, worker, scripted) -> None:
@@ -203,7 +231,10 @@ async def test_a_reward_decision_survives_a_worker_crash(client, scripted, worke
     first.kill()
     worker_processes()
     result = await asyncio.wait_for(handle.result(), 90)
-    assert (result.termination.step, result.answer) == (4, "Reward threshold reached: 0.50")
+    assert (result.termination.step, result.stop_reason) == (
+        4,
+        "reward_threshold: Reward threshold reached: 0.50",
+    )
 
 
 async def test_policy_state_crosses_continue_as_new(session_dir: Path, store, blobs, scripted) -> None:
@@ -223,7 +254,10 @@ async def test_policy_state_crosses_continue_as_new(session_dir: Path, store, bl
             result = await run_episode(can_client, request, "can-policy", episode_id)
             timeline = await episode_timeline(can_client, episode_id)
     assert timeline.runs > 1
-    assert (result.termination.step, result.answer) == (5, "Reward threshold reached: 0.60")
+    assert (result.termination.step, result.stop_reason) == (
+        5,
+        "reward_threshold: Reward threshold reached: 0.60",
+    )
 
 
 def test_drlm_reward_reaches_a_running_embedded_episode(tmp_path: Path, scripted) -> None:
@@ -279,7 +313,8 @@ def test_drlm_reward_reaches_a_running_embedded_episode(tmp_path: Path, scripted
         run.kill()
     result = json.loads(out)
     assert (result["ended_by"], result["termination"]["step"]) == ("policy", 1), err
-    assert result["answer"] == "Reward threshold reached: 0.90"
+    assert result["answer"] is None and run.returncode == 3  # stopped by the policy, no answer
+    assert result["stop_reason"] == "reward_threshold: Reward threshold reached: 0.90"
 
 
 def test_model_settings_keep_logprobs_opt_in() -> None:

@@ -6,12 +6,14 @@ confidence and the result variants; the model call itself is activities/extracti
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from workflows import defaults
+from workflows.parsing import fenced_blocks
 
 # --- output fields ---------------------------------------------------------------------------
 
@@ -106,7 +108,7 @@ class FallbackReason(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["max_iterations", "max_llm_calls", "timeout"]
+    kind: Literal["max_iterations", "max_llm_calls", "timeout", "context_overflow"]
     value: float
     limit: float
 
@@ -115,14 +117,19 @@ class FallbackReason(BaseModel):
             return f"max iterations reached ({self.value:g}/{self.limit:g})"
         if self.kind == "max_llm_calls":
             return f"max LLM calls reached ({self.value:g}/{self.limit:g})"
+        if self.kind == "context_overflow":
+            return (
+                "the conversation no longer fits the root model's context window, even after "
+                f"compaction ({self.value:g} compaction(s))"
+            )
         return f"timeout ({self.value:.1f}s elapsed, limit {self.limit:.1f}s)"
 
 
 @dataclass(frozen=True)
 class FallbackTrigger:
-    max_iterations: int = 20
-    max_llm_calls: int = 50
-    max_duration: timedelta = timedelta(seconds=300)
+    max_iterations: int = defaults.MAX_ITERATIONS
+    max_llm_calls: int = defaults.MAX_LLM_CALLS
+    max_duration: timedelta = defaults.SEED_TRIGGER_MAX_DURATION
 
     def should_trigger(self, state: ExecutionState) -> FallbackReason | None:
         """Priority: submitted (no fallback) > max iterations > max LLM calls > timeout."""
@@ -198,12 +205,6 @@ Return the JSON now:
 """
 
 EXTRACTION_MARKER = "The REPL execution reached its limit"
-_CODE_BLOCK = re.compile(r"```[^\n]*\n.*?```", re.DOTALL)
-
-
-def strip_code_blocks(text: str) -> str:
-    """The reasoning of a reply: its text without the fenced code."""
-    return _CODE_BLOCK.sub("", text).strip()
 
 
 def format_history(history: list[REPLHistoryEntry]) -> str:
@@ -248,11 +249,10 @@ def extraction_prompt(inputs: ExtractFallbackInputs) -> str:
 
 # --- the reply -----------------------------------------------------------------------------------
 
-_FENCED_JSON = re.compile(r"```(?:json|JSON)?[ \t]*\n(.*?)\n?```", re.DOTALL)
-
 
 def _json_object(text: str) -> dict[str, Any] | None:
-    candidates = [text.strip(), *(m.group(1).strip() for m in _FENCED_JSON.finditer(text))]
+    fenced = [b.code.strip() for b in fenced_blocks(text) if b.language in ("", "json", "JSON")]
+    candidates = [text.strip(), *fenced]
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
         candidates.append(text[start : end + 1])
@@ -362,10 +362,27 @@ class Failed(BaseModel):
         return 0.0
 
 
-class ExecutionResult(BaseModel):
-    """Submitted | Extracted | Failed, with the seed's accessors."""
+class Stopped(BaseModel):
+    """A termination policy stopped the episode on an iteration where the model gave no
+    answer (say a reward threshold mid-computation). `outputs` holds an answer the policy
+    itself found, if any; no confidence is claimed for it."""
 
-    variant: Submitted | Extracted | Failed = Field(discriminator="kind")
+    kind: Literal["stopped"] = "stopped"
+    policy: str
+    reason: str
+    outputs: dict[str, Any] | None = None
+    iterations: int
+    llm_calls: int
+
+    def confidence(self) -> None:
+        return None
+
+
+class ExecutionResult(BaseModel):
+    """Submitted | Extracted | Failed (seed 004), or Stopped by a policy, with the seed's
+    accessors."""
+
+    variant: Submitted | Extracted | Failed | Stopped = Field(discriminator="kind")
 
     def outputs(self) -> dict[str, Any] | None:
         return None if isinstance(self.variant, Failed) else self.variant.outputs
@@ -373,5 +390,5 @@ class ExecutionResult(BaseModel):
     def was_extracted(self) -> bool:
         return isinstance(self.variant, Extracted)
 
-    def confidence(self) -> float:
+    def confidence(self) -> float | None:
         return self.variant.confidence()

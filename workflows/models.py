@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from workflows import defaults
 from workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
 
 
@@ -30,8 +31,8 @@ class ModelSettings(StrictModel):
     api_key_env: str = "OPENAI_API_KEY"
     temperature: float | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    request_timeout_s: float = Field(default=120.0, gt=0)
-    max_attempts: int = Field(default=6, ge=1)
+    request_timeout_s: float = Field(default=defaults.REQUEST_TIMEOUT_S, gt=0)
+    max_attempts: int = Field(default=defaults.MODEL_ATTEMPTS, ge=1)
     logprobs: bool = Field(default=False, description="ask for token logprobs (a confidence source)")
 
 
@@ -45,12 +46,22 @@ class ContextRef(StrictModel):
 
 
 class EpisodeLimits(StrictModel):
-    max_iterations: int = Field(default=20, ge=1)
-    max_llm_calls: int = Field(default=50, ge=1, description="sub-calls made from the REPL")
-    max_duration: timedelta = Field(default=timedelta(hours=1))
-    cell_timeout_s: float = Field(default=60.0, gt=0)
-    output_truncation: int = Field(default=20_000, ge=100)
-    max_parallel_subcalls: int = Field(default=16, ge=1, le=500)
+    max_iterations: int = Field(default=defaults.MAX_ITERATIONS, ge=1)
+    max_llm_calls: int = Field(
+        default=defaults.MAX_LLM_CALLS, ge=1, description="sub-calls made from the REPL"
+    )
+    max_duration: timedelta = Field(default=defaults.MAX_DURATION, description="counted from submission")
+    cell_timeout_s: float = Field(default=defaults.CELL_TIMEOUT_S, gt=0)
+    output_truncation: int = Field(default=defaults.OUTPUT_TRUNCATION, ge=100)
+    max_parallel_subcalls: int = Field(
+        default=defaults.MAX_PARALLEL_SUBCALLS, ge=1, le=defaults.MAX_PARALLEL_SUBCALLS_CEILING
+    )
+    max_cells_per_reply: int = Field(default=defaults.MAX_CELLS_PER_REPLY, ge=1)
+    context_window_tokens: int | None = Field(
+        default=None, ge=1_000, description="the root model's window; compaction keeps requests inside it"
+    )
+    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0.1, le=1.0)
+    resent_message_chars: int = Field(default=defaults.RESENT_MESSAGE_CHARS, ge=1_000)
 
     @field_validator("max_duration")
     @classmethod
@@ -63,8 +74,8 @@ class EpisodeLimits(StrictModel):
 class DurabilitySettings(StrictModel):
     """How fast a dead worker is noticed. Tests shorten these; production keeps defaults."""
 
-    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
-    sticky_schedule_to_start_s: float = Field(default=10.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=defaults.HEARTBEAT_TIMEOUT_S, gt=0)
+    sticky_schedule_to_start_s: float = Field(default=defaults.STICKY_SCHEDULE_TO_START_S, gt=0)
 
 
 class TerminationSpec(StrictModel):
@@ -72,6 +83,11 @@ class TerminationSpec(StrictModel):
 
     name: str = "final_pattern"
     config: dict[str, Any] = Field(default_factory=dict)
+    scan_printed_output: bool = Field(
+        default=False,
+        description="hand the policy what cells printed (rlm_code style); by default printed data "
+        "never ends an episode, only the model's own answer does",
+    )
 
 
 class RewardSpec(StrictModel):
@@ -140,10 +156,15 @@ EndReason = Literal[
     "max_iterations",
     "max_llm_calls",
     "max_duration",
+    "context_overflow",
     "model_error",
     "policy",
     "submitted",
 ]
+
+AnswerSource = Literal["model", "policy", "extraction", "none"]
+"""Who gave the answer: the model (FINAL, FINAL_VAR, answer dict, SUBMIT), a termination
+policy (answer_policy names it), fallback extraction (see confidence), or nobody."""
 
 
 class TokenUsage(StrictModel):
@@ -172,7 +193,14 @@ class TerminationDecision(StrictModel):
 
 
 class EpisodeResult(StrictModel):
+    episode_id: str = ""
     answer: str | None
+    answer_source: AnswerSource = "none"
+    answer_policy: str | None = None
+    confidence: float | None = Field(
+        default=None, description="of the answer: 1.0 for the model's own, computed for extracted"
+    )
+    stop_reason: str = ""
     ended_by: EndReason
     iterations: int
     model_calls: int
@@ -184,6 +212,8 @@ class EpisodeResult(StrictModel):
     termination: TerminationDecision | None = None
     cumulative_reward: float = 0.0
     execution: ExecutionResult | None = None
+    compactions: int = 0
+    lost_cells: int = 0
 
 
 class EpisodeProgress(StrictModel):
@@ -196,6 +226,7 @@ class EpisodeProgress(StrictModel):
     last_response: str = ""
     last_output: str = ""
     finished: bool = False
+    phase_started: datetime | None = None
 
 
 # --- model activities ---------------------------------------------------------------------
@@ -215,6 +246,7 @@ class RootCompletionInput(StrictModel):
     model: ModelSettings
     conversation: str | None
     append: list[Message]
+    resent_message_chars: int = defaults.RESENT_MESSAGE_CHARS
 
 
 class RootCompletion(StrictModel):
@@ -223,6 +255,29 @@ class RootCompletion(StrictModel):
     usage: TokenUsage
     model_time_s: float
     mean_logprob: float | None = None
+    sent_chars: int = 0
+
+
+class CompactionInput(StrictModel):
+    """Summarise the older turns of a conversation into one message (a step of its own)."""
+
+    episode_id: str
+    iteration: int
+    model: ModelSettings
+    conversation: str | None
+    keep_messages: int = defaults.COMPACTION_KEEP_MESSAGES
+    input_chars: int = defaults.COMPACTION_INPUT_CHARS
+    reason: str = ""
+
+
+class CompactionReply(StrictModel):
+    conversation: str
+    conversation_chars: int
+    summary: str
+    removed_messages: int
+    kept_messages: int
+    usage: TokenUsage
+    model_time_s: float
 
 
 class SubQueryInput(StrictModel):
@@ -253,6 +308,7 @@ class SandboxRef(StrictModel):
     log_head: str | None
     cell_timeout_s: float
     output_truncation: int
+    stored_output_chars: int = defaults.STORED_OUTPUT_CHARS
 
 
 class ExecuteCellInput(StrictModel):
@@ -288,6 +344,7 @@ class SubCallRequest(StrictModel):
     call_index: int
     prompt: str
     prompt_digest: str
+    kind: str = Field(default="llm_query", description="which REPL helper made the call")
 
 
 class CellOutcome(StrictModel):
@@ -302,6 +359,8 @@ class CellOutcome(StrictModel):
     stderr: str = ""
     error: str | None = None
     answer: str | None = None
+    answer_kind: Literal["final", "final_var", "answer_ready"] | None = None
+    cell_status: str | None = None
     rebuilt: bool = False
     divergences: list[str] = Field(default_factory=list)
     variables: dict[str, str] = Field(default_factory=dict, description="bounded summary")
@@ -332,7 +391,7 @@ class ExtractionInput(StrictModel):
     variables: dict[str, str]
     output_fields: list[FieldSpec]
     reason: FallbackReason
-    max_history: int = 50
+    max_history: int = defaults.EXTRACTION_HISTORY_ENTRIES
 
 
 class ExtractionReply(StrictModel):
@@ -351,7 +410,7 @@ class RewardUpdate(StrictModel):
     """A reward from an evaluator or a person, sent to a running episode."""
 
     value: float
-    note: str | None = Field(default=None, max_length=2_000)
+    note: str | None = Field(default=None, max_length=defaults.REWARD_NOTE_CHARS)
 
     @field_validator("value")
     @classmethod
@@ -370,13 +429,17 @@ class RewardReceipt(StrictModel):
 # --- audit ------------------------------------------------------------------------------------
 
 
+EpisodeStatus = Literal["running", "completed", "failed", "cancelled", "terminated", "timed_out"]
+
+
 class AuditEpisodeInput(StrictModel):
     episode_id: str
     run_id: str
     task: str
     root_model: str
-    status: Literal["running", "completed"]
+    status: EpisodeStatus
     result: EpisodeResult | None = None
+    error: str | None = None
 
 
 # --- workflow state ----------------------------------------------------------------------------
@@ -404,6 +467,10 @@ class EpisodeCarry(StrictModel):
     reward_inbox: float = 0.0
     cumulative_reward: float = 0.0
     rewards_received: int = 0
+    last_prompt_tokens: int = 0
+    last_reply_tokens: int = 0
+    compactions: int = 0
+    lost_cells: int = 0
 
 
 EpisodeRequest.model_rebuild()

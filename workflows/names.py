@@ -11,6 +11,7 @@ REPL_READ_VARIABLE = "drlm.repl_read_variable"
 REPL_CLOSE = "drlm.repl_close"
 AUDIT_EPISODE = "drlm.audit_episode"
 EXTRACT_FALLBACK = "drlm.extract_fallback"
+COMPACT_CONVERSATION = "drlm.compact_conversation"
 
 # Error types the workflow and the retry policies key on.
 MODEL_REQUEST_REJECTED = "ModelRequestRejected"
@@ -18,3 +19,8 @@ MODEL_UNAVAILABLE = "ModelUnavailable"
 SANDBOX_FAILURE = "SandboxFailure"
 INVALID_REQUEST = "InvalidEpisodeRequest"
 POLICY_FAILURE = "TerminationPolicyFailure"
+MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
+
+# workflow.patched() ids: each guards a change that alters the commands of old histories.
+PATCH_FALLBACK_EXTRACTION = "fallback-extraction"
+PATCH_HONEST_ENDINGS = "honest-endings"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from workflows import defaults
 from workflows.fallback import FieldSpec, format_output_fields
 from workflows.models import ContextRef, Message
 from workflows.parsing import truncate_output
@@ -32,7 +33,9 @@ When you are done, give the answer on a line of its own, outside any code, in on
 these forms:
 FINAL(your answer here)
 FINAL_VAR(variable_name)   <- returns the value of a REPL variable you created
-You may instead set `answer["content"] = ...` and `answer["ready"] = True` in a cell.
+Inside a cell you may instead call `FINAL(value)` or `FINAL_VAR("variable_name")`, or set \
+`answer["content"] = ...` and `answer["ready"] = True`. Text your code prints is never \
+taken as your answer.
 Do not answer before you have looked at the context."""
 
 FIRST_TURN = """\
@@ -64,6 +67,13 @@ ANSWER_NOT_ACCEPTED = (
     "Your answer was noted, but the episode's termination policy ({policy}) has not ended the "
     "episode yet. Keep working, and give your answer again when you are done."
 )
+
+READ_VAR_FAILED = (
+    "FINAL_VAR({name}) could not be read from the REPL: {problem}. The episode goes on; give "
+    "the answer again when the REPL is back."
+)
+
+TOO_MANY_CELLS = "Only the first {limit} code blocks of your reply were run; put less in one reply."
 
 MISSING_VAR_TURN = (
     "FINAL_VAR({name}) names no REPL variable. Create it in a ```{fence}``` block first, "
@@ -104,7 +114,7 @@ def observation(cell_number: int, code: str, stdout: str, stderr: str, error: st
         parts.append(f"[error]\n{error}")
     body = "\n".join(p for p in parts if p) or "(no output)"
     return (
-        f"Cell {cell_number}:\n```python\n{truncate_output(code, 2_000)}\n```\n"
+        f"Cell {cell_number}:\n```python\n{truncate_output(code, defaults.CODE_SHOWN_CHARS)}\n```\n"
         f"Output:\n{truncate_output(body, limit)}"
     )
 

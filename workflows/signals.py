@@ -79,11 +79,16 @@ def build_action(
     outputs: list[tuple[str, str, str | None]],
     response: str,
     mean_logprob: float | None,
+    show_printed: bool = False,
+    limit: int | None = None,
 ) -> ActionResult:
     """The iteration as a policy sees it. `outputs` are the cells' (stdout, stderr, error).
 
-    A reply with neither code nor answer is a `message` with empty output, so that pattern
-    policies never match inline text that seed 001 does not count as an answer.
+    A `final` action's output is the model's answer. For other actions the output is empty
+    unless `show_printed`: what a cell printed is data, and data must not end an episode
+    (a document that mentions "Final (revised)" is not an answer). Custom policies can still
+    read it, bounded, from metadata["printed_output"]. A reply with neither code nor answer
+    is a `message`, also with empty output.
     """
     metadata: dict[str, Any] = {"response": response}
     stated = stated_confidence(response)
@@ -95,12 +100,18 @@ def build_action(
     confidence = stated if stated is not None else from_logprobs
     if confidence is not None:
         metadata["confidence"] = confidence
+    printed = "\n".join(part for out in outputs for part in out if part).strip()
+    if limit is not None:
+        printed = printed[:limit]
+    if outputs:
+        metadata["printed_output"] = printed
     if answer is not None:
         return ActionResult("final", True, answer, metadata)
     if outputs:
         failed = any(error for _, _, error in outputs)
-        text = "\n".join(part for out in outputs for part in out if part).strip()
-        return ActionResult("error" if failed else "code", not failed, text, metadata)
+        return ActionResult(
+            "error" if failed else "code", not failed, printed if show_printed else "", metadata
+        )
     return ActionResult("message", True, "", metadata)
 
 

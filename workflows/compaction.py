@@ -1,0 +1,41 @@
+"""When the conversation must be compacted to keep the next request inside the model's
+context window. Pure: the summary itself is a model call (activities/compaction.py).
+
+rlms compacts when input tokens pass a share of the window; its users hit overflows
+because the reply's max_tokens was not reserved. Here the reply is reserved first.
+"""
+
+from __future__ import annotations
+
+from workflows import defaults
+from workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
+
+
+def estimated_request_tokens(state: EpisodeCarry, pending: list[Message], resent_chars: int) -> int:
+    """Tokens of the next root request: the provider's count for the previous request,
+    plus the reply it produced (as it will be resent), plus the new messages."""
+    new_chars = sum(len(m.content) for m in pending)
+    reply = min(state.last_reply_tokens, resent_chars // defaults.CHARS_PER_TOKEN)
+    return state.last_prompt_tokens + reply + new_chars // defaults.CHARS_PER_TOKEN
+
+
+def reply_reserve(model: ModelSettings) -> int:
+    return model.max_tokens or defaults.REPLY_TOKENS_RESERVED
+
+
+def needs_compaction(
+    state: EpisodeCarry, pending: list[Message], limits: EpisodeLimits, model: ModelSettings
+) -> bool:
+    if limits.context_window_tokens is None or state.conversation is None:
+        return False
+    budget = limits.compact_at * limits.context_window_tokens
+    estimate = estimated_request_tokens(state, pending, limits.resent_message_chars)
+    return estimate + reply_reserve(model) > budget
+
+
+def summary_input_chars(limits: EpisodeLimits, model: ModelSettings) -> int:
+    """Characters of earlier turns the summariser may read: its own request must fit too."""
+    if limits.context_window_tokens is None:
+        return defaults.COMPACTION_INPUT_CHARS
+    room = int(limits.compact_at * limits.context_window_tokens) - reply_reserve(model)
+    return max(1_000, min(defaults.COMPACTION_INPUT_CHARS, room * defaults.CHARS_PER_TOKEN // 2))

@@ -1,0 +1,231 @@
+"""The episode's REPL as the workflow drives it: steps routed to the worker that holds the
+sandbox, a suspended cell's calls answered through the routing table, and a step that
+fails on every attempt recorded as a lost cell instead of a broken REPL.
+
+Each step names the cell-log head it expects. A cell's steps append to the log; if the
+cell is lost, the workflow goes back to the head it had before the cell, so the next step
+rebuilds a clean REPL from the cells that did finish (the lost one is not in its log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
+
+from workflows import defaults, names
+from workflows.calls import ROUTES, CallResult, CallSite
+from workflows.models import (
+    CallAnswer,
+    CellOutcome,
+    CloseSandboxInput,
+    EpisodeCarry,
+    EpisodeRequest,
+    ExecuteCellInput,
+    ReadVariableInput,
+    ResumeCellInput,
+    SandboxRef,
+    SubCallRequest,
+    VariableValue,
+)
+from workflows.parsing import is_variable_name
+from workflows.retries import describe_failure, describe_lost_step, is_timeout, raise_if_cancelled
+
+R = TypeVar("R")
+
+LOST_CELL = (
+    "{cause}; its effects are discarded and variables from earlier cells are restored. "
+    "Run it again if you still need it (split long work into shorter cells)."
+)
+
+
+@dataclass(frozen=True)
+class VariableRead:
+    value: str | None
+    problem: str | None = None  # why it could not be read, when the read itself failed
+
+
+class ReplSteps:
+    def __init__(
+        self,
+        request: EpisodeRequest,
+        state: EpisodeCarry,
+        set_phase: Callable[[str], None],
+        stop_on_cancel: bool = True,
+    ) -> None:
+        self.request = request
+        self.state = state
+        self.set_phase = set_phase
+        self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
+
+    def _sandbox(self) -> SandboxRef:
+        return SandboxRef(
+            episode_id=workflow.info().workflow_id,
+            context=self.request.context,
+            seed=self.state.seed,
+            log_head=self.state.log_head,
+            cell_timeout_s=self.request.limits.cell_timeout_s,
+            output_truncation=self.request.limits.output_truncation,
+        )
+
+    async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
+        """Run a cell to completion, answering its calls; never raises for a lost step."""
+        state = self.state
+        head_before = state.log_head
+        try:
+            outcome = await self._step(
+                names.REPL_EXECUTE,
+                ExecuteCellInput(
+                    sandbox=self._sandbox(), iteration=iteration, cell_index=cell_index, code=code
+                ),
+                CellOutcome,
+                f"cell {cell_index}",
+            )
+            while outcome.status == "suspended":
+                self.set_phase(f"cell {cell_index}: {len(outcome.requests)} call(s)")
+                answers = await self.answer_calls(iteration, cell_index, outcome.requests)
+                outcome = await self._step(
+                    names.REPL_RESUME,
+                    ResumeCellInput(sandbox=self._sandbox(), cell_index=cell_index, answers=answers),
+                    CellOutcome,
+                    f"cell {cell_index} resumed",
+                )
+        except ActivityError as err:
+            if self.stop_on_cancel:
+                raise_if_cancelled(err)
+            state.log_head, state.repl_queue = head_before, None
+            state.lost_cells += 1
+            return CellOutcome(
+                status="completed",
+                log_head=head_before or "",
+                worker_queue="",
+                error=LOST_CELL.format(cause=describe_lost_step(err)),
+                cell_status="lost",
+            )
+        state.divergences += len(outcome.divergences)
+        if outcome.variables or outcome.ok:
+            state.variables = outcome.variables
+        return outcome
+
+    async def read_variable(self, name: str) -> VariableRead:
+        if not is_variable_name(name):
+            return VariableRead(None)
+        try:
+            value = await self._step(
+                names.REPL_READ_VARIABLE,
+                ReadVariableInput(sandbox=self._sandbox(), name=name),
+                VariableValue,
+                f"read {name}",
+            )
+        except ActivityError as err:
+            if self.stop_on_cancel:
+                raise_if_cancelled(err)
+            self.state.repl_queue = None
+            return VariableRead(None, describe_failure(err))
+        return VariableRead(value.value if value.found else None)
+
+    async def close(self) -> None:
+        queue = self.state.repl_queue
+        if queue is None:
+            return
+        try:
+            await workflow.execute_activity(
+                names.REPL_CLOSE,
+                CloseSandboxInput(episode_id=workflow.info().workflow_id),
+                result_type=bool,
+                task_queue=queue,
+                schedule_to_start_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
+                start_to_close_timeout=timedelta(seconds=3 * defaults.CLOSE_SANDBOX_TIMEOUT_S),
+                retry_policy=RetryPolicy(maximum_attempts=1),
+            )
+        except ActivityError:
+            pass  # the worker is gone, and its sandbox with it; idle reaping covers the rest
+
+    async def _step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
+        """A REPL step, routed to the worker that holds this episode's sandbox.
+
+        If that worker is gone (the step is not picked up in time), the step goes to the
+        shared queue, where any worker rebuilds the sandbox from the cell log.
+        """
+        state = self.state
+        durability = self.request.durability
+        while True:
+            sticky = state.repl_queue
+            try:
+                outcome = await workflow.execute_activity(
+                    activity,
+                    arg,
+                    result_type=result,
+                    task_queue=sticky or workflow.info().task_queue,
+                    schedule_to_start_timeout=(
+                        timedelta(seconds=durability.sticky_schedule_to_start_s) if sticky else None
+                    ),
+                    start_to_close_timeout=timedelta(
+                        seconds=self.request.limits.cell_timeout_s + defaults.REPL_SLACK_S
+                    ),
+                    heartbeat_timeout=timedelta(seconds=durability.heartbeat_timeout_s),
+                    retry_policy=RetryPolicy(
+                        maximum_attempts=(
+                            defaults.REPL_ATTEMPTS_STICKY if sticky else defaults.REPL_ATTEMPTS_SHARED
+                        ),
+                        non_retryable_error_types=[names.SANDBOX_FAILURE],
+                    ),
+                    summary=summary,
+                )
+            except ActivityError as err:
+                if sticky and is_timeout(err):
+                    state.repl_queue = None
+                    continue
+                raise
+            state.log_head = outcome.log_head or state.log_head  # type: ignore[attr-defined]
+            state.repl_queue = outcome.worker_queue  # type: ignore[attr-defined]
+            return outcome
+
+    async def answer_calls(
+        self, iteration: int, cell_index: int, requests: list[SubCallRequest]
+    ) -> list[CallAnswer]:
+        """Answer a suspended cell's calls by their kind's route, a batch in parallel waves."""
+        state = self.state
+        limits = self.request.limits
+        site = CallSite(self.request, iteration, cell_index, self.stop_on_cancel)
+        answers: list[CallAnswer] = []
+        width = limits.max_parallel_subcalls
+        for start in range(0, len(requests), width):
+            wave = requests[start : start + width]
+            pending: list[asyncio.Future[CallResult] | CallResult] = []
+            for call in wave:
+                route = ROUTES.get(call.kind)
+                if route is None:
+                    pending.append(CallResult(ok=False, text=f"unknown call kind {call.kind!r}"))
+                    continue
+                if route.model_call:
+                    if state.sub_calls >= limits.max_llm_calls:
+                        pending.append(
+                            CallResult(
+                                ok=False,
+                                text=f"max_llm_calls ({limits.max_llm_calls}) reached: the call was not made",
+                            )
+                        )
+                        continue
+                    state.sub_calls += 1
+                    state.model_calls += 1
+                pending.append(asyncio.ensure_future(route.start(site, call)))
+            for call, item in zip(wave, pending, strict=True):
+                done = item if isinstance(item, CallResult) else await item
+                state.usage = state.usage.add(done.usage)
+                state.model_time_s += done.model_time_s
+                answers.append(
+                    CallAnswer(
+                        call_index=call.call_index,
+                        prompt_digest=call.prompt_digest,
+                        ok=done.ok,
+                        text=done.text,
+                    )
+                )
+        return answers

@@ -1,0 +1,74 @@
+"""Retry policies of an episode's steps, and how a failed step is told to a person."""
+
+from __future__ import annotations
+
+import asyncio
+
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError, TimeoutType
+
+from workflows import defaults, names
+
+
+def model_retry_policy(max_attempts: int) -> RetryPolicy:
+    return RetryPolicy(
+        initial_interval=defaults.MODEL_RETRY_INITIAL,
+        backoff_coefficient=defaults.MODEL_RETRY_BACKOFF,
+        maximum_interval=defaults.MODEL_RETRY_MAX_INTERVAL,
+        maximum_attempts=max_attempts,
+        non_retryable_error_types=[names.MODEL_REQUEST_REJECTED, names.MODEL_CONTEXT_OVERFLOW],
+    )
+
+
+def raise_if_cancelled(err: ActivityError) -> None:
+    """A step cancelled because the episode (or the loop, at the deadline) was cancelled
+    arrives as an ActivityError; it must end the loop, not be handled as a failed step."""
+    if isinstance(err.cause, CancelledError):
+        raise asyncio.CancelledError() from err
+
+
+def is_timeout(err: ActivityError) -> bool:
+    cause = err.cause
+    return isinstance(cause, TimeoutError) and cause.type in (
+        TimeoutType.SCHEDULE_TO_START,
+        TimeoutType.HEARTBEAT,
+        TimeoutType.START_TO_CLOSE,
+    )
+
+
+def error_type(err: BaseException) -> str | None:
+    """The type of the first ApplicationError in a failure chain: the one the activity
+    raised (deeper causes are the client exceptions it was raised from)."""
+    current: BaseException | None = err
+    while current is not None:
+        if isinstance(current, ApplicationError):
+            return current.type
+        current = current.__cause__ or getattr(current, "cause", None)
+    return None
+
+
+def is_context_overflow(err: ActivityError) -> bool:
+    return error_type(err) == names.MODEL_CONTEXT_OVERFLOW
+
+
+def describe_failure(err: BaseException) -> str:
+    """The most specific message in a failure chain: what the user needs to read."""
+    current: BaseException | None = err
+    while current is not None:
+        if isinstance(current, (ApplicationError, TimeoutError)) and current.message:
+            return current.message
+        current = current.__cause__ or getattr(current, "cause", None)
+    return getattr(err, "message", "") or str(err)
+
+
+def describe_lost_step(err: ActivityError) -> str:
+    """Why a REPL step failed on every attempt, in the words the model and a person read."""
+    cause = err.cause
+    if isinstance(cause, TimeoutError):
+        kind = {
+            TimeoutType.HEARTBEAT: "stopped heartbeating",
+            TimeoutType.SCHEDULE_TO_START: "never picked the step up",
+            TimeoutType.START_TO_CLOSE: "did not finish in time",
+        }.get(cause.type, "timed out")
+        return f"the worker running this cell was lost (it {kind} on every attempt)"
+    return f"the REPL step failed on every attempt: {describe_failure(err)}"
