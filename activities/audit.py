@@ -30,6 +30,8 @@ def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
         "task": record.task[:10_000],
         "root_model": record.root_model,
         "status": record.status,
+        "error": record.error,
+        "stop_reason": record.error,
         "updated_at": sa.func.now(),
     }
     if record.result is not None:
@@ -37,6 +39,9 @@ def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
         values.update(
             ended_by=result.ended_by,
             answer=result.answer,
+            answer_source=result.answer_source,
+            confidence=result.confidence,
+            stop_reason=result.stop_reason,
             iterations=result.iterations,
             model_calls=result.model_calls,
             prompt_tokens=result.usage.prompt_tokens,

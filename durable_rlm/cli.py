@@ -21,16 +21,24 @@ from typing import Any
 
 import sqlalchemy as sa
 from pydantic import ValidationError
-from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from durable_rlm import demo, schema
-from durable_rlm.episodes import follow, load_context_file, send_reward, start_episode, store_context
+from durable_rlm.episodes import (
+    EpisodeEnd,
+    follow,
+    load_context_file,
+    send_reward,
+    start_episode,
+    store_context,
+)
 from durable_rlm.projection import rebuild_audit
 from durable_rlm.runtime import Services, connect, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
+from workflows import defaults
 from workflows.episode import episode_policy
 from workflows.fallback import FieldSpec, fields_from_json_schema
 from workflows.models import (
@@ -43,7 +51,12 @@ from workflows.models import (
 )
 from workflows.termination import PolicyError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_ANSWER = 0, 1, 2, 3
+EXIT_OK = 0  # the model (or a policy that found one) answered
+EXIT_FAILED = 1  # a model error, a failed or timed-out episode
+EXIT_USAGE = 2  # bad command line, configuration or request: nothing was started
+EXIT_NO_ANSWER = 3  # a limit or a policy stopped it, and there is no answer
+EXIT_EXTRACTED = 4  # a limit stopped it and the answer was extracted (0 with --accept-extracted)
+EXIT_CANCELLED = 5  # cancelled or terminated
 
 
 def _stderr(line: str) -> None:
@@ -58,20 +71,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("task")
     run.add_argument("--context", type=Path, help="file whose text (or JSON, for .json) is `context`")
     _model_args(run)
-    run.add_argument("--max-iterations", type=int, default=20)
-    run.add_argument("--max-llm-calls", type=int, default=50, help="sub-calls from the REPL")
-    run.add_argument("--max-duration", type=float, default=3600.0, help="seconds")
-    run.add_argument("--cell-timeout", type=float, default=60.0, help="seconds per REPL cell")
-    run.add_argument("--output-truncation", type=int, default=20_000, help="chars of cell output shown")
+    _limit_args(run)
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
     run.add_argument("--policy", default="final_pattern", help="termination policy (seed 003)")
     run.add_argument("--policy-config", type=_json_object, default={}, help="policy config as JSON")
+    run.add_argument(
+        "--policy-scans-output",
+        action="store_true",
+        help="let the policy see what cells print (by default only the model's own answer ends an episode)",
+    )
+    run.add_argument(
+        "--accept-extracted",
+        action="store_true",
+        help="exit 0, not 4, when a limit was reached and the answer was extracted",
+    )
     run.add_argument("--reward-function", default="none", help="per-action reward: none or outcome")
     run.add_argument("--logprobs", action="store_true", help="ask the root model for logprobs")
     run.add_argument("--output-schema", type=Path, help="JSON Schema of typed outputs (SUBMIT)")
     run.add_argument("--no-extraction", action="store_true", help="no fallback extraction at limits")
     run.add_argument("--id", help="episode id (default: a new one)")
-    run.add_argument("--json", action="store_true", help="print only the EpisodeResult as JSON")
+    run.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: the result, or how the episode ended without one",
+    )
     run.add_argument("--no-wait", action="store_true", help="start the episode and print its id")
 
     dem = sub.add_parser("demo", help="run the demo episode (scripted model unless OPENAI_API_KEY)")
@@ -86,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     resume = sub.add_parser("resume", help="wait for an episode, working on it if embedded")
     resume.add_argument("episode_id")
     resume.add_argument("--json", action="store_true")
+    resume.add_argument("--accept-extracted", action="store_true")
+
+    cancel = sub.add_parser("cancel", help="cancel a running episode (it closes its sandbox and audit row)")
+    cancel.add_argument("episode_id")
+
+    sub.add_parser("doctor", help="check this machine: Temporal, stores, and the sandbox's isolation layers")
 
     reward = sub.add_parser("reward", help="send a reward to a running episode")
     reward.add_argument("episode_id")
@@ -104,6 +133,50 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
     parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: OPENAI_BASE_URL)")
     parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=_env_number("DRLM_REQUEST_TIMEOUT_S", defaults.REQUEST_TIMEOUT_S),
+        help=f"seconds per model request (default {defaults.REQUEST_TIMEOUT_S:g}; DRLM_REQUEST_TIMEOUT_S)",
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=int,
+        default=int(_env_number("DRLM_MODEL_ATTEMPTS", defaults.MODEL_ATTEMPTS)),
+        help=f"attempts per model call (default {defaults.MODEL_ATTEMPTS}; DRLM_MODEL_ATTEMPTS)",
+    )
+
+
+def _limit_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-iterations", type=int, default=defaults.MAX_ITERATIONS)
+    parser.add_argument(
+        "--max-llm-calls", type=int, default=defaults.MAX_LLM_CALLS, help="sub-calls from the REPL"
+    )
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        default=defaults.MAX_DURATION.total_seconds(),
+        help="seconds, counted from submission (a durable timer)",
+    )
+    parser.add_argument(
+        "--cell-timeout", type=float, default=defaults.CELL_TIMEOUT_S, help="seconds per REPL cell"
+    )
+    parser.add_argument(
+        "--output-truncation", type=int, default=defaults.OUTPUT_TRUNCATION, help="chars of cell output shown"
+    )
+    parser.add_argument(
+        "--context-window", type=int, help="the root model's context window in tokens (enables compaction)"
+    )
+
+
+def _env_number(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        return float(value)
+    except ValueError as exc:
+        raise ConfigurationError(f"{name} must be a number, got {value!r}") from exc
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -117,7 +190,13 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
-    root = ModelSettings(model=args.model, base_url=args.base_url, logprobs=getattr(args, "logprobs", False))
+    root = ModelSettings(
+        model=args.model,
+        base_url=args.base_url,
+        logprobs=getattr(args, "logprobs", False),
+        request_timeout_s=args.request_timeout,
+        max_attempts=args.max_attempts,
+    )
     return EpisodeRequest(
         task=args.task,
         context=context,
@@ -129,10 +208,13 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
             max_duration=timedelta(seconds=args.max_duration),
             cell_timeout_s=args.cell_timeout,
             output_truncation=args.output_truncation,
+            context_window_tokens=getattr(args, "context_window", None),
         ),
         code_fences=args.fence or ["repl"],
         termination=TerminationSpec(
-            name=getattr(args, "policy", "final_pattern"), config=getattr(args, "policy_config", {})
+            name=getattr(args, "policy", "final_pattern"),
+            config=getattr(args, "policy_config", {}),
+            scan_printed_output=getattr(args, "policy_scans_output", False),
         ),
         reward=RewardSpec(function=getattr(args, "reward_function", "none")),
         output_fields=_output_fields(getattr(args, "output_schema", None)),
@@ -170,26 +252,45 @@ async def _session(settings: Settings, credentials: dict[str, str], work: bool) 
             yield services
 
 
-def _print_result(result: EpisodeResult, as_json: bool) -> int:
-    if as_json:
-        print(result.model_dump_json())
-    else:
-        _stderr(
-            f"ended by {result.ended_by} after {result.iterations} iteration(s), "
-            f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
-        )
-        if result.termination:
-            t = result.termination
-            _stderr(f"termination: policy {t.policy} at step {t.step}: {t.reason}")
-        if result.execution is not None:
-            _stderr(describe_execution(result.execution))
-        if result.error:
-            _stderr(f"error: {result.error}")
-        if result.answer is not None:
-            print(result.answer)
-    if result.ended_by == "model_error":
+def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
+    """The exit code a script reads: answered, extracted, no answer, failed, cancelled."""
+    if end.status in ("cancelled", "terminated"):
+        return EXIT_CANCELLED
+    result = end.result
+    if result is None or result.ended_by == "model_error":
         return EXIT_FAILED
-    return EXIT_OK if result.answer is not None else EXIT_NO_ANSWER
+    if result.answer is None:
+        return EXIT_NO_ANSWER
+    if result.answer_source == "extraction" and not accept_extracted:
+        return EXIT_EXTRACTED
+    return EXIT_OK
+
+
+def _print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) -> int:
+    if as_json:
+        print(json.dumps(end.report()))
+        return exit_code(end, accept_extracted)
+    result = end.result
+    if result is None:
+        _stderr(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
+        return exit_code(end, accept_extracted)
+    _stderr(
+        f"ended by {result.ended_by} after {result.iterations} iteration(s), "
+        f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
+    )
+    _stderr(f"stop reason: {result.stop_reason}")
+    source = result.answer_source + (f" ({result.answer_policy})" if result.answer_policy else "")
+    confidence = "" if result.confidence is None else f", confidence {result.confidence:.2f}"
+    _stderr(f"answer source: {source}{confidence}")
+    if result.execution is not None:
+        _stderr(describe_execution(result.execution))
+    if result.lost_cells or result.compactions:
+        _stderr(f"lost cells: {result.lost_cells}; compactions: {result.compactions}")
+    if result.error:
+        _stderr(f"error: {result.error}")
+    if result.answer is not None:
+        print(result.answer)
+    return exit_code(end, accept_extracted)
 
 
 async def _run_episode(
@@ -209,14 +310,15 @@ async def _run_episode(
             return EXIT_OK
         if not args.json:
             _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
-        result = await follow(handle, None if args.json else _stderr)
-        return _print_result(result, args.json)
+        end = await follow(handle, None if args.json else _stderr)
+        return _print_end(end, args.json, args.accept_extracted)
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:
-    args.task, args.no_wait, args.id = demo.TASK, False, None
+    args.task, args.no_wait, args.id, args.accept_extracted = demo.TASK, False, None, False
     args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
+    args.context_window = None
     credentials = _credentials(settings, args.api_key)
     if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
         if not args.json:
@@ -262,14 +364,27 @@ async def _reward(settings: Settings, args: argparse.Namespace) -> int:
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:
     async with _session(settings, {}, work=True) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        result = await follow(handle, None if args.json else _stderr)
-        return _print_result(result, args.json)
+        end = await follow(handle, None if args.json else _stderr)
+        return _print_end(end, args.json, args.accept_extracted)
 
 
-def _list(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.store import open_store
+async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    # A worker must run the cancellation (it closes the sandbox and the audit row).
+    async with _session(settings, {}, work=True) as services:
+        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        await handle.cancel()
+        end = await follow(handle, None)
+    print(f"episode {end.episode_id}: {end.status}")
+    return EXIT_OK if end.status == "cancelled" else exit_code(end)
 
-    engine = open_store(settings.effective_database_url)
+
+async def _list(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.projection import reconcile_audit
+
+    async with connect(settings) as services:
+        engine = services.engine
+        assert engine is not None
+        await reconcile_audit(services.client, engine)
     table = schema.episodes
     with engine.connect() as conn:
         rows = conn.execute(sa.select(table).order_by(table.c.updated_at.desc()).limit(args.limit)).all()
@@ -295,12 +410,18 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _resume(settings, args)
     if args.command == "reward":
         return await _reward(settings, args)
+    if args.command == "cancel":
+        return await _cancel(settings, args)
+    if args.command == "doctor":
+        from durable_rlm.doctor import run_doctor
+
+        return await run_doctor(settings)
     if args.command == "audit-rebuild":
         async with connect(settings) as services:
             count = await rebuild_audit(services.client, services.engine)
         print(f"audit store rebuilt from history: {count} episode(s)")
         return EXIT_OK
-    return _list(settings, args)
+    return await _list(settings, args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -317,9 +438,6 @@ def main(argv: list[str] | None = None) -> None:
     except LookupError as exc:
         _stderr(f"drlm: {exc.args[0] if exc.args else exc}")
         code = EXIT_USAGE
-    except WorkflowFailureError as exc:
-        _stderr(f"drlm: the episode failed: {exc.cause or exc}")
-        code = EXIT_FAILED
     except RPCError as exc:
         _stderr(f"drlm: Temporal error: {exc}")
         code = EXIT_FAILED

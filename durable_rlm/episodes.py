@@ -6,10 +6,13 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from temporalio.client import Client, WorkflowHandle
+from pydantic import BaseModel
+from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import CancelledError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
@@ -21,9 +24,11 @@ from workflows.models import (
     EpisodeProgress,
     EpisodeRequest,
     EpisodeResult,
+    EpisodeStatus,
     RewardReceipt,
     RewardUpdate,
 )
+from workflows.retries import describe_failure
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
@@ -69,30 +74,85 @@ async def start_episode(
     )
 
 
-async def pending_retry(handle: WorkflowHandle[Any, Any]) -> str | None:
-    """A model or REPL call that is failing and being retried, as a line for a person."""
+class EpisodeEnd(BaseModel):
+    """How an episode ended, whatever way: a result, or the failure, cancellation,
+    termination or timeout that ended it without one."""
+
+    episode_id: str
+    status: EpisodeStatus
+    result: EpisodeResult | None = None
+    error: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        """One flat JSON object for scripts: the result's fields plus the status."""
+        if self.result is not None:
+            return {"status": self.status, **self.result.model_dump(mode="json")}
+        return {
+            "episode_id": self.episode_id,
+            "status": self.status,
+            "answer": None,
+            "answer_source": "none",
+            "confidence": None,
+            "stop_reason": self.error,
+            "error": self.error,
+            "iterations": None,
+            "usage": None,
+        }
+
+
+def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
+    cause = error.cause
+    if isinstance(cause, CancelledError):
+        return "cancelled"
+    if isinstance(cause, TerminatedError):
+        return "terminated"
+    if isinstance(cause, TimeoutError):
+        return "timed_out"
+    return "failed"
+
+
+async def wait_end(
+    handle: WorkflowHandle[Any, EpisodeResult], result: asyncio.Future | None = None
+) -> EpisodeEnd:
+    try:
+        value = await (result if result is not None else handle.result())
+    except WorkflowFailureError as exc:
+        status = failure_status(exc)
+        message = describe_failure(exc.cause) if exc.cause is not None else str(exc)
+        return EpisodeEnd(episode_id=handle.id, status=status, error=message)
+    return EpisodeEnd(episode_id=handle.id, status="completed", result=value)
+
+
+async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
+    """The step the episode waits on, its attempt and last failure, as a line for a person."""
     try:
         description = await handle.describe()
     except RPCError:
         return None
-    for pending in description.raw_description.pending_activities:
-        if pending.attempt > 1 and pending.last_failure.message:
-            return (
-                f"{pending.activity_type.name} attempt {pending.attempt} "
-                f"(last failure: {pending.last_failure.message})"
-            )
-    return None
+    pending = list(description.raw_description.pending_activities)
+    if not pending:
+        return None
+    step = pending[-1]
+    name = step.activity_type.name.removeprefix("drlm.").replace("_", " ")
+    attempt = f"attempt {step.attempt}" + (f" of {step.maximum_attempts}" if step.maximum_attempts else "")
+    failure = f"; last failure: {step.last_failure.message}" if step.last_failure.message else ""
+    return f"{name}, {attempt}{failure}"
+
+
+WAITING_EVERY_S = 10.0
 
 
 async def follow(
     handle: WorkflowHandle[Any, EpisodeResult],
     on_progress: Callable[[str], None] | None = None,
     poll_s: float = 0.3,
-) -> EpisodeResult:
-    """Wait for the result, reporting each new iteration, phase and retry on the way."""
+    waiting_every_s: float = WAITING_EVERY_S,
+) -> EpisodeEnd:
+    """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
+    how long the current step has been waiting (a hung model shows, it is not silence)."""
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
-    last_retry: str | None = None
+    last_waiting = 0.0
     try:
         while not result_task.done():
             await asyncio.wait({result_task}, timeout=poll_s)
@@ -104,15 +164,20 @@ async def follow(
                 continue
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
+                last_waiting = 0.0
                 on_progress(
                     f"iteration {progress.iteration}: {progress.phase} "
                     f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
                 )
-            retry = await pending_retry(handle)
-            if retry and retry != last_retry:
-                on_progress(f"retrying {retry}")
-            last_retry = retry
-        return result_task.result()
+                continue
+            if progress.phase_started is None or progress.finished:
+                continue
+            waited = (datetime.now(UTC) - progress.phase_started).total_seconds()
+            if waited - last_waiting >= waiting_every_s:
+                last_waiting = waited
+                step = await pending_step(handle)
+                on_progress(f"still {progress.phase}: {waited:.0f} s" + (f" ({step})" if step else ""))
+        return await wait_end(handle, result_task)
     finally:
         if not result_task.done():
             result_task.cancel()

@@ -1,44 +1,117 @@
-"""Rebuild the SQL audit projection from Temporal histories (DESIGN invariant 6)."""
+"""The SQL audit projection from Temporal histories (DESIGN invariant 6).
+
+One function, `record_of`, says what an execution's row is, whatever way it ended. The
+workflow writes its own row when it can (started, completed, failed, cancelled); a
+terminated or timed-out episode runs no code, so `reconcile_audit` (run by every worker
+and by `drlm list`) settles rows left "running" with the same function that
+`rebuild_audit` uses to write the table from scratch. Live and rebuilt rows are equal.
+"""
 
 from __future__ import annotations
 
 import asyncio
 
 import sqlalchemy as sa
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.service import RPCError
 
 from activities.audit import upsert_episode
 from durable_rlm import schema
 from workflows import names
-from workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult
+from workflows.ending import CANCELLED, TIMED_OUT
+from workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
+
+_STATUS: dict[WorkflowExecutionStatus, EpisodeStatus] = {
+    WorkflowExecutionStatus.RUNNING: "running",
+    WorkflowExecutionStatus.CONTINUED_AS_NEW: "running",
+    WorkflowExecutionStatus.COMPLETED: "completed",
+    WorkflowExecutionStatus.FAILED: "failed",
+    WorkflowExecutionStatus.CANCELED: "cancelled",
+    WorkflowExecutionStatus.TERMINATED: "terminated",
+    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
+}
+
+
+async def _request(client: Client, episode_id: str, first_run_id: str | None) -> EpisodeRequest:
+    history = await client.get_workflow_handle(episode_id, run_id=first_run_id).fetch_history()
+    started = history.events[0].workflow_execution_started_event_attributes
+    (request,) = await client.data_converter.decode(list(started.input.payloads)[:1], [EpisodeRequest])
+    return request
+
+
+async def _closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:
+    if status == "cancelled":
+        return CANCELLED
+    if status == "timed_out":
+        return TIMED_OUT
+    if status not in ("failed", "terminated"):
+        return None
+    history = await handle.fetch_history()
+    last = history.events[-1]
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
+        return last.workflow_execution_failed_event_attributes.failure.message
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED:
+        reason = last.workflow_execution_terminated_event_attributes.reason
+        return f"terminated: {reason}" if reason else "terminated"
+    return None
+
+
+async def record_of(client: Client, episode_id: str, first_run_id: str | None = None) -> AuditEpisodeInput:
+    """The row of an episode as its latest run says, whatever way it ended."""
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    description = await handle.describe()
+    status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
+    request = await _request(client, episode_id, first_run_id)
+    result = await handle.result() if status == "completed" else None
+    latest = client.get_workflow_handle(episode_id, run_id=description.run_id)
+    return AuditEpisodeInput(
+        episode_id=episode_id,
+        run_id=description.run_id,
+        task=request.task,
+        root_model=request.root_model.model,
+        status=status,
+        result=result,
+        error=await _closing_error(latest, status),
+    )
 
 
 async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) -> int:
-    """Write one row per episode from its latest run; with `drop`, start from an empty table."""
+    """Write one row per episode from its histories; with `drop`, start from an empty table."""
     if drop:
         await asyncio.to_thread(_clear, engine)
-    count = 0
+    first_runs: dict[str, WorkflowExecution] = {}
     async for execution in client.list_workflows(f'WorkflowType = "{names.WORKFLOW}"'):
-        handle = client.get_workflow_handle(execution.id, result_type=EpisodeResult)
-        first = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
-        started = first.events[0].workflow_execution_started_event_attributes
-        (request,) = await client.data_converter.decode(list(started.input.payloads)[:1], [EpisodeRequest])
-        if execution.run_id != (await handle.describe()).run_id:
-            continue  # an earlier run of a continued-as-new episode: the latest run has the row
-        result = None
-        if execution.status == WorkflowExecutionStatus.COMPLETED:
-            result = await handle.result()
-        record = AuditEpisodeInput(
-            episode_id=execution.id,
-            run_id=execution.run_id,
-            task=request.task,
-            root_model=request.root_model.model,
-            status="completed" if result is not None else execution.status.name.lower()[:20],
-            result=result,
-        )
+        known = first_runs.get(execution.id)
+        if known is None or execution.start_time < known.start_time:
+            first_runs[execution.id] = execution
+    for episode_id, first in first_runs.items():
+        record = await record_of(client, episode_id, first.run_id)
         await asyncio.to_thread(upsert_episode, engine, record)
-        count += 1
-    return count
+    return len(first_runs)
+
+
+async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
+    """Settle rows still marked running whose episode has ended without writing its row
+    (terminated, timed out, or a worker that could not reach the store)."""
+    table = schema.episodes
+
+    def running() -> list[str]:
+        with engine.connect() as conn:
+            return list(
+                conn.execute(sa.select(table.c.episode_id).where(table.c.status == "running")).scalars()
+            )
+
+    settled = 0
+    for episode_id in await asyncio.to_thread(running):
+        try:
+            record = await record_of(client, episode_id)
+        except RPCError:
+            continue  # not in this namespace (any more): leave the row as it is
+        if record.status != "running":
+            await asyncio.to_thread(upsert_episode, engine, record)
+            settled += 1
+    return settled
 
 
 def _clear(engine: sa.Engine) -> None:

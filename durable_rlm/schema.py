@@ -34,4 +34,7 @@ episodes = sa.Table(
     sa.Column("completion_tokens", sa.Integer),
     sa.Column("error", sa.Text),
     sa.Column("updated_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    sa.Column("answer_source", sa.String(20)),
+    sa.Column("confidence", sa.Float),
+    sa.Column("stop_reason", sa.Text),
 )

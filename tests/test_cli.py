@@ -168,9 +168,10 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
         "--output-schema",
         str(schema),
     )
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 4, out.stderr  # an extracted answer is told apart from a given one
     assert json.loads(out.stdout) == {"colour": "blue"}
     assert "Result: extracted after max iterations reached (1/1) (confidence 0.80)" in out.stderr
+    assert "answer source: extraction, confidence 0.80" in out.stderr
 
 
 def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
