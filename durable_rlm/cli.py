@@ -34,7 +34,7 @@ from durable_rlm.episodes import (
     store_context,
 )
 from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import Services, connect, running_workers
+from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
@@ -396,6 +396,8 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _dispatch(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
+    # Custom policies must be known here too: `run` validates the request before starting.
+    import_policy_modules(settings.policy_module_names)
     if args.command == "run":
         credentials = _credentials(settings, args.api_key)
         if args.context is not None and not args.context.is_file():
@@ -425,12 +427,12 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
     # The SDK logs every failed activity attempt with a traceback; the CLI reports retries
     # and failures itself. DRLM_LOG_LEVEL brings the logs back.
     logging.basicConfig(level=os.environ.get("DRLM_LOG_LEVEL", "ERROR"))
     logging.getLogger("temporalio").setLevel(os.environ.get("DRLM_LOG_LEVEL", "CRITICAL"))
     try:
+        args = build_parser().parse_args(argv)
         code = asyncio.run(_dispatch(args))
     except (ConfigurationError, ValidationError, PolicyError) as exc:
         _stderr(f"drlm: {_explain(exc)}")

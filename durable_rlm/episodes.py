@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import CancelledError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
@@ -18,6 +19,7 @@ from temporalio.service import RPCError
 from durable_rlm.blobs import BlobStore
 from durable_rlm.settings import ConfigurationError
 from workflows import names
+from workflows.ending import CANCELLED, TIMED_OUT
 from workflows.episode import episode_policy
 from workflows.models import (
     ContextRef,
@@ -111,6 +113,24 @@ def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
     return "failed"
 
 
+async def closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:
+    if status == "cancelled":
+        return CANCELLED
+    if status == "timed_out":
+        return TIMED_OUT
+    """What ended an episode that has no result, as the audit store and the CLI say it."""
+    if status not in ("failed", "terminated"):
+        return None
+    history = await handle.fetch_history()
+    last = history.events[-1]
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
+        return last.workflow_execution_failed_event_attributes.failure.message
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED:
+        reason = last.workflow_execution_terminated_event_attributes.reason
+        return f"terminated: {reason}" if reason else "terminated"
+    return None
+
+
 async def wait_end(
     handle: WorkflowHandle[Any, EpisodeResult], result: asyncio.Future | None = None
 ) -> EpisodeEnd:
@@ -118,7 +138,7 @@ async def wait_end(
         value = await (result if result is not None else handle.result())
     except WorkflowFailureError as exc:
         status = failure_status(exc)
-        message = describe_failure(exc.cause) if exc.cause is not None else str(exc)
+        message = await closing_error(handle, status) or describe_failure(exc.cause or exc)
         return EpisodeEnd(episode_id=handle.id, status=status, error=message)
     return EpisodeEnd(episode_id=handle.id, status="completed", result=value)
 

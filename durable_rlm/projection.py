@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 
 import sqlalchemy as sa
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from activities.audit import upsert_episode
 from durable_rlm import schema
+from durable_rlm.episodes import closing_error
 from workflows import names
-from workflows.ending import CANCELLED, TIMED_OUT
 from workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
 
 _STATUS: dict[WorkflowExecutionStatus, EpisodeStatus] = {
@@ -40,23 +39,6 @@ async def _request(client: Client, episode_id: str, first_run_id: str | None) ->
     return request
 
 
-async def _closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:
-    if status == "cancelled":
-        return CANCELLED
-    if status == "timed_out":
-        return TIMED_OUT
-    if status not in ("failed", "terminated"):
-        return None
-    history = await handle.fetch_history()
-    last = history.events[-1]
-    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
-        return last.workflow_execution_failed_event_attributes.failure.message
-    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED:
-        reason = last.workflow_execution_terminated_event_attributes.reason
-        return f"terminated: {reason}" if reason else "terminated"
-    return None
-
-
 async def record_of(client: Client, episode_id: str, first_run_id: str | None = None) -> AuditEpisodeInput:
     """The row of an episode as its latest run says, whatever way it ended."""
     handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
@@ -72,7 +54,7 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         root_model=request.root_model.model,
         status=status,
         result=result,
-        error=await _closing_error(latest, status),
+        error=await closing_error(latest, status),
     )
 
 

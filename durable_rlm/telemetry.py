@@ -1,21 +1,32 @@
-"""Tracing: off by default; console spans for a look, OTLP for a collector."""
+"""Tracing: off by default; console spans for a look, OTLP for a collector.
+
+Temporal's TracingInterceptor on the client is also the workers' (they inherit the client's
+interceptors), so one setting traces starting, running, and every activity of an episode.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from temporalio.client import Interceptor
 
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
-def client_interceptors(kind: str) -> list[Interceptor]:
-    if kind == "off":
+
+def client_interceptors(kind: str, exporter: SpanExporter | None = None) -> list[Interceptor]:
+    """Interceptors for DRLM_TRACING=kind; `exporter` overrides where spans go (tests)."""
+    if kind == "off" and exporter is None:
         return []
-    from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
     from temporalio.contrib.opentelemetry import TracingInterceptor
 
     provider = TracerProvider(resource=Resource.create({"service.name": "durable-rlm"}))
-    if kind == "otlp":
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif kind == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
@@ -23,5 +34,4 @@ def client_interceptors(kind: str) -> list[Interceptor]:
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     else:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    trace.set_tracer_provider(provider)
-    return [TracingInterceptor()]
+    return [TracingInterceptor(tracer=provider.get_tracer("durable-rlm"))]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, settings
 from temporalio.client import Client
 
 from activities.repl import ReplActivities
@@ -42,6 +43,15 @@ from workflows.models import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Property tests: thorough by default; HYPOTHESIS_PROFILE=mutation keeps mutation runs quick.
+settings.register_profile(
+    "default", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "mutation", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ import pytest
 
 from durable_rlm import demo
 from durable_rlm.runtime import free_port
-from durable_rlm.scripted import root_and_sub
+from durable_rlm.scripted import Reply, root_and_sub
+from workflows import defaults
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 TURNS = [
@@ -62,11 +63,25 @@ def test_run_json_prints_only_the_episode_result(tmp_path: Path, scripted, conte
 
 
 def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_file: Path) -> None:
-    server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
+    slow = [Reply(text=t, delay_s=0.8) for t in TURNS]  # slower than the progress poll
+    server = scripted(root_and_sub(slow, lambda p: Reply(text=p.upper(), delay_s=0.8)))
     out = run_counting(tmp_path, server, context_file)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "NAME FOR 3"
-    assert "iteration" in out.stderr and "ended by final_var" in out.stderr
+    lines = out.stderr.splitlines()
+    progress = [line.split(" (")[0] for line in lines if line.startswith("iteration ")]
+    for step in (
+        "iteration 1: waiting for the root model",
+        "iteration 2: waiting for the root model",
+        "iteration 2: cell 2: 1 call(s)",
+        "iteration 3: waiting for the root model",
+    ):
+        assert step in progress, lines
+    assert progress.index("iteration 2: cell 2: 1 call(s)") > progress.index(
+        "iteration 2: waiting for the root model"
+    )
+    assert "ended by final_var after 3 iteration(s), 4 model call(s)" in out.stderr
+    assert "answer source: model, confidence 1.00" in out.stderr
 
 
 def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) -> None:
@@ -172,6 +187,28 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
     assert json.loads(out.stdout) == {"colour": "blue"}
     assert "Result: extracted after max iterations reached (1/1) (confidence 0.80)" in out.stderr
     assert "answer source: extraction, confidence 0.80" in out.stderr
+    accepted = drlm(
+        tmp_path,
+        "run",
+        "which colour?",
+        "--base-url",
+        server.base_url,
+        "--model",
+        "m",
+        "--max-iterations",
+        "1",
+        "--output-schema",
+        str(schema),
+        "--accept-extracted",
+        "--json",
+    )
+    assert accepted.returncode == 0, accepted.stderr
+    report = json.loads(accepted.stdout)
+    assert (report["answer_source"], report["confidence"], report["ended_by"]) == (
+        "extraction",
+        0.8,
+        "max_iterations",
+    )
 
 
 def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
@@ -179,3 +216,129 @@ def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
     schema.write_text('{"type": "array"}')
     out = drlm(tmp_path, "run", "t", "--output-schema", str(schema))
     assert out.returncode == 2 and "invalid output schema" in out.stderr
+
+
+# --- endings a script can tell apart (issue 20) ---------------------------------------------------
+
+ROOT_DIR = Path(__file__).resolve().parents[1]
+
+
+def test_json_names_the_episode_the_source_the_confidence_and_the_usage(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nx = 6 * 7\n```", "FINAL(42)"]))
+    episode_id = f"json-{uuid.uuid4().hex[:6]}"
+    out = drlm(
+        tmp_path, "run", "t", "--base-url", server.base_url, "--model", "m", "--id", episode_id, "--json"
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["status"] == "completed" and report["episode_id"] == episode_id
+    assert (report["answer"], report["answer_source"], report["confidence"]) == ("42", "model", 1.0)
+    assert report["stop_reason"] == "the model answered (final); final_pattern: final action"
+    assert report["iterations"] == 2 and report["usage"]["prompt_tokens"] > 0
+
+
+def test_a_limit_without_an_answer_exits_3(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nprint(1)\n```"]))
+    args = (
+        "--base-url",
+        server.base_url,
+        "--model",
+        "m",
+        "--max-iterations",
+        "1",
+        "--no-extraction",
+        "--json",
+    )
+    out = drlm(tmp_path, "run", "t", *args)
+    assert out.returncode == 3, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["answer"], report["answer_source"], report["ended_by"]) == (None, "none", "max_iterations")
+    assert report["stop_reason"] == "max iterations reached (1/1); fallback extraction is disabled"
+
+
+def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub(["FINAL(never asked)"]))
+    episode_id = f"cancel-{uuid.uuid4().hex[:6]}"
+    started = drlm(
+        tmp_path, "run", "t", "--base-url", server.base_url, "--model", "m", "--id", episode_id, "--no-wait"
+    )
+    assert started.returncode == 0, started.stderr
+    cancelled = drlm(tmp_path, "cancel", episode_id)
+    assert (cancelled.returncode, cancelled.stdout.strip()) == (0, f"episode {episode_id}: cancelled"), (
+        cancelled.stderr
+    )
+    resumed = drlm(tmp_path, "resume", episode_id, "--json")
+    assert resumed.returncode == 5
+    assert json.loads(resumed.stdout) | {"answer": None} == {
+        "episode_id": episode_id,
+        "status": "cancelled",
+        "answer": None,
+        "answer_source": "none",
+        "confidence": None,
+        "stop_reason": "the episode was cancelled",
+        "error": "the episode was cancelled",
+        "iterations": None,
+        "usage": None,
+    }
+    assert server.requests == []
+    listed = drlm(tmp_path, "list")
+    assert f"{episode_id}  cancelled" in listed.stdout
+
+
+def test_a_failed_episode_exits_1_and_a_custom_policy_loads_from_settings(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub(["```repl\nprint(1)\n```"]))
+    env = {"DRLM_POLICY_MODULES": "tests.policy_plugins", "PYTHONPATH": str(ROOT_DIR)}
+    args = ("--base-url", server.base_url, "--model", "m", "--json")
+    stops = drlm(tmp_path, "run", "t", *args, "--policy", "plugin_stops_at_step_one", **env)
+    assert stops.returncode == 0, stops.stderr  # the policy gave an answer of its own
+    report = json.loads(stops.stdout)
+    assert (report["answer"], report["answer_source"], report["answer_policy"]) == (
+        "plugin says enough",
+        "policy",
+        "plugin_stops_at_step_one",
+    )
+    failed = drlm(tmp_path, "run", "t", *args, "--policy", "plugin_raises", **env)
+    assert failed.returncode == 1
+    report = json.loads(failed.stdout)
+    assert report["status"] == "failed"
+    assert report["error"] == "termination policy 'plugin_raises' raised RuntimeError: the plugin has a bug"
+    unknown = drlm(
+        tmp_path, "run", "t", *args, "--policy", "plugin_raises", DRLM_POLICY_MODULES="no.such.module"
+    )
+    assert unknown.returncode == 2 and "DRLM_POLICY_MODULES: cannot import 'no.such.module'" in unknown.stderr
+
+
+def test_request_timeout_and_attempts_are_set_from_flags_and_settings(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub([Reply(text="FINAL(late)", delay_s=4)]))
+    base = ("--base-url", server.base_url, "--model", "m", "--json")
+    out = drlm(tmp_path, "run", "t", *base, "--request-timeout", "1", "--max-attempts", "2")
+    assert out.returncode == 1, out.stderr
+    assert "timed out after 1 s" in json.loads(out.stdout)["error"]
+    assert len(server.root_requests()) == 2
+    out = drlm(tmp_path, "run", "t", *base, DRLM_REQUEST_TIMEOUT_S="1", DRLM_MODEL_ATTEMPTS="1")
+    assert out.returncode == 1 and len(server.root_requests()) == 3
+    bad = drlm(tmp_path, "run", "t", *base, DRLM_REQUEST_TIMEOUT_S="soon")
+    assert bad.returncode == 2 and "DRLM_REQUEST_TIMEOUT_S must be a number, got 'soon'" in bad.stderr
+
+
+def test_cli_defaults_are_the_one_home_of_defaults() -> None:
+    from durable_rlm.cli import build_parser
+
+    args = build_parser().parse_args(["run", "t"])
+    assert (args.max_iterations, args.max_llm_calls) == (defaults.MAX_ITERATIONS, defaults.MAX_LLM_CALLS)
+    assert args.max_duration == defaults.MAX_DURATION.total_seconds()
+    assert (args.cell_timeout, args.output_truncation) == (
+        defaults.CELL_TIMEOUT_S,
+        defaults.OUTPUT_TRUNCATION,
+    )
+    assert (args.request_timeout, args.max_attempts) == (defaults.REQUEST_TIMEOUT_S, defaults.MODEL_ATTEMPTS)
+
+
+def test_doctor_reports_each_sandbox_layer(tmp_path: Path) -> None:
+    out = drlm(tmp_path, "doctor")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for check in ("network", "rlimits", "death signal", "audit hook", "SQL store"):
+        assert check in out.stdout
+    assert "empty network namespace" in out.stdout
+    if os.geteuid() == 0:
+        assert "uid 65534" in out.stdout

@@ -319,3 +319,45 @@ def test_drlm_reward_reaches_a_running_embedded_episode(tmp_path: Path, scripted
 
 def test_model_settings_keep_logprobs_opt_in() -> None:
     assert ModelSettings(model="m").logprobs is False
+
+
+async def test_rewards_sent_while_it_runs_cross_continue_as_new(
+    session_dir: Path, store, blobs, scripted
+) -> None:
+    gates = [threading.Event() for _ in range(8)]
+
+    def gated(request):
+        if request.is_root:
+            gates[min(request.turn, 7)].wait(30)
+        return WORKING
+
+    server = scripted(gated)
+    args = ("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=16")
+    request = with_policy(server, "reward_threshold", {"min_reward_threshold": 1.5})
+    async with EmbeddedServer(session_dir / "can-reward.sqlite", extra_args=args) as address:
+        can_client = await Client.connect(address, data_converter=data_converter(blobs))
+        async with workers_for(can_client, store, session_dir, "can-reward"):
+            episode_id = f"can-reward-{uuid.uuid4().hex[:6]}"
+            handle = await start_episode(can_client, request, "can-reward", episode_id)
+            for turn in range(4):
+                while not any(r.turn == turn for r in server.root_requests()):
+                    await asyncio.sleep(0.05)
+                await send_reward(can_client, episode_id, 0.4, note=f"turn {turn}")
+                gates[turn].set()
+            result = await asyncio.wait_for(handle.result(), 60)
+            timeline = await episode_timeline(can_client, episode_id)
+    assert timeline.runs > 1  # the rewards of the earlier runs were carried over
+    assert result.termination.step == 3 and result.cumulative_reward == pytest.approx(1.6)
+    assert result.stop_reason == "reward_threshold: Reward threshold reached: 1.60"
+
+
+async def test_a_policy_that_raises_fails_the_episode_with_its_error(client, worker, scripted) -> None:
+    from tests.policy_plugins import Raises  # noqa: F401 - registers "plugin_raises"
+
+    server = scripted(root_and_sub([WORKING]))
+    with pytest.raises(WorkflowFailureError) as info:
+        await run_episode(client, with_policy(server, "plugin_raises"), worker.task_queue)
+    cause = info.value.cause
+    assert cause.type == names.POLICY_FAILURE and cause.non_retryable
+    assert cause.message == "termination policy 'plugin_raises' raised RuntimeError: the plugin has a bug"
+    assert len(server.root_requests()) == 1  # not retried: the same input would raise again

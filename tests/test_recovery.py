@@ -261,3 +261,26 @@ async def test_a_sandbox_killed_mid_cell_costs_only_that_cell(client, worker, sc
     assert result.answer == "earlier"
     assert "the REPL process exited (code -9) during this cell" in server.root_requests()[2].last_user
     assert "earlier False" in server.root_requests()[3].last_user
+
+
+@pytest.mark.chaos
+async def test_a_busy_sandbox_dies_with_its_worker(client, scripted, worker_processes) -> None:
+    """PR_SET_PDEATHSIG: a cell computing (not reading its pipe) still dies with the worker."""
+    server = scripted(root_and_sub(["```repl\nwhile True:\n    pass\n```"]))
+    limits = EpisodeLimits(max_iterations=2, cell_timeout_s=60)
+    worker = worker_processes()
+    episode_id = f"orphan-{uuid.uuid4().hex[:6]}"
+    await start_episode(client, request_for(server, limits=limits), worker_processes.queue, episode_id)
+    for _ in range(200):
+        if sandbox_pids(episode_id):
+            break
+        await asyncio.sleep(0.05)
+    (pid,) = sandbox_pids(episode_id)
+    worker.kill()
+    for _ in range(40):
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the sandbox outlived its worker by 2 s")
+    await client.get_workflow_handle(episode_id).terminate(reason="test done")

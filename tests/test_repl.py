@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from temporalio.exceptions import ApplicationError
 
 from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore
@@ -287,11 +293,40 @@ async def test_cells_do_not_see_worker_credentials(
     assert outcome.stdout.endswith("None\n")
 
 
-async def test_cells_have_no_network(host: ReplActivities) -> None:
-    code = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', 80))"
-    outcome = await Episode(host).run(code)
-    assert outcome.error is not None
-    assert "not allowed" in outcome.error or "unreachable" in outcome.error
+# Each layer is tested where it alone decides: the audit hook's refusals say "sandbox:";
+# with the hook off (`bare`), the namespace, the uid and the rlimits must still hold.
+
+
+@pytest.fixture
+async def bare(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActivities]:
+    """A host whose sandboxes run without the audit hook: the OS layers alone."""
+    repl = ReplActivities(blob_store, "queue-bare", sandboxes, memory_mb=1024, audit_hook=False)
+    yield repl
+    await repl.close_all()
+
+
+@pytest.fixture
+def listener() -> Iterator[int]:
+    """A port that accepts connections on the worker's loopback."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    yield server.getsockname()[1]
+    server.close()
+
+
+def connect(port: int) -> str:
+    return f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))"
+
+
+async def test_the_audit_hook_refuses_sockets(host: ReplActivities, listener: int) -> None:
+    outcome = await Episode(host).run(connect(listener))
+    assert "PermissionError: sandbox: socket.__new__ is not allowed" in (outcome.error or "")
+
+
+async def test_the_network_namespace_alone_stops_connections(bare: ReplActivities, listener: int) -> None:
+    outcome = await Episode(bare).run(connect(listener))
+    assert "OSError: [Errno 101] Network is unreachable" in (outcome.error or "")
 
 
 async def test_cells_cannot_read_files_outside_the_sandbox(
@@ -300,9 +335,9 @@ async def test_cells_cannot_read_files_outside_the_sandbox(
     digest = blob_store.put_text("secret blob")
     secret = blob_store.backend._path(digest)  # type: ignore[attr-defined]
     outcome = await Episode(host).run(f"print(open({str(secret)!r}).read())")
-    assert "not allowed" in (outcome.error or "")
+    assert f"sandbox: access to {str(secret)!r} is not allowed" in (outcome.error or "")
     outcome = await Episode(host).run(f"import os\nprint(os.listdir({str(Path.cwd())!r}))")
-    assert "not allowed" in (outcome.error or "")
+    assert "sandbox: os.listdir of" in (outcome.error or "")
 
 
 async def test_cells_can_use_files_in_their_own_directory(host: ReplActivities) -> None:
@@ -311,21 +346,41 @@ async def test_cells_can_use_files_in_their_own_directory(host: ReplActivities) 
     assert (await episode.run("print(open('notes.txt').read())")).stdout == "kept\n"
 
 
-async def test_cells_cannot_write_outside_the_sandbox(host: ReplActivities, tmp_path: Path) -> None:
-    target = tmp_path / "escape.txt"
-    outcome = await Episode(host).run(f"open({str(target)!r}, 'w').write('x')")
-    assert outcome.error is not None
-    assert not target.exists()
+async def test_the_file_barrier_stops_writes_the_uid_would_allow(host: ReplActivities) -> None:
+    open_dir = Path(tempfile.mkdtemp(prefix="drlm-world-writable-", dir="/tmp"))
+    open_dir.chmod(0o777)  # anyone, the sandbox's uid included, may write here
+    try:
+        target = open_dir / "escape.txt"
+        outcome = await Episode(host).run(f"open({str(target)!r}, 'w').write('x')")
+        assert f"sandbox: access to {str(target)!r} is not allowed" in (outcome.error or "")
+        assert not target.exists()
+        outcome = await Episode(host).run(f"import os\nos.mkdir({str(open_dir / 'd')!r})")
+        assert "sandbox: os.mkdir outside the sandbox is not allowed" in (outcome.error or "")
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)
 
 
-async def test_cells_cannot_start_processes_or_signal_the_worker(host: ReplActivities) -> None:
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid drop happens when the worker is root")
+async def test_the_uid_alone_stops_reads_writes_and_signals(bare: ReplActivities, tmp_path: Path) -> None:
+    episode = Episode(bare)
+    outcome = await episode.run(f"open({str(tmp_path / 'escape.txt')!r}, 'w')")
+    assert "PermissionError: [Errno 13] Permission denied" in (outcome.error or "")
+    assert "PermissionError: [Errno 13]" in ((await episode.run("open('/etc/shadow').read()")).error or "")
+    outcome = await episode.run(f"import os\nos.kill({os.getpid()}, 0)")
+    assert "PermissionError: [Errno 1] Operation not permitted" in (outcome.error or "")
+    assert (
+        await episode.run("import os\nprint(os.getuid(), os.getgid(), os.getgroups())")
+    ).stdout == "65534 65534 []\n"
+
+
+async def test_the_audit_hook_refuses_processes_signals_and_ctypes(host: ReplActivities) -> None:
     episode = Episode(host)
     outcome = await episode.run("import subprocess\nsubprocess.run(['id'])")
-    assert "not allowed" in (outcome.error or "")
+    assert "sandbox: subprocess.Popen is not allowed" in (outcome.error or "")
     outcome = await episode.run(f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)")
-    assert "not allowed" in (outcome.error or "")
+    assert "sandbox: os.kill is not allowed" in (outcome.error or "")
     outcome = await episode.run("import ctypes\nctypes.CDLL(None)")
-    assert outcome.error is not None
+    assert "sandbox: ctypes.dlopen is not allowed" in (outcome.error or "")
 
 
 async def test_a_memory_bomb_is_a_cell_error(host: ReplActivities) -> None:
@@ -346,3 +401,78 @@ def test_an_unreachable_sandbox_root_is_a_clear_error(tmp_path: Path, blob_store
         pytest.skip("only root drops the sandbox to another user")
     with pytest.raises(ValueError, match="not traversable"):
         ReplActivities(blob_store, "q", tmp_path / "sandboxes")
+
+
+async def test_the_sandbox_reports_every_layer_it_put_in_place(
+    host: ReplActivities, bare: ReplActivities
+) -> None:
+    layers = await host.probe()
+    assert layers["network"] in ("netns", "userns+netns")
+    assert layers["rlimits"] == "address space 1024 MB, files 256 MB, no core"
+    assert layers["death_signal"] == "SIGKILL on worker death"
+    assert layers["audit_hook"] == "on"
+    assert layers["uid"] == (
+        "uid 65534" if os.geteuid() == 0 else f"uid {os.geteuid()} (worker not root: no drop)"
+    )
+    assert (await bare.probe())["audit_hook"] == "off"
+
+
+# --- lifecycle and errors told as they are -----------------------------------------------------
+
+
+async def test_an_idle_sandbox_is_reaped_and_rebuilt_on_the_next_step(
+    blob_store: BlobStore, sandboxes: Path
+) -> None:
+    host = ReplActivities(blob_store, "q", sandboxes, memory_mb=1024, idle_s=0.2)
+    try:
+        episode = Episode(host)
+        await episode.run("kept = 41")
+        assert await host.reap_idle() == 0  # just used
+        await asyncio.sleep(0.4)
+        assert await host.reap_idle() == 1
+        assert host.live_episodes() == []
+        outcome = await episode.run("print(kept + 1)")
+        assert (outcome.stdout, outcome.rebuilt) == ("42\n", True)
+    finally:
+        await host.close_all()
+
+
+async def test_a_rebuild_that_asks_a_different_question_is_counted_as_a_divergence(
+    host: ReplActivities,
+) -> None:
+    episode = Episode(host)
+    await episode.run("import time\nfirst = llm_query(str(time.time_ns()))")  # not repeatable
+    await host.close_all()
+    outcome = await episode.run("print(first.isdigit())")
+    assert outcome.rebuilt and outcome.stdout == "True\n"
+    (divergence,) = outcome.divergences
+    assert divergence == "cell 1 call 0: the llm_query call differs from the recorded one"
+
+
+async def test_an_oversize_frame_is_reported_as_such(blob_store: BlobStore, sandboxes: Path) -> None:
+    host = ReplActivities(blob_store, "q", sandboxes, memory_mb=1024, max_frame_bytes=100_000)
+    try:
+        episode = Episode(host)
+        await episode.run("kept = 1")
+        outcome = await episode.run("llm_query('x' * 200_000)")
+        assert outcome.error.startswith("the sandbox sent a 200,0")
+        assert "-byte frame, over the 100,000-byte limit during this cell" in outcome.error
+        assert (await episode.run("print(kept)")).stdout == "1\n"
+    finally:
+        await host.close_all()
+
+
+async def test_a_forged_frame_breaks_only_its_own_cell(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("kept = 1")
+    forge = "out = llm_query.__self__.channel_out\nout.write(b'\\x00\\x00\\x00\\x05hello')\nout.flush()"
+    outcome = await episode.run(forge)
+    assert outcome.error.startswith("the sandbox sent a malformed frame")
+    assert (await episode.run("print(kept)")).stdout == "1\n"
+
+
+async def test_a_failed_variable_read_says_why(host: ReplActivities) -> None:
+    episode = Episode(host)
+    await episode.run("import os\nclass Bomb:\n    def __str__(self):\n        os._exit(3)\nv = Bomb()")
+    with pytest.raises(ApplicationError, match=r"reading 'v' failed: the REPL process exited \(code 3\)"):
+        await episode.read("v")

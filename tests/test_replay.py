@@ -5,14 +5,17 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from temporalio import workflow
+from temporalio.api.common.v1 import Payload
 from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
+from durable_rlm.codec import DEFAULT_THRESHOLD, ENCODING
 from durable_rlm.runtime import workflow_runner
 from durable_rlm.scripted import root_and_sub
 from tests.conftest import request_for, run_episode
@@ -48,15 +51,40 @@ def _activity_types(name: str) -> list[str]:
     ]
 
 
-def _has_patch_marker(name: str) -> bool:
+def _has_patch_marker(name: str, patch: str = names.PATCH_FALLBACK_EXTRACTION) -> bool:
     events = json.loads((HISTORIES[0].parent / name).read_text())["events"]
     for event in events:
         marker = event.get("markerRecordedEventAttributes")
         if marker and marker["markerName"] == "core_patch":
             payload = marker["details"]["patch-data"]["payloads"][0]["data"]
-            if json.loads(base64.b64decode(payload))["id"] == "fallback-extraction":
+            if json.loads(base64.b64decode(payload))["id"] == patch:
                 return True
     return False
+
+
+NEW_KINDS = ["answer_from_a_cell", "policy_stopped", "compacted", "lost_cells", "cancelled"]
+OLD_RULES = ["multi_iteration_final_var", "limit_before_extraction", "fallback_extracted", "reward_driven"]
+
+
+def test_both_sides_of_the_honest_endings_patch_are_stored() -> None:
+    for name in OLD_RULES:
+        assert not _has_patch_marker(f"{name}.json", names.PATCH_HONEST_ENDINGS), name
+    for name in NEW_KINDS:
+        assert _has_patch_marker(f"{name}.json", names.PATCH_HONEST_ENDINGS), name
+
+
+def test_the_new_kinds_of_episode_show_their_steps() -> None:
+    assert names.COMPACT_CONVERSATION in _activity_types("compacted.json")
+    # The sandbox could not start (a non-retryable failure): the cell was lost, and the
+    # episode went on to ask the model again instead of failing.
+    assert _activity_types("lost_cells.json")[1:4] == [
+        names.ROOT_COMPLETION,
+        names.REPL_EXECUTE,
+        names.ROOT_COMPLETION,
+    ]
+    cancelled = json.loads((HISTORIES[0].parent / "cancelled.json").read_text())["events"]
+    assert cancelled[-1]["eventType"] in ("EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED", 26)
+    assert _activity_types("cancelled.json")[-1] == names.AUDIT_EPISODE  # the row is closed
 
 
 def test_both_sides_of_the_fallback_patch_are_stored() -> None:
@@ -115,3 +143,29 @@ async def test_a_fresh_claim_checked_history_replays(client, blobs, worker, scri
     )
     result = await replayer.replay_workflow(history)
     assert result.replay_failure is None
+    # The history holds digests, not the 50 KB output: the claim check did its work ...
+    payloads = list(_payloads(history.events))
+    claimed = [p for p in payloads if p.metadata.get("encoding") == ENCODING]
+    assert claimed and all(p.ByteSize() < 200 for p in claimed)
+    assert max(p.ByteSize() for p in payloads) <= DEFAULT_THRESHOLD
+    # ... so replaying it needs the blob store behind the codec.
+    plain = Replayer(
+        workflows=[EpisodeWorkflow], data_converter=pydantic_data_converter, workflow_runner=workflow_runner()
+    )
+    assert (await plain.replay_workflow(history, raise_on_replay_failure=False)).replay_failure is not None
+
+
+def _payloads(messages) -> Iterator[Payload]:
+    """Every Payload inside protobuf messages (a history's events), however deep."""
+    for message in messages:
+        if isinstance(message, Payload):
+            yield message
+            continue
+        for field, value in message.ListFields():
+            if field.message_type is None:
+                continue
+            if field.is_repeated:
+                items = value.values() if field.message_type.GetOptions().map_entry else value
+                yield from _payloads(items)
+            else:
+                yield from _payloads([value])

@@ -324,7 +324,13 @@ def calculate_extraction_confidence(
     if outputs_in_history(outputs, history):
         confidence += 0.2
     confidence -= null_field_ratio(outputs) * 0.3
-    return round(min(max(confidence, 0.1), 0.99), 6)
+    return clamp_confidence(confidence)
+
+
+def clamp_confidence(value: float) -> float:
+    """The seed's clamp to [0.1, 0.99]. With the seed's weights the formula never goes
+    below 0.2; the lower bound stands for weights that may change."""
+    return round(min(max(value, 0.1), 0.99), 6)
 
 
 # --- the result ----------------------------------------------------------------------------------

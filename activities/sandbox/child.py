@@ -132,7 +132,8 @@ PRELOADED = (
     "statistics string textwrap datetime heapq bisect decimal fractions typing dataclasses "
     "csv io hashlib base64 difflib unicodedata copy pprint time enum zlib struct array "
     "calendar numbers html html.parser urllib.parse uuid codecs locale fnmatch glob shlex "
-    "contextlib abc keyword tokenize warnings gzip bz2 lzma zipfile tarfile pathlib socket subprocess"
+    "contextlib abc keyword tokenize warnings gzip bz2 lzma zipfile tarfile pathlib socket subprocess "
+    "encodings.idna"
 ).split()
 
 

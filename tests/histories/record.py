@@ -98,6 +98,89 @@ async def record_fallback_extracted(client: Client, blobs: BlobStore) -> None:
         (HERE / "fallback_extracted.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: set[str]) -> None:
+    """Episodes of kinds that came with the honest-endings patch."""
+
+    async def save(
+        name: str,
+        request: EpisodeRequest,
+        queue: str = "record",
+        cancel_after_turn: int | None = None,
+        server: ScriptedModelServer | None = None,
+    ) -> None:
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id=name, task_queue=queue, result_type=EpisodeResult
+        )
+        if cancel_after_turn is not None:
+            assert server is not None
+            while not any(r.turn >= cancel_after_turn for r in server.root_requests()):
+                await asyncio.sleep(0.05)
+            await handle.cancel()
+        try:
+            print(name, await handle.result())
+        except Exception as exc:  # noqa: BLE001 - the cancelled one ends without a result
+            print(name, type(exc).__name__, exc)
+        (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
+
+    model = lambda server: ModelSettings(model="scripted", base_url=server.base_url)  # noqa: E731
+    if not only or "answer_from_a_cell" in only:
+        turns = [
+            "```repl\nprint('See the Final (revised) report.')\n```",
+            "```repl\nres = sum(range(10))\nFINAL(res)\n```",
+        ]
+        with ScriptedModelServer(root_and_sub(turns)) as server:
+            await save("answer_from_a_cell", EpisodeRequest(task="t", root_model=model(server), seed=1))
+    if not only or "policy_stopped" in only:
+        with ScriptedModelServer(root_and_sub(["```repl\n1/0\n```"])) as server:
+            request = EpisodeRequest(
+                task="t",
+                root_model=model(server),
+                termination=TerminationSpec(name="reward_threshold"),
+                reward=RewardSpec(function="outcome"),
+                seed=1,
+            )
+            await save("policy_stopped", request)
+    if not only or "compacted" in only:
+        counter = iter(range(100))
+        turns = ["```repl\nprint('z' * 3000)\n```"] * 4 + ["FINAL(compacted)"]
+
+        def script(request):
+            if request.is_compaction:
+                return "summary"
+            return turns[min(next(counter), len(turns) - 1)]
+
+        with ScriptedModelServer(script, context_window_tokens=4_000) as server:
+            request = EpisodeRequest(
+                task="t",
+                root_model=model(server).model_copy(update={"max_tokens": 200}),
+                limits=EpisodeLimits(context_window_tokens=4_000),
+                seed=1,
+            )
+            await save("compacted", request)
+    if not only or "lost_cells" in only:
+        # A worker whose sandboxes cannot start: every REPL step fails; the cells are lost and
+        # the episode goes on to the model's answer.
+        settings = Settings(task_queue="record-broken", data_dir=work, sandbox_memory_mb=2**44)
+        turns = ["```repl\nx = 1\n```", "FINAL(no REPL today)"]
+        with ScriptedModelServer(root_and_sub(turns)) as server:
+            async with running_workers(Services(settings, blobs, None, client)):
+                await save(
+                    "lost_cells", EpisodeRequest(task="t", root_model=model(server), seed=1), "record-broken"
+                )
+    if not only or "cancelled" in only:
+        gate = threading.Event()
+
+        def blocks(request):
+            if request.is_root and request.turn >= 1:
+                gate.wait(30)
+            return "```repl\nprint('working')\n```"
+
+        with ScriptedModelServer(blocks) as server:
+            request = EpisodeRequest(task="t", root_model=model(server), seed=1)
+            await save("cancelled", request, cancel_after_turn=1, server=server)
+            gate.set()
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -126,6 +209,7 @@ async def record(only: set[str]) -> None:
                 await record_reward_driven(client, blobs)
             if not only or "fallback_extracted" in only:
                 await record_fallback_extracted(client, blobs)
+            await record_new_kinds(client, blobs, work, only)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""Reply parsing time per MB, 10 KB to 10 MB, on ordinary and hostile replies.
+
+    python bench/parsing.py [--max-mb 10] [--legacy-budget-s 5]
+
+What the workflow runs on every reply (`parse_reply`: fences, code blocks, FINAL /
+FINAL_VAR) must stay linear and far below Temporal's ~2 s deadlock detector on any text.
+Each shape is parsed at 10 KB, 100 KB, 1 MB and 10 MB; the figure is milliseconds per MB,
+which is flat when the parser is linear. The baseline in the same run is the parser that
+replays old histories (workflows/legacy.py), skipped for larger sizes once one call takes
+longer than the budget (it is quadratic on some shapes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workflows import legacy  # noqa: E402
+from workflows.parsing import parse_reply  # noqa: E402
+
+PROSE = "The quick brown fox (jumps) over it's lazy dog; see the Final (revised) report. "
+
+
+def typical(size: int) -> str:
+    """What models write: prose, a few repl cells, a FINAL line."""
+    block = (
+        PROSE * 20 + "\n```repl\nchunks = [context[i:i+1000] for i in range(0, len(context), 1000)]\n```\n"
+    )
+    return (block * (size // len(block) + 1))[: size - 20] + "\nFINAL(done)"
+
+
+SHAPES: dict[str, Callable[[int], str]] = {
+    "typical reply": typical,
+    "unclosed FINAL( lines": lambda n: ("FINAL(" + "x" * 40 + "\n") * (n // 47),
+    "2,000 unclosed FINAL(": lambda n: ("FINAL(" + "w" * (n // 2000 - 7) + "\n") * 2000,
+    "dense ()()()": lambda n: "FINAL(" + "()" * (n // 2),
+    "nested 49 deep, repeated": lambda n: "FINAL(" + ("(" * 49 + ")" * 49) * (n // 98),
+    "one deep nest": lambda n: "FINAL(" + "(" * (n // 2) + ")" * (n // 2),
+    "unclosed quotes": lambda n: ('FINAL("' + "a" * 20 + "\n") * (n // 28),
+    "backslashes": lambda n: 'FINAL("' + "\\" * n,
+    "fence lines ```": lambda n: "```\n" * (n // 4),
+    "unclosed ```python": lambda n: "```python\nFINAL(x)\n" * (n // 19),
+}
+
+SIZES = [10_000, 100_000, 1_000_000, 10_000_000]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def legacy_parse(text: str) -> None:
+    legacy.find_code_blocks(text, ["repl"])
+    legacy.parse_final_signal(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-mb", type=float, default=10)
+    parser.add_argument("--legacy-budget-s", type=float, default=5.0)
+    args = parser.parse_args()
+    sizes = [s for s in SIZES if s <= args.max_mb * 1_000_000]
+    header = f"{'shape':<26}" + "".join(f"{s // 1000:>10,} KB" for s in sizes) + "   (ms per MB)"
+    print(header)
+    worst = 0.0
+    for name, make in SHAPES.items():
+        texts = [make(size) for size in sizes]
+        ours = [timed(lambda t=t: parse_reply(t, ["repl"], 16)) for t in texts]
+        worst = max(worst, max(ours))
+        print(f"{name:<26}" + "".join(f"{o / len(t) * 1e9:>13.1f}" for o, t in zip(ours, texts, strict=True)))
+        legacy_cells, over = [], False
+        for text in texts:
+            if over:
+                legacy_cells.append(f"{'skipped':>13}")
+                continue
+            elapsed = timed(lambda t=text: legacy_parse(t))
+            over = elapsed > args.legacy_budget_s
+            legacy_cells.append(f"{elapsed / len(text) * 1e9:>13.1f}")
+        ratio = ""
+        if not over:
+            factor = timed(lambda t=texts[-1]: legacy_parse(t)) / ours[-1]
+            ratio = f"  legacy/ours at {sizes[-1] // 1000:,} KB: {factor:.1f}x"
+        print(f"{'  legacy (old histories)':<26}" + "".join(legacy_cells) + ratio)
+    print(f"\nslowest single call: {worst * 1000:.0f} ms (Temporal's deadlock detector: ~2,000 ms)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Switch off one safety mechanism at a time, in a copy of the tree, and run the suite.
+
+    .venv/bin/python scripts/safety_matrix.py [--only NAME ...]
+
+Each mechanism must have a test that fails when that mechanism alone is off; a mechanism
+whose suite stays green is a hole in the tests, and the script exits non-zero. The suite
+runs with the security and recovery tests first and stops at the first failure, so a
+caught mechanism costs seconds. The table it prints goes in the README's testing section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST = [
+    "tests/test_repl.py",
+    "tests/test_recovery.py",
+    "tests/test_replay.py",
+    "tests/test_episode.py",
+    "tests/test_answers.py",
+]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    file: str
+    find: str
+    replace: str
+    how: str
+
+
+MECHANISMS = [
+    Mechanism(
+        "sandbox file barrier",
+        "activities/sandbox/child.py",
+        "roots = (sandbox_dir,) if writing else readable",
+        "roots = ('/',) if writing else readable",
+        "the audit hook lets cells write anywhere their uid may",
+    ),
+    Mechanism(
+        "network namespace",
+        "activities/sandbox/child.py",
+        "    clone_newnet, clone_newuser = 0x40000000, 0x10000000\n",
+        '    return "none"\n',
+        "isolate_network() returns before unshare",
+    ),
+    Mechanism(
+        "uid drop",
+        "activities/sandbox/child.py",
+        '    if os.geteuid() != 0:\n        return f"uid {os.geteuid()} (worker not root: no drop)"\n',
+        '    return "kept"\n',
+        "drop_privileges() keeps the worker's uid",
+    ),
+    Mechanism(
+        "rlimits",
+        "activities/sandbox/child.py",
+        "    import resource\n\n    limits = {",
+        "    return 'off'\n    import resource\n\n    limits = {",
+        "set_limits() sets nothing",
+    ),
+    Mechanism(
+        "death signal",
+        "activities/sandbox/child.py",
+        "        result = _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL",
+        "        result = 0",
+        "no PR_SET_PDEATHSIG",
+    ),
+    Mechanism(
+        "audit hook",
+        "activities/sandbox/child.py",
+        "        sys.addaudithook(guard)",
+        "        pass",
+        "the hook is never installed",
+    ),
+    Mechanism(
+        "claim check",
+        "durable_rlm/codec.py",
+        "    if blobs is None:\n        return pydantic_data_converter",
+        "    if True:\n        return pydantic_data_converter",
+        "no payload codec: payloads go into history whole",
+    ),
+    Mechanism(
+        "divergence detection",
+        "activities/repl.py",
+        "if answer.prompt != request.prompt_digest or answer.kind != request.kind:",
+        "if False:",
+        "a rebuilt cell's different call is answered silently",
+    ),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    ignore = shutil.ignore_patterns(
+        ".venv", ".git", "mutants", "__pycache__", ".drlm", "*.egg-info", ".ruff_cache"
+    )
+    shutil.copytree(ROOT, dest, ignore=ignore, dirs_exist_ok=True)
+
+
+def switch_off(tree: Path, mechanism: Mechanism) -> None:
+    path = tree / mechanism.file
+    text = path.read_text()
+    if text.count(mechanism.find) != 1:
+        raise SystemExit(f"{mechanism.name}: the code to switch off is not in {mechanism.file} exactly once")
+    path.write_text(text.replace(mechanism.find, mechanism.replace))
+
+
+def run_suite(tree: Path) -> tuple[bool, str, float]:
+    """(a test failed, the first failing test, seconds)."""
+    rest = sorted(
+        str(p.relative_to(tree))
+        for p in (tree / "tests").glob("test_*.py")
+        if str(p.relative_to(tree)) not in FIRST
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *FIRST, *rest],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.MULTILINE)
+    return done.returncode != 0, (failed[0] if failed else ""), time.monotonic() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="mechanism names to test (default: all)")
+    args = parser.parse_args()
+    chosen = [m for m in MECHANISMS if not args.only or m.name in args.only]
+    rows, holes = [], 0
+    for mechanism in chosen:
+        with tempfile.TemporaryDirectory(prefix="drlm-safety-") as scratch:
+            tree = Path(scratch) / "tree"
+            copy_tree(tree)
+            switch_off(tree, mechanism)
+            caught, first, seconds = run_suite(tree)
+        holes += not caught
+        verdict = f"caught by `{first}`" if caught else "NOT CAUGHT: every test passed"
+        rows.append(f"| {mechanism.name} | {mechanism.how} | {verdict} | {seconds:.0f} s |")
+        print(rows[-1], flush=True)
+    print("\n| mechanism | switched off by | result | time |\n| --- | --- | --- | --- |")
+    print("\n".join(rows))
+    sys.stdout.flush()
+    return 1 if holes else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
