@@ -67,6 +67,7 @@ async def test_killed_during_a_model_call_finishes_with_the_same_answer(
     assert len(server.sub_requests()) == 2
 
 
+@pytest.mark.slow
 async def test_killed_during_a_cell_rebuilds_the_repl_without_repeating_model_calls(
     client, scripted, worker_processes
 ) -> None:

@@ -218,6 +218,7 @@ async def test_a_bad_policy_is_rejected_before_any_model_call(client, worker, sc
     assert server.requests == []
 
 
+@pytest.mark.slow
 async def test_a_reward_decision_survives_a_worker_crash(client, scripted, worker_processes) -> None:
     turns = [WORKING, WORKING, Reply(text=WORKING, delay_s=3), WORKING, WORKING]
     server = scripted(root_and_sub(turns))

@@ -178,6 +178,7 @@ FAST = DurabilitySettings(heartbeat_timeout_s=2, sticky_schedule_to_start_s=2)
 
 
 @pytest.mark.chaos
+@pytest.mark.slow
 async def test_a_cell_whose_worker_dies_on_every_attempt_is_lost_and_the_episode_answers(
     client, blobs, scripted, worker_processes
 ) -> None:
@@ -216,6 +217,7 @@ async def test_a_cell_whose_worker_dies_on_every_attempt_is_lost_and_the_episode
 
 
 @pytest.mark.chaos
+@pytest.mark.slow
 async def test_a_long_log_of_quick_cells_is_rebuilt_after_a_crash(client, scripted, worker_processes) -> None:
     quick = "".join(f"```repl\nimport time\ntime.sleep(0.3)\nn = {i}\n```\n" for i in range(1, 21))
     turns = [quick, "```repl\nimport time\ntime.sleep(4)\nprint(n)\n```", "FINAL_VAR(n)"]
