@@ -18,6 +18,8 @@ from workflows import names
 from workflows.fallback import ExecutionResult
 from workflows.models import (
     CellOutcome,
+    CompactionInput,
+    CompactionReply,
     EpisodeRequest,
     EpisodeResult,
     ExecuteCellInput,
@@ -50,6 +52,7 @@ class IterationView(BaseModel):
     iteration: int
     response: str | None = None
     model_error: str | None = None
+    compactions: list[str] = Field(default_factory=list, description="summaries written before the call")
     cells: list[CellView] = Field(default_factory=list)
 
 
@@ -64,12 +67,14 @@ class Timeline(BaseModel):
 
 
 _INPUTS: dict[str, type] = {
+    names.COMPACT_CONVERSATION: CompactionInput,
     names.ROOT_COMPLETION: RootCompletionInput,
     names.SUB_QUERY: SubQueryInput,
     names.REPL_EXECUTE: ExecuteCellInput,
     names.REPL_RESUME: ResumeCellInput,
 }
 _RESULTS: dict[str, type] = {
+    names.COMPACT_CONVERSATION: CompactionReply,
     names.ROOT_COMPLETION: RootCompletion,
     names.SUB_QUERY: SubQueryReply,
     names.REPL_EXECUTE: CellOutcome,
@@ -134,6 +139,8 @@ async def episode_timeline(client: Client, episode_id: str) -> Timeline:
                 message = attrs.failure.message
                 if activity == names.ROOT_COMPLETION:
                     iteration(arg.iteration).model_error = message
+                elif activity in (names.REPL_EXECUTE, names.REPL_RESUME) and arg.cell_index in cells:
+                    cells[arg.cell_index].error = f"attempt failed: {message}"
                 elif activity == names.SUB_QUERY and arg.cell_index in cells:
                     for call in cells[arg.cell_index].sub_calls:
                         if call.call_index == arg.call_index:
@@ -150,6 +157,10 @@ async def episode_timeline(client: Client, episode_id: str) -> Timeline:
 def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: dict[int, CellView]) -> None:
     if activity == names.ROOT_COMPLETION:
         iteration(arg.iteration).response = value.text
+    elif activity == names.COMPACT_CONVERSATION and value.removed_messages:
+        iteration(arg.iteration).compactions.append(
+            f"{value.removed_messages} message(s) summarised ({arg.reason}): {value.summary}"
+        )
     elif activity == names.SUB_QUERY and arg.cell_index in cells:
         for call in cells[arg.cell_index].sub_calls:
             if call.call_index == arg.call_index:
@@ -172,6 +183,8 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
     lines.append(f"Task: {clip(timeline.task)}")
     for it in timeline.iterations:
         lines.append(f"\n=== iteration {it.iteration} ===")
+        for compaction in it.compactions:
+            lines.append("compacted: " + clip(compaction))
         if it.model_error:
             lines.append(f"model error: {it.model_error}")
         lines.append("model:\n" + _indent(clip(it.response)))
@@ -198,7 +211,14 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
             lines.append(describe_execution(r.execution))
         if r.error:
             lines.append(f"Error: {r.error}")
-        lines.append(f"Answer: {r.answer}")
+        lines.append(f"Stop reason: {r.stop_reason}")
+        if r.lost_cells or r.compactions or r.replay_divergences:
+            lines.append(
+                f"Lost cells: {r.lost_cells}; compactions: {r.compactions}; "
+                f"replay divergences: {r.replay_divergences}"
+            )
+        source = r.answer_source + (f" ({r.answer_policy})" if r.answer_policy else "")
+        lines.append(f"Answer ({source}): {r.answer}")
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
     return "\n".join(lines)

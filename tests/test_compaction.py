@@ -9,7 +9,7 @@ import uuid
 
 from activities.llm import resent_view, split_for_compaction
 from durable_rlm.scripted import COMPACTION_MARKER, SCRIPTED_SUMMARY, ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline
+from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import request_for, run_episode
 from workflows import names
 from workflows.compaction import estimated_request_tokens, needs_compaction
@@ -114,6 +114,10 @@ async def test_a_long_episode_compacts_before_it_overflows(client, worker, scrip
         if e.HasField("activity_task_scheduled_event_attributes")
     ]
     assert steps.count(names.COMPACT_CONVERSATION) == result.compactions  # a step of its own
+    timeline = await episode_timeline(client, episode_id)
+    shown = [c for it in timeline.iterations for c in it.compactions]
+    assert len(shown) == result.compactions and SCRIPTED_SUMMARY in shown[0]
+    assert "Lost cells: 0; compactions:" in render(timeline)
 
 
 async def test_a_context_length_error_compacts_and_retries_once(client, worker, scripted) -> None:

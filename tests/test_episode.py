@@ -163,7 +163,7 @@ async def test_timeline_shows_each_iteration(client, blobs, worker, scripted) ->
     assert [c.reply for c in cell.sub_calls] == ["SUMMARISE: ALPHA", "TAG: BETA", "TAG: GAMMA"]
     assert cell.stdout.startswith("SUMMARISE: ALPHA")
     text = render(timeline)
-    assert "=== iteration 2 ===" in text and "Answer: SUMMARISE: ALPHA" in text
+    assert "=== iteration 2 ===" in text and "Answer (model): SUMMARISE: ALPHA" in text
 
 
 async def test_the_audit_store_records_the_episode(client, store, worker, scripted) -> None:

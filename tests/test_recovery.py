@@ -26,6 +26,7 @@ from activities import chains
 from activities.repl import ReplActivities
 from durable_rlm.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.timeline import episode_timeline
 from tests.conftest import Episode, request_for, run_episode
 from workflows import names
 from workflows.models import CellOutcome, DurabilitySettings, EpisodeLimits, ExecuteCellInput
@@ -263,6 +264,8 @@ async def test_a_sandbox_killed_mid_cell_costs_only_that_cell(client, worker, sc
     assert result.answer == "earlier"
     assert "the REPL process exited (code -9) during this cell" in server.root_requests()[2].last_user
     assert "earlier False" in server.root_requests()[3].last_user
+    timeline = await episode_timeline(client, episode_id)
+    assert "the REPL process exited (code -9)" in (timeline.iterations[1].cells[0].error or "")
 
 
 @pytest.mark.chaos
