@@ -44,8 +44,8 @@ MECHANISMS = [
     Mechanism(
         "sandbox file barrier",
         "activities/sandbox/child.py",
-        "roots = (sandbox_dir,) if writing else readable",
-        "roots = ('/',) if writing else readable",
+        "if path is not None and not inside(path, roots):",
+        "if path is not None and not writing and not inside(path, roots):",
         "the audit hook lets cells write anywhere their uid may",
     ),
     Mechanism(
@@ -72,7 +72,7 @@ MECHANISMS = [
     Mechanism(
         "death signal",
         "activities/sandbox/child.py",
-        "        result = _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL",
+        "        result = libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL",
         "        result = 0",
         "no PR_SET_PDEATHSIG",
     ),

@@ -107,7 +107,7 @@ class LayerError(RuntimeError):
     """A sandbox layer that must hold could not be put in place: the sandbox does not start."""
 
 
-def isolate_network() -> str:
+def isolate_network(libc: Any) -> str:
     """Enter an empty network namespace: no interfaces, so no connection is possible.
 
     Returns which namespace holds; "none" means only the audit hook refuses sockets, and the
@@ -115,7 +115,6 @@ def isolate_network() -> str:
     """
     clone_newnet, clone_newuser = 0x40000000, 0x10000000
     try:
-        libc = _libc()
         if libc.unshare(clone_newnet) == 0:
             return "netns"
         if libc.unshare(clone_newuser | clone_newnet) == 0:
@@ -158,11 +157,11 @@ def drop_privileges() -> str:
     return f"uid {NOBODY}"
 
 
-def die_with_parent(parent_pid: int) -> str:
+def die_with_parent(parent_pid: int, libc: Any) -> str:
     # Set after the uid change: the kernel clears the parent-death signal on credential
     # changes. A SIGKILLed worker must not leave sandboxes behind.
     try:
-        result = _libc().prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        result = libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except OSError as exc:
         raise LayerError(f"cannot set the parent-death signal: {exc}") from exc
     if result != 0:
@@ -499,12 +498,15 @@ def _format_error(exc: BaseException) -> str:
 
 def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dict[str, str]:
     """Put every isolation layer in place, strongest first; each reports what it did."""
-    layers = {"network": isolate_network()}
+    # libc (through ctypes) is loaded before the uid drop: after it, the interpreter's own
+    # files may be unreadable (a pyenv under /root), and two layers need it.
+    libc = _libc()
+    layers = {"network": isolate_network(libc)}
     preload_modules()
     guard = make_guard(sandbox_dir)
     layers["rlimits"] = set_limits(int(init.get("memory_mb", 4096)), int(init.get("file_mb", 256)))
     layers["uid"] = drop_privileges()
-    layers["death_signal"] = die_with_parent(parent_pid)
+    layers["death_signal"] = die_with_parent(parent_pid, libc)
     os.chdir(sandbox_dir)
     if init.get("audit_hook", True):
         sys.addaudithook(guard)
