@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
-from workflows import defaults, names
+from workflows import names
 from workflows.models import EpisodeRequest, SubCallRequest, SubQueryInput, SubQueryReply, TokenUsage
-from workflows.retries import describe_failure, model_retry_policy, raise_if_cancelled
+from workflows.retries import describe_failure, model_step_options, raise_if_cancelled
 
 
 @dataclass(frozen=True)
@@ -56,10 +55,8 @@ async def sub_model_call(site: CallSite, call: SubCallRequest) -> CallResult:
                 prompt=call.prompt,
             ),
             result_type=SubQueryReply,
-            start_to_close_timeout=timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
-            heartbeat_timeout=timedelta(seconds=site.request.durability.heartbeat_timeout_s),
-            retry_policy=model_retry_policy(model.max_attempts),
             summary=f"{call.kind} {site.cell_index}.{call.call_index}",
+            **model_step_options(model, site.request.durability),
         )
     except ActivityError as err:
         if site.stop_on_cancel:

@@ -63,7 +63,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.retries import (
         describe_failure,
         is_context_overflow,
-        model_retry_policy,
+        model_step_options,
         raise_if_cancelled,
     )
     from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
@@ -286,15 +286,11 @@ class EpisodeWorkflow:
                 resent_message_chars=request.limits.resent_message_chars,
             ),
             result_type=RootCompletion,
-            start_to_close_timeout=timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
-            heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
-            retry_policy=model_retry_policy(model.max_attempts),
             summary=f"root model, iteration {s.iteration}",
+            **model_step_options(model, request.durability),
         )
         s.conversation, s.pending = reply.conversation, []
-        s.model_calls += 1
-        s.usage = s.usage.add(reply.usage)
-        s.model_time_s += reply.model_time_s
+        s.charge(reply.usage, reply.model_time_s)
         s.last_prompt_tokens = reply.usage.prompt_tokens or reply.sent_chars // defaults.CHARS_PER_TOKEN
         s.last_reply_tokens = reply.usage.completion_tokens or len(reply.text) // defaults.CHARS_PER_TOKEN
         self._last_response = reply.text[-defaults.PROGRESS_TEXT_CHARS :]
@@ -320,10 +316,8 @@ class EpisodeWorkflow:
                     reason=why,
                 ),
                 result_type=CompactionReply,
-                start_to_close_timeout=timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
-                heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
-                retry_policy=model_retry_policy(model.max_attempts),
                 summary=f"compaction ({why})",
+                **model_step_options(model, request.durability),
             )
         except ActivityError as err:
             raise_if_cancelled(err)
@@ -332,9 +326,7 @@ class EpisodeWorkflow:
             return None  # nothing between the task and the latest turns to summarise
         s.conversation = reply.conversation
         s.compactions += 1
-        s.model_calls += 1
-        s.usage = s.usage.add(reply.usage)
-        s.model_time_s += reply.model_time_s
+        s.charge(reply.usage, reply.model_time_s)
         s.last_prompt_tokens = reply.conversation_chars // defaults.CHARS_PER_TOKEN
         s.last_reply_tokens = 0
         return None
@@ -458,10 +450,8 @@ class EpisodeWorkflow:
                     reason=reason,
                 ),
                 result_type=ExtractionReply,
-                start_to_close_timeout=timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
-                heartbeat_timeout=timedelta(seconds=request.durability.heartbeat_timeout_s),
-                retry_policy=model_retry_policy(model.max_attempts),
                 summary=f"fallback extraction ({reason.kind})",
+                **model_step_options(model, request.durability),
             )
         except ActivityError as err:
             if self._honest:
@@ -469,9 +459,7 @@ class EpisodeWorkflow:
             return extraction_failed_ending(
                 reason, f"Extraction LLM call failed: {describe_failure(err)}", []
             )
-        s.model_calls += 1
-        s.usage = s.usage.add(reply.usage)
-        s.model_time_s += reply.model_time_s
+        s.charge(reply.usage, reply.model_time_s)
         if reply.error is not None:
             return extraction_failed_ending(
                 reason, f"Extraction LLM call failed: {reply.error}", reply.history

@@ -472,5 +472,11 @@ class EpisodeCarry(StrictModel):
     compactions: int = 0
     lost_cells: int = 0
 
+    def charge(self, usage: TokenUsage, model_time_s: float, calls: int = 1) -> None:
+        """Count a model call the episode made, with its tokens and time."""
+        self.model_calls += calls
+        self.usage = self.usage.add(usage)
+        self.model_time_s += model_time_s
+
 
 EpisodeRequest.model_rebuild()

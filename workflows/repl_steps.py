@@ -218,8 +218,7 @@ class ReplSteps:
                 pending.append(asyncio.ensure_future(route.start(site, call)))
             for call, item in zip(wave, pending, strict=True):
                 done = item if isinstance(item, CallResult) else await item
-                state.usage = state.usage.add(done.usage)
-                state.model_time_s += done.model_time_s
+                state.charge(done.usage, done.model_time_s, calls=0)  # counted when started
                 answers.append(
                     CallAnswer(
                         call_index=call.call_index,

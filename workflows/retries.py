@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
+from typing import Any
 
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError, TimeoutType
 
 from workflows import defaults, names
+from workflows.models import DurabilitySettings, ModelSettings
 
 
 def model_retry_policy(max_attempts: int) -> RetryPolicy:
@@ -18,6 +21,16 @@ def model_retry_policy(max_attempts: int) -> RetryPolicy:
         maximum_attempts=max_attempts,
         non_retryable_error_types=[names.MODEL_REQUEST_REJECTED, names.MODEL_CONTEXT_OVERFLOW],
     )
+
+
+def model_step_options(model: ModelSettings, durability: DurabilitySettings) -> dict[str, Any]:
+    """Timeouts and retries of every model-calling step (root, sub-call, compaction,
+    extraction): the request's own timeout plus the blob-store work around it."""
+    return {
+        "start_to_close_timeout": timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
+        "heartbeat_timeout": timedelta(seconds=durability.heartbeat_timeout_s),
+        "retry_policy": model_retry_policy(model.max_attempts),
+    }
 
 
 def raise_if_cancelled(err: ActivityError) -> None:
