@@ -21,6 +21,7 @@ from workflows.fallback import (
     REPLHistoryEntry,
     Submitted,
     calculate_extraction_confidence,
+    clamp_confidence,
     extraction_prompt,
     fields_from_json_schema,
     fields_from_model,
@@ -201,10 +202,17 @@ def test_confidence_follows_the_seed_formula(outputs: dict, variables: dict, exp
     assert calculate_extraction_confidence(outputs, HISTORY, variables) == pytest.approx(expected)
 
 
-def test_confidence_is_clamped_below_at_0_1() -> None:
+def test_confidence_at_its_lowest_is_0_2_with_the_seeds_weights() -> None:
     history = [REPLHistoryEntry(iteration=1, code="", output="", success=False)]
     assert calculate_extraction_confidence({}, history, {}) == pytest.approx(0.2)
-    assert calculate_extraction_confidence({"a": None}, [], {}) >= 0.1
+    assert calculate_extraction_confidence({"a": None}, [], {}) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("value", "clamped"), [(-3.0, 0.1), (0.05, 0.1), (0.1, 0.1), (0.5, 0.5), (0.99, 0.99), (1.2, 0.99)]
+)
+def test_the_seeds_clamp(value: float, clamped: float) -> None:
+    assert clamp_confidence(value) == clamped
 
 
 def test_default_fields_are_a_single_answer() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from workflows.parsing import (
@@ -380,7 +380,6 @@ FRAGMENTS = [
 replies = st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join)
 
 
-@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.text())
 def test_the_parser_never_raises_on_any_text(text: str) -> None:
     parse_reply(text, ["repl"], limit=8)
@@ -390,7 +389,6 @@ def test_the_parser_never_raises_on_any_text(text: str) -> None:
             extract_balanced_paren_content(text, i)
 
 
-@settings(max_examples=600, deadline=None)
 @given(replies)
 def test_code_blocks_and_prose_agree_with_the_line_by_line_reference(text: str) -> None:
     expected, prose = reference_blocks(text)
@@ -401,14 +399,12 @@ def test_code_blocks_and_prose_agree_with_the_line_by_line_reference(text: str) 
     ]
 
 
-@settings(max_examples=600, deadline=None)
 @given(replies)
 def test_final_signal_agrees_with_the_reference(text: str) -> None:
     signal = parse_final_signal(text)
     assert (None if signal is None else (signal.kind, signal.value)) == reference_signal(text)
 
 
-@settings(max_examples=400, deadline=None)
 @given(st.text(alphabet="()ab", max_size=300), st.integers(min_value=0, max_value=30))
 def test_matching_paren_agrees_with_a_depth_counter(text: str, shift: int) -> None:
     text = "(" * shift + text

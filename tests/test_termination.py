@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from workflows.termination import (
     ConfidenceTerminationPolicy,
     FinalPatternTerminationPolicy,
     PolicyContext,
+    PolicyDecision,
     PolicyError,
     PolicyRegistry,
     RewardThresholdTerminationPolicy,
@@ -395,3 +397,142 @@ def test_policy_state_round_trips_through_json(name: str) -> None:
     ctx = PolicyContext(step=2, metrics={"last_reward": 0.6})
     assert second.should_terminate(follow, ctx) == first.should_terminate(follow, ctx)
     assert second.get_state() == first.get_state()
+
+
+# --- explicit policy state (issue 22) --------------------------------------------------------
+
+
+def test_a_policy_whose_state_is_a_compiled_regex_is_refused_at_registration() -> None:
+    with pytest.raises(PolicyError, match=r"'_pattern' holds Pattern.*declare a pydantic `State` model"):
+
+        @PolicyRegistry.register_termination("regex_state")
+        class RegexState(TerminationPolicy):
+            name = "regex_state"
+
+            def __init__(self, config=None):
+                super().__init__(config)
+                self._pattern = re.compile("done")
+
+            def should_terminate(self, result, context):
+                return bool(self._pattern.search(result.output)), None
+
+    assert "regex_state" not in PolicyRegistry.list_termination()
+
+
+def test_a_tuple_in_state_would_come_back_as_a_list_and_is_refused() -> None:
+    class TupleState(TerminationPolicy):
+        name = "tuple_state"
+
+        def __init__(self, config=None):
+            super().__init__(config)
+            self._seen = (1, 2)
+
+        def should_terminate(self, result, context):
+            return False, None
+
+    with pytest.raises(PolicyError, match="would come back from JSON as list"):
+        PolicyRegistry.register_termination("tuple_state")(TupleState)
+
+
+def test_state_that_turns_unsafe_later_is_reported_when_it_is_saved() -> None:
+    class LaterUnsafe(TerminationPolicy):
+        name = "later_unsafe"
+
+        def __init__(self, config=None):
+            super().__init__(config)
+            self._last = None
+
+        def should_terminate(self, result, context):
+            self._last = re.compile(result.output or "x")
+            return False, None
+
+    policy = PolicyRegistry.register_termination("later_unsafe")(LaterUnsafe)()
+    policy.should_terminate(ActionResult("code", output="a"), PolicyContext())
+    with pytest.raises(PolicyError, match="'_last' holds Pattern"):
+        policy.get_state()
+
+
+def test_a_declared_state_model_is_the_state_and_nothing_else() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.25}))
+    assert policy.get_state() == {"cumulative_reward": 0.25, "negative_streak": 0}
+    assert PolicyRegistry.get_termination("final_pattern").get_state() == {}  # compiled patterns are config
+    assert PolicyRegistry.get_termination("confidence").get_state() == {}
+
+
+def test_state_saved_before_state_models_still_restores() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    policy.set_state({"_cumulative_reward": 0.7, "_negative_streak": 2})  # an old carry
+    assert policy.get_state() == {"cumulative_reward": 0.7, "negative_streak": 2}
+    composite = PolicyRegistry.get_termination("composite")
+    composite.set_state({"_policies": [{}, {"_cumulative_reward": 0.5, "_negative_streak": 0}]})
+    assert composite.get_state() == {"policies": [{}, {"cumulative_reward": 0.5, "negative_streak": 0}]}
+
+
+def test_a_state_that_does_not_fit_its_model_is_refused() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    with pytest.raises(PolicyError, match="cannot restore state"):
+        policy.set_state({"cumulative_reward": "lots"})
+    policy._negative_streak = "many"  # noqa: SLF001 - a bug in a subclass would look like this
+    with pytest.raises(PolicyError, match="does not fit its State model"):
+        policy.get_state()
+
+
+# --- decisions keep answers and reasons apart -------------------------------------------------
+
+
+def test_a_status_message_is_a_reason_not_an_answer() -> None:
+    policy = PolicyRegistry.get_termination("reward_threshold")
+    decision = policy.decide(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.9}))
+    assert decision == PolicyDecision(True, None, "Reward threshold reached: 0.90")
+    assert decision.as_tuple() == (True, "Reward threshold reached: 0.90")  # the seed's tuple
+    final = PolicyRegistry.get_termination("reward_threshold").decide(
+        ActionResult("final", output="42"), PolicyContext(metrics={"last_reward": 0.9})
+    )
+    assert (final.answer, final.reason) == ("42", "cumulative reward 0.90 >= 0.8")
+    assert PolicyDecision(False, "ignored", "ignored").as_tuple() == (False, None)
+
+
+def test_decisions_say_why() -> None:
+    final = PolicyRegistry.get_termination("final_pattern")
+    assert final.decide(ActionResult("final", output="a"), PolicyContext()) == PolicyDecision(
+        True, "a", "final action"
+    )
+    matched = final.decide(ActionResult("code", output="FINAL(7)"), PolicyContext())
+    assert (matched.answer, matched.reason) == (
+        "7",
+        "pattern 'FINAL\\\\s*\\\\(\\\\s*(.+?)\\\\s*\\\\)' matched",
+    )
+    assert final.decide(ActionResult("code", output="nothing"), PolicyContext()) == PolicyDecision(False)
+    confident = PolicyRegistry.get_termination("confidence").decide(
+        ActionResult("code", output="", metadata={"confidence": 0.9}), PolicyContext(step=5)
+    )
+    assert confident == PolicyDecision(True, "", "confidence 0.90 >= 0.85")
+    fallback = PolicyRegistry.get_termination("confidence").decide(
+        ActionResult("final", output="x", metadata={"confidence": 0.1}), PolicyContext(step=5)
+    )
+    assert fallback == PolicyDecision(True, "x", "confidence below threshold; final action")
+
+
+def test_composite_decisions_name_the_policies_that_decided() -> None:
+    either = PolicyRegistry.get_termination("composite")
+    decision = either.decide(ActionResult("code"), PolicyContext(metrics={"last_reward": 1.0}))
+    assert decision == PolicyDecision(True, None, "reward_threshold: Reward threshold reached: 1.00")
+    both = PolicyRegistry.get_termination(
+        "composite", {"policies": ["final_pattern", "reward_threshold"], "require_all": True}
+    )
+    decision = both.decide(ActionResult("final", output="42"), PolicyContext(metrics={"last_reward": 1.0}))
+    assert decision.answer == "42"
+    assert (
+        decision.reason
+        == "all of final_pattern (final action), reward_threshold (cumulative reward 1.00 >= 0.8)"
+    )
+    assert both.decide(ActionResult("code"), PolicyContext(metrics={"last_reward": 1.0})) == PolicyDecision(
+        False
+    )
+
+
+def test_a_seed_api_policy_gets_a_decision_from_its_tuple() -> None:
+    policy = PolicyRegistry.get_termination("convergence", {"window_size": 1, "min_steps": 0})
+    decision = policy.decide(ActionResult("code", output="same"), PolicyContext())
+    assert decision == PolicyDecision(True, "same", "convergence decided to stop")
