@@ -15,6 +15,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workflows.parsing import (
+    FencedBlock,
+    FinalSignal,
+    ParsedReply,
+    _balanced_pattern,
     extract_balanced_paren_content,
     fenced_blocks,
     find_code_blocks,
@@ -26,6 +30,7 @@ from workflows.parsing import (
     strip_code_blocks,
     truncate_output,
     unquote_argument,
+    variable_reader_code,
 )
 
 TRACE = Path(__file__).resolve().parent / "fixtures" / "rlms_trace_gpt4o.jsonl"
@@ -135,11 +140,28 @@ def test_multiline_final_content() -> None:
     assert find_final_answer("FINAL(line one\nline two (2))") == "line one\nline two (2)"
 
 
-def test_balanced_extraction_requires_an_open_paren() -> None:
-    with pytest.raises(ValueError):
-        extract_balanced_paren_content("abc", 0)
-    with pytest.raises(ValueError):
-        matching_paren("abc", 0)
+@pytest.mark.parametrize("find", [extract_balanced_paren_content, matching_paren])
+@pytest.mark.parametrize(("text", "index"), [("abc", 0), ("a(c", 0), ("(", 1), ("", 0)])
+def test_balanced_extraction_requires_an_open_paren(find, text: str, index: int) -> None:
+    with pytest.raises(ValueError, match=r"^open_index must point at '\('$"):
+        find(text, index)
+
+
+def test_a_variable_reader_refuses_anything_but_an_identifier() -> None:
+    with pytest.raises(ValueError, match=r"^not a variable name: 'x; import os'$"):
+        variable_reader_code("x; import os")
+
+
+def test_final_var_keeps_its_argument_as_written() -> None:
+    assert parse_final_signal("FINAL_VAR( 'result' )") == FinalSignal("final_var", "result", "'result'")
+
+
+@pytest.mark.parametrize("stdout", [None, ""])
+def test_a_reader_that_printed_nothing_is_an_empty_answer(stdout: str | None) -> None:
+    environment = SimpleNamespace(execute_code=lambda code: SimpleNamespace(stdout=stdout))
+    assert find_final_answer("FINAL_VAR(x)", environment) == ""
+    bare = SimpleNamespace(execute_code=lambda code: object())  # a result without stdout
+    assert find_final_answer("FINAL_VAR(x)", bare) == ""
 
 
 # --- prose: apostrophes, quotes, code blocks (issue 20) -----------------------------------
@@ -195,6 +217,24 @@ def test_unquote_strips_only_quotes_around_the_whole_argument(raw: str, value: s
     assert unquote_argument(raw) == value
 
 
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("'I'm'", "I'm"),  # an apostrophe right after the first letter
+        ("'so I'm here'", "so I'm here"),  # a word of one letter before it
+        ("'the dogs' bowl'", "'the dogs' bowl'"),  # a quote before a space closes a quote
+        ("'a 'b'", "'a 'b'"),  # a quote after a space opens one
+        ("'the end''", "'the end''"),  # a quote as the last inner character
+        ("''tis'", "''tis'"),  # ... and as the first
+        ("'a 'b' it's'", "'a 'b' it's'"),  # every inner quote is looked at, not only the last
+        ("'it's 'a' it's'", "'it's 'a' it's'"),  # ... nor only the first and last
+        ("XOX", "XOX"),  # only quote characters are quotes
+    ],
+)
+def test_inner_quotes_are_apostrophes_only_between_letters(raw: str, value: str) -> None:
+    assert unquote_argument(raw) == value
+
+
 # --- code blocks ------------------------------------------------------------------------------
 
 
@@ -218,6 +258,30 @@ def test_an_info_string_line_inside_a_block_is_content() -> None:
     assert find_code_blocks(text) == ["s = '''\n```python\n'''"]
 
 
+def test_a_limit_on_code_blocks_takes_the_first_ones() -> None:
+    reply = "```repl\na\n```\n```repl\nb\n```\n```repl\nc\n```"
+    assert find_code_blocks(reply, limit=1) == ["a"]
+    assert find_code_blocks(reply, limit=2) == ["a", "b"]
+    assert find_code_blocks(reply) == ["a", "b", "c"]
+
+
+def test_a_final_around_a_code_block_is_read_from_the_prose_on_both_sides() -> None:
+    reply = "FINAL(a\n```repl\nx = 1\n```\nb)"
+    expected = FinalSignal("final", "a\n\n\nb", "a\n\n\nb")
+    assert parse_reply(reply, ["repl"], 4) == ParsedReply(["x = 1"], expected, False)
+    assert parse_final_signal(reply) == expected
+
+
+def test_fenced_blocks_describe_each_block() -> None:
+    reply = "```python\nx = 1\n```\ntext\n```json data\n{}\n```\n```\nbare\n```\n```repl\nopen"
+    assert fenced_blocks(reply) == [
+        FencedBlock("python", "x = 1", True),
+        FencedBlock("json", "{}", True),
+        FencedBlock("", "bare", True),
+        FencedBlock("repl", "open", False),
+    ]
+
+
 def test_parse_reply_caps_the_cells_of_one_reply() -> None:
     reply = "".join(f"```repl\nx = {i}\n```\n" for i in range(5)) + "FINAL(done)"
     parsed = parse_reply(reply, ["repl"], limit=3)
@@ -238,6 +302,7 @@ def test_shorten_middle_keeps_head_and_tail() -> None:
     assert short.startswith("H" * 600) and short.endswith("T" * 300)
     assert "[5000 characters not repeated here]" in short
     assert shorten_middle("short", 900) == "short"
+    assert shorten_middle("x" * 900, 900) == "x" * 900  # at the limit nothing is cut
 
 
 # --- real model output (gpt-4o through rlms) --------------------------------------------------
@@ -403,9 +468,10 @@ def test_code_blocks_and_prose_agree_with_the_line_by_line_reference(text: str) 
 def test_final_signal_agrees_with_the_reference(text: str) -> None:
     signal = parse_final_signal(text)
     assert (None if signal is None else (signal.kind, signal.value)) == reference_signal(text)
+    assert parse_reply(text, ["repl"], 8).signal == signal  # one parser for the loop and the policies
 
 
-@given(st.text(alphabet="()ab", max_size=300), st.integers(min_value=0, max_value=30))
+@given(st.text(alphabet="()ab", max_size=300), st.integers(min_value=0, max_value=120))
 def test_matching_paren_agrees_with_a_depth_counter(text: str, shift: int) -> None:
     text = "(" * shift + text
     for i, ch in enumerate(text):
@@ -419,4 +485,23 @@ def test_matching_paren_across_every_depth_regime() -> None:
         text = "(" * depth + "x" + ")" * depth
         assert matching_paren(text, 0) == len(text) - 1
         assert matching_paren(text[:-1], 0) is None
+        assert matching_paren("(" * depth, 0) is None
         assert matching_paren("(" + "()" * depth + ")", 0) == 2 * depth + 1
+        # a deep stretch with unbalanced parentheses before and after it
+        text = "(()" + "(" * depth + "a" + ")" * depth + "b)" + " (c)"
+        assert matching_paren(text, 0) == reference_close(text, 0)
+        text = "(" * depth + "a(b)c" + ")" * depth  # a group inside the counted stretch
+        assert matching_paren(text, 0) == len(text) - 1
+        text = "(" + "(" * depth + ")" * (depth // 2) + "x" + ")" * (depth - depth // 2) + ")("
+        assert matching_paren(text, 0) == len(text) - 2
+
+
+def test_the_balanced_pattern_matches_up_to_its_depth() -> None:
+    two = re.compile(_balanced_pattern(2))
+    assert two.fullmatch("a(b(c)d)e")
+    assert two.fullmatch("") and two.fullmatch("plain")
+    assert not two.fullmatch("a(b(c(d)))")  # three deep
+    assert not two.fullmatch("a(b")
+    assert re.compile(_balanced_pattern(0)).fullmatch("no parens") and not re.fullmatch(
+        _balanced_pattern(0), "(x)"
+    )

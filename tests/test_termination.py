@@ -536,3 +536,346 @@ def test_a_seed_api_policy_gets_a_decision_from_its_tuple() -> None:
     policy = PolicyRegistry.get_termination("convergence", {"window_size": 1, "min_steps": 0})
     decision = policy.decide(ActionResult("code", output="same"), PolicyContext())
     assert decision == PolicyDecision(True, "same", "convergence decided to stop")
+
+
+# --- what each built-in decides at its edges ------------------------------------------------
+
+
+def reward_policy(**config: Any) -> TerminationPolicy:
+    return PolicyRegistry.get_termination("reward_threshold", config or None)
+
+
+def rewarded(policy: TerminationPolicy, *rewards: float | None) -> PolicyDecision:
+    decision = PolicyDecision(False)
+    for reward in rewards:
+        metrics = {} if reward is None else {"last_reward": reward}
+        decision = policy.decide(ActionResult("code"), PolicyContext(metrics=metrics))
+    return decision
+
+
+def test_no_reward_is_no_reward() -> None:
+    assert rewarded(reward_policy(), None, None, None, None) == PolicyDecision(False)
+
+
+def test_zero_rewards_are_not_a_negative_streak() -> None:
+    assert rewarded(reward_policy(), 0.0, 0.0, 0.0, 0.0) == PolicyDecision(False)
+    assert rewarded(reward_policy(), -0.1, -0.1, 0.0, -0.1) == PolicyDecision(False)
+
+
+def test_a_negative_streak_stops_with_a_reason_and_no_answer() -> None:
+    decision = rewarded(reward_policy(), -0.1, -0.1, -0.1)
+    assert decision == PolicyDecision(True, None, "Terminated after 3 consecutive negative rewards")
+
+
+def test_reset_starts_the_streak_and_the_sum_again() -> None:
+    policy = reward_policy()
+    rewarded(policy, -0.1, -0.1)
+    policy.reset()
+    assert policy.get_state() == {"cumulative_reward": 0.0, "negative_streak": 0}
+    assert rewarded(policy, -0.1, -0.1) == PolicyDecision(False)
+    assert rewarded(policy, -0.1).stop
+
+
+def test_a_reward_threshold_that_requires_a_final_action_waits_for_one() -> None:
+    policy = reward_policy(require_final_action=True)
+    assert rewarded(policy, 1.0) == PolicyDecision(False)
+
+
+def test_confidence_at_exactly_the_threshold_stops() -> None:
+    policy = PolicyRegistry.get_termination("confidence")
+    at = ActionResult("code", output="o", metadata={"confidence": 0.85})
+    assert policy.decide(at, PolicyContext(step=2)) == PolicyDecision(True, "o", "confidence 0.85 >= 0.85")
+    below = ActionResult("code", output="o", metadata={"confidence": 0.84})
+    assert policy.decide(below, PolicyContext(step=2)) == PolicyDecision(False)
+    assert policy.decide(at, PolicyContext(step=1)) == PolicyDecision(False)  # too early
+
+
+def test_confidence_falls_back_to_final_var_with_the_variables_it_was_given() -> None:
+    policy = PolicyRegistry.get_termination("confidence")
+    action = ActionResult("code", output="FINAL_VAR('total')")
+    decision = policy.decide(action, PolicyContext(step=3, variables={"total": 12}))
+    assert decision.answer == "12" and decision.reason.startswith("confidence below threshold; pattern")
+
+
+# --- final_pattern with custom patterns ---------------------------------------------------------
+
+
+def final_pattern(**config: Any) -> TerminationPolicy:
+    return PolicyRegistry.get_termination("final_pattern", config)
+
+
+def test_without_extract_answer_the_whole_output_is_the_answer() -> None:
+    policy = final_pattern(extract_answer=False)
+    decision = policy.decide(ActionResult("code", output="x\nFINAL(7)\n"), PolicyContext())
+    assert decision == PolicyDecision(
+        True, "x\nFINAL(7)\n", "pattern 'FINAL\\\\s*\\\\(\\\\s*(.+?)\\\\s*\\\\)' matched"
+    )
+
+
+def test_a_pattern_without_a_group_answers_with_the_whole_match() -> None:
+    policy = final_pattern(final_patterns=[r"DONE \d+"])
+    decision = policy.decide(ActionResult("code", output="work\nDONE 42 now"), PolicyContext())
+    assert decision == PolicyDecision(True, "DONE 42", "pattern 'DONE \\\\d+' matched")
+
+
+def test_a_final_var_of_a_missing_variable_lets_later_patterns_decide() -> None:
+    policy = final_pattern(final_patterns=[r"FINAL_VAR\((\w+)\)", r"ANSWER: (\w+)"])
+    output = "FINAL_VAR(missing)\nANSWER: five"
+    assert policy.decide(ActionResult("code", output=output), PolicyContext()).answer == "five"
+
+
+def test_a_catch_all_pattern_does_not_stop_on_an_action_that_printed_nothing() -> None:
+    policy = final_pattern(final_patterns=[r"(.+)"])
+    assert policy.decide(ActionResult("code", output=None), PolicyContext()) == PolicyDecision(False)  # type: ignore[arg-type]
+
+
+# --- composite ----------------------------------------------------------------------------------
+
+
+@PolicyRegistry.register_termination("silent_stop")
+class SilentStop(TerminationPolicy):
+    """Stops with neither answer nor reason: the most a custom decide() can leave out."""
+
+    name = "silent_stop"
+
+    def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+        return True, None
+
+    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
+        return PolicyDecision(True)
+
+
+def test_a_composite_stop_with_no_text_is_no_text() -> None:
+    composite = PolicyRegistry.get_termination("composite", {"policies": ["silent_stop"]})
+    assert composite.should_terminate(ActionResult("code"), PolicyContext()) == (True, None)
+
+
+@pytest.mark.parametrize(
+    ("policies", "message"),
+    [
+        (
+            [3],
+            "policy 'composite': each entry of 'policies' must be a policy name or "
+            "{'name': ..., 'config': {...}}, got 3",
+        ),
+        ([], "policy 'composite': 'policies' must name at least one policy"),
+    ],
+)
+def test_composite_configuration_errors(policies: list[Any], message: str) -> None:
+    with pytest.raises(PolicyError, match=f"^{re.escape(message)}$"):
+        PolicyRegistry.get_termination("composite", {"policies": policies})
+
+
+def test_an_empty_composite_state_restores_nothing() -> None:
+    composite = PolicyRegistry.get_termination("composite")
+    rewarded(composite, 0.5)
+    composite.set_state({})
+    assert composite.get_state() == {"policies": [{}, {"cumulative_reward": 0.5, "negative_streak": 0}]}
+
+
+# --- configuration errors say what was wrong ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "message"),
+    [
+        (
+            "reward_threshold",
+            {"min_reward": 1},
+            "policy 'reward_threshold': unknown config key 'min_reward' "
+            "(known: max_negative_streak, min_reward_threshold, require_final_action)",
+        ),
+        ("silent_stop", {"x": 1}, "policy 'silent_stop': unknown config key 'x' (known: none)"),
+        (
+            "reward_threshold",
+            {"min_reward_threshold": "high"},
+            "policy 'reward_threshold': config key 'min_reward_threshold' must be a number, got str 'high'",
+        ),
+        (
+            "confidence",
+            {"confidence_key": 3},
+            "policy 'confidence': config key 'confidence_key' must be a string, got int 3",
+        ),
+        ("reward_threshold", [1], "policy 'reward_threshold': config must be a mapping, got list"),
+    ],
+)
+def test_configuration_errors_name_the_key_and_what_it_must_be(name: str, config: Any, message: str) -> None:
+    with pytest.raises(PolicyError, match=f"^{re.escape(message)}$"):
+        PolicyRegistry.get_termination(name, config)
+
+
+def test_an_unknown_policy_lists_every_known_one() -> None:
+    message = f"unknown termination policy 'nope' (known: {', '.join(PolicyRegistry.list_termination())})"
+    with pytest.raises(PolicyError, match=f"^{re.escape(message)}$"):
+        PolicyRegistry.get_termination("nope")
+
+
+def test_a_config_key_whose_default_is_a_mapping_takes_a_mapping() -> None:
+    class Weighted(TerminationPolicy):
+        name = "weighted"
+
+        @classmethod
+        def get_default_config(cls) -> dict[str, Any]:
+            return {"weights": {}}
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            return False, None
+
+    PolicyRegistry.register_termination("weighted")(Weighted)
+    policy = PolicyRegistry.get_termination("weighted", {"weights": {"a": 1.0}})
+    assert policy.settings["weights"] == {"a": 1.0}
+
+
+# --- registration ---------------------------------------------------------------------------------
+
+
+def test_only_termination_policies_register() -> None:
+    with pytest.raises(PolicyError, match=r"^<class 'int'> is not a TerminationPolicy$"):
+        PolicyRegistry.register_termination("int")(int)  # type: ignore[arg-type]
+
+
+def test_a_policy_that_needs_config_registers_and_is_checked_when_built() -> None:
+    class NeedsConfig(TerminationPolicy):
+        name = "needs_config"
+
+        def __init__(self, config: dict[str, Any] | None = None) -> None:
+            if not config:
+                raise KeyError("target")
+            self.target = config["target"]  # not a `_` attribute: no state
+            self._hits = 0
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            return result.output == self.target, None
+
+    assert PolicyRegistry.register_termination("needs_config")(NeedsConfig) is NeedsConfig
+    policy = PolicyRegistry.get_termination("needs_config", {"target": "ok"})
+    assert policy.should_terminate(ActionResult("code", output="ok"), PolicyContext()) == (True, None)
+
+
+def test_a_seed_api_policy_that_goes_on_gives_no_answer_and_no_reason() -> None:
+    class Chatty(TerminationPolicy):
+        name = "chatty"
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            return False, "not yet"
+
+    assert Chatty().decide(ActionResult("code"), PolicyContext()) == PolicyDecision(False, None, "")
+
+
+# --- state that cannot cross continue-as-new, and the messages that say so ----------------------
+
+
+class Holder(TerminationPolicy):
+    """A custom policy without a State model: its `_value` attribute is its state."""
+
+    name = "holder"
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self._value: Any = 0
+
+    def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+        return False, None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            re.compile("x"),
+            "policy 'holder': state attribute '_value' holds Pattern, which cannot cross continue-as-new "
+            "as JSON (Object of type Pattern is not JSON serializable); declare a pydantic `State` model, "
+            "or rebuild the value from config in __init__ and keep it out of `_` attributes",
+        ),
+        (
+            float("nan"),
+            "policy 'holder': state attribute '_value' holds float, which cannot cross continue-as-new "
+            "as JSON (Out of range float values are not JSON compliant",
+        ),
+        (
+            {1: "a"},
+            "policy 'holder': state attribute '_value' (dict) would come back from JSON as dict; "
+            "declare a pydantic `State` model",
+        ),
+        (
+            (1, 2),
+            "policy 'holder': state attribute '_value' (tuple) would come back from JSON as list; "
+            "declare a pydantic `State` model",
+        ),
+    ],
+)
+def test_unsafe_state_is_named_with_its_policy_attribute_and_type(value: Any, message: str) -> None:
+    policy = Holder()
+    policy._value = value  # noqa: SLF001
+    with pytest.raises(PolicyError, match=f"^{re.escape(message)}"):
+        policy.get_state()
+
+
+def test_a_state_that_changes_on_its_way_through_json_is_refused_at_registration() -> None:
+    class Drifting(TerminationPolicy):
+        name = "drifting"
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            return False, None
+
+        pair: Any = (1, 2)  # a class attribute, so the `_` attribute check does not see it
+
+        def get_state(self) -> dict[str, Any]:
+            return {"pair": self.pair}
+
+        def set_state(self, state: dict[str, Any]) -> None:
+            self.pair = state["pair"]  # a list after JSON
+
+    with pytest.raises(
+        PolicyError, match="^policy 'drifting': its state does not come back unchanged from JSON$"
+    ):
+        PolicyRegistry.register_termination("drifting")(Drifting)
+
+
+def test_a_declared_state_is_dumped_as_json() -> None:
+    from pydantic import BaseModel
+
+    class SeenState(BaseModel):
+        seen: set[str] = set()
+
+    class Seen(TerminationPolicy):
+        name = "seen"
+        State = SeenState
+
+        def __init__(self, config: dict[str, Any] | None = None) -> None:
+            super().__init__(config)
+            self._seen: set[str] = set()
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            self._seen.add(result.output)
+            return False, None
+
+    policy = PolicyRegistry.register_termination("seen")(Seen)()
+    policy.should_terminate(ActionResult("code", output="a"), PolicyContext())
+    assert policy.get_state() == {"seen": ["a"]}
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_restored_state_is_the_policys_own_copy(declared: bool) -> None:
+    from pydantic import BaseModel
+
+    class LogState(BaseModel):
+        log: dict[str, Any] = {}
+
+    class Logger(TerminationPolicy):
+        name = "logger"
+        State = LogState if declared else None
+
+        def __init__(self, config: dict[str, Any] | None = None) -> None:
+            super().__init__(config)
+            self._log: dict[str, Any] = {"outputs": []}
+
+        def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
+            self._log["outputs"].append(result.output)
+            return False, None
+
+    carried = {"log": {"outputs": ["a"]}} if declared else {"_log": {"outputs": ["a"]}}
+    policy = Logger()
+    policy.set_state(carried)
+    policy.should_terminate(ActionResult("code", output="b"), PolicyContext())
+    assert carried == ({"log": {"outputs": ["a"]}} if declared else {"_log": {"outputs": ["a"]}})
