@@ -40,16 +40,25 @@ class FieldSpec(BaseModel):
 ANSWER_FIELDS = [FieldSpec(name="answer", type="string", description="the final answer")]
 
 
+def _declared_type(prop: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """A property's "type"; a `$ref` (a nested model or an enum) takes its definition's type."""
+    if "$ref" in prop and "type" not in prop:
+        target = defs.get(str(prop["$ref"]).rsplit("/", 1)[-1], {})
+        return target.get("type", "object")
+    return prop.get("type")
+
+
 def fields_from_json_schema(schema: dict[str, Any]) -> list[FieldSpec]:
     """Output fields from a JSON Schema object (what pydantic's model_json_schema() gives)."""
     if schema.get("type", "object") != "object" or not isinstance(schema.get("properties"), dict):
         raise ValueError("an output schema must be a JSON Schema object with 'properties'")
     required = set(schema.get("required", list(schema["properties"])))
+    defs = schema.get("$defs", {})
     fields = []
     for name, prop in schema["properties"].items():
-        kind = prop.get("type")
+        kind = _declared_type(prop, defs)
         if kind is None and "anyOf" in prop:  # Optional[...] in pydantic's schema
-            kind = [option.get("type") for option in prop["anyOf"]]
+            kind = [_declared_type(option, defs) for option in prop["anyOf"]]
         if isinstance(kind, list):  # e.g. ["string", "null"]
             kind = next((k for k in kind if k not in (None, "null")), "string")
         kind = kind or "string"
@@ -236,14 +245,14 @@ def generate_schema(fields: list[FieldSpec]) -> str:
 
 
 def extraction_prompt(inputs: ExtractFallbackInputs) -> str:
-    return (
-        EXTRACTION_PROMPT_TEMPLATE.replace("{fallback_reason}", inputs.fallback_reason)
-        .replace("{history}", format_history(inputs.history))
-        .replace("{variables}", format_variables(inputs.variables))
-        .replace("{output_fields}", format_output_fields(inputs.output_fields))
-        .replace("{output_schema}", generate_schema(inputs.output_fields))
-        .replace("{{", "{")
-        .replace("}}", "}")
+    # One format() pass: text put into the template (REPL output, variable values) is never
+    # scanned again, so its braces and placeholder-like words reach the model as they were.
+    return EXTRACTION_PROMPT_TEMPLATE.format(
+        fallback_reason=inputs.fallback_reason,
+        history=format_history(inputs.history),
+        variables=format_variables(inputs.variables),
+        output_fields=format_output_fields(inputs.output_fields),
+        output_schema=generate_schema(inputs.output_fields),
     )
 
 
