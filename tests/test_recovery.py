@@ -271,16 +271,22 @@ async def test_a_sandbox_killed_mid_cell_costs_only_that_cell(client, worker, sc
 @pytest.mark.chaos
 async def test_a_busy_sandbox_dies_with_its_worker(client, scripted, worker_processes) -> None:
     """PR_SET_PDEATHSIG: a cell computing (not reading its pipe) still dies with the worker."""
-    server = scripted(root_and_sub(["```repl\nwhile True:\n    pass\n```"]))
+    cell = "```repl\nopen('busy', 'w').close()\nwhile True:\n    pass\n```"
+    server = scripted(root_and_sub([cell]))
     limits = EpisodeLimits(max_iterations=2, cell_timeout_s=60)
     worker = worker_processes()
     episode_id = f"orphan-{uuid.uuid4().hex[:6]}"
     await start_episode(client, request_for(server, limits=limits), worker_processes.queue, episode_id)
-    for _ in range(200):
-        if sandbox_pids(episode_id):
+    # Kill only once the cell runs: a sandbox still starting up exits by itself when it
+    # sees its worker gone, which would prove nothing about the death signal.
+    for _ in range(400):
+        pids = sandbox_pids(episode_id)
+        if pids and (Path(f"/proc/{pids[0]}/cwd") / "busy").exists():
             break
         await asyncio.sleep(0.05)
-    (pid,) = sandbox_pids(episode_id)
+    else:
+        raise AssertionError("the cell never started")
+    (pid,) = pids
     worker.kill()
     for _ in range(40):
         if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
