@@ -52,7 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--no-run", action="store_true", help="score the last run without running mutmut")
     args = parser.parse_args()
-    console = Console()
+    console = Console(soft_wrap=True)  # mutant names stay whole, for copy and paste
     if not args.no_run:
         env = {**os.environ, "HYPOTHESIS_PROFILE": os.environ.get("HYPOTHESIS_PROFILE", "mutation")}
         run = subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=ROOT, env=env)
@@ -99,7 +99,8 @@ def main() -> int:
 
     known = reviewed_names()
     unreviewed = [name for name in survivors if name not in known]
-    console.print(f"{len(survivors)} survivors, {len(survivors) - len(unreviewed)} reviewed in docs/mutation.md")
+    reviewed = len(survivors) - len(unreviewed)
+    console.print(f"{len(survivors)} survivors, {reviewed} reviewed in docs/mutation.md")
     for name in survivors:
         console.print(f"  {'reviewed  ' if name in known else 'UNREVIEWED'} {name}")
     if unreviewed:

@@ -235,6 +235,24 @@ def test_nested_models_and_enums_take_their_definitions_type() -> None:
     assert check_outputs({"point": {"x": 1}, "colour": "red", "size": 1}, fields, allow_null=False) == []
 
 
+@pytest.mark.parametrize(
+    ("prop", "defs", "kind"),
+    [
+        ({"$ref": "#/$defs/Gone"}, {}, "object"),  # a definition that is not there: an object
+        ({"$ref": "#/$defs/Gone"}, None, "object"),  # ... nor any definitions at all
+        ({"$ref": "#/$defs/Level", "type": "integer"}, {"Level": {"type": "string"}}, "integer"),
+        ({"anyOf": [{"$ref": "#/$defs/Level"}, {"type": "null"}]}, {"Level": {"type": "number"}}, "number"),
+    ],
+)
+def test_a_reference_takes_its_definitions_type_and_a_propertys_own_type_wins(
+    prop: dict[str, Any], defs: dict[str, Any] | None, kind: str
+) -> None:
+    schema: dict[str, Any] = {"type": "object", "properties": {"f": prop}}
+    if defs is not None:
+        schema["$defs"] = defs
+    assert [f.type for f in fields_from_json_schema(schema)] == [kind]
+
+
 def test_schema_comes_from_json_schema_or_a_pydantic_model() -> None:
     class Outputs(BaseModel):
         answer: str = Field(description="the final answer")

@@ -273,7 +273,7 @@ def test_a_final_around_a_code_block_is_read_from_the_prose_on_both_sides() -> N
 
 
 def test_fenced_blocks_describe_each_block() -> None:
-    reply = "```python\nx = 1\n```\ntext\n```json data\n{}\n```\n```\nbare\n```\n```repl\nopen"
+    reply = "```python\nx = 1\n```\ntext\n```json a b\n{}\n```\n```\nbare\n```\n```repl\nopen"
     assert fenced_blocks(reply) == [
         FencedBlock("python", "x = 1", True),
         FencedBlock("json", "{}", True),

@@ -70,3 +70,9 @@ def test_prompts_are_exactly_the_reviewed_text() -> None:
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text()
+
+
+def test_the_model_is_asked_for_confidence_only_when_a_policy_needs_it() -> None:
+    plain = prompts.opening_messages("t", None, "repl")
+    assert plain == prompts.opening_messages("t", None, "repl", False)
+    assert plain != prompts.opening_messages("t", None, "repl", True)
