@@ -64,9 +64,9 @@ def main() -> int:
         console.print("[red]no mutmut results: run without --no-run first[/red]")
         return 1
 
-    table = Table(title="Mutation score (mutmut)")
+    table = Table(title="Mutation score (mutmut), workflows/")
     for column in ("module", "mutants", "killed", "timeout", "survived", "other", "score"):
-        table.add_column(column, justify="left" if column == "module" else "right")
+        table.add_column(column, justify="left" if column == "module" else "right", no_wrap=True)
     total = Counter()
     survivors: list[str] = []
     for module, statuses in by_module.items():
@@ -76,7 +76,7 @@ def main() -> int:
         total.update(mutants=len(statuses), killed=killed, survived=counts["survived"], other=other)
         survivors += sorted(key for key, status in statuses.items() if status == "survived")
         table.add_row(
-            module,
+            module.removeprefix("workflows/"),
             str(len(statuses)),
             str(counts["killed"] + counts["caught by type check"]),
             str(counts["timeout"]),
