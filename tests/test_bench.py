@@ -13,26 +13,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_parsing_benchmark_prints_flat_figures_per_mb() -> None:
+def run_bench(script: str, *args: str, timeout: float) -> str:
+    """Run a benchmark as a user would; its printed figures are what the test reads."""
     out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "parsing.py"), "--max-mb", "0.01", "--legacy-budget-s", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True, timeout=timeout
     )
     assert out.returncode == 0, out.stderr
-    assert "2,000 unclosed FINAL(" in out.stdout and "legacy (old histories)" in out.stdout
-    slowest = re.search(r"slowest single call: (\d+) ms", out.stdout)
+    return out.stdout
+
+
+def test_the_parsing_benchmark_prints_flat_figures_per_mb() -> None:
+    out = run_bench("parsing.py", "--max-mb", "0.01", "--legacy-budget-s", "1", timeout=300)
+    assert "2,000 unclosed FINAL(" in out and "legacy (old histories)" in out
+    slowest = re.search(r"slowest single call: (\d+) ms", out)
     assert slowest is not None
 
 
 @pytest.mark.slow
 def test_the_engine_overhead_benchmark_prints_its_ratio() -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "engine_overhead.py"), "--iterations", "3", "--repeats", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr
-    assert re.search(r"ratio durable/direct \(overhead\): +[0-9.]+x", out.stdout), out.stdout
+    out = run_bench("engine_overhead.py", "--iterations", "3", "--repeats", "1", timeout=600)
+    assert re.search(r"ratio durable/direct \(overhead\): +[0-9.]+x", out), out

@@ -170,38 +170,19 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"colour": {"type": "string"}}}))
     server = scripted(root_and_sub(["```repl\ncolour = 'blue'\n```"], extract=lambda p: '{"colour": "blue"}'))
-    out = drlm(
-        tmp_path,
-        "run",
-        "which colour?",
-        "--base-url",
-        server.base_url,
-        "--model",
-        "m",
-        "--max-iterations",
-        "1",
-        "--output-schema",
-        str(schema),
-    )
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return drlm(
+            tmp_path, "run", "which colour?", "--base-url", server.base_url, "--model", "m",
+            "--max-iterations", "1", "--output-schema", str(schema), *extra,
+        )  # fmt: skip
+
+    out = run()
     assert out.returncode == 4, out.stderr  # an extracted answer is told apart from a given one
     assert json.loads(out.stdout) == {"colour": "blue"}
     assert "Result: extracted after max iterations reached (1/1) (confidence 0.80)" in out.stderr
     assert "answer source: extraction, confidence 0.80" in out.stderr
-    accepted = drlm(
-        tmp_path,
-        "run",
-        "which colour?",
-        "--base-url",
-        server.base_url,
-        "--model",
-        "m",
-        "--max-iterations",
-        "1",
-        "--output-schema",
-        str(schema),
-        "--accept-extracted",
-        "--json",
-    )
+    accepted = run("--accept-extracted", "--json")
     assert accepted.returncode == 0, accepted.stderr
     report = json.loads(accepted.stdout)
     assert (report["answer_source"], report["confidence"], report["ended_by"]) == (

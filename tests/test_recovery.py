@@ -50,18 +50,23 @@ def sandbox_pids(episode_id: str) -> list[int]:
     return pids
 
 
-async def test_a_stale_head_that_ends_mid_cell_does_not_brick_the_repl(host: ReplActivities) -> None:
-    """What an episode's log looked like after a cell was lost before this fix."""
+async def left_mid_call(host: ReplActivities, code: str) -> Episode:
+    """An episode with `kept = 1`, then a cell suspended in llm_query whose head it keeps."""
     episode = Episode(host)
     await episode.run("kept = 1")
     episode.cells += 1
     suspended = await host.execute_cell(
-        ExecuteCellInput(
-            sandbox=episode.ref(), iteration=2, cell_index=episode.cells, code="gone = 2\nr = llm_query('x')"
-        )
+        ExecuteCellInput(sandbox=episode.ref(), iteration=2, cell_index=episode.cells, code=code)
     )
     assert suspended.status == "suspended"
-    episode.head = suspended.log_head  # the workflow keeps a head whose last cell never ended
+    episode.head = suspended.log_head
+    return episode
+
+
+async def test_a_stale_head_that_ends_mid_cell_does_not_brick_the_repl(host: ReplActivities) -> None:
+    """What an episode's log looked like after a cell was lost before this fix."""
+    # The workflow keeps a head whose last cell never ended ...
+    episode = await left_mid_call(host, "gone = 2\nr = llm_query('x')")
     await host.close_all()  # and the worker that held the sandbox is gone
     outcome = await episode.run("print(kept, 'gone' in globals())")
     assert (outcome.error, outcome.stdout) == (None, "1 False\n")
@@ -71,15 +76,8 @@ async def test_a_stale_head_that_ends_mid_cell_does_not_brick_the_repl(host: Rep
 
 
 async def test_a_live_sandbox_left_mid_cell_is_rebuilt_for_a_new_cell(host: ReplActivities) -> None:
-    episode = Episode(host)
-    await episode.run("kept = 1")
-    episode.cells += 1
-    suspended = await host.execute_cell(
-        ExecuteCellInput(
-            sandbox=episode.ref(), iteration=2, cell_index=episode.cells, code="gone = 2\nllm_query('x')"
-        )
-    )
-    episode.head = suspended.log_head  # same worker, sandbox still blocked in llm_query
+    # Same worker, sandbox still blocked in llm_query.
+    episode = await left_mid_call(host, "gone = 2\nllm_query('x')")
     outcome = await episode.run("print('gone' in globals(), kept)")
     assert (outcome.error, outcome.stdout) == (None, "False 1\n")
 
