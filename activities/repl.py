@@ -39,6 +39,7 @@ from workflows import defaults, names
 from workflows.models import (
     CellOutcome,
     CloseSandboxInput,
+    ContextRef,
     ExecuteCellInput,
     ReadVariableInput,
     ResumeCellInput,
@@ -337,12 +338,30 @@ class ReplActivities:
 
     def _requests(self, box: LiveSandbox, frame: dict[str, Any]) -> list[SubCallRequest]:
         kind = str(frame.get("kind") or "llm_query")
+        model = frame.get("model")
         requests = [
-            SubCallRequest(call_index=box.next_call + i, prompt=p, prompt_digest=text_digest(p), kind=kind)
+            SubCallRequest(
+                call_index=box.next_call + i,
+                prompt=p,
+                prompt_digest=text_digest(p),
+                kind=kind,
+                model=model if isinstance(model, str) else None,
+            )
             for i, p in enumerate(frame["prompts"])
         ]
         box.next_call += len(requests)
         return requests
+
+    def _with_contexts(self, requests: list[SubCallRequest]) -> list[SubCallRequest]:
+        """rlm_query prompts become child contexts: stored once, named by their digest."""
+        out = []
+        for request in requests:
+            if request.kind in names.CHILD_KINDS:
+                digest = self.blobs.put_text(request.prompt)
+                size = len(request.prompt)
+                request = request.model_copy(update={"context": ContextRef(digest=digest, size=size)})
+            out.append(request)
+        return out
 
     async def _drive(self, box: LiveSandbox, ref: SandboxRef) -> CellOutcome:
         """Run the current cell until it completes or stops at calls."""
@@ -351,7 +370,7 @@ class ReplActivities:
         if frame is None or frame.get("op") not in ("call", "done"):
             return await self._killed(box, ref, frame)
         if frame["op"] == "call":
-            box.pending = self._requests(box, frame)
+            box.pending = await asyncio.to_thread(self._with_contexts, self._requests(box, frame))
             return CellOutcome(
                 status="suspended",
                 log_head=box.log_head or "",
@@ -473,6 +492,7 @@ class ReplActivities:
             "variables_shown": defaults.VARIABLES_SHOWN,
             "variable_chars": defaults.VARIABLE_CHARS,
             "audit_hook": self.audit_hook,
+            "child_batch_cap": ref.child_batch_cap,
         }
         if ref.context is not None:
             data = await asyncio.to_thread(self.blobs.get, ref.context.digest)

@@ -2,20 +2,45 @@
 
 Every call from a cell names its kind (the REPL helper that made it). A kind maps to a
 route: the step that answers it. `llm_query` and each element of `llm_query_batched` are
-sub-model calls, one activity each; `rlm_query` (child workflows) and custom tools plug in
-here as new routes.
+sub-model calls, one activity each. `rlm_query` and each element of `rlm_query_batched`
+are child episodes: the same workflow, started as a Temporal child workflow with an id
+derived from the parent's id, the cell and the call, so a replayed parent finds its
+children in history instead of starting them again. Below max_depth's last level an
+rlm_query is a plain sub-model call, as in rlms. Custom tools plug in here as new routes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import (
+    ActivityError,
+    CancelledError,
+    ChildWorkflowError,
+    TerminatedError,
+    TimeoutError,
+    WorkflowAlreadyStartedError,
+)
+from temporalio.workflow import ParentClosePolicy
 
-from workflows import names
-from workflows.models import EpisodeRequest, SubCallRequest, SubQueryInput, SubQueryReply, TokenUsage
+from workflows import defaults, names, prompts
+from workflows.budget import ChildBudget
+from workflows.models import (
+    ChildEpisode,
+    EpisodeRequest,
+    EpisodeResult,
+    ModelSettings,
+    ParentLink,
+    SubCallRequest,
+    SubQueryInput,
+    SubQueryReply,
+    TerminationSpec,
+    TokenUsage,
+)
 from workflows.retries import describe_failure, model_step_options, raise_if_cancelled
 
 
@@ -33,16 +58,23 @@ class CallResult:
     text: str
     usage: TokenUsage = field(default_factory=TokenUsage)
     model_time_s: float = 0.0
+    child: ChildEpisode | None = None  # set when a child episode ran (its spend is in it)
+    unaccounted_tokens: int = 0  # a child that ended without a result: its token share
+    cancelled: bool = False  # this episode is being cancelled and took the child with it
+
+
+Start = Callable[[CallSite, SubCallRequest, ModelSettings, ChildBudget | None], Awaitable[CallResult]]
 
 
 @dataclass(frozen=True)
 class Route:
-    start: Callable[[CallSite, SubCallRequest], Awaitable[CallResult]]
-    model_call: bool  # counts against max_llm_calls and model_calls
+    start: Start
+    kind: Literal["model", "child"]  # a model call counts when started; a child when it ends
 
 
-async def sub_model_call(site: CallSite, call: SubCallRequest) -> CallResult:
-    model = site.request.effective_sub_model
+async def sub_model_call(
+    site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget | None = None
+) -> CallResult:
     try:
         reply = await workflow.execute_activity(
             names.SUB_QUERY,
@@ -65,7 +97,146 @@ async def sub_model_call(site: CallSite, call: SubCallRequest) -> CallResult:
     return CallResult(ok=True, text=reply.text, usage=reply.usage, model_time_s=reply.model_time_s)
 
 
+def child_id(parent_id: str, cell_index: int, call_index: int) -> str:
+    """Deterministic: the same parent, cell and call always name the same child."""
+    return f"{parent_id}/{cell_index}.{call_index}"
+
+
+def child_request(
+    site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget
+) -> EpisodeRequest:
+    """rlms semantics: the child reasons over the prompt as its `context`, with the parent's
+    limits capped by its share of what the parent has left."""
+    parent = site.request
+    limits = parent.limits.model_copy(
+        update={
+            "max_llm_calls": min(parent.limits.max_llm_calls, budget.model_calls),
+            "max_model_calls": budget.model_calls,
+            "max_tokens": budget.tokens,
+        }
+    )
+    return EpisodeRequest(
+        task=prompts.CHILD_TASK if call.context is not None else call.prompt,
+        context=call.context,
+        root_model=model,
+        sub_model=parent.sub_model,
+        other_models=parent.other_models,
+        limits=limits,
+        durability=parent.durability,
+        code_fences=parent.code_fences,
+        termination=TerminationSpec(scan_printed_output=parent.termination.scan_printed_output),
+        fallback_extraction=parent.fallback_extraction,
+        max_depth=parent.max_depth,
+        depth=parent.depth + 1,
+        parent=ParentLink(
+            episode_id=workflow.info().workflow_id, cell_index=site.cell_index, call_index=call.call_index
+        ),
+        deadline=budget.deadline,
+    )
+
+
+async def child_episode(
+    site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget | None = None
+) -> CallResult:
+    """Run a child episode to its end; its answer, or an `Error: ...` text, is the reply."""
+    assert budget is not None
+    request = child_request(site, call, model, budget)
+    episode_id = child_id(workflow.info().workflow_id, site.cell_index, call.call_index)
+    summary = ChildEpisode(
+        episode_id=episode_id,
+        depth=request.depth,
+        cell_index=site.cell_index,
+        call_index=call.call_index,
+        model=model.model,
+        ended_by="failed",
+    )
+    try:
+        result: EpisodeResult = await workflow.execute_child_workflow(
+            names.WORKFLOW,
+            request,
+            id=episode_id,
+            result_type=EpisodeResult,
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+            memo={"parent": workflow.info().workflow_id, "depth": request.depth},
+            static_summary=f"rlm_query {site.cell_index}.{call.call_index} (depth {request.depth})",
+        )
+    except (ChildWorkflowError, WorkflowAlreadyStartedError) as err:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            # This episode is being cancelled and took the child with it: not an answer. Its
+            # spend stays in its own history; nothing more will be spent here but extraction.
+            note = "cancelled with its parent; its spend is in its own history"
+            gone = summary.model_copy(update={"ended_by": "cancelled", "error": note})
+            return CallResult(ok=False, text=note, child=gone, cancelled=True)
+        ended = _how_it_ended(err)
+        problem = describe_failure(err)
+        # Its spend is unknown: charge the whole share, so the tree still cannot pass its limits.
+        charged = summary.model_copy(
+            update={
+                "ended_by": ended,
+                "error": f"{problem} (its spend is unknown: its whole share is charged)",
+                "model_calls": budget.model_calls,
+            }
+        )
+        return CallResult(
+            ok=False,
+            text=f"child episode {episode_id} {ended}: {problem}",
+            child=charged,
+            unaccounted_tokens=budget.tokens or 0,
+        )
+    answered = result.answer is not None
+    summary = summary.model_copy(
+        update={
+            "ended_by": result.ended_by,
+            "answer": None if result.answer is None else result.answer[: defaults.CHILD_ANSWER_CHARS],
+            "error": result.error,
+            "model_calls": result.model_calls,
+            "tokens": result.usage.total_tokens,
+            "episodes": result.tree_episodes,
+        }
+    )
+    text = (
+        result.answer
+        if answered
+        else (
+            f"child episode {episode_id} ended by {result.ended_by} without an answer: {result.stop_reason}"
+        )
+    )
+    return CallResult(
+        ok=answered,
+        text=text or "",
+        usage=result.usage,
+        model_time_s=result.model_time_s,
+        child=summary,
+    )
+
+
+def _how_it_ended(err: BaseException) -> str:
+    cause = getattr(err, "cause", None)
+    if isinstance(err, WorkflowAlreadyStartedError):
+        return "could not start"
+    if isinstance(cause, CancelledError):
+        return "cancelled"
+    if isinstance(cause, TerminatedError):
+        return "terminated"
+    if isinstance(cause, TimeoutError):
+        return "timed_out"
+    return "failed"
+
+
 ROUTES: dict[str, Route] = {
-    "llm_query": Route(sub_model_call, model_call=True),
-    "llm_query_batched": Route(sub_model_call, model_call=True),
+    "llm_query": Route(sub_model_call, kind="model"),
+    "llm_query_batched": Route(sub_model_call, kind="model"),
+    "rlm_query": Route(child_episode, kind="child"),
+    "rlm_query_batched": Route(child_episode, kind="child"),
 }
+
+PLAIN = ROUTES["llm_query"]
+
+
+def route_for(kind: str, request: EpisodeRequest) -> Route | None:
+    """The route of a call; at the last level of max_depth an rlm_query is a plain call."""
+    route = ROUTES.get(kind)
+    if route is not None and route.kind == "child" and not request.spawns_children:
+        return PLAIN
+    return route

@@ -155,3 +155,18 @@ EXTRACTION_OUTPUT_CHARS = 4_000
 """Seed 004's extraction prompt: the last cells, each output shortened."""
 
 REWARD_NOTE_CHARS = 2_000
+
+
+MAX_DEPTH = 1
+"""rlms's meaning: the root is depth 0, and a call whose child would be at depth >= max_depth
+is a plain llm_query. 1 means no recursion unless the user asks for it."""
+
+MAX_DEPTH_CEILING = 8
+
+MAX_CHILDREN_PER_BATCH = 8
+"""Children of one rlm_query_batched call all run in parallel; a larger batch is an error."""
+
+MAX_CHILDREN_PER_BATCH_CEILING = 64
+
+CHILD_ANSWER_CHARS = 500
+"""How much of a child's answer its parent keeps in the result's list of children."""

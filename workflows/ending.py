@@ -61,6 +61,9 @@ LIMIT_ENDED_BY: dict[str, EndReason] = {
     "max_llm_calls": "max_llm_calls",
     "timeout": "max_duration",
     "context_overflow": "context_overflow",
+    "cancelled": "cancelled",
+    "max_model_calls": "max_model_calls",
+    "max_tokens": "max_tokens",
 }
 
 
@@ -123,6 +126,16 @@ def model_error_ending(error: str) -> Ending:
         stop_reason=f"the root model call failed: {error}",
         execution=ExecutionResult(variant=Failed(reason=f"model call failed: {error}")),
         error=error,
+    )
+
+
+def cancelled_ending(why: str) -> Ending:
+    return Ending(
+        ended_by="cancelled",
+        answer=None,
+        source="none",
+        stop_reason=f"Cancelled: {why}",
+        execution=ExecutionResult(variant=Failed(reason=f"Cancelled: {why}")),
     )
 
 

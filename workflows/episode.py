@@ -22,12 +22,14 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, legacy, names, prompts
+    from workflows.budget import root_call_limit, tokens_left
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
         CANCELLED,
         LIMIT_ENDED_BY,
         Ending,
         LimitReached,
+        cancelled_ending,
         extraction_ending,
         extraction_failed_ending,
         model_error_ending,
@@ -43,6 +45,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.models import (
         AuditEpisodeInput,
+        CancelReceipt,
+        CancelRequest,
         CompactionInput,
         CompactionReply,
         EpisodeCarry,
@@ -94,6 +98,8 @@ class EpisodeWorkflow:
         # Rewards may arrive before the run method has set up its state.
         self._reward_inbox = 0.0
         self._rewards_received = 0
+        self._cancel: CancelRequest | None = None
+        self._depth = 0
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -107,6 +113,7 @@ class EpisodeWorkflow:
         self._s = request.carry or self._first_state(request)
         if request.carry is not None:
             self._policy.set_state(request.carry.policy_state)
+        self._depth = request.depth
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
         self._repl = ReplSteps(request, self._s, self._set_phase, stop_on_cancel=self._honest)
@@ -127,7 +134,7 @@ class EpisodeWorkflow:
         self._finished = True
         self._set_phase(f"ended: {result.ended_by}")
         await self._repl.close()
-        await self._audit(request, "completed", result)
+        await self._audit(request, result.status, result)
         return result
 
     @workflow.update(name="reward")
@@ -147,6 +154,23 @@ class EpisodeWorkflow:
     def _reward_allowed(self, update: RewardUpdate) -> None:
         if self._finished:
             raise ValueError("the episode has ended; it takes no more rewards")
+
+    @workflow.update(name="cancel")
+    def cancel(self, request: CancelRequest) -> CancelReceipt:
+        """Stop this episode and every descendant; with `extract`, extract what was found."""
+        self._cancel = request
+        return CancelReceipt(
+            episode_id=workflow.info().workflow_id,
+            iteration=self._s.iteration if self._s else 0,
+            extract=request.extract,
+        )
+
+    @cancel.validator
+    def _cancel_allowed(self, request: CancelRequest) -> None:
+        if self._finished:
+            raise ValueError("the episode has already ended; nothing was changed")
+        if self._cancel is not None:
+            raise ValueError("the episode is already being cancelled")
 
     @workflow.query(name="progress")
     def progress(self) -> EpisodeProgress:
@@ -168,15 +192,19 @@ class EpisodeWorkflow:
         seed = request.seed if request.seed is not None else workflow.random().randint(0, 2**31 - 1)
         # The budget counts from submission, not from the first task a worker ran.
         started = workflow.info().workflow_start_time if self._honest else workflow.now()
+        deadline = started + request.limits.max_duration
+        if request.deadline is not None:  # a child never outlives its parent's deadline
+            deadline = min(deadline, request.deadline)
         return EpisodeCarry(
             seed=seed,
-            deadline=started + request.limits.max_duration,
+            deadline=deadline,
             pending=prompts.opening_messages(
                 request.task,
                 request.context,
                 request.code_fences[0],
                 ask_confidence=uses_confidence(request.termination.name, request.termination.config),
                 output_fields=request.output_fields,
+                child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
             ),
         )
 
@@ -185,16 +213,30 @@ class EpisodeWorkflow:
         remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
         loop = asyncio.ensure_future(self._loop(request))
         timer = asyncio.ensure_future(asyncio.sleep(remaining))
+        cancel = asyncio.ensure_future(workflow.wait_condition(lambda: self._cancel is not None))
         try:
-            await workflow.wait([loop, timer], return_when=asyncio.FIRST_COMPLETED)
+            await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             loop.cancel()
             timer.cancel()
+            cancel.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
             raise
+        cancel.cancel()
         if loop.done():
             ending = loop.result()  # re-raises continue-as-new
+        elif self._cancel is not None:
+            # Cancelling the loop cancels the step in flight and, through it, every child.
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+            why = self._cancel.reason
+            if self._cancel.extract:
+                reason = FallbackReason(kind="cancelled", value=self._state.iteration, limit=0, detail=why)
+                ending = LimitReached(reason)
+            else:
+                ending = cancelled_ending(why)
         else:
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -220,6 +262,8 @@ class EpisodeWorkflow:
             reason = trigger.should_trigger(
                 ExecutionState(iterations=s.iteration, llm_calls=s.sub_calls, elapsed=self._elapsed(request))
             )
+            if reason is None:
+                reason = root_call_limit(request, s)
             if reason is not None:
                 if self._honest:
                     return LimitReached(reason)
@@ -249,6 +293,9 @@ class EpisodeWorkflow:
         """The root model's next reply. A context overflow compacts and retries once."""
         s = self._state
         if self._honest and needs_compaction(s, s.pending, request.limits, request.root_model):
+            over = root_call_limit(request, s, calls=2)
+            if over is not None:
+                return LimitReached(over)
             share = f"{request.limits.compact_at:.0%}"
             failed = await self._compact(request, f"the next request would pass {share} of the window")
             if failed is not None:
@@ -260,6 +307,9 @@ class EpisodeWorkflow:
                 raise_if_cancelled(err)
             if not (self._honest and is_context_overflow(err)):
                 return model_error_ending(describe_failure(err))
+        over = root_call_limit(request, s, calls=2)
+        if over is not None:
+            return LimitReached(over)
         failed = await self._compact(request, "the model said the request exceeds its context window", keep=0)
         if failed is not None:
             return failed
@@ -434,6 +484,14 @@ class EpisodeWorkflow:
             return Ending(LIMIT_ENDED_BY[reason.kind], None, "none", str(reason), None)
         if not request.fallback_extraction:
             return unextracted_ending(reason, "fallback extraction is disabled")
+        tokens = tokens_left(request, s)
+        if tokens is not None and tokens <= 0:
+            return unextracted_ending(reason, "the token budget is spent, so no extraction call was made")
+        calls = request.limits.max_model_calls
+        if calls is not None and s.model_calls >= calls:
+            return unextracted_ending(
+                reason, "the model-call budget is spent, so no extraction call was made"
+            )
         fields = request.output_fields or ANSWER_FIELDS
         model = request.root_model
         self._set_phase(f"extracting ({reason})")
@@ -489,6 +547,9 @@ class EpisodeWorkflow:
             execution=ending.execution,
             compactions=s.compactions,
             lost_cells=s.lost_cells,
+            depth=self._depth,
+            tree_episodes=s.tree_episodes,
+            children=s.children,
         )
 
     async def _close(self, request: EpisodeRequest, status: EpisodeStatus, error: str) -> None:

@@ -117,11 +117,26 @@ class FallbackReason(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["max_iterations", "max_llm_calls", "timeout", "context_overflow"]
+    kind: Literal[
+        "max_iterations",
+        "max_llm_calls",
+        "timeout",
+        "context_overflow",
+        "cancelled",
+        "max_model_calls",
+        "max_tokens",
+    ]
     value: float
     limit: float
+    detail: str | None = None
 
     def __str__(self) -> str:
+        if self.kind == "cancelled":
+            return f"Cancelled ({self.detail})" if self.detail else "Cancelled"
+        if self.kind == "max_model_calls":
+            return f"model-call budget spent ({self.value:g}/{self.limit:g}, one kept for extraction)"
+        if self.kind == "max_tokens":
+            return f"token budget spent ({self.value:g}/{self.limit:g} tokens)"
         if self.kind == "max_iterations":
             return f"max iterations reached ({self.value:g}/{self.limit:g})"
         if self.kind == "max_llm_calls":

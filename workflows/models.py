@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workflows import defaults
 from workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
@@ -62,6 +62,21 @@ class EpisodeLimits(StrictModel):
     )
     compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0.1, le=1.0)
     resent_message_chars: int = Field(default=defaults.RESENT_MESSAGE_CHARS, ge=1_000)
+    max_model_calls: int | None = Field(
+        default=None,
+        ge=1,
+        description="every model call of the episode and its children (root, sub, compaction, "
+        "extraction); one is held back for fallback extraction. A child's ceiling is its share "
+        "of what its parent has left",
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens of the episode and its children; no call starts once they are spent",
+    )
+    max_children_per_batch: int = Field(
+        default=defaults.MAX_CHILDREN_PER_BATCH, ge=1, le=defaults.MAX_CHILDREN_PER_BATCH_CEILING
+    )
 
     @field_validator("max_duration")
     @classmethod
@@ -97,6 +112,14 @@ class RewardSpec(StrictModel):
     config: dict[str, float] = Field(default_factory=dict)
 
 
+class ParentLink(StrictModel):
+    """Where a child episode was called from: its parent, the cell and the call."""
+
+    episode_id: str
+    cell_index: int
+    call_index: int
+
+
 class EpisodeRequest(StrictModel):
     task: str
     context: ContextRef | None = None
@@ -112,6 +135,20 @@ class EpisodeRequest(StrictModel):
         default=None, description="typed outputs for SUBMIT(...); None means one `answer` string"
     )
     fallback_extraction: bool = Field(default=True, description="extract outputs when a limit is hit")
+    max_depth: int = Field(
+        default=defaults.MAX_DEPTH,
+        ge=1,
+        le=defaults.MAX_DEPTH_CEILING,
+        description="rlm_query starts a child episode only while the child's depth stays below this",
+    )
+    depth: int = Field(default=0, ge=0, description="0 for the root; set for child episodes")
+    parent: ParentLink | None = None
+    other_models: list[ModelSettings] = Field(
+        default_factory=list, description="models REPL code may name in llm_query / rlm_query"
+    )
+    deadline: datetime | None = Field(
+        default=None, description="an absolute deadline over max_duration (a child gets its parent's)"
+    )
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
     )
@@ -134,6 +171,32 @@ class EpisodeRequest(StrictModel):
     @property
     def effective_sub_model(self) -> ModelSettings:
         return self.sub_model or self.root_model
+
+    def model_named(self, name: str | None) -> ModelSettings | None:
+        """The settings of a model REPL code names (None: the sub-model); None if unknown."""
+        if name is None:
+            return self.effective_sub_model
+        for settings in (self.effective_sub_model, self.root_model, *self.other_models):
+            if settings.model == name:
+                return settings
+        return None
+
+    @property
+    def known_models(self) -> list[str]:
+        names = [self.effective_sub_model.model, self.root_model.model]
+        names += [m.model for m in self.other_models]
+        return list(dict.fromkeys(names))
+
+    @property
+    def spawns_children(self) -> bool:
+        """Whether rlm_query here starts child episodes (else it is a plain llm_query)."""
+        return self.depth + 1 < self.max_depth
+
+    @model_validator(mode="after")
+    def _depth_within_max(self) -> EpisodeRequest:
+        if self.depth >= self.max_depth:
+            raise ValueError(f"depth {self.depth} must be below max_depth {self.max_depth}")
+        return self
 
     @field_validator("output_fields")
     @classmethod
@@ -160,6 +223,9 @@ EndReason = Literal[
     "model_error",
     "policy",
     "submitted",
+    "cancelled",
+    "max_model_calls",
+    "max_tokens",
 ]
 
 AnswerSource = Literal["model", "policy", "extraction", "none"]
@@ -192,6 +258,22 @@ class TerminationDecision(StrictModel):
     action_type: str
 
 
+class ChildEpisode(StrictModel):
+    """A direct child of an episode (rlm_query) as its parent's result lists it."""
+
+    episode_id: str
+    depth: int
+    cell_index: int
+    call_index: int
+    model: str
+    ended_by: str = Field(description="the child's ended_by, or failed / cancelled / terminated")
+    answer: str | None = Field(default=None, description="clipped to CHILD_ANSWER_CHARS")
+    error: str | None = None
+    model_calls: int = 0
+    tokens: int = 0
+    episodes: int = Field(default=1, description="episodes in the child's tree, itself included")
+
+
 class EpisodeResult(StrictModel):
     episode_id: str = ""
     answer: str | None
@@ -214,6 +296,14 @@ class EpisodeResult(StrictModel):
     execution: ExecutionResult | None = None
     compactions: int = 0
     lost_cells: int = 0
+    depth: int = 0
+    tree_episodes: int = Field(default=1, description="this episode and all its descendants")
+    children: list[ChildEpisode] = Field(default_factory=list, description="direct children")
+
+    @property
+    def status(self) -> EpisodeStatus:
+        """How the audit store and the CLI name an episode that ended with this result."""
+        return "cancelled" if self.ended_by == "cancelled" else "completed"
 
 
 class EpisodeProgress(StrictModel):
@@ -309,6 +399,9 @@ class SandboxRef(StrictModel):
     cell_timeout_s: float
     output_truncation: int
     stored_output_chars: int = defaults.STORED_OUTPUT_CHARS
+    child_batch_cap: int | None = Field(
+        default=None, description="most prompts per rlm_query_batched when it starts children"
+    )
 
 
 class ExecuteCellInput(StrictModel):
@@ -345,6 +438,10 @@ class SubCallRequest(StrictModel):
     prompt: str
     prompt_digest: str
     kind: str = Field(default="llm_query", description="which REPL helper made the call")
+    model: str | None = Field(default=None, description="the model the call names, if any")
+    context: ContextRef | None = Field(
+        default=None, description="rlm_query: the prompt, stored as the child's context"
+    )
 
 
 class CellOutcome(StrictModel):
@@ -426,6 +523,19 @@ class RewardReceipt(StrictModel):
     cumulative: float
 
 
+class CancelRequest(StrictModel):
+    """Stop an episode and its descendants; with `extract`, first run fallback extraction."""
+
+    extract: bool = False
+    reason: str = Field(default="cancelled by request", max_length=defaults.REWARD_NOTE_CHARS)
+
+
+class CancelReceipt(StrictModel):
+    episode_id: str
+    iteration: int
+    extract: bool
+
+
 # --- audit ------------------------------------------------------------------------------------
 
 
@@ -471,12 +581,25 @@ class EpisodeCarry(StrictModel):
     last_reply_tokens: int = 0
     compactions: int = 0
     lost_cells: int = 0
+    children: list[ChildEpisode] = Field(default_factory=list)
+    tree_episodes: int = 1
+    unaccounted_tokens: int = Field(
+        default=0, description="token shares of children that ended without telling their spend"
+    )
 
     def charge(self, usage: TokenUsage, model_time_s: float, calls: int = 1) -> None:
         """Count a model call the episode made, with its tokens and time."""
         self.model_calls += calls
         self.usage = self.usage.add(usage)
         self.model_time_s += model_time_s
+
+    def charge_child(self, child: ChildEpisode, usage: TokenUsage, model_time_s: float) -> None:
+        """What a child spent counts against this episode: its calls are calls from the REPL."""
+        self.children.append(child)
+        self.model_calls += child.model_calls
+        self.sub_calls += child.model_calls
+        self.tree_episodes += child.episodes
+        self.charge(usage, model_time_s, calls=0)
 
 
 EpisodeRequest.model_rebuild()

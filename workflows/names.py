@@ -13,6 +13,9 @@ AUDIT_EPISODE = "drlm.audit_episode"
 EXTRACT_FALLBACK = "drlm.extract_fallback"
 COMPACT_CONVERSATION = "drlm.compact_conversation"
 
+# Call kinds from the REPL whose calls start child episodes (rlm_query); the rest are model calls.
+CHILD_KINDS = frozenset({"rlm_query", "rlm_query_batched"})
+
 # Error types the workflow and the retry policies key on.
 MODEL_REQUEST_REJECTED = "ModelRequestRejected"
 MODEL_UNAVAILABLE = "ModelUnavailable"

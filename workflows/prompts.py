@@ -20,7 +20,7 @@ to analyse chunks of the context semantically.
 queries at once, answers in the same order. Much faster than a loop of `llm_query`.
 4. `SHOW_VARS()` - lists the variables you have created.
 5. `print(...)` - the only way to see values; long outputs are truncated, so print \
-summaries and keep intermediate results in variables.
+summaries and keep intermediate results in variables.{recursion}
 
 Variables persist between your turns. To run code, put it in a fenced block whose \
 language is {fence}:
@@ -37,6 +37,18 @@ Inside a cell you may instead call `FINAL(value)` or `FINAL_VAR("variable_name")
 `answer["content"] = ...` and `answer["ready"] = True`. Text your code prints is never \
 taken as your answer.
 Do not answer before you have looked at the context."""
+
+RECURSION = """
+6. `rlm_query(prompt: str, model: str | None = None) -> str` - hands a sub-problem to a \
+whole sub-episode with its own REPL, whose `context` is the prompt; returns its answer, or \
+a string starting with "Error:". Use it for sub-problems that need code, not one reading.
+7. `rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]` - several \
+sub-episodes in parallel (at most {cap} per call), answers in the same order."""
+
+CHILD_TASK = (
+    "Answer the request given in `context` (a parent episode handed it to you). Read it in "
+    "the REPL, do the work it asks for, and give the answer with FINAL(...)."
+)
 
 FIRST_TURN = """\
 Query: {task}
@@ -93,8 +105,13 @@ def opening_messages(
     fence: str,
     ask_confidence: bool = False,
     output_fields: list[FieldSpec] | None = None,
+    child_batch_cap: int | None = None,
 ) -> list[Message]:
-    system = SYSTEM_PROMPT.format(context_description=describe_context(context), fence=fence)
+    """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it)."""
+    recursion = "" if child_batch_cap is None else RECURSION.format(cap=child_batch_cap)
+    system = SYSTEM_PROMPT.format(
+        context_description=describe_context(context), fence=fence, recursion=recursion
+    )
     if output_fields:
         system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:

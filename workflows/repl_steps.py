@@ -20,7 +20,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 from workflows import defaults, names
-from workflows.calls import ROUTES, CallResult, CallSite
+from workflows.budget import ChildBudget, child_budgets, sub_call_refusal
+from workflows.calls import CallResult, CallSite, Route, route_for
 from workflows.models import (
     CallAnswer,
     CellOutcome,
@@ -72,6 +73,9 @@ class ReplSteps:
             log_head=self.state.log_head,
             cell_timeout_s=self.request.limits.cell_timeout_s,
             output_truncation=self.request.limits.output_truncation,
+            child_batch_cap=(
+                self.request.limits.max_children_per_batch if self.request.spawns_children else None
+            ),
         )
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
@@ -88,7 +92,8 @@ class ReplSteps:
                 f"cell {cell_index}",
             )
             while outcome.status == "suspended":
-                self.set_phase(f"cell {cell_index}: {len(outcome.requests)} call(s)")
+                kind = outcome.requests[0].kind if outcome.requests else "model"
+                self.set_phase(f"cell {cell_index}: {len(outcome.requests)} {kind} call(s)")
                 answers = await self.answer_calls(iteration, cell_index, outcome.requests)
                 outcome = await self._step(
                     names.REPL_RESUME,
@@ -190,35 +195,30 @@ class ReplSteps:
     async def answer_calls(
         self, iteration: int, cell_index: int, requests: list[SubCallRequest]
     ) -> list[CallAnswer]:
-        """Answer a suspended cell's calls by their kind's route, a batch in parallel waves."""
-        state = self.state
-        limits = self.request.limits
-        site = CallSite(self.request, iteration, cell_index, self.stop_on_cancel)
+        """Answer a suspended cell's calls by their kind's route: model calls in parallel
+        waves, the children of one batch all at once, each with its share of the budget."""
+        request = self.request
+        site = CallSite(request, iteration, cell_index, self.stop_on_cancel)
+        routes = [route_for(call.kind, request) for call in requests]
+        children = [route for route in routes if route is not None and route.kind == "child"]
+        cap = request.limits.max_children_per_batch
+        width = len(requests) if children else request.limits.max_parallel_subcalls
         answers: list[CallAnswer] = []
-        width = limits.max_parallel_subcalls
         for start in range(0, len(requests), width):
-            wave = requests[start : start + width]
-            pending: list[asyncio.Future[CallResult] | CallResult] = []
-            for call in wave:
-                route = ROUTES.get(call.kind)
-                if route is None:
-                    pending.append(CallResult(ok=False, text=f"unknown call kind {call.kind!r}"))
-                    continue
-                if route.model_call:
-                    if state.sub_calls >= limits.max_llm_calls:
-                        pending.append(
-                            CallResult(
-                                ok=False,
-                                text=f"max_llm_calls ({limits.max_llm_calls}) reached: the call was not made",
-                            )
-                        )
-                        continue
-                    state.sub_calls += 1
-                    state.model_calls += 1
-                pending.append(asyncio.ensure_future(route.start(site, call)))
-            for call, item in zip(wave, pending, strict=True):
-                done = item if isinstance(item, CallResult) else await item
-                state.charge(done.usage, done.model_time_s, calls=0)  # counted when started
+            wave = list(zip(requests[start : start + width], routes[start : start + width], strict=True))
+            budget = None
+            if children:
+                share = child_budgets(request, self.state, len(children), workflow.now())
+                if len(children) > cap:
+                    share = (
+                        f"{len(children)} child episodes in one batch; at most {cap} "
+                        "(limits.max_children_per_batch)"
+                    )
+                budget = share
+            pending = [self._start(site, call, route, budget) for call, route in wave]
+            results = await self._gather(pending)
+            for (call, _), done in zip(wave, results, strict=True):
+                self._charge(done)
                 answers.append(
                     CallAnswer(
                         call_index=call.call_index,
@@ -228,3 +228,61 @@ class ReplSteps:
                     )
                 )
         return answers
+
+    async def _gather(self, pending: list[asyncio.Future[CallResult] | CallResult]) -> list[CallResult]:
+        """The wave's results in order. If the episode is cancelled meanwhile, the rest of the
+        wave is cancelled too (children included), and waited for until it has closed; the
+        children are listed in the result, then the cancellation goes on up."""
+        results: list[CallResult] = []
+        cancelled = False
+        try:
+            for item in pending:
+                done = item if isinstance(item, CallResult) else await item
+                results.append(done)
+                if done.cancelled:
+                    cancelled = True
+                    break
+        except asyncio.CancelledError:
+            cancelled = True
+        if not cancelled:
+            return results
+        started = [item for item in pending if isinstance(item, asyncio.Future)]
+        for item in started:
+            item.cancel()
+        ended = await asyncio.gather(*started, return_exceptions=True)
+        for done in ended:
+            if isinstance(done, CallResult) and done.cancelled and done.child is not None:
+                self.state.children.append(done.child)
+            elif isinstance(done, CallResult):
+                self._charge(done)  # finished before the cancel: what it spent is known
+        raise asyncio.CancelledError()
+
+    def _start(
+        self, site: CallSite, call: SubCallRequest, route: Route | None, budget: ChildBudget | str | None
+    ) -> asyncio.Future[CallResult] | CallResult:
+        """Start one call, or say why it is not made (its answer is then an error text)."""
+        state = self.state
+        if route is None:
+            return CallResult(ok=False, text=f"unknown call kind {call.kind!r}")
+        model = self.request.model_named(call.model)
+        if model is None:
+            known = ", ".join(self.request.known_models)
+            return CallResult(ok=False, text=f"unknown model {call.model!r} (known: {known})")
+        if route.kind == "model":
+            refusal = sub_call_refusal(self.request, state)
+            if refusal is not None:
+                return CallResult(ok=False, text=refusal)
+            state.sub_calls += 1
+            state.model_calls += 1
+            return asyncio.ensure_future(route.start(site, call, model, None))
+        if not isinstance(budget, ChildBudget):
+            return CallResult(ok=False, text=str(budget))
+        return asyncio.ensure_future(route.start(site, call, model, budget))
+
+    def _charge(self, done: CallResult) -> None:
+        state = self.state
+        if done.child is not None:
+            state.charge_child(done.child, done.usage, done.model_time_s)
+            state.unaccounted_tokens += done.unaccounted_tokens
+        else:
+            state.charge(done.usage, done.model_time_s, calls=0)  # counted when started

@@ -300,11 +300,15 @@ class Session:
         self.submitted: dict[str, Any] | None = None
         self.final: tuple[str, str] | None = None  # (kind, answer) set by FINAL / FINAL_VAR
         self.variable_limits = (50, 200)
+        self.child_batch_cap: int | None = None  # set when rlm_query starts child episodes
 
-    def _call(self, kind: str, prompts: list[str]) -> list[dict[str, Any]]:
+    def _call(self, kind: str, prompts: list[str], model: str | None = None) -> list[dict[str, Any]]:
         """Suspend the cell at calls of one kind; the workflow routes them by kind."""
-        remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model time is not cell time
-        write_frame(self.channel_out, {"op": "call", "kind": kind, "prompts": prompts})
+        remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model and child time is not cell time
+        frame: dict[str, Any] = {"op": "call", "kind": kind, "prompts": prompts}
+        if model is not None:
+            frame["model"] = model
+        write_frame(self.channel_out, frame)
         reply = read_frame(self.channel_in)
         if reply is None:
             os._exit(0)
@@ -316,25 +320,39 @@ class Session:
         return answers
 
     @repl_helper("llm_query")
-    def llm_query(self, prompt: str) -> str:
-        if not isinstance(prompt, str):
-            raise TypeError(f"llm_query expects a str prompt, got {type(prompt).__name__}")
-        answer = self._call("llm_query", [prompt])[0]
+    def llm_query(self, prompt: str, model: str | None = None) -> str:
+        _check_prompts("llm_query", [prompt], model)
+        answer = self._call("llm_query", [prompt], model)[0]
         if not answer["ok"]:
             raise RuntimeError(f"llm_query failed: {answer['text']}")
         return answer["text"]
 
     @repl_helper("llm_query_batched")
-    def llm_query_batched(self, prompts: list[str]) -> list[str]:
-        prompts = list(prompts)
-        for p in prompts:
-            if not isinstance(p, str):
-                raise TypeError(f"llm_query_batched expects str prompts, got {type(p).__name__}")
+    def llm_query_batched(self, prompts: list[str], model: str | None = None) -> list[str]:
+        prompts = _prompt_list("llm_query_batched", prompts, model)
         if not prompts:
             return []
-        return [
-            a["text"] if a["ok"] else f"Error: {a['text']}" for a in self._call("llm_query_batched", prompts)
-        ]
+        return [_text_or_error(a) for a in self._call("llm_query_batched", prompts, model)]
+
+    @repl_helper("rlm_query")
+    def rlm_query(self, prompt: str, model: str | None = None) -> str:
+        """A whole sub-episode whose `context` is the prompt; errors come back as
+        "Error: ..." strings, as in rlms, so the calling code goes on."""
+        _check_prompts("rlm_query", [prompt], model)
+        return _text_or_error(self._call("rlm_query", [prompt], model)[0])
+
+    @repl_helper("rlm_query_batched")
+    def rlm_query_batched(self, prompts: list[str], model: str | None = None) -> list[str]:
+        prompts = _prompt_list("rlm_query_batched", prompts, model)
+        cap = self.child_batch_cap
+        if cap is not None and len(prompts) > cap:
+            raise ValueError(
+                f"rlm_query_batched got {len(prompts)} prompts; at most {cap} child episodes run "
+                "in one batch: split the list"
+            )
+        if not prompts:
+            return []
+        return [_text_or_error(a) for a in self._call("rlm_query_batched", prompts, model)]
 
     @repl_helper("SHOW_VARS")
     def show_vars(self) -> None:
@@ -388,6 +406,8 @@ class Session:
             int(message.get("variables_shown", 50)),
             int(message.get("variable_chars", 200)),
         )
+        cap = message.get("child_batch_cap")
+        self.child_batch_cap = int(cap) if cap is not None else None
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
@@ -480,6 +500,26 @@ class Session:
             return {"op": "var", "found": True, "value": str(self.namespace[name])}
         except Exception as exc:  # noqa: BLE001
             return {"op": "var", "found": True, "value": f"<str() failed: {exc!r}>"}
+
+
+def _check_prompts(helper: str, prompts: list[Any], model: Any) -> None:
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            raise TypeError(f"{helper} expects str prompts, got {type(prompt).__name__}")
+    if model is not None and not isinstance(model, str):
+        raise TypeError(f"{helper}: model must be a model name (str) or None, got {type(model).__name__}")
+
+
+def _prompt_list(helper: str, prompts: Any, model: Any) -> list[str]:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"{helper} expects a list of str prompts, got {type(prompts).__name__}")
+    items = list(prompts)
+    _check_prompts(helper, items, model)
+    return items
+
+
+def _text_or_error(answer: dict[str, Any]) -> str:
+    return answer["text"] if answer["ok"] else f"Error: {answer['text']}"
 
 
 def _text_of(value: Any) -> str:

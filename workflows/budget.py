@@ -1,0 +1,96 @@
+"""Budgets down the tree of episodes: what an episode has left, and a child's share of it.
+
+An episode's counters include what its children spent (a child's model calls are calls
+made from the parent's REPL), so checking the counters against the limits before every
+call bounds the whole tree. A child's ceiling is its share of what its parent has left
+when it starts: the children of one batch split it evenly, so together they cannot spend
+more than the parent had. Pure: the workflow and its REPL steps call these on their state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from workflows.fallback import FallbackReason
+from workflows.models import EpisodeCarry, EpisodeRequest
+
+MIN_CHILD_CALLS_WITH_EXTRACTION = 2
+"""A child that may have to extract needs one call to work and one held back to extract."""
+
+
+def extraction_reserve(request: EpisodeRequest) -> int:
+    return 1 if request.fallback_extraction and request.limits.max_model_calls is not None else 0
+
+
+def calls_left(request: EpisodeRequest, state: EpisodeCarry) -> int:
+    """Model calls this episode may still start, one kept back for fallback extraction."""
+    limits = request.limits
+    left = limits.max_llm_calls - state.sub_calls
+    if limits.max_model_calls is not None:
+        left = min(left, limits.max_model_calls - state.model_calls - extraction_reserve(request))
+    return left
+
+
+def tokens_spent(state: EpisodeCarry) -> int:
+    return state.usage.total_tokens + state.unaccounted_tokens
+
+
+def tokens_left(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
+    limit = request.limits.max_tokens
+    return None if limit is None else limit - tokens_spent(state)
+
+
+def root_call_limit(request: EpisodeRequest, state: EpisodeCarry, calls: int = 1) -> FallbackReason | None:
+    """Whether the next root step (`calls` model calls) would pass the episode's budgets."""
+    limits = request.limits
+    if limits.max_model_calls is not None:
+        room = limits.max_model_calls - state.model_calls - extraction_reserve(request)
+        if room < calls:
+            return FallbackReason(
+                kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls
+            )
+    left = tokens_left(request, state)
+    if left is not None and left <= 0:
+        return FallbackReason(kind="max_tokens", value=tokens_spent(state), limit=limits.max_tokens or 0)
+    return None
+
+
+def sub_call_refusal(request: EpisodeRequest, state: EpisodeCarry) -> str | None:
+    """Why a sub-call from the REPL may not start, or None when it may."""
+    limits = request.limits
+    if state.sub_calls >= limits.max_llm_calls:
+        return f"max_llm_calls ({limits.max_llm_calls}) reached: the call was not made"
+    if calls_left(request, state) < 1:
+        return f"max_model_calls ({limits.max_model_calls}) reached: the call was not made"
+    left = tokens_left(request, state)
+    if left is not None and left <= 0:
+        return f"max_tokens ({limits.max_tokens}) spent: the call was not made"
+    return None
+
+
+@dataclass(frozen=True)
+class ChildBudget:
+    model_calls: int
+    tokens: int | None
+    deadline: datetime
+
+
+def child_budgets(
+    request: EpisodeRequest, state: EpisodeCarry, children: int, now: datetime
+) -> ChildBudget | str:
+    """Each of `children` children's share of what is left, or why none can start."""
+    calls = calls_left(request, state) // children
+    needed = MIN_CHILD_CALLS_WITH_EXTRACTION if request.fallback_extraction else 1
+    if calls < needed:
+        return (
+            f"budget exhausted: {max(calls_left(request, state), 0)} model call(s) left for "
+            f"{children} child episode(s), each needs at least {needed}"
+        )
+    left = tokens_left(request, state)
+    tokens = None if left is None else left // children
+    if tokens is not None and tokens < 1:
+        return f"budget exhausted: the token budget ({request.limits.max_tokens}) is spent"
+    if state.deadline <= now:
+        return "budget exhausted: the episode's deadline has passed"
+    return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline)
