@@ -27,6 +27,7 @@ from temporalio.service import RPCError
 from durable_rlm import demo, schema
 from durable_rlm.episodes import (
     EpisodeEnd,
+    cancel_episode,
     follow,
     load_context_file,
     send_reward,
@@ -111,8 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("--json", action="store_true")
     resume.add_argument("--accept-extracted", action="store_true")
 
-    cancel = sub.add_parser("cancel", help="cancel a running episode (it closes its sandbox and audit row)")
+    cancel = sub.add_parser("cancel", help="cancel a running episode and every child episode it started")
     cancel.add_argument("episode_id")
+    cancel.add_argument(
+        "--extract",
+        action="store_true",
+        help="first run fallback extraction, so the result holds what was found so far",
+    )
+    cancel.add_argument("--reason", default="cancelled by request", help="recorded in the result")
 
     sub.add_parser("doctor", help="check this machine: Temporal, stores, and the sandbox's isolation layers")
 
@@ -131,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
+    parser.add_argument(
+        "--other-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a model REPL code may name: llm_query(p, model=NAME), rlm_query(p, model=NAME) "
+        "(same endpoint; repeatable)",
+    )
     parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: OPENAI_BASE_URL)")
     parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
     parser.add_argument(
@@ -167,6 +182,23 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-window", type=int, help="the root model's context window in tokens (enables compaction)"
     )
+    parser.add_argument(
+        "--max-depth",
+        type=int,
+        default=defaults.MAX_DEPTH,
+        help=f"rlm_query starts child episodes while depth < N (root is 0; default {defaults.MAX_DEPTH}: "
+        f"no recursion; at most {defaults.MAX_DEPTH_CEILING})",
+    )
+    parser.add_argument(
+        "--max-model-calls", type=int, help="every model call of the episode tree (root, sub, children)"
+    )
+    parser.add_argument("--max-tokens", type=int, help="tokens of the episode tree")
+    parser.add_argument(
+        "--max-children",
+        type=int,
+        default=defaults.MAX_CHILDREN_PER_BATCH,
+        help=f"child episodes per rlm_query_batched call (default {defaults.MAX_CHILDREN_PER_BATCH})",
+    )
 
 
 def _env_number(name: str, default: float) -> float:
@@ -202,6 +234,8 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
         context=context,
         root_model=root,
         sub_model=root.model_copy(update={"model": args.sub_model}) if args.sub_model else None,
+        other_models=[root.model_copy(update={"model": name}) for name in getattr(args, "other_model", [])],
+        max_depth=getattr(args, "max_depth", defaults.MAX_DEPTH),
         limits=EpisodeLimits(
             max_iterations=args.max_iterations,
             max_llm_calls=args.max_llm_calls,
@@ -209,6 +243,9 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
             cell_timeout_s=args.cell_timeout,
             output_truncation=args.output_truncation,
             context_window_tokens=getattr(args, "context_window", None),
+            max_model_calls=getattr(args, "max_model_calls", None),
+            max_tokens=getattr(args, "max_tokens", None),
+            max_children_per_batch=getattr(args, "max_children", defaults.MAX_CHILDREN_PER_BATCH),
         ),
         code_fences=args.fence or ["repl"],
         termination=TerminationSpec(
@@ -257,6 +294,8 @@ def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
     if end.status in ("cancelled", "terminated"):
         return EXIT_CANCELLED
     result = end.result
+    if result is not None and result.ended_by == "cancelled":
+        return EXIT_CANCELLED
     if result is None or result.ended_by == "model_error":
         return EXIT_FAILED
     if result.answer is None:
@@ -369,13 +408,17 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
-    # A worker must run the cancellation (it closes the sandbox and the audit row).
+    # A worker must run the cancellation (it cancels the children, closes the sandbox and
+    # the audit row, and extracts when asked).
     async with _session(settings, {}, work=True) as services:
+        outcome = await cancel_episode(services.client, args.episode_id, args.extract, args.reason)
+        _stderr(outcome.message)
+        if not outcome.accepted:
+            return EXIT_OK
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await handle.cancel()
         end = await follow(handle, None)
-    print(f"episode {end.episode_id}: {end.status}")
-    return EXIT_OK if end.status == "cancelled" else exit_code(end)
+    code = _print_end(end, as_json=False)
+    return EXIT_OK if code == EXIT_CANCELLED else code
 
 
 async def _list(settings: Settings, args: argparse.Namespace) -> int:

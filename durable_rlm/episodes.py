@@ -12,8 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowFailureError, WorkflowHandle
-from temporalio.exceptions import CancelledError, TerminatedError, TimeoutError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError, TimeoutError
 from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
@@ -22,6 +28,8 @@ from workflows import names
 from workflows.ending import CANCELLED, TIMED_OUT
 from workflows.episode import episode_policy
 from workflows.models import (
+    CancelReceipt,
+    CancelRequest,
     ContextRef,
     EpisodeProgress,
     EpisodeRequest,
@@ -114,11 +122,11 @@ def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
 
 
 async def closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:
+    """What ended an episode that has no result, as the audit store and the CLI say it."""
     if status == "cancelled":
         return CANCELLED
     if status == "timed_out":
         return TIMED_OUT
-    """What ended an episode that has no result, as the audit store and the CLI say it."""
     if status not in ("failed", "terminated"):
         return None
     history = await handle.fetch_history()
@@ -140,7 +148,7 @@ async def wait_end(
         status = failure_status(exc)
         message = await closing_error(handle, status) or describe_failure(exc.cause or exc)
         return EpisodeEnd(episode_id=handle.id, status=status, error=message)
-    return EpisodeEnd(episode_id=handle.id, status="completed", result=value)
+    return EpisodeEnd(episode_id=handle.id, status=value.status, result=value)
 
 
 async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
@@ -210,4 +218,47 @@ async def send_reward(
     handle = client.get_workflow_handle(episode_id)
     return await handle.execute_update(
         "reward", RewardUpdate(value=value, note=note), result_type=RewardReceipt
+    )
+
+
+class CancelOutcome(BaseModel):
+    """What `cancel_episode` did: accepted, or why nothing was changed."""
+
+    episode_id: str
+    accepted: bool
+    message: str
+    receipt: CancelReceipt | None = None
+
+
+async def cancel_episode(
+    client: Client, episode_id: str, extract: bool = False, reason: str = "cancelled by request"
+) -> CancelOutcome:
+    """Cancel an episode and every descendant. With `extract`, it first runs fallback
+    extraction, so the result holds what was found so far. An episode that already ended
+    is left as it is, and the outcome says so."""
+    handle = client.get_workflow_handle(episode_id)
+    try:
+        description = await handle.describe()
+    except RPCError as exc:
+        raise LookupError(f"no episode with id {episode_id!r}") from exc
+    status = description.status
+    if status is not None and status != WorkflowExecutionStatus.RUNNING:
+        return CancelOutcome(
+            episode_id=episode_id,
+            accepted=False,
+            message=f"episode {episode_id} has already ended ({status.name.lower()}); nothing was changed",
+        )
+    try:
+        receipt = await handle.execute_update(
+            "cancel", CancelRequest(extract=extract, reason=reason), result_type=CancelReceipt
+        )
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
+        return CancelOutcome(episode_id=episode_id, accepted=False, message=f"episode {episode_id}: {cause}")
+    what = "extracting what was found, then ending" if extract else "ending"
+    return CancelOutcome(
+        episode_id=episode_id,
+        accepted=True,
+        message=f"episode {episode_id}: cancel accepted at iteration {receipt.iteration}; {what}",
+        receipt=receipt,
     )

@@ -46,6 +46,8 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
     request = await _request(client, episode_id, first_run_id)
     result = await handle.result() if status == "completed" else None
+    if result is not None:
+        status = result.status  # cancelled on request: the workflow completed with a result
     latest = client.get_workflow_handle(episode_id, run_id=description.run_id)
     return AuditEpisodeInput(
         episode_id=episode_id,

@@ -6,6 +6,7 @@ are decoded with the project's converter, so claim-checked payloads come back wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -38,6 +39,15 @@ class SubCall(BaseModel):
     error: str | None = None
 
 
+class ChildView(BaseModel):
+    """A child episode (rlm_query) under the cell that called it, with its own timeline."""
+
+    episode_id: str
+    call_index: int
+    model: str
+    timeline: Timeline | None = None
+
+
 class CellView(BaseModel):
     cell_index: int
     code: str
@@ -46,6 +56,7 @@ class CellView(BaseModel):
     error: str | None = None
     rebuilt: bool = False
     sub_calls: list[SubCall] = Field(default_factory=list)
+    children: list[ChildView] = Field(default_factory=list)
 
 
 class IterationView(BaseModel):
@@ -64,6 +75,10 @@ class Timeline(BaseModel):
     iterations: list[IterationView] = Field(default_factory=list)
     result: EpisodeResult | None = None
     failure: str | None = None
+    depth: int = 0
+
+
+ChildView.model_rebuild()
 
 
 _INPUTS: dict[str, type] = {
@@ -90,7 +105,8 @@ async def _decode(client: Client, payloads: Any, hint: type) -> Any:
     return values[0]
 
 
-async def episode_timeline(client: Client, episode_id: str) -> Timeline:
+async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
+    """The episode's timeline; with `children`, each child episode's timeline under its cell."""
     runs = [run async for run in client.list_workflows(f'WorkflowId = "{episode_id}"')]
     runs.sort(key=lambda r: r.start_time)
     if not runs:
@@ -110,7 +126,18 @@ async def episode_timeline(client: Client, episode_id: str) -> Timeline:
             if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
                 attrs = event.workflow_execution_started_event_attributes
                 request = await _decode(client, attrs.input, EpisodeRequest)
-                timeline.task = request.task
+                timeline.task, timeline.depth = request.task, request.depth
+            elif kind == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
+                attrs = event.start_child_workflow_execution_initiated_event_attributes
+                child = await _decode(client, attrs.input, EpisodeRequest)
+                if child.parent is not None and child.parent.cell_index in cells:
+                    cells[child.parent.cell_index].children.append(
+                        ChildView(
+                            episode_id=attrs.workflow_id,
+                            call_index=child.parent.call_index,
+                            model=child.root_model.model,
+                        )
+                    )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
                 attrs = event.activity_task_scheduled_event_attributes
                 activity = attrs.activity_type.name
@@ -151,6 +178,11 @@ async def episode_timeline(client: Client, episode_id: str) -> Timeline:
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
                 timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
     timeline.iterations = [iterations[k] for k in sorted(iterations)]
+    if children:
+        for cell in cells.values():
+            for child in cell.children:
+                with contextlib.suppress(LookupError):
+                    child.timeline = await episode_timeline(client, child.episode_id)
     return timeline
 
 
@@ -196,6 +228,8 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
                 lines.append(
                     f"  sub-call {call.call_index}: {clip(call.prompt)[:120]!r} -> {clip(outcome)[:120]!r}"
                 )
+            for child in cell.children:
+                lines.append(_indent(_render_child(child, width)))
             output = "\n".join(x for x in (cell.stdout, cell.stderr, cell.error or "") if x)
             lines.append("output:\n" + _indent(clip(output) or "(none)"))
     if timeline.result is not None:
@@ -204,6 +238,11 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
             f"\nEnded by {r.ended_by} after {r.iterations} iteration(s), {r.model_calls} model "
             f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens"
         )
+        if r.children:
+            lines.append(
+                f"Tree: {r.tree_episodes} episode(s), {len(r.children)} direct child(ren); the "
+                "counts above include what the children spent"
+            )
         if r.termination is not None:
             t = r.termination
             lines.append(f"Termination: policy {t.policy} at step {t.step} ({t.action_type}): {t.reason}")
@@ -222,6 +261,22 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
     return "\n".join(lines)
+
+
+def _render_child(child: ChildView, width: int) -> str:
+    head = f"child {child.episode_id} (call {child.call_index}, model {child.model})"
+    timeline = child.timeline
+    if timeline is None:
+        return f"{head}: no history found"
+    r = timeline.result
+    if r is None:
+        ending = timeline.failure or timeline.status
+        return f"{head}: {ending}\n" + _indent(render(timeline, width))
+    summary = (
+        f"{head}, depth {r.depth}: ended by {r.ended_by}, answer {r.answer!r}; "
+        f"{r.model_calls} model call(s), {r.usage.total_tokens} tokens, {r.tree_episodes} episode(s)"
+    )
+    return summary + "\n" + _indent(render(timeline, width))
 
 
 def describe_execution(execution: ExecutionResult) -> str:
