@@ -124,6 +124,17 @@ def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
         (["run", "t", "--max-iterations", "0"], "max_iterations"),
         (["run", "t", "--fence", "py thon"], "invalid code fence"),
         (["show", "no-such-episode"], "no episode with id"),
+        (["run", "t", "--max-depth", "-1"], "max_depth: Input should be greater than or equal to 1"),
+        (["run", "t", "--max-depth", "1000"], "max_depth: Input should be less than or equal to 8"),
+        (
+            ["run", "t", "--max-children", "0"],
+            "max_children_per_batch: Input should be greater than or equal to 1",
+        ),
+        (
+            ["run", "t", "--max-model-calls", "0"],
+            "max_model_calls: Input should be greater than or equal to 1",
+        ),
+        (["run", "t", "--max-tokens", "-5"], "max_tokens: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
@@ -244,26 +255,25 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
         tmp_path, "run", "t", "--base-url", server.base_url, "--model", "m", "--id", episode_id, "--no-wait"
     )
     assert started.returncode == 0, started.stderr
-    cancelled = drlm(tmp_path, "cancel", episode_id)
-    assert (cancelled.returncode, cancelled.stdout.strip()) == (0, f"episode {episode_id}: cancelled"), (
-        cancelled.stderr
-    )
+    cancelled = drlm(tmp_path, "cancel", episode_id, "--reason", "changed my mind")
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert f"episode {episode_id}: cancel accepted" in cancelled.stderr
+    assert "ended by cancelled" in cancelled.stderr
     resumed = drlm(tmp_path, "resume", episode_id, "--json")
     assert resumed.returncode == 5
-    assert json.loads(resumed.stdout) | {"answer": None} == {
-        "episode_id": episode_id,
-        "status": "cancelled",
-        "answer": None,
-        "answer_source": "none",
-        "confidence": None,
-        "stop_reason": "the episode was cancelled",
-        "error": "the episode was cancelled",
-        "iterations": None,
-        "usage": None,
-    }
+    report = json.loads(resumed.stdout)
+    assert (report["status"], report["ended_by"], report["answer"]) == ("cancelled", "cancelled", None)
+    assert report["stop_reason"] == "Cancelled: changed my mind"
     assert server.requests == []
     listed = drlm(tmp_path, "list")
-    assert f"{episode_id}  cancelled" in listed.stdout
+    assert f"{episode_id}  cancelled cancelled" in listed.stdout
+
+    again = drlm(tmp_path, "cancel", episode_id, "--extract")
+    assert again.returncode == 0, again.stderr
+    assert "has already ended (completed); nothing was changed" in again.stderr
+    assert json.loads(drlm(tmp_path, "resume", episode_id, "--json").stdout) == report
+    unknown = drlm(tmp_path, "cancel", "no-such-episode")
+    assert (unknown.returncode, unknown.stderr.strip()) == (2, "drlm: no episode with id 'no-such-episode'")
 
 
 def test_a_failed_episode_exits_1_and_a_custom_policy_loads_from_settings(tmp_path: Path, scripted) -> None:
@@ -323,3 +333,20 @@ def test_doctor_reports_each_sandbox_layer(tmp_path: Path) -> None:
     assert "empty network namespace" in out.stdout
     if os.geteuid() == 0:
         assert "uid 65534" in out.stdout
+
+
+def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
+    from tests.test_recursion import SUM_CHILD, by_model
+
+    root_turns = ["```repl\nr = rlm_query('4,5,6', model='child-m')\n```", "FINAL_VAR(r)"]
+    server = scripted(by_model({"m": root_turns, "child-m": SUM_CHILD}))
+    episode_id = f"tree-{uuid.uuid4().hex[:6]}"
+    args = ("--base-url", server.base_url, "--model", "m", "--other-model", "child-m", "--id", episode_id)
+    out = drlm(tmp_path, "run", "t", *args, "--max-depth", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert (report["answer"], report["tree_episodes"]) == ("15", 2)
+    assert report["children"][0]["episode_id"] == f"{episode_id}/1.0"
+    shown = drlm(tmp_path, "show", episode_id)
+    line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: ended by final_var, answer '15'"
+    assert line in shown.stdout

@@ -93,3 +93,44 @@ async def test_killed_during_a_cell_rebuilds_the_repl_without_repeating_model_ca
     assert result.answer == expected.answer == "<p1>+<p2>#7"
     assert [r.turn for r in server.root_requests()] == [0, 1, 2]  # no root call repeated
     assert len(server.sub_requests()) == 2  # the rebuilt cell was answered from the log
+
+
+@pytest.mark.slow
+async def test_killed_while_children_run_repeats_no_finished_child(
+    client, scripted, worker_processes
+) -> None:
+    """SIGKILL the worker while a batch of child episodes runs: the child that had finished
+    is not run again (its result is in the parent's history), the others finish."""
+    from tests.test_recursion import by_model, calls_of, tree_request
+
+    child_turns = {
+        "fast-m": ["```repl\nn = len(context)\n```", "FINAL_VAR(n)"],
+        "slow-m": ["```repl\nn = len(context) * 10\n```", Reply(text="FINAL_VAR(n)", delay_s=4)],
+    }
+    server = scripted(
+        by_model(
+            {
+                "root-m": [
+                    "```repl\nfast = rlm_query('abc', model='fast-m')\n"
+                    "slow = rlm_query_batched(['abcd', 'abcde'], model='slow-m')\n```",
+                    "```repl\nFINAL(f'{fast} {slow}')\n```",
+                ],
+                **child_turns,
+            }
+        )
+    )
+    first = worker_processes()
+    episode_id = f"crash-children-{uuid.uuid4().hex[:6]}"
+    request = tree_request(server, "answer", ["fast-m", "slow-m"], max_depth=2)
+    handle = await start_episode(client, request, worker_processes.queue, episode_id)
+    await wait_until(lambda: sum(1 for r in calls_of(server, "slow-m") if r.turn == 1) == 2)
+    first.kill()  # the fast child is done; both slow children are mid-call
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+
+    assert result.answer == "3 ['40', '50']"
+    assert [r.turn for r in calls_of(server, "fast-m")] == [0, 1]  # not run again
+    slow_turns = sorted(r.turn for r in calls_of(server, "slow-m"))
+    assert slow_turns == [0, 0, 1, 1, 1, 1]  # only the two calls cut mid-flight were repeated
+    assert [r.turn for r in server.root_requests() if r.model == "root-m"] == [0, 1]
+    assert result.tree_episodes == 4

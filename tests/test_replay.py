@@ -62,7 +62,17 @@ def _has_patch_marker(name: str, patch: str = names.PATCH_FALLBACK_EXTRACTION) -
     return False
 
 
-NEW_KINDS = ["answer_from_a_cell", "policy_stopped", "compacted", "lost_cells", "cancelled"]
+NEW_KINDS = [
+    "answer_from_a_cell",
+    "policy_stopped",
+    "compacted",
+    "lost_cells",
+    "cancelled",
+    "children",
+    "children_child",
+    "cancelled_tree",
+    "cancelled_tree_child",
+]
 OLD_RULES = ["multi_iteration_final_var", "limit_before_extraction", "fallback_extracted", "reward_driven"]
 
 
@@ -85,6 +95,32 @@ def test_the_new_kinds_of_episode_show_their_steps() -> None:
     cancelled = json.loads((HISTORIES[0].parent / "cancelled.json").read_text())["events"]
     assert cancelled[-1]["eventType"] in ("EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED", 26)
     assert _activity_types("cancelled.json")[-1] == names.AUDIT_EPISODE  # the row is closed
+
+
+def _event_types(name: str) -> list[str]:
+    return [e["eventType"] for e in json.loads((HISTORIES[0].parent / name).read_text())["events"]]
+
+
+def test_trees_of_episodes_are_stored() -> None:
+    # A parent that started two children and had their results; a child that knows its parent.
+    events = _event_types("children.json")
+    assert events.count("EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED") == 2
+    assert events.count("EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED") == 2
+    child = json.loads((HISTORIES[0].parent / "children_child.json").read_text())["events"][0]
+    assert (
+        child["workflowExecutionStartedEventAttributes"]["parentWorkflowExecution"]["workflowId"]
+        == "children"
+    )
+    # Cancelled on request with extraction while its children ran: they were cancelled first.
+    cancelled = _event_types("cancelled_tree.json")
+    assert cancelled.count("EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED") == 2
+    assert "EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in cancelled
+    assert _activity_types("cancelled_tree.json")[-3:] == [
+        names.EXTRACT_FALLBACK,
+        names.REPL_CLOSE,
+        names.AUDIT_EPISODE,
+    ]
+    assert _event_types("cancelled_tree_child.json")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
 
 
 def test_both_sides_of_the_fallback_patch_are_stored() -> None:

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from temporalio.client import Client
@@ -181,6 +182,70 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
             gate.set()
 
 
+async def record_trees(client: Client, only: set[str]) -> None:
+    """Episodes with child episodes (rlm_query): a finished tree, and a tree cancelled with
+    extraction while its children ran. Each child's own history is kept too."""
+    from durable_rlm.episodes import cancel_episode
+
+    def by_model(turns: dict[str, list[str]]):
+        def script(request):
+            if request.is_extraction:
+                return '{"answer": "found so far"}'
+            if not request.is_root:
+                return request.last_user.upper()
+            if request.model == "slow-child" and request.turn >= 0:
+                time.sleep(1.5)
+            options = turns[request.model]
+            return options[min(request.turn, len(options) - 1)]
+
+        return script
+
+    async def save_tree(name: str, request: EpisodeRequest, cancel: bool = False) -> None:
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id=name, task_queue="record", result_type=EpisodeResult
+        )
+        if cancel:
+            while True:
+                children = [c async for c in client.list_workflows(f'WorkflowId STARTS_WITH "{name}/"')]
+                if len(children) == 2:
+                    break
+                await asyncio.sleep(0.1)
+            await cancel_episode(client, name, extract=True, reason="recorded cancel")
+        print(name, await handle.result())
+        (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
+        child = client.get_workflow_handle(f"{name}/1.0")
+        (HERE / f"{name}_child.json").write_text((await child.fetch_history()).to_json())
+
+    turns = {
+        "root": [
+            "```repl\nparts = rlm_query_batched(['1,2', '3,4'], model='child')\n"
+            "plain = llm_query('hello')\nprint(parts, plain)\n```",
+            "```repl\nFINAL(sum(int(p) for p in parts))\n```",
+        ],
+        "child": ["```repl\nt = sum(int(x) for x in context.split(','))\n```", "FINAL_VAR(t)"],
+        "slow-child": ["```repl\nt = 0\n```"],
+    }
+    with ScriptedModelServer(by_model(turns)) as server:
+
+        def model(name: str) -> ModelSettings:
+            return ModelSettings(model=name, base_url=server.base_url)
+
+        base = EpisodeRequest(
+            task="t",
+            root_model=model("root"),
+            other_models=[model("child"), model("slow-child")],
+            max_depth=2,
+            limits=EpisodeLimits(max_model_calls=30),
+            seed=1,
+        )
+        if not only or "children" in only:
+            await save_tree("children", base)
+        if not only or "cancelled_tree" in only:
+            slow = {**turns, "root": [turns["root"][0].replace("'child'", "'slow-child'")]}
+            server.script = by_model(slow)
+            await save_tree("cancelled_tree", base, cancel=True)
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -210,6 +275,7 @@ async def record(only: set[str]) -> None:
             if not only or "fallback_extracted" in only:
                 await record_fallback_extracted(client, blobs)
             await record_new_kinds(client, blobs, work, only)
+            await record_trees(client, only)
 
 
 if __name__ == "__main__":
