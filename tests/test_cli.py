@@ -73,11 +73,11 @@ def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_fi
     for step in (
         "iteration 1: waiting for the root model",
         "iteration 2: waiting for the root model",
-        "iteration 2: cell 2: 1 call(s)",
+        "iteration 2: cell 2: 1 llm_query call(s)",
         "iteration 3: waiting for the root model",
     ):
         assert step in progress, lines
-    assert progress.index("iteration 2: cell 2: 1 call(s)") > progress.index(
+    assert progress.index("iteration 2: cell 2: 1 llm_query call(s)") > progress.index(
         "iteration 2: waiting for the root model"
     )
     assert "ended by final_var after 3 iteration(s), 4 model call(s)" in out.stderr
