@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
@@ -24,7 +25,7 @@ Turns = list["Reply | str"]
 def by_model(
     turns: dict[str, Turns],
     sub: Callable[[str], str] = lambda prompt: f"<{prompt}>",
-    extract: str = '{"answer": "partial"}',
+    extract: Reply | str = '{"answer": "partial"}',
 ) -> Callable[[ChatRequest], Reply | str]:
     """Root calls of model M get turns[M][turn]; sub-calls get sub(prompt)."""
 
@@ -302,3 +303,40 @@ async def test_cancel_with_extract_returns_what_was_found(client, scripted, work
 def test_max_depth_out_of_range_is_refused(depth: int) -> None:
     with pytest.raises(ValueError, match="max_depth"):
         EpisodeRequest(task="t", root_model=ModelSettings(model="m"), max_depth=depth)
+
+
+async def test_a_child_runs_out_of_time_before_its_parent(client, scripted, worker) -> None:
+    # The child never answers; its deadline comes a little before the parent's, so it
+    # extracts its answer and hands it over before the parent's own timer fires.
+    server = scripted(
+        by_model(
+            {
+                "root-m": ["```repl\nr = rlm_query('think', model='slow-m')\nprint(r)\n```"],
+                "slow-m": [Reply(text="```repl\nx = 1\n```", delay_s=1)],
+            },
+            extract='{"answer": "partial"}',
+        )
+    )
+    limits = EpisodeLimits(max_iterations=20, max_duration=timedelta(seconds=8), cell_timeout_s=10)
+    result = await run_episode(
+        client, tree_request(server, "answer", ["slow-m"], max_depth=2, limits=limits), worker.task_queue
+    )
+    child = result.children[0]
+    assert (child.ended_by, child.answer) == ("max_duration", "partial")
+    assert result.ended_by == "max_duration"
+
+
+async def test_a_cancel_while_the_episode_closes_changes_nothing(client, scripted, worker) -> None:
+    server = scripted(
+        by_model({"root-m": ["```repl\nx = 1\n```"]}, extract=Reply(text='{"answer": "x"}', delay_s=3))
+    )
+    limits = EpisodeLimits(max_iterations=1, cell_timeout_s=10)
+    episode_id = f"closing-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, tree_request(server, "answer", [], limits=limits), worker.task_queue, episode_id
+    )
+    await wait_for(lambda: server.extraction_requests())
+    refused = await cancel_episode(client, episode_id)
+    assert not refused.accepted and "closing; nothing was changed" in refused.message
+    result = await handle.result()
+    assert (result.ended_by, result.answer) == ("max_iterations", "x")

@@ -121,6 +121,8 @@ def test_trees_of_episodes_are_stored() -> None:
         names.AUDIT_EPISODE,
     ]
     assert _event_types("cancelled_tree_child.json")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
+    assert _has_patch_marker("cancelled_tree.json", names.PATCH_CANCEL_WAVE)
+    assert not _has_patch_marker("cancelled.json", names.PATCH_CANCEL_WAVE)
 
 
 def test_both_sides_of_the_fallback_patch_are_stored() -> None:

@@ -10,8 +10,9 @@ more than the parent had. Pure: the workflow and its REPL steps call these on th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
+from workflows import defaults
 from workflows.fallback import FallbackReason
 from workflows.models import EpisodeCarry, EpisodeRequest
 
@@ -93,4 +94,7 @@ def child_budgets(
         return f"budget exhausted: the token budget ({request.limits.max_tokens}) is spent"
     if state.deadline <= now:
         return "budget exhausted: the episode's deadline has passed"
-    return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline)
+    slack = min((state.deadline - now) / 10, timedelta(seconds=defaults.CHILD_DEADLINE_SLACK_S))
+    # A little before the parent's: a child that runs out of time extracts its answer before
+    # the parent's own timer cancels it.
+    return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline - slack)

@@ -11,7 +11,6 @@ rlm_query is a plain sub-model call, as in rlms. Custom tools plug in here as ne
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,7 +19,6 @@ from temporalio import workflow
 from temporalio.exceptions import (
     ActivityError,
     CancelledError,
-    ChildWorkflowError,
     TerminatedError,
     TimeoutError,
     WorkflowAlreadyStartedError,
@@ -50,6 +48,7 @@ class CallSite:
     iteration: int
     cell_index: int
     stop_on_cancel: bool = True  # False only when replaying histories from before that fix
+    stopping: Callable[[], bool] = lambda: False  # the episode is being cancelled
 
 
 @dataclass(frozen=True)
@@ -59,8 +58,7 @@ class CallResult:
     usage: TokenUsage = field(default_factory=TokenUsage)
     model_time_s: float = 0.0
     child: ChildEpisode | None = None  # set when a child episode ran (its spend is in it)
-    unaccounted_tokens: int = 0  # a child that ended without a result: its token share
-    cancelled: bool = False  # this episode is being cancelled and took the child with it
+    unaccounted_tokens: int = 0  # tokens of descendants whose spend is unknown (their share)
 
 
 Start = Callable[[CallSite, SubCallRequest, ModelSettings, ChildBudget | None], Awaitable[CallResult]]
@@ -120,7 +118,8 @@ def child_request(
         context=call.context,
         root_model=model,
         sub_model=parent.sub_model,
-        other_models=parent.other_models,
+        # Every model the parent could name, the child can name too.
+        other_models=[parent.root_model, *parent.other_models],
         limits=limits,
         durability=parent.durability,
         code_fences=parent.code_fences,
@@ -160,21 +159,16 @@ async def child_episode(
             memo={"parent": workflow.info().workflow_id, "depth": request.depth},
             static_summary=f"rlm_query {site.cell_index}.{call.call_index} (depth {request.depth})",
         )
-    except (ChildWorkflowError, WorkflowAlreadyStartedError) as err:
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
-            # This episode is being cancelled and took the child with it: not an answer. Its
-            # spend stays in its own history; nothing more will be spent here but extraction.
-            note = "cancelled with its parent; its spend is in its own history"
-            gone = summary.model_copy(update={"ended_by": "cancelled", "error": note})
-            return CallResult(ok=False, text=note, child=gone, cancelled=True)
-        ended = _how_it_ended(err)
-        problem = describe_failure(err)
+    except Exception as err:  # noqa: BLE001 - whatever stops a child is an Error: for the cell
         # Its spend is unknown: charge the whole share, so the tree still cannot pass its limits.
+        if site.stopping():
+            ended, problem = "cancelled", "cancelled with its parent"
+        else:
+            ended, problem = _how_it_ended(err), describe_failure(err)
         charged = summary.model_copy(
             update={
                 "ended_by": ended,
-                "error": f"{problem} (its spend is unknown: its whole share is charged)",
+                "error": f"{problem} (its spend is unknown to the parent: its whole share is charged)",
                 "model_calls": budget.model_calls,
             }
         )
@@ -195,6 +189,7 @@ async def child_episode(
             "episodes": result.tree_episodes,
         }
     )
+    unaccounted = result.unaccounted_tokens
     text = (
         result.answer
         if answered
@@ -208,6 +203,7 @@ async def child_episode(
         usage=result.usage,
         model_time_s=result.model_time_s,
         child=summary,
+        unaccounted_tokens=unaccounted,
     )
 
 

@@ -99,6 +99,8 @@ class EpisodeWorkflow:
         self._reward_inbox = 0.0
         self._rewards_received = 0
         self._cancel: CancelRequest | None = None
+        self._stopping = False  # the loop is being cancelled: a request, the timer, Temporal
+        self._closing = False  # the loop is over: a cancel request would change nothing
         self._depth = 0
 
     @workflow.run
@@ -116,7 +118,9 @@ class EpisodeWorkflow:
         self._depth = request.depth
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
-        self._repl = ReplSteps(request, self._s, self._set_phase, stop_on_cancel=self._honest)
+        self._repl = ReplSteps(
+            request, self._s, self._set_phase, stop_on_cancel=self._honest, stopping=lambda: self._stopping
+        )
 
         try:
             if request.carry is None:
@@ -167,8 +171,8 @@ class EpisodeWorkflow:
 
     @cancel.validator
     def _cancel_allowed(self, request: CancelRequest) -> None:
-        if self._finished:
-            raise ValueError("the episode has already ended; nothing was changed")
+        if self._finished or self._closing:
+            raise ValueError("the episode has already ended or is closing; nothing was changed")
         if self._cancel is not None:
             raise ValueError("the episode is already being cancelled")
 
@@ -217,6 +221,7 @@ class EpisodeWorkflow:
         try:
             await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            self._stopping = self._closing = True
             loop.cancel()
             timer.cancel()
             cancel.cancel()
@@ -224,10 +229,12 @@ class EpisodeWorkflow:
                 await loop
             raise
         cancel.cancel()
+        self._closing = True
         if loop.done():
             ending = loop.result()  # re-raises continue-as-new
         elif self._cancel is not None:
             # Cancelling the loop cancels the step in flight and, through it, every child.
+            self._stopping = True
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
@@ -238,6 +245,7 @@ class EpisodeWorkflow:
             else:
                 ending = cancelled_ending(why)
         else:
+            self._stopping = True
             loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loop
@@ -268,7 +276,7 @@ class EpisodeWorkflow:
                 if self._honest:
                     return LimitReached(reason)
                 return await self._extract(request, reason)  # as old histories did it
-            if workflow.info().is_continue_as_new_suggested():
+            if workflow.info().is_continue_as_new_suggested() and self._cancel is None:
                 s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
@@ -550,6 +558,7 @@ class EpisodeWorkflow:
             depth=self._depth,
             tree_episodes=s.tree_episodes,
             children=s.children,
+            unaccounted_tokens=s.unaccounted_tokens,
         )
 
     async def _close(self, request: EpisodeRequest, status: EpisodeStatus, error: str) -> None:

@@ -299,6 +299,9 @@ class EpisodeResult(StrictModel):
     depth: int = 0
     tree_episodes: int = Field(default=1, description="this episode and all its descendants")
     children: list[ChildEpisode] = Field(default_factory=list, description="direct children")
+    unaccounted_tokens: int = Field(
+        default=0, description="token shares charged for descendants whose spend is unknown"
+    )
 
     @property
     def status(self) -> EpisodeStatus:

@@ -27,3 +27,4 @@ MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
 # workflow.patched() ids: each guards a change that alters the commands of old histories.
 PATCH_FALLBACK_EXTRACTION = "fallback-extraction"
 PATCH_HONEST_ENDINGS = "honest-endings"
+PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of the wave in flight

@@ -59,11 +59,13 @@ class ReplSteps:
         state: EpisodeCarry,
         set_phase: Callable[[str], None],
         stop_on_cancel: bool = True,
+        stopping: Callable[[], bool] = lambda: False,
     ) -> None:
         self.request = request
         self.state = state
         self.set_phase = set_phase
         self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
+        self.stopping = stopping  # the episode is being cancelled (by request, timer or Temporal)
 
     def _sandbox(self) -> SandboxRef:
         return SandboxRef(
@@ -198,7 +200,7 @@ class ReplSteps:
         """Answer a suspended cell's calls by their kind's route: model calls in parallel
         waves, the children of one batch all at once, each with its share of the budget."""
         request = self.request
-        site = CallSite(request, iteration, cell_index, self.stop_on_cancel)
+        site = CallSite(request, iteration, cell_index, self.stop_on_cancel, self.stopping)
         routes = [route_for(call.kind, request) for call in requests]
         children = [route for route in routes if route is not None and route.kind == "child"]
         cap = request.limits.max_children_per_batch
@@ -234,27 +236,31 @@ class ReplSteps:
         wave is cancelled too (children included), and waited for until it has closed; the
         children are listed in the result, then the cancellation goes on up."""
         results: list[CallResult] = []
-        cancelled = False
+        interrupted = False
+        # Histories from before the patch left the rest of the wave running.
         try:
             for item in pending:
-                done = item if isinstance(item, CallResult) else await item
-                results.append(done)
-                if done.cancelled:
-                    cancelled = True
+                results.append(item if isinstance(item, CallResult) else await item)
+                # A cancel the awaited call absorbed (a child cancelled before it started)
+                # still stops the episode: the flag says so, not the task's state.
+                if self.stopping() and workflow.patched(names.PATCH_CANCEL_WAVE):
+                    interrupted = True
                     break
         except asyncio.CancelledError:
-            cancelled = True
-        if not cancelled:
+            if not workflow.patched(names.PATCH_CANCEL_WAVE):
+                raise
+            interrupted = True
+        if not interrupted:
             return results
         started = [item for item in pending if isinstance(item, asyncio.Future)]
         for item in started:
             item.cancel()
         ended = await asyncio.gather(*started, return_exceptions=True)
         for done in ended:
-            if isinstance(done, CallResult) and done.cancelled and done.child is not None:
-                self.state.children.append(done.child)
-            elif isinstance(done, CallResult):
-                self._charge(done)  # finished before the cancel: what it spent is known
+            if isinstance(done, CallResult):
+                # Children cancelled with this episode are charged their whole share (their
+                # spend is in their own histories); the rest charge what they spent.
+                self._charge(done)
         raise asyncio.CancelledError()
 
     def _start(
