@@ -493,6 +493,7 @@ class ReplActivities:
             "variable_chars": defaults.VARIABLE_CHARS,
             "audit_hook": self.audit_hook,
             "child_batch_cap": ref.child_batch_cap,
+            "tools": [spec.model_dump(mode="json") for spec in ref.tools],
         }
         if ref.context is not None:
             data = await asyncio.to_thread(self.blobs.get, ref.context.digest)

@@ -39,6 +39,7 @@ from durable_rlm.runtime import Services, connect, import_policy_modules, runnin
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
+from durable_rlm.tools import import_tool_modules, tool_specs
 from workflows import defaults
 from workflows.episode import episode_policy
 from workflows.fallback import FieldSpec, fields_from_json_schema
@@ -90,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--logprobs", action="store_true", help="ask the root model for logprobs")
     run.add_argument("--output-schema", type=Path, help="JSON Schema of typed outputs (SUBMIT)")
     run.add_argument("--no-extraction", action="store_true", help="no fallback extraction at limits")
+    run.add_argument(
+        "--tool",
+        action="append",
+        metavar="NAME",
+        help="offer only these custom tools (default: every tool DRLM_TOOL_MODULES registers)",
+    )
+    run.add_argument("--no-tools", action="store_true", help="offer no custom tools")
     run.add_argument("--id", help="episode id (default: a new one)")
     run.add_argument(
         "--json",
@@ -256,6 +264,7 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
         reward=RewardSpec(function=getattr(args, "reward_function", "none")),
         output_fields=_output_fields(getattr(args, "output_schema", None)),
         fallback_extraction=not getattr(args, "no_extraction", False),
+        tools=[] if getattr(args, "no_tools", False) else tool_specs(getattr(args, "tool", None)),
     )
 
 
@@ -441,6 +450,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     # Custom policies must be known here too: `run` validates the request before starting.
     import_policy_modules(settings.policy_module_names)
+    import_tool_modules(settings.tool_module_names)
     if args.command == "run":
         credentials = _credentials(settings, args.api_key)
         if args.context is not None and not args.context.is_file():

@@ -30,11 +30,13 @@ from activities.audit import AuditActivities
 from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
+from activities.tools import run_tool
 from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store import open_store
 from durable_rlm.telemetry import client_interceptors
+from durable_rlm.tools import import_tool_modules
 from workflows import defaults
 from workflows.episode import EpisodeWorkflow
 
@@ -269,10 +271,12 @@ def build_workers(
     sandbox_memory_mb: int = defaults.SANDBOX_MEMORY_MB,
     sandbox_idle_s: float = defaults.SANDBOX_IDLE_S,
     policy_modules: tuple[str, ...] = (),
+    tool_modules: tuple[str, ...] = (),
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
     import_policy_modules(policy_modules)
+    import_tool_modules(tool_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
     root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
     repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
@@ -290,6 +294,7 @@ def build_workers(
             models.compact_conversation,
             extraction.extract_fallback,
             audit.audit_episode,
+            run_tool,
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
@@ -315,6 +320,7 @@ async def running_workers(
         sandbox_memory_mb=settings.sandbox_memory_mb,
         sandbox_idle_s=settings.sandbox_idle_s,
         policy_modules=settings.policy_module_names,
+        tool_modules=settings.tool_module_names,
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))

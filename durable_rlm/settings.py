@@ -26,6 +26,7 @@ class Settings(BaseModel):
     sandbox_idle_s: float = Field(default=defaults.SANDBOX_IDLE_S, gt=0)
     tracing: str = "off"
     policy_modules: str = Field(default="", description="comma-separated modules registering policies")
+    tool_modules: str = Field(default="", description="comma-separated modules registering custom tools")
 
     @field_validator("tracing")
     @classmethod
@@ -49,6 +50,7 @@ class Settings(BaseModel):
             "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
             "DRLM_TRACING": "tracing",
             "DRLM_POLICY_MODULES": "policy_modules",
+            "DRLM_TOOL_MODULES": "tool_modules",
         }
         values = {field: env[name] for name, field in mapping.items() if env.get(name)}
         try:
@@ -59,6 +61,10 @@ class Settings(BaseModel):
     @property
     def policy_module_names(self) -> tuple[str, ...]:
         return tuple(m.strip() for m in self.policy_modules.split(",") if m.strip())
+
+    @property
+    def tool_module_names(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.tool_modules.split(",") if m.strip())
 
     @property
     def embedded(self) -> bool:

@@ -350,3 +350,21 @@ def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
     shown = drlm(tmp_path, "show", episode_id)
     line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: ended by final_var, answer '15'"
     assert line in shown.stdout
+
+
+def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    out = drlm(
+        tmp_path,
+        "run",
+        "t",
+        "--tool",
+        "nope",
+        DRLM_TOOL_MODULES="tests.tool_plugins",
+        PYTHONPATH=str(ROOT_DIR),
+    )
+    assert out.returncode == 2
+    assert (
+        "drlm: unknown tool(s) nope; registered: broken, convert, hangs, lookup_price, not_json" in out.stderr
+    )
+    missing = drlm(tmp_path, "run", "t", DRLM_TOOL_MODULES="no.such.tools")
+    assert missing.returncode == 2 and "DRLM_TOOL_MODULES: cannot import 'no.such.tools'" in missing.stderr

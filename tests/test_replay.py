@@ -72,6 +72,7 @@ NEW_KINDS = [
     "children_child",
     "cancelled_tree",
     "cancelled_tree_child",
+    "tools",
 ]
 OLD_RULES = ["multi_iteration_final_var", "limit_before_extraction", "fallback_extracted", "reward_driven"]
 
@@ -123,6 +124,10 @@ def test_trees_of_episodes_are_stored() -> None:
     assert _event_types("cancelled_tree_child.json")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
     assert _has_patch_marker("cancelled_tree.json", names.PATCH_CANCEL_WAVE)
     assert not _has_patch_marker("cancelled.json", names.PATCH_CANCEL_WAVE)
+
+
+def test_a_history_with_custom_tools_is_stored() -> None:
+    assert _activity_types("tools.json").count(names.RUN_TOOL) == 3  # retries are attempts of one
 
 
 def test_both_sides_of_the_fallback_patch_are_stored() -> None:

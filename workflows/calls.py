@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
     CancelledError,
@@ -38,8 +40,10 @@ from workflows.models import (
     SubQueryReply,
     TerminationSpec,
     TokenUsage,
+    ToolCallInput,
+    ToolReply,
 )
-from workflows.retries import describe_failure, model_step_options, raise_if_cancelled
+from workflows.retries import describe_failure, is_timeout, model_step_options, raise_if_cancelled
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ Start = Callable[[CallSite, SubCallRequest, ModelSettings, ChildBudget | None], 
 @dataclass(frozen=True)
 class Route:
     start: Start
-    kind: Literal["model", "child"]  # a model call counts when started; a child when it ends
+    kind: Literal["model", "child", "tool"]  # a model call counts when started; a child when it ends
 
 
 async def sub_model_call(
@@ -124,6 +128,7 @@ def child_request(
         durability=parent.durability,
         code_fences=parent.code_fences,
         termination=TerminationSpec(scan_printed_output=parent.termination.scan_printed_output),
+        tools=parent.tools,
         fallback_extraction=parent.fallback_extraction,
         max_depth=parent.max_depth,
         depth=parent.depth + 1,
@@ -220,6 +225,44 @@ def _how_it_ended(err: BaseException) -> str:
     return "failed"
 
 
+async def tool_call(
+    site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget | None = None
+) -> CallResult:
+    """A custom tool, run as an activity with the timeout and retries it declared."""
+    name = call.kind.removeprefix(names.TOOL_KIND_PREFIX)
+    spec = site.request.tool_named(name)
+    if spec is None:
+        return CallResult(ok=False, text=f"no tool named {name!r} in this episode")
+    try:
+        reply = await workflow.execute_activity(
+            names.RUN_TOOL,
+            ToolCallInput(
+                episode_id=workflow.info().workflow_id,
+                iteration=site.iteration,
+                cell_index=site.cell_index,
+                call_index=call.call_index,
+                tool=name,
+                arguments=call.prompt,
+            ),
+            result_type=ToolReply,
+            start_to_close_timeout=timedelta(seconds=spec.timeout_s),
+            retry_policy=RetryPolicy(
+                maximum_attempts=spec.max_attempts,
+                non_retryable_error_types=[names.TOOL_NOT_REGISTERED, names.TOOL_BAD_CALL],
+            ),
+            summary=f"tool {name} {site.cell_index}.{call.call_index}",
+        )
+    except ActivityError as err:
+        if site.stop_on_cancel:
+            raise_if_cancelled(err)
+        if is_timeout(err):
+            return CallResult(ok=False, text=f"{name} timed out ({spec.timeout_s:g} s per attempt)")
+        return CallResult(ok=False, text=describe_failure(err))
+    return CallResult(ok=True, text=reply.result)
+
+
+TOOL = Route(tool_call, kind="tool")
+
 ROUTES: dict[str, Route] = {
     "llm_query": Route(sub_model_call, kind="model"),
     "llm_query_batched": Route(sub_model_call, kind="model"),
@@ -232,6 +275,8 @@ PLAIN = ROUTES["llm_query"]
 
 def route_for(kind: str, request: EpisodeRequest) -> Route | None:
     """The route of a call; at the last level of max_depth an rlm_query is a plain call."""
+    if kind.startswith(names.TOOL_KIND_PREFIX):
+        return TOOL
     route = ROUTES.get(kind)
     if route is not None and route.kind == "child" and not request.spawns_children:
         return PLAIN

@@ -171,6 +171,11 @@ MAX_CHILDREN_PER_BATCH_CEILING = 64
 CHILD_ANSWER_CHARS = 500
 """How much of a child's answer its parent keeps in the result's list of children."""
 
+TOOL_TIMEOUT_S = 60.0
+"""A custom tool's time per attempt, unless it declares its own at registration."""
+
+TOOL_ATTEMPTS = 3
+
 CHILD_DEADLINE_SLACK_S = 60.0
 """A child's deadline is its parent's minus a tenth of the time left, at most this: time for
 the child's own fallback extraction before the parent's timer fires."""

@@ -209,6 +209,7 @@ class EpisodeWorkflow:
                 ask_confidence=uses_confidence(request.termination.name, request.termination.config),
                 output_fields=request.output_fields,
                 child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
+                tools=request.tools,
             ),
         )
 
@@ -555,6 +556,7 @@ class EpisodeWorkflow:
             execution=ending.execution,
             compactions=s.compactions,
             lost_cells=s.lost_cells,
+            tool_calls=s.tool_calls,
             depth=self._depth,
             tree_episodes=s.tree_episodes,
             children=s.children,

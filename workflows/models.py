@@ -112,6 +112,27 @@ class RewardSpec(StrictModel):
     config: dict[str, float] = Field(default_factory=dict)
 
 
+class ToolParam(StrictModel):
+    """One parameter of a custom tool, as the REPL's wrapper function declares it."""
+
+    name: str
+    kind: Literal["positional_only", "positional_or_keyword", "var_positional", "keyword_only", "var_keyword"]
+    has_default: bool = False
+    default: Any = Field(default=None, description="a JSON value")
+
+
+class ToolSpec(StrictModel):
+    """A custom tool offered to the episode's REPL: a function registered on the workers
+    (durable_rlm.tools), run as an activity with its own timeout and retries."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    params: list[ToolParam] = Field(default_factory=list)
+    signature: str = "()"
+    doc: str = ""
+    timeout_s: float = Field(default=defaults.TOOL_TIMEOUT_S, gt=0)
+    max_attempts: int = Field(default=defaults.TOOL_ATTEMPTS, ge=1)
+
+
 class ParentLink(StrictModel):
     """Where a child episode was called from: its parent, the cell and the call."""
 
@@ -149,6 +170,7 @@ class EpisodeRequest(StrictModel):
     deadline: datetime | None = Field(
         default=None, description="an absolute deadline over max_duration (a child gets its parent's)"
     )
+    tools: list[ToolSpec] = Field(default_factory=list, description="custom tools the REPL offers")
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
     )
@@ -171,6 +193,17 @@ class EpisodeRequest(StrictModel):
     @property
     def effective_sub_model(self) -> ModelSettings:
         return self.sub_model or self.root_model
+
+    def tool_named(self, name: str) -> ToolSpec | None:
+        return next((t for t in self.tools if t.name == name), None)
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_tools(cls, value: list[ToolSpec]) -> list[ToolSpec]:
+        names = [t.name for t in value]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be distinct: {names}")
+        return value
 
     def model_named(self, name: str | None) -> ModelSettings | None:
         """The settings of a model REPL code names (None: the sub-model); None if unknown."""
@@ -296,6 +329,7 @@ class EpisodeResult(StrictModel):
     execution: ExecutionResult | None = None
     compactions: int = 0
     lost_cells: int = 0
+    tool_calls: int = 0
     depth: int = 0
     tree_episodes: int = Field(default=1, description="this episode and all its descendants")
     children: list[ChildEpisode] = Field(default_factory=list, description="direct children")
@@ -388,6 +422,19 @@ class SubQueryReply(StrictModel):
     model_time_s: float
 
 
+class ToolCallInput(StrictModel):
+    episode_id: str
+    iteration: int
+    cell_index: int
+    call_index: int
+    tool: str
+    arguments: str = Field(description='JSON: {"args": [...], "kwargs": {...}}')
+
+
+class ToolReply(StrictModel):
+    result: str = Field(description="the tool's return value as JSON")
+
+
 # --- REPL activities ----------------------------------------------------------------------
 
 
@@ -405,6 +452,7 @@ class SandboxRef(StrictModel):
     child_batch_cap: int | None = Field(
         default=None, description="most prompts per rlm_query_batched when it starts children"
     )
+    tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
 
 
 class ExecuteCellInput(StrictModel):
@@ -584,6 +632,7 @@ class EpisodeCarry(StrictModel):
     last_reply_tokens: int = 0
     compactions: int = 0
     lost_cells: int = 0
+    tool_calls: int = 0
     children: list[ChildEpisode] = Field(default_factory=list)
     tree_episodes: int = 1
     unaccounted_tokens: int = Field(

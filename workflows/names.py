@@ -10,11 +10,15 @@ REPL_RESUME = "drlm.repl_resume"
 REPL_READ_VARIABLE = "drlm.repl_read_variable"
 REPL_CLOSE = "drlm.repl_close"
 AUDIT_EPISODE = "drlm.audit_episode"
+RUN_TOOL = "drlm.run_tool"
 EXTRACT_FALLBACK = "drlm.extract_fallback"
 COMPACT_CONVERSATION = "drlm.compact_conversation"
 
 # Call kinds from the REPL whose calls start child episodes (rlm_query); the rest are model calls.
 CHILD_KINDS = frozenset({"rlm_query", "rlm_query_batched"})
+
+# A custom tool's calls have the kind "tool:<name>".
+TOOL_KIND_PREFIX = "tool:"
 
 # Error types the workflow and the retry policies key on.
 MODEL_REQUEST_REJECTED = "ModelRequestRejected"
@@ -23,6 +27,9 @@ SANDBOX_FAILURE = "SandboxFailure"
 INVALID_REQUEST = "InvalidEpisodeRequest"
 POLICY_FAILURE = "TerminationPolicyFailure"
 MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
+TOOL_NOT_REGISTERED = "ToolNotRegistered"
+TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
+TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
 
 # workflow.patched() ids: each guards a change that alters the commands of old histories.
 PATCH_FALLBACK_EXTRACTION = "fallback-extraction"

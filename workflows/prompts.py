@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from workflows import defaults
 from workflows.fallback import FieldSpec, format_output_fields
-from workflows.models import ContextRef, Message
+from workflows.models import ContextRef, Message, ToolSpec
 from workflows.parsing import truncate_output
 from workflows.signals import CONFIDENCE_INSTRUCTION
 
@@ -44,6 +44,16 @@ whole sub-episode with its own REPL, whose `context` is the prompt; returns its 
 a string starting with "Error:". Use it for sub-problems that need code, not one reading.
 7. `rlm_query_batched(prompts: list[str], model: str | None = None) -> list[str]` - several \
 sub-episodes in parallel (at most {cap} per call), answers in the same order."""
+
+TOOLS = """
+Custom tools (each runs on the worker; a failure raises `ToolError`, which you may catch). \
+Arguments and results are JSON values:"""
+
+
+def _tool_line(spec: ToolSpec) -> str:
+    doc = spec.doc.strip().splitlines()[0] if spec.doc.strip() else "(no description)"
+    return f"\n- `{spec.name}{spec.signature}` - {doc}"
+
 
 CHILD_TASK = (
     "Answer the request given in `context` (a parent episode handed it to you). Read it in "
@@ -106,9 +116,12 @@ def opening_messages(
     ask_confidence: bool = False,
     output_fields: list[FieldSpec] | None = None,
     child_batch_cap: int | None = None,
+    tools: list[ToolSpec] | None = None,
 ) -> list[Message]:
     """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it)."""
     recursion = "" if child_batch_cap is None else RECURSION.format(cap=child_batch_cap)
+    if tools:
+        recursion += TOOLS + "".join(_tool_line(t) for t in tools)
     system = SYSTEM_PROMPT.format(
         context_description=describe_context(context), fence=fence, recursion=recursion
     )

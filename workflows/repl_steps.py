@@ -78,6 +78,7 @@ class ReplSteps:
             child_batch_cap=(
                 self.request.limits.max_children_per_batch if self.request.spawns_children else None
             ),
+            tools=self.request.tools,
         )
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
@@ -270,6 +271,9 @@ class ReplSteps:
         state = self.state
         if route is None:
             return CallResult(ok=False, text=f"unknown call kind {call.kind!r}")
+        if route.kind == "tool":
+            state.tool_calls += 1
+            return asyncio.ensure_future(route.start(site, call, self.request.root_model, None))
         model = self.request.model_named(call.model)
         if model is None:
             known = ", ".join(self.request.known_models)

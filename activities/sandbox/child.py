@@ -132,7 +132,7 @@ PRELOADED = (
     "csv io hashlib base64 difflib unicodedata copy pprint time enum zlib struct array "
     "calendar numbers html html.parser urllib.parse uuid codecs locale fnmatch glob shlex "
     "contextlib abc keyword tokenize warnings gzip bz2 lzma zipfile tarfile pathlib socket subprocess "
-    "encodings.idna"
+    "encodings.idna inspect"
 ).split()
 
 
@@ -242,6 +242,10 @@ def make_guard(sandbox_dir: str) -> Any:
 
 
 # --- cells ----------------------------------------------------------------------------------
+
+
+class ToolError(RuntimeError):
+    """A custom tool failed (it raised, timed out, or is not on the worker)."""
 
 
 class CellTimeout(BaseException):
@@ -416,7 +420,42 @@ class Session:
         }
         for name, method in _HELPERS.items():
             self.namespace[name] = getattr(self, method)
+        self.namespace["ToolError"] = ToolError
+        for spec in message.get("tools") or []:
+            self.namespace[spec["name"]] = self._tool(spec)
         self.reserved = set(self.namespace)
+
+    def _tool(self, spec: dict[str, Any]) -> Any:
+        """A REPL function with the tool's name, parameters and docstring. Its call suspends
+        the cell like llm_query; the workflow runs the tool as an activity."""
+        import inspect
+
+        params = [
+            inspect.Parameter(
+                p["name"],
+                getattr(inspect.Parameter, p["kind"].upper()),
+                default=p.get("default") if p.get("has_default") else inspect.Parameter.empty,
+            )
+            for p in spec.get("params", [])
+        ]
+        signature = inspect.Signature(params)
+        name = spec["name"]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)  # TypeError, as a real call would raise
+            try:
+                payload = json.dumps({"args": list(bound.args), "kwargs": bound.kwargs})
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{name}: arguments must be JSON values ({exc})") from None
+            answer = self._call(f"tool:{name}", [payload])[0]
+            if not answer["ok"]:
+                raise ToolError(f"{name} failed: {answer['text']}")
+            return json.loads(answer["text"])
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = spec.get("doc") or None
+        call.__signature__ = signature  # type: ignore[attr-defined]
+        return call
 
     def execute(self, code: str, cell_name: str, timeout: float, limit: int) -> dict[str, Any]:
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)

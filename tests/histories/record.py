@@ -246,6 +246,32 @@ async def record_trees(client: Client, only: set[str]) -> None:
             await save_tree("cancelled_tree", base, cancel=True)
 
 
+async def record_tools(client: Client, only: set[str]) -> None:
+    """An episode whose cell calls two custom tools (one sync, one async) and one that fails."""
+    if only and "tools" not in only:
+        return
+    from durable_rlm.tools import tool_specs
+    from tests import tool_plugins  # noqa: F401 - registers the tools
+
+    turns = [
+        "```repl\np = lookup_price('widget')\nusd = convert(p)\ntry:\n    broken(1)\n"
+        "except ToolError as e:\n    print(e)\n```",
+        "FINAL_VAR(usd)",
+    ]
+    with ScriptedModelServer(root_and_sub(turns)) as server:
+        request = EpisodeRequest(
+            task="t",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            tools=tool_specs(["lookup_price", "convert", "broken"]),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="tools", task_queue="record", result_type=EpisodeResult
+        )
+        print("tools", await handle.result())
+        (HERE / "tools.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -276,6 +302,7 @@ async def record(only: set[str]) -> None:
                 await record_fallback_extracted(client, blobs)
             await record_new_kinds(client, blobs, work, only)
             await record_trees(client, only)
+            await record_tools(client, only)
 
 
 if __name__ == "__main__":

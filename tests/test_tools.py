@@ -1,0 +1,112 @@
+"""Custom tools: plain functions registered on the workers, called from the REPL, run as
+activities with their own timeouts and retries, recorded so a rebuilt REPL does not call
+them again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from durable_rlm.episodes import start_episode
+from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.settings import ConfigurationError
+from durable_rlm.tools import ToolRegistrationError, tool, tool_specs
+from tests import tool_plugins
+from tests.conftest import request_for, run_episode
+from workflows.models import ToolSpec
+
+TOOLS = ["lookup_price", "convert"]
+PRICE_TURNS = [
+    "```repl\np = lookup_price('widget')\nusd = convert(p, currency='USD')\nprint(p, usd)\n```",
+    "FINAL_VAR(usd)",
+]
+
+
+async def test_an_answer_that_needs_a_sync_and_an_async_tool(
+    client, scripted, worker, tmp_path: Path, monkeypatch
+) -> None:
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("DRLM_TEST_TOOL_LOG", str(log))
+    server = scripted(root_and_sub(PRICE_TURNS))
+    request = request_for(server, tools=tool_specs(TOOLS))
+    result = await run_episode(client, request, worker.task_queue)
+
+    assert result.answer == "13.75"
+    assert result.tool_calls == 2 and result.sub_calls == 0
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls == [["lookup_price", "widget"], ["convert", 12.5, "USD"]]
+    system = server.root_requests()[0].messages[0]["content"]
+    assert "- `lookup_price(item)` - The list price of an item, in EUR." in system
+    assert "- `convert(amount, currency='USD')` - Convert an amount in EUR to another currency." in system
+
+
+async def test_tool_failures_are_errors_the_cell_can_catch(client, scripted, worker) -> None:
+    ghost = ToolSpec(name="ghost", doc="registered nowhere")
+    cell = (
+        "```repl\n"
+        "for label, thunk in [('broken', lambda: broken(3)), ('hangs', hangs), ('not_json', not_json),\n"
+        "                     ('ghost', ghost), ('args', lambda: lookup_price()),\n"
+        "                     ('json_arg', lambda: lookup_price({1}))]:\n"
+        "    try:\n        thunk()\n    except (ToolError, TypeError) as e:\n"
+        "        print(label, type(e).__name__, e)\n"
+        "print('price', lookup_price('gadget'))\n```"
+    )
+    server = scripted(root_and_sub([cell, "FINAL(done)"]))
+    specs = [*tool_specs(["broken", "hangs", "not_json", "lookup_price"]), ghost]
+    result = await run_episode(client, request_for(server, tools=specs), worker.task_queue)
+
+    assert result.answer == "done"
+    output = server.root_requests()[1].last_user
+    assert "broken ToolError broken failed: ValueError: no luck with 3" in output
+    assert "hangs ToolError hangs failed: hangs timed out (1 s per attempt)" in output
+    assert "not_json ToolError not_json failed: not_json returned a value that is not JSON" in output
+    assert "ghost ToolError ghost failed: tool 'ghost' is not registered on this worker" in output
+    assert "args TypeError missing a required argument: 'item'" in output
+    assert "json_arg TypeError lookup_price: arguments must be JSON values" in output
+    assert "price 40.0" in output
+
+
+def test_bad_registrations_and_unknown_tools_are_clear_errors() -> None:
+    with pytest.raises(ToolRegistrationError, match="not a free Python identifier"):
+        tool(name="llm_query")(lambda: None)
+    with pytest.raises(ToolRegistrationError, match="the default of 'x' is not a JSON value"):
+
+        @tool
+        def bad_default(x: object = object()) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="unknown tool\\(s\\) nope; registered: .*lookup_price"):
+        tool_specs(["nope"])
+    assert tool_plugins.PRICES  # the plugin module is what registered the tools
+
+
+@pytest.mark.chaos
+async def test_a_worker_killed_between_tool_calls_repeats_neither(
+    client, scripted, worker_processes, tmp_path: Path, monkeypatch
+) -> None:
+    log = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("DRLM_TEST_TOOL_LOG", str(log))
+    monkeypatch.setenv("DRLM_TOOL_MODULES", "tests.tool_plugins")
+    turns = [
+        "```repl\np = lookup_price('widget')\n```",
+        Reply(text="```repl\nusd = convert(p, currency='GBP')\n```", delay_s=3),
+        "FINAL_VAR(usd)",
+    ]
+    server = scripted(root_and_sub(turns))
+    first = worker_processes()
+    episode_id = f"tools-crash-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, request_for(server, tools=tool_specs(TOOLS)), worker_processes.queue, episode_id
+    )
+    while not any(r.turn == 1 for r in server.root_requests()):
+        await asyncio.sleep(0.05)
+    first.kill()  # after the first tool call, before the second
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+
+    assert result.answer == "10.62"
+    calls = [json.loads(line)[0] for line in log.read_text().splitlines()]
+    assert calls == ["lookup_price", "convert"]  # the rebuilt REPL got the price from the log
