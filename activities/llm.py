@@ -206,6 +206,12 @@ class ModelActivities:
             kwargs["temperature"] = settings.temperature
         if settings.max_tokens is not None:
             kwargs["max_tokens"] = settings.max_tokens
+        if settings.top_p is not None:
+            kwargs["top_p"] = settings.top_p
+        if settings.stop:
+            kwargs["stop"] = settings.stop
+        if settings.extra_body:
+            kwargs["extra_body"] = settings.extra_body
         if settings.logprobs:
             kwargs["logprobs"] = True
         started = time.monotonic()

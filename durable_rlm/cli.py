@@ -147,6 +147,15 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
     parser.add_argument(
+        "--sampling",
+        type=_json_object,
+        default={},
+        help='per-call settings of the root model as JSON: {"temperature": 0.2, "top_p": 0.9, '
+        '"max_tokens": 2000, "stop": ["###"], "extra_body": {"top_k": 40}}; also the sub-model\'s '
+        "unless --sub-sampling",
+    )
+    parser.add_argument("--sub-sampling", type=_json_object, help="per-call settings of the sub-model")
+    parser.add_argument(
         "--other-model",
         action="append",
         default=[],
@@ -230,18 +239,28 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
+    sampling = _sampling(getattr(args, "sampling", {}))
     root = ModelSettings(
         model=args.model,
         base_url=args.base_url,
         logprobs=getattr(args, "logprobs", False),
         request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts,
+        **sampling,
+    )
+    sub_sampling = getattr(args, "sub_sampling", None)
+    sub_base = (
+        root if sub_sampling is None else ModelSettings(**(root.model_dump() | _sampling(sub_sampling, True)))
     )
     return EpisodeRequest(
         task=args.task,
         context=context,
         root_model=root,
-        sub_model=root.model_copy(update={"model": args.sub_model}) if args.sub_model else None,
+        sub_model=(
+            sub_base.model_copy(update={"model": args.sub_model or args.model})
+            if args.sub_model or sub_sampling is not None
+            else None
+        ),
         other_models=[root.model_copy(update={"model": name}) for name in getattr(args, "other_model", [])],
         max_depth=getattr(args, "max_depth", defaults.MAX_DEPTH),
         limits=EpisodeLimits(
@@ -266,6 +285,21 @@ def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
         fallback_extraction=not getattr(args, "no_extraction", False),
         tools=[] if getattr(args, "no_tools", False) else tool_specs(getattr(args, "tool", None)),
     )
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
+
+
+def _sampling(value: dict[str, Any], reset: bool = False) -> dict[str, Any]:
+    """Per-call sampling settings from --sampling JSON; unknown keys are an error."""
+    unknown = sorted(set(value) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
+        )
+    base: dict[str, Any] = {"temperature": None, "top_p": None, "max_tokens": None, "stop": None}
+    base["extra_body"] = {}
+    return {**(base if reset else {}), **value}
 
 
 def _output_fields(path: Path | None) -> list[FieldSpec] | None:

@@ -124,6 +124,8 @@ def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
         (["run", "t", "--max-iterations", "0"], "max_iterations"),
         (["run", "t", "--fence", "py thon"], "invalid code fence"),
         (["show", "no-such-episode"], "no episode with id"),
+        (["run", "t", "--sampling", '{"temp": 1}'], "unknown sampling setting(s) temp; known: temperature"),
+        (["run", "t", "--sub-sampling", '{"top_p": 2}'], "top_p: Input should be less than or equal to 1"),
         (["run", "t", "--max-depth", "-1"], "max_depth: Input should be greater than or equal to 1"),
         (["run", "t", "--max-depth", "1000"], "max_depth: Input should be less than or equal to 8"),
         (

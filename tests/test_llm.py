@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -11,7 +12,8 @@ from temporalio.exceptions import ApplicationError
 from activities.llm import ModelActivities, retry_after
 from durable_rlm.blobs import BlobStore, DirectoryBackend
 from durable_rlm.runtime import free_port
-from durable_rlm.scripted import Reply
+from durable_rlm.scripted import Reply, root_and_sub
+from tests.conftest import request_for, run_episode
 from workflows import names
 from workflows.models import Message, ModelSettings, RootCompletionInput
 
@@ -151,3 +153,29 @@ def test_retry_after_forms() -> None:
     assert retry_after({"retry-after-ms": "1500"}) == timedelta(milliseconds=1500)
     assert retry_after({}) is None
     assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == timedelta(0)
+
+
+async def test_sampling_settings_reach_the_provider_and_history(client, scripted, worker) -> None:
+    server = scripted(root_and_sub(["```repl\nprint(llm_query('x'))\n```", "FINAL(ok)"], str.upper))
+    request = request_for(server)
+    root = request.root_model.model_copy(
+        update={"temperature": 0.2, "top_p": 0.9, "stop": ["###"], "extra_body": {"top_k": 40}}
+    )
+    sub = root.model_copy(update={"temperature": 0.0, "top_p": None, "stop": None, "extra_body": {}})
+    episode_id = f"sampling-{uuid.uuid4().hex[:6]}"
+    request = request.model_copy(update={"root_model": root, "sub_model": sub})
+    await run_episode(client, request, worker.task_queue, episode_id)
+
+    body = server.root_requests()[0].body
+    assert (body["temperature"], body["top_p"], body["stop"], body["top_k"]) == (0.2, 0.9, ["###"], 40)
+    sub_body = server.sub_requests()[0].body
+    assert sub_body["temperature"] == 0.0 and "top_p" not in sub_body and "top_k" not in sub_body
+    # Recorded in history: the root step's input names the settings it ran with.
+    history = await client.get_workflow_handle(episode_id).fetch_history()
+    scheduled = next(
+        e.activity_task_scheduled_event_attributes
+        for e in history.events
+        if e.activity_task_scheduled_event_attributes.activity_type.name == names.ROOT_COMPLETION
+    )
+    (recorded,) = await client.data_converter.decode(list(scheduled.input.payloads), [RootCompletionInput])
+    assert recorded.model == root

@@ -29,8 +29,13 @@ class ModelSettings(StrictModel):
     model: str = Field(min_length=1)
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0)
     max_tokens: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: list[str] | None = Field(default=None, max_length=4, description="stop sequences")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict, description="vendor options sent as they are (e.g. top_k, repetition_penalty)"
+    )
     request_timeout_s: float = Field(default=defaults.REQUEST_TIMEOUT_S, gt=0)
     max_attempts: int = Field(default=defaults.MODEL_ATTEMPTS, ge=1)
     logprobs: bool = Field(default=False, description="ask for token logprobs (a confidence source)")
