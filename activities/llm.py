@@ -1,29 +1,28 @@
-"""Model calls through the `openai` client against any OpenAI-compatible endpoint.
+"""Model calls: the `openai` client for any OpenAI-compatible endpoint, the `anthropic`
+client for Anthropic's Messages API (ModelSettings.provider picks).
 
-Client-side retries are off: Temporal retries, so each attempt is visible in history.
-429, 5xx, timeouts and connection failures are retryable (honouring `retry-after`); a
-request the provider rejects (400/401/403/404/422) is not, and says why.
+Client-side retries are off: Temporal retries, so each attempt is visible in history; how
+provider errors map to retries is in activities/model_errors.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import os
-import re
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
+import anthropic
 import openai
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
+from activities.model_errors import classify
 from durable_rlm.blobs import BlobStore
-from workflows import names
+from workflows import defaults, names
 from workflows.models import (
     CompactionInput,
     CompactionReply,
@@ -38,15 +37,6 @@ from workflows.models import (
 from workflows.parsing import shorten_middle
 
 T = TypeVar("T")
-_NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
-# How providers say "the prompt does not fit": OpenAI's code, and the wording of OpenAI,
-# vLLM, llama.cpp, Anthropic and others.
-_OVERFLOW_CODES = {"context_length_exceeded", "string_above_max_length"}
-_OVERFLOW_TEXT = re.compile(
-    r"maximum context length|context[ _-]?length|context window|prompt is too long|too many tokens"
-    r"|reduce the length of the messages|exceeds? the (?:model'?s? )?(?:maximum|max) (?:number of )?tokens",
-    re.IGNORECASE,
-)
 
 
 async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
@@ -62,92 +52,6 @@ async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
     finally:
         if not task.done():
             task.cancel()
-
-
-def retry_after(headers: Mapping[str, str] | None) -> timedelta | None:
-    """The provider's requested back-off from `retry-after-ms` or `retry-after`."""
-    if not headers:
-        return None
-    millis = headers.get("retry-after-ms")
-    if millis:
-        try:
-            return timedelta(milliseconds=float(millis))
-        except ValueError:
-            pass
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return timedelta(seconds=max(0.0, float(value)))
-    except ValueError:
-        try:
-            parsed = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-        if parsed.tzinfo is None:
-            parsed = parsed.replace(tzinfo=UTC)
-        return max(timedelta(0), parsed - datetime.now(UTC))
-
-
-def _provider_message(exc: openai.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and inner.get("message"):
-            return str(inner["message"])
-    return str(exc.message)
-
-
-def _error_code(exc: openai.APIStatusError) -> str | None:
-    body = exc.body
-    if isinstance(body, dict):
-        inner = body.get("error", body)
-        if isinstance(inner, dict) and isinstance(inner.get("code"), str):
-            return inner["code"]
-    return None
-
-
-def is_context_overflow(exc: openai.APIStatusError) -> bool:
-    if exc.status_code not in (400, 413, 422):
-        return False
-    return _error_code(exc) in _OVERFLOW_CODES or bool(_OVERFLOW_TEXT.search(_provider_message(exc)))
-
-
-def classify(exc: Exception, settings: ModelSettings, base_url: str) -> ApplicationError:
-    """Turn a client exception into the error Temporal should (or should not) retry."""
-    where = f"model {settings.model!r} at {base_url}"
-    if isinstance(exc, openai.APIStatusError):
-        status = exc.status_code
-        detail = _provider_message(exc)
-        if is_context_overflow(exc):
-            return ApplicationError(
-                f"{where} rejected the request: it exceeds the model's context window: {detail}",
-                type=names.MODEL_CONTEXT_OVERFLOW,
-                non_retryable=True,
-            )
-        if status in _NOT_RETRYABLE_STATUS:
-            hint = {
-                401: "check the API key given to the worker",
-                403: "the key may not use this model",
-                404: "unknown model or wrong base URL",
-            }.get(status, "the request was rejected")
-            return ApplicationError(
-                f"{where} rejected the request: HTTP {status} ({hint}): {detail}",
-                type=names.MODEL_REQUEST_REJECTED,
-                non_retryable=True,
-            )
-        return ApplicationError(
-            f"{where} failed: HTTP {status}: {detail}",
-            type=names.MODEL_UNAVAILABLE,
-            next_retry_delay=retry_after(exc.response.headers if exc.response else None),
-        )
-    if isinstance(exc, openai.APITimeoutError):
-        return ApplicationError(
-            f"{where} timed out after {settings.request_timeout_s:g} s", type=names.MODEL_UNAVAILABLE
-        )
-    if isinstance(exc, openai.APIConnectionError):
-        return ApplicationError(f"cannot reach {where}: {exc}", type=names.MODEL_UNAVAILABLE)
-    return ApplicationError(f"{where}: {type(exc).__name__}: {exc}", type=names.MODEL_UNAVAILABLE)
 
 
 @dataclass(frozen=True)
@@ -171,34 +75,38 @@ class ModelActivities:
     def __init__(self, blobs: BlobStore, credentials: Mapping[str, str] | None = None) -> None:
         self.blobs = blobs
         self.credentials = dict(credentials or {})
-        self._clients: dict[tuple[str | None, str, float], openai.AsyncOpenAI] = {}
+        self._clients: dict[tuple[str, str | None, str, float], Any] = {}
+
+    def _env(self, name: str) -> str | None:
+        return self.credentials.get(name) or os.environ.get(name)
 
     def _base_url(self, settings: ModelSettings) -> str | None:
-        return (
-            settings.base_url or self.credentials.get("OPENAI_BASE_URL") or os.environ.get("OPENAI_BASE_URL")
-        )
+        variable = "ANTHROPIC_BASE_URL" if settings.provider == "anthropic" else "OPENAI_BASE_URL"
+        return settings.base_url or self._env(variable)
 
-    def _client(self, settings: ModelSettings) -> openai.AsyncOpenAI:
+    def _client(self, settings: ModelSettings) -> Any:
         base_url = self._base_url(settings)
-        key = self.credentials.get(settings.api_key_env) or os.environ.get(settings.api_key_env)
+        key = self._env(settings.api_key_env)
         if not key:
             if base_url is None:
                 raise ApplicationError(
-                    f"no API key: set {settings.api_key_env} in the worker's environment",
+                    f"no API key for {settings.provider} model {settings.model!r}: set "
+                    f"{settings.api_key_env} in the worker's environment",
                     type=names.MODEL_REQUEST_REJECTED,
                     non_retryable=True,
                 )
-            key = "EMPTY"  # local OpenAI-compatible servers often need no key
-        cache_key = (base_url, key, settings.request_timeout_s)
+            key = "EMPTY"  # local servers often need no key
+        cache_key = (settings.provider, base_url, key, settings.request_timeout_s)
         client = self._clients.get(cache_key)
         if client is None:
-            client = openai.AsyncOpenAI(
-                api_key=key, base_url=base_url, max_retries=0, timeout=settings.request_timeout_s
-            )
+            kind = anthropic.AsyncAnthropic if settings.provider == "anthropic" else openai.AsyncOpenAI
+            client = kind(api_key=key, base_url=base_url, max_retries=0, timeout=settings.request_timeout_s)
             self._clients[cache_key] = client
         return client
 
     async def complete(self, settings: ModelSettings, messages: list[Message]) -> Completion:
+        if settings.provider == "anthropic":
+            return await self._complete_anthropic(settings, messages)
         client = self._client(settings)
         base_url = str(client.base_url)
         kwargs: dict[str, Any] = {}
@@ -237,6 +145,49 @@ class ModelActivities:
             completion_tokens=getattr(response.usage, "completion_tokens", 0) or 0,
         )
         return Completion(choice.message.content or "", usage, elapsed, mean_logprob(choice))
+
+    async def _complete_anthropic(self, settings: ModelSettings, messages: list[Message]) -> Completion:
+        """The Messages API: the system prompt is a field of its own, turns alternate (ours
+        are merged when two of a role follow each other), and max_tokens is required."""
+        client = self._client(settings)
+        base_url = str(client.base_url)
+        system = "\n\n".join(m.content for m in messages if m.role == "system")
+        turns: list[dict[str, str]] = []
+        for m in messages:
+            if m.role == "system":
+                continue
+            if turns and turns[-1]["role"] == m.role:
+                turns[-1]["content"] += "\n\n" + m.content
+            else:
+                turns.append({"role": m.role, "content": m.content})
+        kwargs: dict[str, Any] = {"max_tokens": settings.max_tokens or defaults.ANTHROPIC_MAX_TOKENS}
+        if system:
+            kwargs["system"] = system
+        if settings.stop:
+            kwargs["stop_sequences"] = settings.stop
+        # Sent in the body: recent client versions no longer take temperature and top_p as
+        # arguments, while the API (for the models that accept them) still reads them.
+        extra = dict(settings.extra_body)
+        if settings.temperature is not None:
+            extra["temperature"] = settings.temperature
+        if settings.top_p is not None:
+            extra["top_p"] = settings.top_p
+        if extra:
+            kwargs["extra_body"] = extra
+        started = time.monotonic()
+        try:
+            response = await with_heartbeats(
+                client.messages.create(model=settings.model, messages=turns, **kwargs)  # type: ignore[arg-type]
+            )
+        except anthropic.AnthropicError as exc:
+            raise classify(exc, settings, base_url) from exc
+        elapsed = time.monotonic() - started
+        text = "".join(getattr(block, "text", "") for block in response.content or [])
+        usage = TokenUsage(
+            prompt_tokens=getattr(response.usage, "input_tokens", 0) or 0,
+            completion_tokens=getattr(response.usage, "output_tokens", 0) or 0,
+        )
+        return Completion(text, usage, elapsed)
 
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:

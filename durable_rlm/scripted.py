@@ -35,6 +35,8 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     received_at: float
     body: dict[str, Any] = field(default_factory=dict)
+    api: str = "openai"  # or "anthropic": the system prompt is then messages[0], as for OpenAI
+    headers: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_root(self) -> bool:
@@ -175,12 +177,38 @@ class ScriptedModelServer:
                 self.end_headers()
                 self.wfile.write(data)
 
+            api = "openai"
+
             def _error(
                 self, status: int, message: str, headers: dict[str, str] | None = None, code: object = None
             ) -> None:
-                kind = "invalid_request_error" if status < 500 else "server_error"
-                error = {"message": message, "type": kind, "code": code if code is not None else status}
+                if self.api == "anthropic":
+                    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+                    name = kind.get(status, "invalid_request_error" if status < 500 else "api_error")
+                    self._send(
+                        status, {"type": "error", "error": {"type": name, "message": message}}, headers
+                    )
+                    return
+                kind_ = "invalid_request_error" if status < 500 else "server_error"
+                error = {"message": message, "type": kind_, "code": code if code is not None else status}
                 self._send(status, {"error": error}, headers)
+
+            def _anthropic_request(self, body: dict[str, Any]) -> ChatRequest:
+                """An Anthropic Messages request, seen as a chat request: the system prompt
+                becomes the first message and content blocks become text."""
+
+                def text(content: Any) -> str:
+                    if isinstance(content, str):
+                        return content
+                    return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+
+                messages = [{"role": m["role"], "content": text(m["content"])} for m in body["messages"]]
+                system = body.get("system")
+                if system:
+                    messages.insert(0, {"role": "system", "content": text(system)})
+                return ChatRequest(
+                    body["model"], messages, time.time(), body, "anthropic", dict(self.headers)
+                )
 
             def do_GET(self) -> None:  # noqa: N802
                 if self.path.rstrip("/").endswith("/models"):
@@ -198,13 +226,26 @@ class ScriptedModelServer:
             def do_POST(self) -> None:  # noqa: N802
                 length = int(self.headers.get("Content-Length", "0"))
                 raw = self.rfile.read(length)
-                if not self.path.rstrip("/").endswith("/chat/completions"):
+                path = self.path.split("?")[0].rstrip("/")
+                if path.endswith("/messages"):
+                    self.api = "anthropic"
+                elif not path.endswith("/chat/completions"):
                     return self._error(404, f"no route {self.path}")
-                if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
-                    return self._error(401, "Incorrect API key provided")
+                # Anthropic's clients send x-api-key (older) or a bearer token (newer).
+                bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+                given = (self.headers.get("x-api-key") or bearer) if self.api == "anthropic" else bearer
+                if server.api_key and given != server.api_key:
+                    return self._error(
+                        401, "invalid x-api-key" if self.api == "anthropic" else "Incorrect API key provided"
+                    )
                 try:
                     body = json.loads(raw)
-                    request = ChatRequest(body["model"], list(body["messages"]), time.time(), body)
+                    if self.api == "anthropic":
+                        request = self._anthropic_request(body)
+                        if not isinstance(body.get("max_tokens"), int):
+                            return self._error(400, "max_tokens: Field required")
+                    else:
+                        request = ChatRequest(body["model"], list(body["messages"]), time.time(), body)
                 except (ValueError, KeyError, TypeError):
                     return self._error(400, "malformed chat completion request")
                 with server._lock:
@@ -228,6 +269,27 @@ class ScriptedModelServer:
                 if reply.status != 200:
                     return self._error(reply.status, reply.error or "scripted failure", reply.headers)
                 prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)
+                if self.api == "anthropic":
+                    self._send(
+                        200,
+                        {
+                            "id": f"msg_scripted_{len(server.requests)}",
+                            "type": "message",
+                            "role": "assistant",
+                            "model": request.model,
+                            "content": [{"type": "text", "text": reply.text}],
+                            "stop_reason": "end_turn",
+                            "stop_sequence": None,
+                            "usage": {
+                                "input_tokens": prompt_chars // 4,
+                                "output_tokens": len(reply.text) // 4,
+                            },
+                        },
+                        reply.headers,
+                    )
+                    with server._lock:
+                        server.completed += 1
+                    return None
                 choice: dict[str, Any] = {
                     "index": 0,
                     "message": {"role": "assistant", "content": reply.text},

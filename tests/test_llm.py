@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.llm import ModelActivities, retry_after
+from activities.llm import ModelActivities
+from activities.model_errors import retry_after
 from durable_rlm.blobs import BlobStore, DirectoryBackend
 from durable_rlm.runtime import free_port
 from durable_rlm.scripted import Reply, root_and_sub

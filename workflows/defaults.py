@@ -179,3 +179,6 @@ TOOL_ATTEMPTS = 3
 CHILD_DEADLINE_SLACK_S = 60.0
 """A child's deadline is its parent's minus a tenth of the time left, at most this: time for
 the child's own fallback extraction before the parent's timer fires."""
+
+ANTHROPIC_MAX_TOKENS = 4_096
+"""The Messages API requires max_tokens; this is sent when the model settings give none."""

@@ -23,10 +23,20 @@ class StrictModel(BaseModel):
 # --- request ------------------------------------------------------------------------------
 
 
+Provider = Literal["openai", "anthropic"]
+API_KEY_ENV: dict[str, str] = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
+
+
 class ModelSettings(StrictModel):
-    """Where a model lives. Never holds a secret: only the name of the worker's env var."""
+    """Where a model lives. Never holds a secret: only the name of the worker's env var.
+
+    `provider` picks the API: "openai" (any OpenAI-compatible server: OpenAI, vLLM, Ollama,
+    llama.cpp, OpenRouter) or "anthropic" (the Messages API). A model name may carry it as
+    a prefix, "anthropic:claude-sonnet-4-5"; the key variable then defaults to the provider's.
+    """
 
     model: str = Field(min_length=1)
+    provider: Provider = "openai"
     base_url: str | None = None
     api_key_env: str = "OPENAI_API_KEY"
     temperature: float | None = Field(default=None, ge=0)
@@ -39,6 +49,23 @@ class ModelSettings(StrictModel):
     request_timeout_s: float = Field(default=defaults.REQUEST_TIMEOUT_S, gt=0)
     max_attempts: int = Field(default=defaults.MODEL_ATTEMPTS, ge=1)
     logprobs: bool = Field(default=False, description="ask for token logprobs (a confidence source)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _provider_prefix(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+            return data
+        prefix, sep, rest = data["model"].partition(":")
+        if sep and prefix in API_KEY_ENV and rest:
+            if data.get("provider", prefix) != prefix:
+                raise ValueError(
+                    f"model {data['model']!r} names provider {prefix!r}, not {data['provider']!r}"
+                )
+            data = {**data, "model": rest, "provider": prefix}
+        provider = data.get("provider", "openai")
+        if provider in API_KEY_ENV and "api_key_env" not in data:
+            data = {**data, "api_key_env": API_KEY_ENV[provider]}
+        return data
 
 
 class ContextRef(StrictModel):

@@ -1,0 +1,133 @@
+"""The native Anthropic path: the real `anthropic` client against a scripted Messages API
+server on 127.0.0.1, its errors mapped like the OpenAI path's, and an episode whose root
+model is on Anthropic while its sub-model is OpenAI-compatible."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+
+from activities.llm import ModelActivities
+from durable_rlm.blobs import BlobStore, DirectoryBackend
+from durable_rlm.scripted import Reply, root_and_sub
+from tests.conftest import request_for, run_episode
+from workflows import names
+from workflows.models import Message, ModelSettings
+
+KEY = "sk-ant-scripted"
+
+
+@pytest.fixture
+def models(tmp_path: Path) -> ModelActivities:
+    return ModelActivities(BlobStore(DirectoryBackend(tmp_path / "blobs")), {"ANTHROPIC_API_KEY": KEY})
+
+
+def claude(server, **kw: object) -> ModelSettings:
+    return ModelSettings(
+        model="anthropic:claude-scripted", base_url=server.base_url.removesuffix("/v1"), **kw
+    )
+
+
+CHAT = [
+    Message(role="system", content="be brief"),
+    Message(role="user", content="hi"),
+    Message(role="user", content="and again"),
+]
+
+
+def test_the_provider_prefix_and_its_key_variable() -> None:
+    settings = ModelSettings(model="anthropic:claude-x")
+    assert (settings.provider, settings.model, settings.api_key_env) == (
+        "anthropic",
+        "claude-x",
+        "ANTHROPIC_API_KEY",
+    )
+    assert ModelSettings(model="llama3:8b").provider == "openai"  # a tag, not a provider
+    with pytest.raises(ValueError, match="provider"):
+        ModelSettings(model="m", provider="nope")
+    with pytest.raises(ValueError, match="names provider 'anthropic', not 'openai'"):
+        ModelSettings(model="anthropic:c", provider="openai")
+
+
+async def test_system_prompt_turns_sampling_and_usage(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: "hello from claude", api_key=KEY)
+    done = await models.complete(claude(server, temperature=0.3, stop=["###"], extra_body={"top_k": 5}), CHAT)
+
+    assert done.text == "hello from claude"
+    assert done.usage.completion_tokens == len("hello from claude") // 4 and done.usage.prompt_tokens > 0
+    (request,) = server.requests
+    assert request.api == "anthropic" and "anthropic-version" in request.headers
+    assert KEY in (
+        request.headers.get("x-api-key"),
+        request.headers.get("Authorization", "").removeprefix("Bearer "),
+    )
+    body = request.body
+    assert body["system"] == "be brief"
+    assert body["messages"] == [{"role": "user", "content": "hi\n\nand again"}]  # turns alternate
+    assert (body["max_tokens"], body["temperature"], body["stop_sequences"], body["top_k"]) == (
+        4096,
+        0.3,
+        ["###"],
+        5,
+    )
+
+
+async def test_anthropic_errors_map_like_openai_ones(models: ModelActivities, scripted) -> None:
+    limited = scripted(
+        lambda r: Reply(status=429, error="slow down", headers={"retry-after": "3"}), api_key=KEY
+    )
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(claude(limited), CHAT)
+    assert (info.value.type, info.value.non_retryable) == (names.MODEL_UNAVAILABLE, False)
+    assert info.value.next_retry_delay == timedelta(seconds=3)
+
+    overloaded = scripted(lambda r: Reply(status=529, error="Overloaded"), api_key=KEY)
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(claude(overloaded), CHAT)
+    assert not info.value.non_retryable and "HTTP 529: Overloaded" in str(info.value)
+
+    too_long = scripted(
+        lambda r: Reply(status=400, error="prompt is too long: 250000 tokens > 200000"), api_key=KEY
+    )
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(claude(too_long), CHAT)
+    assert info.value.type == names.MODEL_CONTEXT_OVERFLOW
+
+    with pytest.raises(ApplicationError) as info:
+        await ModelActivities(models.blobs, {"ANTHROPIC_API_KEY": "wrong"}).complete(claude(limited), CHAT)
+    assert info.value.non_retryable and "HTTP 401 (check the API key" in str(info.value)
+
+
+async def test_a_missing_key_names_the_variable(models: ModelActivities, monkeypatch) -> None:
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_BASE_URL", raising=False)
+    bare = ModelActivities(models.blobs)
+    with pytest.raises(
+        ApplicationError, match="no API key for anthropic model 'claude-x': set ANTHROPIC_API_KEY"
+    ):
+        await bare.complete(ModelSettings(model="anthropic:claude-x"), CHAT)
+
+
+async def test_an_anthropic_root_with_an_openai_compatible_sub_model(
+    client, scripted, worker, monkeypatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    turns = [
+        "```repl\nparts = llm_query_batched(['a', 'b'])\nprint(parts)\n```",
+        "```repl\nFINAL('+'.join(parts))\n```",
+    ]
+    anthropic_server = scripted(root_and_sub(turns), api_key=KEY)
+    openai_server = scripted(root_and_sub(["unused"], str.upper))
+    request = request_for(openai_server)
+    request = request.model_copy(
+        update={"sub_model": request.root_model, "root_model": claude(anthropic_server)}
+    )
+    result = await run_episode(client, request, worker.task_queue)
+
+    assert result.answer == "A+B"
+    assert [r.api for r in anthropic_server.requests] == ["anthropic", "anthropic"]
+    assert sorted(r.last_user for r in openai_server.requests) == ["a", "b"]  # in parallel
+    assert result.usage.prompt_tokens > 0
