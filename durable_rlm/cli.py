@@ -25,31 +25,24 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.service import RPCError
 
 from durable_rlm import demo, schema
+from durable_rlm.api import DurableRLM
 from durable_rlm.episodes import (
     EpisodeEnd,
     cancel_episode,
     follow,
     load_context_file,
     send_reward,
-    start_episode,
-    store_context,
 )
+from durable_rlm.errors import DurableRLMError
 from durable_rlm.projection import rebuild_audit
 from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
-from durable_rlm.tools import import_tool_modules, tool_specs
+from durable_rlm.tools import import_tool_modules
 from workflows import defaults
-from workflows.episode import episode_policy
-from workflows.fallback import FieldSpec, fields_from_json_schema
 from workflows.models import (
-    EpisodeLimits,
-    EpisodeRequest,
     EpisodeResult,
-    ModelSettings,
-    RewardSpec,
-    TerminationSpec,
 )
 from workflows.termination import PolicyError
 
@@ -164,6 +157,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
         "(same endpoint; repeatable)",
     )
     parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: OPENAI_BASE_URL)")
+    parser.add_argument("--sub-base-url", help="base URL of the sub-model, when it is elsewhere")
     parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
     parser.add_argument(
         "--request-timeout",
@@ -238,88 +232,57 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _request(args: argparse.Namespace, context: Any) -> EpisodeRequest:
-    sampling = _sampling(getattr(args, "sampling", {}))
-    root = ModelSettings(
-        model=args.model,
+def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
+    """The command line as a DurableRLM: the CLI and the Python API are one code path."""
+    limits = {
+        "max_iterations": args.max_iterations,
+        "max_llm_calls": args.max_llm_calls,
+        "max_duration": timedelta(seconds=args.max_duration),
+        "cell_timeout_s": args.cell_timeout,
+        "output_truncation": args.output_truncation,
+        "context_window_tokens": getattr(args, "context_window", None),
+        "max_model_calls": getattr(args, "max_model_calls", None),
+        "max_tokens": getattr(args, "max_tokens", None),
+        "max_children_per_batch": getattr(args, "max_children", defaults.MAX_CHILDREN_PER_BATCH),
+    }
+    return DurableRLM(
+        args.model,
         base_url=args.base_url,
-        logprobs=getattr(args, "logprobs", False),
+        sub_model=args.sub_model,
+        sub_base_url=getattr(args, "sub_base_url", None),
+        other_models=getattr(args, "other_model", []),
+        max_depth=getattr(args, "max_depth", defaults.MAX_DEPTH),
+        limits=limits,
+        policy=getattr(args, "policy", "final_pattern"),
+        policy_config=getattr(args, "policy_config", {}),
+        policy_scans_output=getattr(args, "policy_scans_output", False),
+        reward_function=getattr(args, "reward_function", "none"),
+        output_schema=_output_schema(getattr(args, "output_schema", None)),
+        tools=[] if getattr(args, "no_tools", False) else getattr(args, "tool", None),
+        sampling=getattr(args, "sampling", None) or None,
+        sub_sampling=getattr(args, "sub_sampling", None),
         request_timeout_s=args.request_timeout,
         max_attempts=args.max_attempts,
-        **sampling,
-    )
-    sub_sampling = getattr(args, "sub_sampling", None)
-    sub_base = (
-        root if sub_sampling is None else ModelSettings(**(root.model_dump() | _sampling(sub_sampling, True)))
-    )
-    return EpisodeRequest(
-        task=args.task,
-        context=context,
-        root_model=root,
-        sub_model=(
-            sub_base.model_copy(update={"model": args.sub_model or args.model})
-            if args.sub_model or sub_sampling is not None
-            else None
-        ),
-        other_models=[root.model_copy(update={"model": name}) for name in getattr(args, "other_model", [])],
-        max_depth=getattr(args, "max_depth", defaults.MAX_DEPTH),
-        limits=EpisodeLimits(
-            max_iterations=args.max_iterations,
-            max_llm_calls=args.max_llm_calls,
-            max_duration=timedelta(seconds=args.max_duration),
-            cell_timeout_s=args.cell_timeout,
-            output_truncation=args.output_truncation,
-            context_window_tokens=getattr(args, "context_window", None),
-            max_model_calls=getattr(args, "max_model_calls", None),
-            max_tokens=getattr(args, "max_tokens", None),
-            max_children_per_batch=getattr(args, "max_children", defaults.MAX_CHILDREN_PER_BATCH),
-        ),
+        logprobs=getattr(args, "logprobs", False),
         code_fences=args.fence or ["repl"],
-        termination=TerminationSpec(
-            name=getattr(args, "policy", "final_pattern"),
-            config=getattr(args, "policy_config", {}),
-            scan_printed_output=getattr(args, "policy_scans_output", False),
-        ),
-        reward=RewardSpec(function=getattr(args, "reward_function", "none")),
-        output_fields=_output_fields(getattr(args, "output_schema", None)),
         fallback_extraction=not getattr(args, "no_extraction", False),
-        tools=[] if getattr(args, "no_tools", False) else tool_specs(getattr(args, "tool", None)),
+        api_key=args.api_key,
+        settings=settings,
     )
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
-
-
-def _sampling(value: dict[str, Any], reset: bool = False) -> dict[str, Any]:
-    """Per-call sampling settings from --sampling JSON; unknown keys are an error."""
-    unknown = sorted(set(value) - set(SAMPLING_KEYS))
-    if unknown:
-        raise ConfigurationError(
-            f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
-        )
-    base: dict[str, Any] = {"temperature": None, "top_p": None, "max_tokens": None, "stop": None}
-    base["extra_body"] = {}
-    return {**(base if reset else {}), **value}
-
-
-def _output_fields(path: Path | None) -> list[FieldSpec] | None:
+def _output_schema(path: Path | None) -> dict[str, Any] | None:
     if path is None:
         return None
     try:
-        return fields_from_json_schema(json.loads(path.read_text(encoding="utf-8")))
+        schema = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigurationError(f"output schema not found: {path}") from exc
-    except (json.JSONDecodeError, ValueError) as exc:
+    except json.JSONDecodeError as exc:
         raise ConfigurationError(f"invalid output schema {path}: {exc}") from exc
-
-
-def _credentials(settings: Settings, api_key: str | None) -> dict[str, str]:
-    if api_key and not settings.embedded:
-        raise ConfigurationError(
-            "--api-key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
-            "the key to the worker process (OPENAI_API_KEY in its environment)"
-        )
-    return {"OPENAI_API_KEY": api_key} if api_key else {}
+    if not isinstance(schema, dict):
+        raise ConfigurationError(f"invalid output schema {path}: a JSON Schema object is needed")
+    return schema
 
 
 @contextlib.asynccontextmanager
@@ -375,18 +338,16 @@ def _print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) -
     return exit_code(end, accept_extracted)
 
 
-async def _run_episode(
-    settings: Settings, args: argparse.Namespace, context_value: Any, credentials: dict[str, str]
-) -> int:
-    async with _session(settings, credentials, work=not args.no_wait) as services:
+async def _run_episode(settings: Settings, args: argparse.Namespace, context_value: Any) -> int:
+    rlm = _rlm(args, settings)
+    services = await rlm.open(work=not args.no_wait)
+    try:
         if context_value is None and getattr(args, "context", None):
             context = load_context_file(services.blobs, args.context)
-        elif context_value is not None:
-            context = store_context(services.blobs, context_value)
         else:
-            context = None
-        request = _request(args, context)
-        handle = await start_episode(services.client, request, settings.task_queue, getattr(args, "id", None))
+            context = context_value
+        episode = await rlm.start(context, args.task, getattr(args, "id", None))
+        handle = episode.handle
         if args.no_wait:
             print(handle.id)
             return EXIT_OK
@@ -394,6 +355,8 @@ async def _run_episode(
             _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
         end = await follow(handle, None if args.json else _stderr)
         return _print_end(end, args.json, args.accept_extracted)
+    finally:
+        await rlm.close()
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:
@@ -401,11 +364,10 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
     args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
     args.context_window = None
-    credentials = _credentials(settings, args.api_key)
     if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
         if not args.json:
             _stderr(f"demo: using the real model {args.model!r}")
-        return await _run_episode(settings, args, demo.demo_log(), credentials)
+        return await _run_episode(settings, args, demo.demo_log())
     with ScriptedModelServer(demo.demo_script()) as server:
         args.base_url, args.model, args.sub_model = server.base_url, "scripted-rlm", None
         if not args.json:
@@ -413,7 +375,7 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
                 f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
                 "transcript; set OPENAI_API_KEY to run the same demo against a real model)"
             )
-        code = await _run_episode(settings, args, demo.demo_log(), credentials)
+        code = await _run_episode(settings, args, demo.demo_log())
         if not args.json:
             service, count = demo.expected_answer(demo.demo_log())
             _stderr(f"demo: ground truth is {service} with {count} ERROR lines")
@@ -486,11 +448,10 @@ async def _dispatch(args: argparse.Namespace) -> int:
     import_policy_modules(settings.policy_module_names)
     import_tool_modules(settings.tool_module_names)
     if args.command == "run":
-        credentials = _credentials(settings, args.api_key)
         if args.context is not None and not args.context.is_file():
             raise ConfigurationError(f"context file not found: {args.context}")
-        episode_policy(_request(args, None))  # validate before starting anything
-        return await _run_episode(settings, args, None, credentials)
+        _rlm(args, settings)  # validate before starting anything
+        return await _run_episode(settings, args, None)
     if args.command == "demo":
         return await _demo(settings, args)
     if args.command == "show":
@@ -521,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         code = asyncio.run(_dispatch(args))
-    except (ConfigurationError, ValidationError, PolicyError) as exc:
+    except (DurableRLMError, ValidationError, PolicyError) as exc:
         _stderr(f"drlm: {_explain(exc)}")
         code = EXIT_USAGE
     except LookupError as exc:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, field_validator
 
+from durable_rlm.errors import ConfigurationError
 from workflows import defaults
 
-
-class ConfigurationError(ValueError):
-    """Bad settings: reported before anything starts."""
+__all__ = ["ConfigurationError", "Settings"]
 
 
 class Settings(BaseModel):

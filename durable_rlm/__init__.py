@@ -1,0 +1,35 @@
+"""durable-rlm: Recursive Language Model episodes as durable Temporal workflows.
+
+The names below are imported on first use, so that `import durable_rlm.blobs` (which the
+workers' activities do) does not pull in the client and the runtime."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "DurableRLM": "durable_rlm.api",
+    "Episode": "durable_rlm.api",
+    "DurableRLMError": "durable_rlm.errors",
+    "ConfigurationError": "durable_rlm.errors",
+    "InvalidRequestError": "durable_rlm.errors",
+    "EpisodeFailed": "durable_rlm.errors",
+    "tool": "durable_rlm.tools",
+    "cancel_episode": "durable_rlm.episodes",
+    "EpisodeResult": "workflows.models",
+    "EpisodeLimits": "workflows.models",
+    "EpisodeRequest": "workflows.models",
+    "ModelSettings": "workflows.models",
+    "ChildEpisode": "workflows.models",
+    "ExecutionResult": "workflows.fallback",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'durable_rlm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,283 @@
+"""The Python API: one object, one call, as with rlms, and durability for free.
+
+    from durable_rlm import DurableRLM
+
+    rlm = DurableRLM(model="gpt-4o-mini", max_depth=2)
+    result = rlm.completion(context=huge_text, root_prompt="Which service failed most?")
+    print(result.answer, result.ended_by, result.model_calls)
+
+With no TEMPORAL_ADDRESS it starts the same embedded server and in-process worker as the
+CLI (which is built on this class); with one it is a client only and `python worker.py`
+does the work. `completion` blocks, `acompletion` awaits, and `start` (inside `async with
+rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, `reward()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from durable_rlm.episodes import (
+    CancelOutcome,
+    EpisodeEnd,
+    cancel_episode,
+    send_reward,
+    start_episode,
+    store_context,
+    wait_end,
+)
+from durable_rlm.errors import EpisodeFailed, InvalidRequestError
+from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
+from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.tools import RegisteredTool, import_tool_modules, registered, tool, tool_specs
+from workflows import defaults, prompts
+from workflows.episode import episode_policy
+from workflows.fallback import fields_from_json_schema
+from workflows.models import (
+    ContextRef,
+    EpisodeLimits,
+    EpisodeProgress,
+    EpisodeRequest,
+    EpisodeResult,
+    ModelSettings,
+    RewardReceipt,
+    RewardSpec,
+    TerminationSpec,
+)
+from workflows.termination import PolicyError
+
+SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
+DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
+
+
+def model_settings(name: str, base: dict[str, Any], sampling: dict[str, Any] | None = None) -> ModelSettings:
+    """Settings of a named model on the base's endpoint; a provider prefix ("anthropic:")
+    picks its own provider and key variable."""
+    data = dict(base)
+    if name.partition(":")[0] in ("openai", "anthropic"):
+        data.pop("provider", None)
+        data.pop("api_key_env", None)
+    unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ConfigurationError(
+            f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
+        )
+    return ModelSettings(**{**data, **(sampling or {}), "model": name})
+
+
+class DurableRLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        sub_model: str | None = None,
+        sub_base_url: str | None = None,
+        other_models: Sequence[str] = (),
+        max_depth: int = defaults.MAX_DEPTH,
+        limits: EpisodeLimits | dict[str, Any] | None = None,
+        policy: str = "final_pattern",
+        policy_config: dict[str, Any] | None = None,
+        policy_scans_output: bool = False,
+        reward_function: str = "none",
+        output_schema: dict[str, Any] | None = None,
+        tools: Sequence[Callable[..., Any] | str] | None = None,
+        sampling: dict[str, Any] | None = None,
+        sub_sampling: dict[str, Any] | None = None,
+        request_timeout_s: float = defaults.REQUEST_TIMEOUT_S,
+        max_attempts: int = defaults.MODEL_ATTEMPTS,
+        logprobs: bool = False,
+        code_fences: Sequence[str] = ("repl",),
+        fallback_extraction: bool = True,
+        api_key: str | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        """Everything is checked here, before anything starts: a bad limit, policy, tool,
+        sampling key or output schema raises ConfigurationError or InvalidRequestError."""
+        self.settings = settings or Settings.from_env()
+        import_policy_modules(self.settings.policy_module_names)
+        import_tool_modules(self.settings.tool_module_names)
+        if api_key and not self.settings.embedded:
+            raise ConfigurationError(
+                "api_key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
+                "the key to the worker process (in its environment)"
+            )
+        try:
+            output_fields = fields_from_json_schema(output_schema) if output_schema is not None else None
+        except ValueError as exc:
+            raise ConfigurationError(f"invalid output schema: {exc}") from exc
+        try:
+            base = {
+                "base_url": base_url,
+                "request_timeout_s": request_timeout_s,
+                "max_attempts": max_attempts,
+                "logprobs": logprobs,
+            }
+            root = model_settings(model, base, sampling)
+            shared = root.model_dump(exclude={"model"})
+            sub_base = shared if sub_base_url is None else {**shared, "base_url": sub_base_url}
+            sub = None
+            if sub_model or sub_sampling is not None or sub_base_url is not None:
+                # Given its own sampling, the sub-model does not inherit the root's.
+                sub_data = sub_base if sub_sampling is None else _without(sub_base, SAMPLING_KEYS)
+                sub = model_settings(sub_model or model, sub_data, sub_sampling)
+            self.template = EpisodeRequest(
+                task="template",
+                root_model=root,
+                sub_model=sub,
+                other_models=[model_settings(name, shared) for name in other_models],
+                max_depth=max_depth,
+                limits=EpisodeLimits.model_validate(limits or {}),
+                code_fences=list(code_fences),
+                termination=TerminationSpec(
+                    name=policy, config=policy_config or {}, scan_printed_output=policy_scans_output
+                ),
+                reward=RewardSpec(function=reward_function),
+                output_fields=output_fields,
+                fallback_extraction=fallback_extraction,
+                tools=_tool_specs(tools),
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError.of(exc) from exc
+        try:
+            episode_policy(self.template)
+        except PolicyError as exc:
+            raise ConfigurationError(f"invalid episode request: {exc}") from exc
+        self.credentials = {root.api_key_env: api_key} if api_key else {}
+        self._services: Services | None = None
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    # --- requests -----------------------------------------------------------------------
+
+    def request(self, context: ContextRef | None, root_prompt: str | None = None) -> EpisodeRequest:
+        task = root_prompt if root_prompt is not None else DEFAULT_ROOT_PROMPT
+        try:
+            return EpisodeRequest.model_validate(
+                {**self.template.model_dump(), "task": task, "context": context}
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError.of(exc) from exc
+
+    # --- sessions -----------------------------------------------------------------------
+
+    async def __aenter__(self) -> DurableRLM:
+        await self.open(work=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self, work: bool = True) -> Services:
+        """Connect (starting the embedded server if there is no TEMPORAL_ADDRESS) and, with
+        `work` in embedded mode, run the in-process worker until `close()`."""
+        if self._services is not None:
+            return self._services
+        stack = contextlib.AsyncExitStack()
+        services = await stack.enter_async_context(connect(self.settings))
+        if work and self.settings.embedded:
+            await stack.enter_async_context(running_workers(services, self.credentials))
+        self._stack, self._services = stack, services
+        return services
+
+    async def close(self) -> None:
+        stack, self._stack, self._services = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Services]:
+        if self._services is not None:
+            yield self._services
+            return
+        try:
+            yield await self.open(work=True)
+        finally:
+            await self.close()
+
+    # --- episodes -----------------------------------------------------------------------
+
+    async def start(
+        self, context: Any = None, root_prompt: str | None = None, episode_id: str | None = None
+    ) -> Episode:
+        """Start an episode and return its handle (inside `async with rlm:`, so that an
+        embedded worker runs it)."""
+        if self._services is None:
+            raise ConfigurationError("start() needs an open session: use `async with rlm:` around it")
+        services = self._services
+        ref = context if isinstance(context, ContextRef) or context is None else None
+        if ref is None:
+            ref = await asyncio.to_thread(store_context, services.blobs, context)
+        handle = await start_episode(
+            services.client, self.request(ref, root_prompt), self.settings.task_queue, episode_id
+        )
+        return Episode(services, handle)
+
+    async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
+        """Run an episode to its end. Raises EpisodeFailed when it ends without a result."""
+        async with self._session():
+            episode = await self.start(context, root_prompt)
+            return await episode.result()
+
+    def completion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.acompletion(context, root_prompt))
+        raise ConfigurationError("completion() blocks; inside an event loop, await acompletion()")
+
+
+class Episode:
+    """A running or ended episode."""
+
+    def __init__(self, services: Services, handle: Any) -> None:
+        self.services = services
+        self.handle = handle
+
+    @property
+    def id(self) -> str:
+        return str(self.handle.id)
+
+    async def end(self) -> EpisodeEnd:
+        """How it ended, whatever way (a result, or the failure without one)."""
+        return await wait_end(self.handle)
+
+    async def result(self) -> EpisodeResult:
+        end = await self.end()
+        if end.result is None:
+            raise EpisodeFailed(end)
+        return end.result
+
+    async def progress(self) -> EpisodeProgress:
+        return await self.handle.query("progress", result_type=EpisodeProgress)
+
+    async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
+        return await cancel_episode(self.services.client, self.id, extract, reason)
+
+    async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
+        return await send_reward(self.services.client, self.id, value, note)
+
+
+def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in keys}
+
+
+def _tool_specs(tools: Sequence[Callable[..., Any] | str] | None) -> list[Any]:
+    """Functions are registered on first use (this process's worker runs them); names
+    must be registered already. None offers every registered tool."""
+    if tools is None:
+        return tool_specs(None)
+    names = []
+    for item in tools:
+        if isinstance(item, str):
+            names.append(item)
+            continue
+        name = getattr(item, "__name__", "")
+        entry: RegisteredTool | None = registered(name)
+        if entry is None or entry.fn is not item:
+            tool(item)
+        names.append(name)
+    return tool_specs(names)

@@ -1,0 +1,124 @@
+"""The Python API: DurableRLM, its Episode handle and its typed errors; the README's
+example runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from durable_rlm import ConfigurationError, DurableRLM, EpisodeFailed, EpisodeResult, InvalidRequestError
+from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.settings import Settings
+from tests.conftest import ROOT
+
+COUNT_LATE = [
+    "```repl\nn = sum(1 for line in context.splitlines() if 'late' in line)\nprint(n)\n```",
+    "FINAL_VAR(n)",
+]
+
+
+def readme_block(heading: str) -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index(heading) :]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, f"no python block after {heading!r}"
+    return match.group(1)
+
+
+def test_the_readme_example_runs(tmp_path: Path, scripted) -> None:
+    server = scripted(root_and_sub(COUNT_LATE))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
+    env.update(OPENAI_BASE_URL=server.base_url, OPENAI_API_KEY="sk-scripted", DRLM_DATA_DIR=str(tmp_path))
+    script = readme_block("## Python API") + "\nimport sys, os\nsys.stdout.flush()\nos._exit(0)\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[:2] == ["15", "final_var"], out.stdout
+    assert server.root_requests()[0].model == "gpt-4o-mini"
+
+
+def api_settings(temporal_address: str, session_dir: Path, queue: str) -> Settings:
+    return Settings(temporal_address=temporal_address, task_queue=queue, data_dir=session_dir)
+
+
+async def test_the_episode_handle(temporal_address, session_dir, client, scripted, worker) -> None:
+    server = scripted(root_and_sub([*COUNT_LATE[:1], Reply(text=COUNT_LATE[1], delay_s=1.5)]))
+    settings = api_settings(temporal_address, session_dir, worker.task_queue)
+    rlm = DurableRLM("scripted", base_url=server.base_url, limits={"max_iterations": 5}, settings=settings)
+    async with rlm:
+        episode = await rlm.start("a late\nb on time\nc late", "How many are late?")
+        while (await episode.progress()).iteration < 2:
+            pass
+        receipt = await episode.reward(0.5, "looks right")
+        assert receipt.accepted == 1
+        result = await episode.result()
+    assert isinstance(result, EpisodeResult)
+    assert (result.answer, result.ended_by, result.episode_id) == ("2", "final_var", episode.id)
+
+
+async def test_cancel_and_a_failed_episode(temporal_address, session_dir, client, scripted, worker) -> None:
+    server = scripted(root_and_sub([Reply(text="```repl\nx = 1\n```", delay_s=30)]))
+    settings = api_settings(temporal_address, session_dir, worker.task_queue)
+    async with DurableRLM("scripted", base_url=server.base_url, settings=settings) as rlm:
+        cancelled = await rlm.start("ctx", "q", episode_id=f"api-cancel-{uuid.uuid4().hex[:6]}")
+        outcome = await cancelled.cancel()
+        assert outcome.accepted
+        assert (await cancelled.result()).ended_by == "cancelled"
+
+        terminated = await rlm.start("ctx", "q")
+        await client.get_workflow_handle(terminated.id).terminate(reason="operator")
+        with pytest.raises(EpisodeFailed, match="terminated: terminated: operator") as info:
+            await terminated.result()
+        assert info.value.end.status == "terminated"
+
+
+def test_errors_the_caller_can_fix_are_typed(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path)
+    with pytest.raises(InvalidRequestError, match="max_depth: Input should be less than or equal to 8"):
+        DurableRLM("m", max_depth=99, settings=settings)
+    with pytest.raises(
+        InvalidRequestError, match="max_iterations: Input should be greater than or equal to 1"
+    ):
+        DurableRLM("m", limits={"max_iterations": 0}, settings=settings)
+    with pytest.raises(ConfigurationError, match="unknown termination policy 'nope'"):
+        DurableRLM("m", policy="nope", settings=settings)
+    with pytest.raises(ConfigurationError, match="unknown sampling setting\\(s\\) temp"):
+        DurableRLM("m", sampling={"temp": 1}, settings=settings)
+    with pytest.raises(ConfigurationError, match="unknown tool\\(s\\) nope"):
+        DurableRLM("m", tools=["nope"], settings=settings)
+    with pytest.raises(ConfigurationError, match="invalid output schema"):
+        DurableRLM("m", output_schema={"type": "string"}, settings=settings)
+    with pytest.raises(ConfigurationError, match="start\\(\\) needs an open session"):
+        import asyncio
+
+        asyncio.run(DurableRLM("m", settings=settings).start("c"))
+
+
+def test_models_on_two_providers_and_functions_as_tools(tmp_path: Path) -> None:
+    def shout(text: str) -> str:
+        """Upper-case a text."""
+        return text.upper()
+
+    rlm = DurableRLM(
+        "anthropic:claude-x",
+        sub_model="openai:gpt-4o-mini",
+        sub_base_url="http://127.0.0.1:9/v1",
+        sampling={"temperature": 0.1},
+        tools=[shout],
+        settings=Settings(data_dir=tmp_path),
+    )
+    request = rlm.request(None, "q")
+    assert (request.root_model.provider, request.root_model.api_key_env) == ("anthropic", "ANTHROPIC_API_KEY")
+    sub = request.sub_model
+    assert sub is not None and (sub.provider, sub.model, sub.api_key_env) == (
+        "openai",
+        "gpt-4o-mini",
+        "OPENAI_API_KEY",
+    )
+    assert sub.base_url == "http://127.0.0.1:9/v1" and sub.temperature == 0.1
+    assert [t.name for t in request.tools] == ["shout"] and request.tools[0].doc == "Upper-case a text."
