@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -54,13 +55,17 @@ SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
 DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
 
 
-def model_settings(name: str, base: dict[str, Any], sampling: dict[str, Any] | None = None) -> ModelSettings:
-    """Settings of a named model on the base's endpoint; a provider prefix ("anthropic:")
-    picks its own provider and key variable."""
+def model_settings(
+    name: str, base: dict[str, Any], sampling: dict[str, Any] | None = None, provider: str | None = None
+) -> ModelSettings:
+    """Settings of a named model on the base's endpoint; a provider prefix ("anthropic:") or
+    `provider` picks its own provider and key variable."""
     data = dict(base)
-    if name.partition(":")[0] in ("openai", "anthropic"):
+    if name.partition(":")[0] in ("openai", "anthropic") or provider is not None:
         data.pop("provider", None)
         data.pop("api_key_env", None)
+    if provider is not None:
+        data["provider"] = provider
     unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
     if unknown:
         raise ConfigurationError(
@@ -69,11 +74,24 @@ def model_settings(name: str, base: dict[str, Any], sampling: dict[str, Any] | N
     return ModelSettings(**{**data, **(sampling or {}), "model": name})
 
 
+def missing_key(model: ModelSettings, credentials: dict[str, str]) -> str | None:
+    """Why the worker could not call `model` (no key and no local endpoint), or None."""
+
+    def known(name: str) -> bool:
+        return bool(credentials.get(name) or os.environ.get(name))
+
+    base_variable = "ANTHROPIC_BASE_URL" if model.provider == "anthropic" else "OPENAI_BASE_URL"
+    if model.base_url or known(base_variable) or known(model.api_key_env):
+        return None
+    return f"no API key for {model.provider} model {model.model!r}: set {model.api_key_env} (or pass api_key)"
+
+
 class DurableRLM:
     def __init__(
         self,
         model: str,
         *,
+        provider: str | None = None,
         base_url: str | None = None,
         sub_model: str | None = None,
         sub_base_url: str | None = None,
@@ -117,7 +135,7 @@ class DurableRLM:
                 "max_attempts": max_attempts,
                 "logprobs": logprobs,
             }
-            root = model_settings(model, base, sampling)
+            root = model_settings(model, base, sampling, provider)
             shared = root.model_dump(exclude={"model"})
             sub_base = shared if sub_base_url is None else {**shared, "base_url": sub_base_url}
             sub = None
@@ -162,6 +180,21 @@ class DurableRLM:
         except ValidationError as exc:
             raise InvalidRequestError.of(exc) from exc
 
+    def check_credentials(self) -> None:
+        """In embedded mode this process is the worker, so a missing key is known before the
+        episode starts; with a Temporal address the workers' environment decides."""
+        if not self.settings.embedded:
+            return
+        for model in self.models:
+            problem = missing_key(model, self.credentials)
+            if problem is not None:
+                raise ConfigurationError(problem)
+
+    @property
+    def models(self) -> list[ModelSettings]:
+        t = self.template
+        return [t.root_model, *([t.sub_model] if t.sub_model else []), *t.other_models]
+
     # --- sessions -----------------------------------------------------------------------
 
     async def __aenter__(self) -> DurableRLM:
@@ -205,6 +238,8 @@ class DurableRLM:
     ) -> Episode:
         """Start an episode and return its handle (inside `async with rlm:`, so that an
         embedded worker runs it)."""
+        self.request(None, root_prompt)  # a bad task is reported before anything else
+        self.check_credentials()
         if self._services is None:
             raise ConfigurationError("start() needs an open session: use `async with rlm:` around it")
         services = self._services

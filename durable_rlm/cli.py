@@ -157,6 +157,11 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
         "(same endpoint; repeatable)",
     )
     parser.add_argument("--base-url", help="OpenAI-compatible base URL (default: OPENAI_BASE_URL)")
+    parser.add_argument(
+        "--provider",
+        choices=["openai", "anthropic"],
+        help="the root model's API (default: from a prefix such as anthropic:NAME, else openai)",
+    )
     parser.add_argument("--sub-base-url", help="base URL of the sub-model, when it is elsewhere")
     parser.add_argument("--api-key", help="API key (embedded mode only; never stored in history)")
     parser.add_argument(
@@ -247,6 +252,7 @@ def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
     }
     return DurableRLM(
         args.model,
+        provider=getattr(args, "provider", None),
         base_url=args.base_url,
         sub_model=args.sub_model,
         sub_base_url=getattr(args, "sub_base_url", None),
@@ -450,7 +456,9 @@ async def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         if args.context is not None and not args.context.is_file():
             raise ConfigurationError(f"context file not found: {args.context}")
-        _rlm(args, settings)  # validate before starting anything
+        rlm = _rlm(args, settings)  # validate before starting anything
+        rlm.request(None, args.task)
+        rlm.check_credentials()
         return await _run_episode(settings, args, None)
     if args.command == "demo":
         return await _demo(settings, args)

@@ -96,7 +96,7 @@ def test_errors_the_caller_can_fix_are_typed(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError, match="start\\(\\) needs an open session"):
         import asyncio
 
-        asyncio.run(DurableRLM("m", settings=settings).start("c"))
+        asyncio.run(DurableRLM("m", base_url="http://127.0.0.1:9/v1", settings=settings).start("c"))
 
 
 def test_models_on_two_providers_and_functions_as_tools(tmp_path: Path) -> None:
@@ -122,3 +122,29 @@ def test_models_on_two_providers_and_functions_as_tools(tmp_path: Path) -> None:
     )
     assert sub.base_url == "http://127.0.0.1:9/v1" and sub.temperature == 0.1
     assert [t.name for t in request.tools] == ["shout"] and request.tools[0].doc == "Upper-case a text."
+
+
+def test_a_missing_key_is_reported_before_the_episode_starts(tmp_path: Path, monkeypatch) -> None:
+    import asyncio
+
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_BASE_URL", "OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    rlm = DurableRLM("anthropic:claude-x", settings=Settings(data_dir=tmp_path))
+    with pytest.raises(
+        ConfigurationError, match="no API key for anthropic model 'claude-x': set ANTHROPIC_API_KEY"
+    ):
+        asyncio.run(rlm.start("c"))
+    keyed = DurableRLM("anthropic:claude-x", api_key="k", settings=Settings(data_dir=tmp_path))
+    with pytest.raises(ConfigurationError, match="needs an open session"):  # past the key check
+        asyncio.run(keyed.start("c"))
+
+
+def test_an_explicit_provider(tmp_path: Path) -> None:
+    rlm = DurableRLM(
+        "claude-x", provider="anthropic", sub_model="gpt-4o-mini", settings=Settings(data_dir=tmp_path)
+    )
+    request = rlm.request(None)
+    assert (request.root_model.provider, request.root_model.api_key_env) == ("anthropic", "ANTHROPIC_API_KEY")
+    assert request.sub_model is not None and request.sub_model.provider == "anthropic"  # same endpoint
+    with pytest.raises(InvalidRequestError, match="provider"):
+        DurableRLM("m", provider="nope", settings=Settings(data_dir=tmp_path))

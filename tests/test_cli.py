@@ -126,6 +126,8 @@ def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
         (["show", "no-such-episode"], "no episode with id"),
         (["run", "t", "--sampling", '{"temp": 1}'], "unknown sampling setting(s) temp; known: temperature"),
         (["run", "t", "--sub-sampling", '{"top_p": 2}'], "top_p: Input should be less than or equal to 1"),
+        (["run", "t", "--provider", "nope"], "invalid choice: 'nope'"),
+        (["run", "t", "--model", "anthropic:claude-x"], "no API key for anthropic model 'claude-x'"),
         (["run", "t", "--max-depth", "-1"], "max_depth: Input should be greater than or equal to 1"),
         (["run", "t", "--max-depth", "1000"], "max_depth: Input should be less than or equal to 8"),
         (

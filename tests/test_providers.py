@@ -111,23 +111,29 @@ async def test_a_missing_key_names_the_variable(models: ModelActivities, monkeyp
         await bare.complete(ModelSettings(model="anthropic:claude-x"), CHAT)
 
 
-async def test_an_anthropic_root_with_an_openai_compatible_sub_model(
+async def test_the_tools_episode_with_an_anthropic_root_and_an_openai_compatible_sub_model(
     client, scripted, worker, monkeypatch
 ) -> None:
+    """The custom-tools episode (tests/test_tools.py), with a sub-call added, across providers."""
+    from durable_rlm.tools import tool_specs
+    from tests import tool_plugins  # noqa: F401 - registers the tools
+
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
     turns = [
-        "```repl\nparts = llm_query_batched(['a', 'b'])\nprint(parts)\n```",
-        "```repl\nFINAL('+'.join(parts))\n```",
+        "```repl\np = lookup_price('widget')\nusd = convert(p, currency='USD')\n"
+        "label = llm_query(f'label {usd}')\nprint(p, usd, label)\n```",
+        "```repl\nFINAL(f'{usd} {label}')\n```",
     ]
     anthropic_server = scripted(root_and_sub(turns), api_key=KEY)
     openai_server = scripted(root_and_sub(["unused"], str.upper))
-    request = request_for(openai_server)
+    request = request_for(openai_server, tools=tool_specs(["lookup_price", "convert"]))
     request = request.model_copy(
         update={"sub_model": request.root_model, "root_model": claude(anthropic_server)}
     )
     result = await run_episode(client, request, worker.task_queue)
 
-    assert result.answer == "A+B"
+    assert result.answer == "13.75 LABEL 13.75"
+    assert result.tool_calls == 2
     assert [r.api for r in anthropic_server.requests] == ["anthropic", "anthropic"]
-    assert sorted(r.last_user for r in openai_server.requests) == ["a", "b"]  # in parallel
+    assert [r.last_user for r in openai_server.requests] == ["label 13.75"]
     assert result.usage.prompt_tokens > 0
