@@ -19,7 +19,7 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError, TimeoutError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
@@ -38,7 +38,7 @@ from workflows.models import (
     RewardReceipt,
     RewardUpdate,
 )
-from workflows.retries import describe_failure
+from workflows.retries import describe_failure, ending_of
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
@@ -111,14 +111,7 @@ class EpisodeEnd(BaseModel):
 
 
 def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
-    cause = error.cause
-    if isinstance(cause, CancelledError):
-        return "cancelled"
-    if isinstance(cause, TerminatedError):
-        return "terminated"
-    if isinstance(cause, TimeoutError):
-        return "timed_out"
-    return "failed"
+    return ending_of(error.cause)  # type: ignore[return-value]
 
 
 async def closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:

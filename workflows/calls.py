@@ -20,9 +20,6 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
-    CancelledError,
-    TerminatedError,
-    TimeoutError,
     WorkflowAlreadyStartedError,
 )
 from temporalio.workflow import ParentClosePolicy
@@ -43,7 +40,7 @@ from workflows.models import (
     ToolCallInput,
     ToolReply,
 )
-from workflows.retries import describe_failure, is_timeout, model_step_options, raise_if_cancelled
+from workflows.retries import describe_failure, ending_of, is_timeout, model_step_options, raise_if_cancelled
 
 
 @dataclass(frozen=True)
@@ -213,16 +210,9 @@ async def child_episode(
 
 
 def _how_it_ended(err: BaseException) -> str:
-    cause = getattr(err, "cause", None)
     if isinstance(err, WorkflowAlreadyStartedError):
         return "could not start"
-    if isinstance(cause, CancelledError):
-        return "cancelled"
-    if isinstance(cause, TerminatedError):
-        return "terminated"
-    if isinstance(cause, TimeoutError):
-        return "timed_out"
-    return "failed"
+    return ending_of(getattr(err, "cause", None))
 
 
 async def tool_call(

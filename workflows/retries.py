@@ -7,7 +7,14 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, TimeoutError, TimeoutType
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    TerminatedError,
+    TimeoutError,
+    TimeoutType,
+)
 
 from workflows import defaults, names
 from workflows.models import DurabilitySettings, ModelSettings
@@ -72,6 +79,17 @@ def describe_failure(err: BaseException) -> str:
             return current.message
         current = current.__cause__ or getattr(current, "cause", None)
     return getattr(err, "message", "") or str(err)
+
+
+def ending_of(cause: BaseException | None) -> str:
+    """How a workflow that closed without a result ended, from its failure's cause."""
+    if isinstance(cause, CancelledError):
+        return "cancelled"
+    if isinstance(cause, TerminatedError):
+        return "terminated"
+    if isinstance(cause, TimeoutError):
+        return "timed_out"
+    return "failed"
 
 
 def describe_lost_step(err: ActivityError) -> str:
