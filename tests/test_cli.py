@@ -151,7 +151,7 @@ def test_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], message: st
 def test_bad_json_context_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "ctx.json"
     bad.write_text("{not json")
-    out = drlm(tmp_path, "run", "t", "--context", str(bad))
+    out = drlm(tmp_path, "run", "t", "--context", str(bad), "--base-url", "http://127.0.0.1:9/v1")
     assert out.returncode == 2 and "not valid JSON" in out.stderr
 
 
