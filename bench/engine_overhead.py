@@ -9,7 +9,9 @@ scripted server on 127.0.0.1 (no think time), so what remains is the engine.
 - direct:  the same activities (same model client, same sandbox, same blob store) called in
            a plain Python loop: no Temporal, no durability. The baseline.
 
-Overhead per iteration = (wall time - model time) / iterations.
+Overhead per iteration = (wall time - model time) / iterations. The durable episodes run on
+the embedded server as shipped (tuned) and, in the same run, on one with the dev server's
+own defaults.
 """
 
 from __future__ import annotations
@@ -148,27 +150,47 @@ async def direct(blobs: BlobStore, root: Path, server: ScriptedModelServer, iter
     return time.perf_counter() - started, model_time, iteration
 
 
+async def on_server(
+    work: Path,
+    blobs: BlobStore,
+    engine: object,
+    server: ScriptedModelServer,
+    iterations: int,
+    repeats: int,
+    tuned: bool,
+) -> list[tuple]:
+    """Durable episodes on a fresh embedded server, tuned (what we ship) or with the dev
+    server's own defaults."""
+    rows = []
+    name = "tuned" if tuned else "untuned"
+    async with EmbeddedServer(work / f"temporal-{name}.sqlite", tuned=tuned) as address:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        settings = Settings(task_queue=f"bench-{name}", data_dir=work)
+        async with running_workers(Services(settings, blobs, engine, client)):  # type: ignore[arg-type]
+            await durable(client, settings.task_queue, server, iterations)  # warm-up: caches, imports
+            for _ in range(repeats):
+                rows.append(await durable(client, settings.task_queue, server, iterations))
+    return rows
+
+
 async def main(iterations: int, repeats: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-bench-"))
     sandboxes = Path(tempfile.mkdtemp(prefix="drlm-bench-sb-", dir="/tmp"))
     sandboxes.chmod(0o711)
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
     blobs = BlobStore(SqlBackend(engine))
-    durable_rows, direct_rows = [], []
+    direct_rows = []
     with ScriptedModelServer(root_and_sub(script(iterations), lambda p: "answer to " + p)) as server:
-        async with EmbeddedServer(work / "temporal.sqlite") as address:
-            client = await Client.connect(address, data_converter=data_converter(blobs))
-            settings = Settings(task_queue="bench", data_dir=work)
-            async with running_workers(Services(settings, blobs, engine, client)):
-                await durable(client, "bench", server, iterations)  # warm-up: caches, imports
-                for _ in range(repeats):
-                    durable_rows.append(await durable(client, "bench", server, iterations))
-                    direct_rows.append(await direct(blobs, sandboxes, server, iterations))
+        durable_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=True)
+        untuned_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=False)
+        for _ in range(repeats):
+            direct_rows.append(await direct(blobs, sandboxes, server, iterations))
 
     def per_iteration(rows: list[tuple]) -> float:
         return statistics.median((wall - model) / its for wall, model, its, *_ in rows)
 
     durable_overhead, direct_overhead = per_iteration(durable_rows), per_iteration(direct_rows)
+    untuned_overhead = per_iteration(untuned_rows)
     wall_d = statistics.median(r[0] for r in durable_rows)
     wall_b = statistics.median(r[0] for r in direct_rows)
     _, _, its, history_bytes, events = durable_rows[-1]
@@ -176,7 +198,9 @@ async def main(iterations: int, repeats: int) -> None:
     print(f"repeats:                            {repeats} (medians below)")
     print(f"durable episode wall time:          {wall_d:.3f} s")
     print(f"direct loop wall time (baseline):   {wall_b:.3f} s")
-    print(f"durable engine overhead/iteration:  {durable_overhead * 1000:.1f} ms")
+    print(f"durable engine overhead/iteration:  {durable_overhead * 1000:.1f} ms (tuned embedded server)")
+    print(f"  on the untuned dev server:        {untuned_overhead * 1000:.1f} ms")
+    print(f"ratio untuned/tuned server:         {untuned_overhead / durable_overhead:.2f}x")
     print(f"direct overhead/iteration:          {direct_overhead * 1000:.1f} ms")
     print(f"ratio durable/direct (overhead):    {durable_overhead / direct_overhead:.2f}x")
     print(f"history: {events} events, {history_bytes} bytes, {history_bytes / its:.0f} bytes/iteration")

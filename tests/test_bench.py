@@ -33,6 +33,7 @@ def test_the_parsing_benchmark_prints_flat_figures_per_mb() -> None:
 def test_the_engine_overhead_benchmark_prints_its_ratio() -> None:
     out = run_bench("engine_overhead.py", "--iterations", "3", "--repeats", "1", timeout=600)
     assert re.search(r"ratio durable/direct \(overhead\): +[0-9.]+x", out), out
+    assert re.search(r"ratio untuned/tuned server: +[0-9.]+x", out), out
 
 
 @pytest.mark.slow

@@ -51,3 +51,23 @@ def test_compose_runs_workers_against_temporal_and_postgres() -> None:
     assert worker["TEMPORAL_ADDRESS"] == "temporal:7233"
     assert worker["DRLM_DATABASE_URL"].startswith("postgresql+psycopg://")
     assert {"postgresql", "temporal", "temporal-ui", "otel-collector", "worker"} <= set(config["services"])
+
+
+def test_the_stack_runs_a_tuned_server() -> None:
+    import json
+
+    import yaml
+
+    out = subprocess.run(
+        [str(compose_binary()), "-f", str(ROOT / "docker-compose.yml"), "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    services = json.loads(out.stdout)["services"]
+    temporal = services["temporal"]
+    mount = next(v for v in temporal["volumes"] if v["target"].endswith("dynamicconfig/drlm.yaml"))
+    assert temporal["environment"]["DYNAMIC_CONFIG_FILE_PATH"] == "config/dynamicconfig/drlm.yaml"
+    config = yaml.safe_load(Path(mount["source"]).read_text())
+    assert config["history.transferProcessorMaxPollRPS"] == [{"value": 10000}]
+    assert services["postgresql"]["command"] == ["postgres", "-c", "synchronous_commit=off"]
