@@ -156,10 +156,12 @@ class ModelActivities:
         for m in messages:
             if m.role == "system":
                 continue
+            # The API refuses an empty turn; a model's empty reply must not end the episode.
+            content = m.content if m.content.strip() else EMPTY_TURN
             if turns and turns[-1]["role"] == m.role:
-                turns[-1]["content"] += "\n\n" + m.content
+                turns[-1]["content"] += "\n\n" + content
             else:
-                turns.append({"role": m.role, "content": m.content})
+                turns.append({"role": m.role, "content": content})
         kwargs: dict[str, Any] = {"max_tokens": settings.max_tokens or defaults.ANTHROPIC_MAX_TOKENS}
         if system:
             kwargs["system"] = system
@@ -267,6 +269,7 @@ class ModelActivities:
 
 
 MIN_SUMMARY_INPUT_CHARS = 2_000
+EMPTY_TURN = "(empty reply)"
 COMPACTED_PREFIX = "[Summary of the earlier turns of this episode, written to stay within the context window]"
 
 COMPACTION_PROMPT = """You are compacting the working memory of an agent that answers a query \

@@ -25,7 +25,8 @@ _NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
 _OVERFLOW_CODES = {"context_length_exceeded", "string_above_max_length"}
 _OVERFLOW_TEXT = re.compile(
     r"maximum context length|context[ _-]?length|context window|prompt is too long|too many tokens"
-    r"|reduce the length of the messages|exceeds? the (?:model'?s? )?(?:maximum|max) (?:number of )?tokens",
+    r"|reduce the length of the messages|exceeds? the (?:model'?s? )?(?:maximum|max) (?:number of )?tokens"
+    r"|exceeds? context limit",
     re.IGNORECASE,
 )
 StatusError = (openai.APIStatusError, anthropic.APIStatusError)

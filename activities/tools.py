@@ -1,23 +1,29 @@
 """The custom-tool activity: runs a registered tool with the worker's credentials.
 
 A tool that raises fails the attempt (retried as the tool declared; the last error reaches
-the cell as a ToolError); arguments that do not fit its signature, a result that is not a
-JSON value, or a tool this worker does not have are not retried.
+the cell as a ToolError), and so does a worker that does not have the tool (another worker
+may); arguments that do not fit its signature or a result that is not a JSON value are not
+retried. Sync tools run on a pool of their own: a hung one holds one of its threads, never
+the threads the worker needs for the blob store and the codec.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.tools import registered
-from workflows import names
+from workflows import defaults, names
 from workflows.models import ToolCallInput, ToolReply
+
+TOOL_THREADS = ThreadPoolExecutor(max_workers=defaults.TOOL_THREADS, thread_name_prefix="drlm-tool")
 
 
 def _bad_call(message: str) -> ApplicationError:
@@ -31,21 +37,24 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
         raise ApplicationError(
             f"tool {request.tool!r} is not registered on this worker (DRLM_TOOL_MODULES)",
             type=names.TOOL_NOT_REGISTERED,
-            non_retryable=True,
         )
     try:
         call = json.loads(request.arguments)
-        bound = inspect.signature(entry.fn).bind(*call["args"], **call["kwargs"])
+        args, kwargs = call["args"], call["kwargs"]
+        if not isinstance(args, list) or not isinstance(kwargs, dict):
+            raise TypeError("arguments must be a list and a mapping")
+        bound = inspect.signature(entry.fn).bind(*args, **kwargs)
     except (ValueError, KeyError, TypeError) as exc:
         raise _bad_call(f"{request.tool}: {exc}") from exc
     try:
         if entry.is_async:
             value: Any = await entry.fn(*bound.args, **bound.kwargs)
         else:
-            value = await asyncio.to_thread(entry.fn, *bound.args, **bound.kwargs)
+            call_it = functools.partial(entry.fn, *bound.args, **bound.kwargs)
+            value = await asyncio.get_running_loop().run_in_executor(TOOL_THREADS, call_it)
     except Exception as exc:  # noqa: BLE001 - whatever the tool raises goes back to the cell
         raise ApplicationError(f"{type(exc).__name__}: {exc}", type=names.TOOL_FAILED) from exc
     try:
-        return ToolReply(result=json.dumps(value))
+        return ToolReply(result=json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise _bad_call(f"{request.tool} returned a value that is not JSON: {exc}") from exc

@@ -34,7 +34,15 @@ from durable_rlm.episodes import (
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.tools import RegisteredTool, import_tool_modules, registered, tool, tool_specs
+from durable_rlm.tools import (
+    RegisteredTool,
+    ToolRegistrationError,
+    import_tool_modules,
+    registered,
+    registered_as,
+    tool,
+    tool_specs,
+)
 from workflows import defaults, prompts
 from workflows.episode import episode_policy
 from workflows.fallback import fields_from_json_schema
@@ -61,7 +69,13 @@ def model_settings(
     """Settings of a named model on the base's endpoint; a provider prefix ("anthropic:") or
     `provider` picks its own provider and key variable."""
     data = dict(base)
-    if name.partition(":")[0] in ("openai", "anthropic") or provider is not None:
+    prefix = name.partition(":")[0]
+    named = provider or (prefix if prefix in ("openai", "anthropic") else None)
+    if named is not None:
+        if named != data.get("provider", named):
+            # Another provider: the base's endpoint and vendor options are not its own.
+            data.pop("base_url", None)
+            data.pop("extra_body", None)
         data.pop("provider", None)
         data.pop("api_key_env", None)
     if provider is not None:
@@ -137,12 +151,15 @@ class DurableRLM:
             }
             root = model_settings(model, base, sampling, provider)
             shared = root.model_dump(exclude={"model"})
-            sub_base = shared if sub_base_url is None else {**shared, "base_url": sub_base_url}
             sub = None
             if sub_model or sub_sampling is not None or sub_base_url is not None:
                 # Given its own sampling, the sub-model does not inherit the root's.
-                sub_data = sub_base if sub_sampling is None else _without(sub_base, SAMPLING_KEYS)
+                sub_data = shared if sub_sampling is None else _without(shared, SAMPLING_KEYS)
+                if sub_base_url is not None:
+                    sub_data = {**sub_data, "base_url": sub_base_url}
                 sub = model_settings(sub_model or model, sub_data, sub_sampling)
+                if sub_base_url is not None and sub.base_url != sub_base_url:
+                    sub = ModelSettings(**(sub.model_dump() | {"base_url": sub_base_url}))
             self.template = EpisodeRequest(
                 task="template",
                 root_model=root,
@@ -168,6 +185,7 @@ class DurableRLM:
         self.credentials = {root.api_key_env: api_key} if api_key else {}
         self._services: Services | None = None
         self._stack: contextlib.AsyncExitStack | None = None
+        self._locks: dict[int, asyncio.Lock] = {}
 
     # --- requests -----------------------------------------------------------------------
 
@@ -207,13 +225,26 @@ class DurableRLM:
     async def open(self, work: bool = True) -> Services:
         """Connect (starting the embedded server if there is no TEMPORAL_ADDRESS) and, with
         `work` in embedded mode, run the in-process worker until `close()`."""
-        if self._services is not None:
-            return self._services
-        stack = contextlib.AsyncExitStack()
+        async with self._lock():
+            if self._services is not None:
+                return self._services
+            stack = contextlib.AsyncExitStack()
+            try:
+                services = await self._enter(stack, work)
+            except BaseException:
+                await stack.aclose()  # nothing left running when opening fails half-way
+                raise
+            self._stack, self._services = stack, services
+            return services
+
+    def _lock(self) -> asyncio.Lock:
+        loop = id(asyncio.get_running_loop())
+        return self._locks.setdefault(loop, asyncio.Lock())
+
+    async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
         services = await stack.enter_async_context(connect(self.settings))
         if work and self.settings.embedded:
             await stack.enter_async_context(running_workers(services, self.credentials))
-        self._stack, self._services = stack, services
         return services
 
     async def close(self) -> None:
@@ -223,13 +254,13 @@ class DurableRLM:
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[Services]:
+        """The open session, or one of this call's own: concurrent calls never close a
+        session under each other (the embedded server itself is shared and counted)."""
         if self._services is not None:
             yield self._services
             return
-        try:
-            yield await self.open(work=True)
-        finally:
-            await self.close()
+        async with contextlib.AsyncExitStack() as stack:
+            yield await self._enter(stack, work=True)
 
     # --- episodes -----------------------------------------------------------------------
 
@@ -242,7 +273,11 @@ class DurableRLM:
         self.check_credentials()
         if self._services is None:
             raise ConfigurationError("start() needs an open session: use `async with rlm:` around it")
-        services = self._services
+        return await self._start(self._services, context, root_prompt, episode_id)
+
+    async def _start(
+        self, services: Services, context: Any, root_prompt: str | None, episode_id: str | None
+    ) -> Episode:
         ref = context if isinstance(context, ContextRef) or context is None else None
         if ref is None:
             ref = await asyncio.to_thread(store_context, services.blobs, context)
@@ -253,8 +288,10 @@ class DurableRLM:
 
     async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
         """Run an episode to its end. Raises EpisodeFailed when it ends without a result."""
-        async with self._session():
-            episode = await self.start(context, root_prompt)
+        self.request(None, root_prompt)
+        self.check_credentials()
+        async with self._session() as services:
+            episode = await self._start(services, context, root_prompt, None)
             return await episode.result()
 
     def completion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
@@ -310,9 +347,16 @@ def _tool_specs(tools: Sequence[Callable[..., Any] | str] | None) -> list[Any]:
         if isinstance(item, str):
             names.append(item)
             continue
-        name = getattr(item, "__name__", "")
-        entry: RegisteredTool | None = registered(name)
-        if entry is None or entry.fn is not item:
-            tool(item)
-        names.append(name)
+        known = registered_as(item)
+        if known is None:
+            name = getattr(item, "__name__", "")
+            taken: RegisteredTool | None = registered(name)
+            if taken is not None:
+                raise ConfigurationError(f"a different tool is already registered as {name!r}")
+            try:
+                known = tool(item) and registered_as(item)
+            except ToolRegistrationError as exc:
+                raise ConfigurationError(str(exc)) from exc
+        assert known is not None
+        names.append(known)
     return tool_specs(names)

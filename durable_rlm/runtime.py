@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -244,14 +245,57 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
         yield Services(settings, blobs, engine, client)
 
 
+@dataclass
+class _SharedServer:
+    address: str
+    stack: contextlib.AsyncExitStack
+    users: int = 0
+
+
+_IN_PROCESS: dict[tuple[int, Path], _SharedServer] = {}  # (event loop, data dir) -> its server
+_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+def _loop_lock() -> asyncio.Lock:
+    """One lock per event loop: an asyncio lock must not be shared across loops."""
+    loop = asyncio.get_running_loop()
+    lock = _LOCKS.get(loop)
+    if lock is None:
+        lock = _LOCKS[loop] = asyncio.Lock()
+    return lock
+
+
 @contextlib.asynccontextmanager
 async def embedded_server(settings: Settings) -> AsyncIterator[str]:
-    """The data dir's dev server: reuse the one another `drlm` process runs on it (two
-    servers must never share one SQLite file), or start one and stop it afterwards."""
+    """The data dir's dev server: shared by every user in this process (the last one out
+    stops it), reused when another process runs it (two servers must never share one SQLite
+    file), or started here."""
+    key = (id(asyncio.get_running_loop()), settings.data_dir.resolve())
+    lock = _loop_lock()
+    async with lock:
+        shared = _IN_PROCESS.get(key)
+        if shared is None:
+            stack = contextlib.AsyncExitStack()
+            address = await stack.enter_async_context(_own_embedded_server(settings))
+            shared = _IN_PROCESS[key] = _SharedServer(address, stack)
+        shared.users += 1
+    try:
+        yield shared.address
+    finally:
+        async with lock:
+            shared.users -= 1
+            if shared.users == 0:
+                del _IN_PROCESS[key]
+                await shared.stack.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _own_embedded_server(settings: Settings) -> AsyncIterator[str]:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     marker = settings.data_dir / "temporal.server.json"
     with open(settings.data_dir / "temporal.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process at a time decides
+        # One process at a time decides; waiting in a thread keeps this event loop running.
+        await asyncio.to_thread(fcntl.flock, lock, fcntl.LOCK_EX)
         running = await _live_server(marker, settings.temporal_namespace)
         server = None
         if running is None:

@@ -24,25 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from durable_rlm.settings import ConfigurationError
-from workflows import defaults
+from workflows import defaults, names
 from workflows.models import ToolParam, ToolSpec
 
-RESERVED = frozenset(
-    {
-        "context",
-        "answer",
-        "llm_query",
-        "llm_query_batched",
-        "rlm_query",
-        "rlm_query_batched",
-        "SHOW_VARS",
-        "SUBMIT",
-        "FINAL",
-        "FINAL_VAR",
-        "ToolError",
-        "print",
-    }
-)
+RESERVED = names.REPL_RESERVED
 
 
 @dataclass(frozen=True)
@@ -117,6 +102,11 @@ def spec_of(function: Callable[..., Any], name: str, timeout_s: float, max_attem
 
 def registered(name: str) -> RegisteredTool | None:
     return _REGISTRY.get(name)
+
+
+def registered_as(fn: Callable[..., Any]) -> str | None:
+    """The name a function is registered under (it may differ from its __name__)."""
+    return next((name for name, entry in _REGISTRY.items() if entry.fn is fn), None)
 
 
 def tool_specs(names: list[str] | None = None) -> list[ToolSpec]:

@@ -148,3 +148,63 @@ def test_an_explicit_provider(tmp_path: Path) -> None:
     assert request.sub_model is not None and request.sub_model.provider == "anthropic"  # same endpoint
     with pytest.raises(InvalidRequestError, match="provider"):
         DurableRLM("m", provider="nope", settings=Settings(data_dir=tmp_path))
+
+
+async def test_two_completions_at_once_share_the_embedded_server(tmp_path: Path, scripted) -> None:
+    import asyncio
+
+    server = scripted(root_and_sub(COUNT_LATE))
+    rlm = DurableRLM("scripted", base_url=server.base_url, settings=Settings(data_dir=tmp_path))
+    first, second = await asyncio.wait_for(
+        asyncio.gather(rlm.acompletion("a late\nb late", "q"), rlm.acompletion("late\nx\nlate\nlate", "q")),
+        90,
+    )
+    assert (first.answer, second.answer) == ("2", "3")
+    from durable_rlm import runtime
+
+    assert not any(key[1] == tmp_path.resolve() for key in runtime._IN_PROCESS)  # the last one out stopped it
+
+
+def test_tools_given_as_functions(tmp_path: Path) -> None:
+    from durable_rlm.tools import tool as register
+
+    @register(name="priced", timeout_s=5)
+    def price_of(item: str) -> float:
+        """A price."""
+        return 1.0
+
+    def lookup_price(item: str) -> float:  # same name as a registered tool, another function
+        return 2.0
+
+    settings = Settings(data_dir=tmp_path)
+    request = DurableRLM("m", tools=[price_of], settings=settings).request(None)
+    assert [(t.name, t.timeout_s) for t in request.tools] == [("priced", 5)]  # as registered
+    with pytest.raises(ConfigurationError, match="a different tool is already registered as 'lookup_price'"):
+        DurableRLM("m", tools=[lookup_price], settings=settings)
+    with pytest.raises(ConfigurationError, match="not a free Python identifier"):
+        DurableRLM("m", tools=[lambda: 1], settings=settings)
+
+
+def test_a_sub_model_on_another_provider_keeps_only_its_own_endpoint(tmp_path: Path) -> None:
+    rlm = DurableRLM(
+        "claude-x",
+        provider="anthropic",
+        base_url="https://anthropic.example",
+        sampling={"extra_body": {"anthropic_only": True}},
+        sub_model="openai:gpt-4o-mini",
+        other_models=["openai:gpt-4o", "claude-y"],
+        settings=Settings(data_dir=tmp_path),
+    )
+    request = rlm.request(None)
+    sub = request.sub_model
+    assert sub is not None and (sub.provider, sub.base_url, sub.extra_body) == ("openai", None, {})
+    gpt, claude_y = request.other_models
+    assert (gpt.provider, gpt.base_url, gpt.extra_body) == ("openai", None, {})
+    assert (claude_y.provider, claude_y.base_url) == ("anthropic", "https://anthropic.example")
+    explicit = DurableRLM(
+        "anthropic:claude-x",
+        sub_model="openai:gpt-4o-mini",
+        sub_base_url="http://127.0.0.1:9/v1",
+        settings=Settings(data_dir=tmp_path),
+    ).request(None)
+    assert explicit.sub_model is not None and explicit.sub_model.base_url == "http://127.0.0.1:9/v1"

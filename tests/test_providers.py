@@ -137,3 +137,16 @@ async def test_the_tools_episode_with_an_anthropic_root_and_an_openai_compatible
     assert [r.api for r in anthropic_server.requests] == ["anthropic", "anthropic"]
     assert [r.last_user for r in openai_server.requests] == ["label 13.75"]
     assert result.usage.prompt_tokens > 0
+
+
+async def test_an_empty_reply_and_the_context_limit_wording(models: ModelActivities, scripted) -> None:
+    server = scripted(lambda r: "fine", api_key=KEY)
+    chat = [*CHAT, Message(role="assistant", content="  "), Message(role="user", content="go on")]
+    await models.complete(claude(server), chat)
+    assert server.requests[0].body["messages"][1] == {"role": "assistant", "content": "(empty reply)"}
+
+    limit = "input length and `max_tokens` exceed context limit: 190000 + 20000 > 200000"
+    full = scripted(lambda r: Reply(status=400, error=limit), api_key=KEY)
+    with pytest.raises(ApplicationError) as info:
+        await models.complete(claude(full), CHAT)
+    assert info.value.type == names.MODEL_CONTEXT_OVERFLOW

@@ -110,3 +110,25 @@ async def test_a_worker_killed_between_tool_calls_repeats_neither(
     assert result.answer == "10.62"
     calls = [json.loads(line)[0] for line in log.read_text().splitlines()]
     assert calls == ["lookup_price", "convert"]  # the rebuilt REPL got the price from the log
+
+
+async def test_tool_calls_are_bounded_and_names_cannot_hide_the_repl(client, scripted, worker) -> None:
+    from pydantic import ValidationError
+
+    from workflows.models import EpisodeLimits
+
+    cell = (
+        "```repl\nprint(lookup_price('widget'))\n"
+        "try:\n    lookup_price('gadget')\nexcept ToolError as e:\n    print(e)\n```"
+    )
+    server = scripted(root_and_sub([cell, "FINAL(done)"]))
+    limits = EpisodeLimits(max_iterations=3, max_tool_calls=1, cell_timeout_s=10)
+    request = request_for(server, tools=tool_specs(["lookup_price"]), limits=limits)
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.tool_calls == 1
+    assert (
+        "lookup_price failed: max_tool_calls (1) reached: the tool was not called"
+        in server.root_requests()[1].last_user
+    )
+    with pytest.raises(ValidationError, match="would hide the REPL's own llm_query"):
+        ToolSpec(name="llm_query")

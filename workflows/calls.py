@@ -238,7 +238,7 @@ async def tool_call(
             start_to_close_timeout=timedelta(seconds=spec.timeout_s),
             retry_policy=RetryPolicy(
                 maximum_attempts=spec.max_attempts,
-                non_retryable_error_types=[names.TOOL_NOT_REGISTERED, names.TOOL_BAD_CALL],
+                non_retryable_error_types=[names.TOOL_BAD_CALL],
             ),
             summary=f"tool {name} {site.cell_index}.{call.call_index}",
         )

@@ -176,6 +176,12 @@ TOOL_TIMEOUT_S = 60.0
 
 TOOL_ATTEMPTS = 3
 
+TOOL_THREADS = 16
+"""Threads of a worker's pool for sync tools (async tools need none)."""
+
+MAX_TOOL_CALLS = 1_000
+"""Tool calls per episode: each adds ~9 history events, and Temporal ends a history at 51,200."""
+
 CHILD_DEADLINE_SLACK_S = 60.0
 """A child's deadline is its parent's minus a tenth of the time left, at most this: time for
 the child's own fallback extraction before the parent's timer fires."""

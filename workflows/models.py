@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workflows import defaults
+from workflows import defaults, names
 from workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
 
 
@@ -109,6 +109,7 @@ class EpisodeLimits(StrictModel):
     max_children_per_batch: int = Field(
         default=defaults.MAX_CHILDREN_PER_BATCH, ge=1, le=defaults.MAX_CHILDREN_PER_BATCH_CEILING
     )
+    max_tool_calls: int = Field(default=defaults.MAX_TOOL_CALLS, ge=0, description="custom-tool calls")
 
     @field_validator("max_duration")
     @classmethod
@@ -157,12 +158,19 @@ class ToolSpec(StrictModel):
     """A custom tool offered to the episode's REPL: a function registered on the workers
     (durable_rlm.tools), run as an activity with its own timeout and retries."""
 
-    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    name: str = Field(pattern=r"^[A-Za-z][A-Za-z0-9_]*$")
     params: list[ToolParam] = Field(default_factory=list)
     signature: str = "()"
     doc: str = ""
     timeout_s: float = Field(default=defaults.TOOL_TIMEOUT_S, gt=0)
     max_attempts: int = Field(default=defaults.TOOL_ATTEMPTS, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _free_name(cls, value: str) -> str:
+        if value in names.REPL_RESERVED:
+            raise ValueError(f"tool name {value!r} would hide the REPL's own {value}")
+        return value
 
 
 class ParentLink(StrictModel):

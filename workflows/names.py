@@ -17,6 +17,24 @@ COMPACT_CONVERSATION = "drlm.compact_conversation"
 # Call kinds from the REPL whose calls start child episodes (rlm_query); the rest are model calls.
 CHILD_KINDS = frozenset({"rlm_query", "rlm_query_batched"})
 
+# Names the REPL defines itself: no custom tool may take one.
+REPL_RESERVED = frozenset(
+    {
+        "context",
+        "answer",
+        "llm_query",
+        "llm_query_batched",
+        "rlm_query",
+        "rlm_query_batched",
+        "SHOW_VARS",
+        "SUBMIT",
+        "FINAL",
+        "FINAL_VAR",
+        "ToolError",
+        "print",
+    }
+)
+
 # A custom tool's calls have the kind "tool:<name>".
 TOOL_KIND_PREFIX = "tool:"
 

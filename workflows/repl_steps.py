@@ -272,6 +272,9 @@ class ReplSteps:
         if route is None:
             return CallResult(ok=False, text=f"unknown call kind {call.kind!r}")
         if route.kind == "tool":
+            limit = self.request.limits.max_tool_calls
+            if state.tool_calls >= limit:
+                return CallResult(ok=False, text=f"max_tool_calls ({limit}) reached: the tool was not called")
             state.tool_calls += 1
             return asyncio.ensure_future(route.start(site, call, self.request.root_model, None))
         model = self.request.model_named(call.model)
