@@ -169,6 +169,20 @@ async def test_a_tree_never_spends_more_than_the_root_budget(client, scripted, w
     assert any(c.ended_by == "max_model_calls" for c in result.children)
 
 
+async def test_what_children_spend_counts_against_the_parents_llm_calls(client, scripted, worker) -> None:
+    # No max_model_calls here: max_llm_calls (calls from the root's REPL) alone bounds the tree.
+    greedy: Turns = ["```repl\nprint(rlm_query_batched(['a', 'b']))\n```"]
+    server = scripted(by_model({"root-m": greedy}))
+    limits = EpisodeLimits(max_iterations=6, max_llm_calls=6, cell_timeout_s=10)
+    request = tree_request(server, "answer", [], max_depth=3, limits=limits, fallback_extraction=False)
+    request = request.model_copy(update={"sub_model": request.root_model})
+    result = await run_episode(client, request, worker.task_queue)
+
+    own = [r for r in server.requests if r.is_root and "a parent episode" not in r.messages[1]["content"]]
+    assert len(server.requests) - len(own) == result.sub_calls == 6
+    assert result.ended_by == "max_llm_calls" and result.tree_episodes == 7
+
+
 async def test_a_child_whose_budget_is_spent_returns_an_error(client, scripted, worker) -> None:
     server = scripted(
         by_model(
