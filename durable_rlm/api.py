@@ -32,7 +32,7 @@ from durable_rlm.episodes import (
     wait_end,
 )
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
-from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
+from durable_rlm.runtime import Services, import_policy_modules, session
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.tools import (
     RegisteredTool,
@@ -242,10 +242,7 @@ class DurableRLM:
         return self._locks.setdefault(loop, asyncio.Lock())
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
-        services = await stack.enter_async_context(connect(self.settings))
-        if work and self.settings.embedded:
-            await stack.enter_async_context(running_workers(services, self.credentials))
-        return services
+        return await stack.enter_async_context(session(self.settings, self.credentials, work))
 
     async def close(self) -> None:
         stack, self._stack, self._services = self._stack, None, None

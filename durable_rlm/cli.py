@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ from durable_rlm.episodes import (
 )
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers
+from durable_rlm.runtime import connect, import_policy_modules, session
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
@@ -291,16 +289,6 @@ def _output_schema(path: Path | None) -> dict[str, Any] | None:
     return schema
 
 
-@contextlib.asynccontextmanager
-async def _session(settings: Settings, credentials: dict[str, str], work: bool) -> AsyncIterator[Services]:
-    async with connect(settings) as services:
-        if work and settings.embedded:
-            async with running_workers(services, credentials):
-                yield services
-        else:
-            yield services
-
-
 def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
     """The exit code a script reads: answered, extracted, no answer, failed, cancelled."""
     if end.status in ("cancelled", "terminated"):
@@ -412,7 +400,7 @@ async def _reward(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:
-    async with _session(settings, {}, work=True) as services:
+    async with session(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
         end = await follow(handle, None if args.json else _stderr)
         return _print_end(end, args.json, args.accept_extracted)
@@ -421,7 +409,7 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     # A worker must run the cancellation (it cancels the children, closes the sandbox and
     # the audit row, and extracts when asked).
-    async with _session(settings, {}, work=True) as services:
+    async with session(settings) as services:
         outcome = await cancel_episode(services.client, args.episode_id, args.extract, args.reason)
         _stderr(outcome.message)
         if not outcome.accepted:

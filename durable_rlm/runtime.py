@@ -398,6 +398,20 @@ async def running_workers(
         await repl.close_all()
 
 
+@contextlib.asynccontextmanager
+async def session(
+    settings: Settings, credentials: Mapping[str, str] | None = None, work: bool = True
+) -> AsyncIterator[Services]:
+    """Connected to Temporal and the stores; with `work` in embedded mode, with this
+    process's worker running too (the CLI and the Python API open sessions this one way)."""
+    async with connect(settings) as services:
+        if work and settings.embedded:
+            async with running_workers(services, credentials):
+                yield services
+        else:
+            yield services
+
+
 async def _reap_forever(repl: ReplActivities) -> None:
     while True:
         await asyncio.sleep(60)

@@ -24,13 +24,17 @@ def extraction_reserve(request: EpisodeRequest) -> int:
     return 1 if request.fallback_extraction and request.limits.max_model_calls is not None else 0
 
 
+def model_calls_room(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
+    """What max_model_calls still allows, one call kept back for extraction (None: no limit)."""
+    limit = request.limits.max_model_calls
+    return None if limit is None else limit - state.model_calls - extraction_reserve(request)
+
+
 def calls_left(request: EpisodeRequest, state: EpisodeCarry) -> int:
-    """Model calls this episode may still start, one kept back for fallback extraction."""
-    limits = request.limits
-    left = limits.max_llm_calls - state.sub_calls
-    if limits.max_model_calls is not None:
-        left = min(left, limits.max_model_calls - state.model_calls - extraction_reserve(request))
-    return left
+    """Model calls this episode may still start from its REPL."""
+    left = request.limits.max_llm_calls - state.sub_calls
+    room = model_calls_room(request, state)
+    return left if room is None else min(left, room)
 
 
 def tokens_spent(state: EpisodeCarry) -> int:
@@ -45,12 +49,11 @@ def tokens_left(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
 def root_call_limit(request: EpisodeRequest, state: EpisodeCarry, calls: int = 1) -> FallbackReason | None:
     """Whether the next root step (`calls` model calls) would pass the episode's budgets."""
     limits = request.limits
-    if limits.max_model_calls is not None:
-        room = limits.max_model_calls - state.model_calls - extraction_reserve(request)
-        if room < calls:
-            return FallbackReason(
-                kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls
-            )
+    room = model_calls_room(request, state)
+    if room is not None and room < calls:
+        return FallbackReason(
+            kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls or 0
+        )
     left = tokens_left(request, state)
     if left is not None and left <= 0:
         return FallbackReason(kind="max_tokens", value=tokens_spent(state), limit=limits.max_tokens or 0)
