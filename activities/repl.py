@@ -31,6 +31,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
+from activities.attempts import count_local_start, echoed
 from activities.chains import CallsAnswered, CellEnded, CellStarted, LoggedAnswer, LoggedCell
 from activities.sandbox import CHILD_PATH
 from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
@@ -44,6 +45,7 @@ from workflows.models import (
     ReadVariableInput,
     ResumeCellInput,
     SandboxRef,
+    StepEcho,
     SubCallRequest,
     VariableValue,
 )
@@ -77,7 +79,8 @@ async def heartbeating(every_s: float = defaults.HEARTBEAT_EVERY_S) -> AsyncIter
             activity.heartbeat()
             await asyncio.sleep(every_s)
 
-    if not activity.in_activity():
+    # A local activity has no heartbeat: its workflow task keeps the worker's lease.
+    if not activity.in_activity() or activity.info().is_local:
         yield
         return
     task = asyncio.create_task(beat())
@@ -191,6 +194,12 @@ class ReplActivities:
 
     @activity.defn(name=names.REPL_EXECUTE)
     async def execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
+        echo = StepEcho(cell_index=request.cell_index, iteration=request.iteration, code=request.code)
+        async with echoed(echo) as step:
+            return step(await self._execute_cell(request))
+
+    async def _execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
+        await count_local_start(self.blobs)
         async with self._lock(request.sandbox.episode_id), heartbeating():
             box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=False)
             async with self._discard_on_failure(box):
@@ -205,6 +214,11 @@ class ReplActivities:
 
     @activity.defn(name=names.REPL_RESUME)
     async def resume_cell(self, request: ResumeCellInput) -> CellOutcome:
+        async with echoed(StepEcho(cell_index=request.cell_index)) as step:
+            return step(await self._resume_cell(request))
+
+    async def _resume_cell(self, request: ResumeCellInput) -> CellOutcome:
+        await count_local_start(self.blobs)
         async with self._lock(request.sandbox.episode_id), heartbeating():
             box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=True)
             async with self._discard_on_failure(box):
@@ -243,6 +257,7 @@ class ReplActivities:
 
     @activity.defn(name=names.REPL_READ_VARIABLE)
     async def read_variable(self, request: ReadVariableInput) -> VariableValue:
+        await count_local_start(self.blobs)
         async with self._lock(request.sandbox.episode_id), heartbeating():
             box, _, _ = await self._ensure(request.sandbox, resuming=False)
             await box.send({"op": "read_var", "name": request.name})

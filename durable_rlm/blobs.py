@@ -119,6 +119,9 @@ class BlobStore:
         self._remember(digest, data)
         return data
 
+    def contains(self, digest: str) -> bool:
+        return digest in self._cache or self.backend.read(digest) is not None
+
     def put_text(self, text: str) -> str:
         return self.put(text.encode("utf-8"))
 

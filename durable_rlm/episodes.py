@@ -6,7 +6,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ async def start_episode(
         id=episode_id or new_episode_id(),
         task_queue=task_queue,
         result_type=EpisodeResult,
+        task_timeout=timedelta(seconds=request.durability.task_timeout_s),
     )
 
 

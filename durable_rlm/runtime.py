@@ -172,8 +172,10 @@ def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRu
         restrictions=SandboxRestrictions.default.with_passthrough_modules(
             "pydantic",
             "pydantic_core",
+            "workflows.budget",
             "workflows.calls",
             "workflows.compaction",
+            "workflows.episode",
             "workflows.defaults",
             "workflows.ending",
             "workflows.fallback",
@@ -332,6 +334,9 @@ def build_workers(
     sandbox_idle_s: float = defaults.SANDBOX_IDLE_S,
     policy_modules: tuple[str, ...] = (),
     tool_modules: tuple[str, ...] = (),
+    capacity: int = defaults.WORKER_CAPACITY,
+    activity_slots: int = defaults.ACTIVITY_SLOTS,
+    sandbox_budget_mb: int | None = None,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -358,10 +363,15 @@ def build_workers(
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
-        max_concurrent_activities=64,
+        max_concurrent_activities=activity_slots,
+        # Every live episode stays cached: an evicted one replays its history, and its REPL
+        # (local steps) is rebuilt; each may run one local REPL step at a time.
+        max_cached_workflows=capacity,
+        max_concurrent_local_activities=capacity,
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
     )
+    # REPL steps of episodes from before local steps come back here, to their sandbox.
     own = Worker(client, task_queue=worker_queue, activities=repl_activities, max_concurrent_activities=64)
     return [shared, own], repl
 
@@ -381,6 +391,9 @@ async def running_workers(
         sandbox_idle_s=settings.sandbox_idle_s,
         policy_modules=settings.policy_module_names,
         tool_modules=settings.tool_module_names,
+        capacity=settings.capacity,
+        activity_slots=settings.activity_slots,
+        sandbox_budget_mb=settings.sandbox_budget_mb,
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))

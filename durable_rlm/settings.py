@@ -23,6 +23,18 @@ class Settings(BaseModel):
     claim_check_threshold: int = Field(default=4096, ge=256)
     sandbox_memory_mb: int = Field(default=defaults.SANDBOX_MEMORY_MB, ge=64)
     sandbox_idle_s: float = Field(default=defaults.SANDBOX_IDLE_S, gt=0)
+    sandbox_budget_mb: int | None = Field(
+        default=None, ge=64, description="evict idle sandboxes (rebuilt from the log) above this total"
+    )
+    capacity: int = Field(
+        default=defaults.WORKER_CAPACITY,
+        ge=1,
+        le=100_000,
+        description="live episodes one worker serves: its workflow cache and local-step slots",
+    )
+    activity_slots: int = Field(
+        default=defaults.ACTIVITY_SLOTS, ge=1, le=100_000, description="model calls and tools in flight"
+    )
     tracing: str = "off"
     policy_modules: str = Field(default="", description="comma-separated modules registering policies")
     tool_modules: str = Field(default="", description="comma-separated modules registering custom tools")
@@ -47,6 +59,9 @@ class Settings(BaseModel):
             "DRLM_CLAIM_CHECK_THRESHOLD": "claim_check_threshold",
             "DRLM_SANDBOX_MEMORY_MB": "sandbox_memory_mb",
             "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
+            "DRLM_SANDBOX_BUDGET_MB": "sandbox_budget_mb",
+            "DRLM_CAPACITY": "capacity",
+            "DRLM_ACTIVITY_SLOTS": "activity_slots",
             "DRLM_TRACING": "tracing",
             "DRLM_POLICY_MODULES": "policy_modules",
             "DRLM_TOOL_MODULES": "tool_modules",

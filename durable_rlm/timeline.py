@@ -27,6 +27,7 @@ from workflows.models import (
     ResumeCellInput,
     RootCompletion,
     RootCompletionInput,
+    StepEcho,
     SubQueryInput,
     SubQueryReply,
 )
@@ -172,6 +173,8 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                     for call in cells[arg.cell_index].sub_calls:
                         if call.call_index == arg.call_index:
                             call.error = message
+            elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
+                await _local_step(client, event.marker_recorded_event_attributes, iteration, cells)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
                 attrs = event.workflow_execution_completed_event_attributes
                 timeline.result = await _decode(client, attrs.result, EpisodeResult)
@@ -184,6 +187,35 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 with contextlib.suppress(LookupError):
                     child.timeline = await episode_timeline(client, child.episode_id)
     return timeline
+
+
+LOCAL_ACTIVITY_MARKER = "core_local_activity"
+
+
+async def _local_step(client: Client, attrs: Any, iteration: Any, cells: dict[int, CellView]) -> None:
+    """A local REPL step: its result (or failure) repeats the cell it ran (`StepEcho`)."""
+    if attrs.marker_name != LOCAL_ACTIVITY_MARKER or "data" not in attrs.details:
+        return
+    activity = json.loads(attrs.details["data"].payloads[0].data).get("activity_type", "")
+    if activity not in (names.REPL_EXECUTE, names.REPL_RESUME):
+        return
+    if "result" in attrs.details:
+        outcome: CellOutcome = await _decode(client, attrs.details["result"], CellOutcome)
+        echo, failure = outcome.step, None
+    else:
+        failure = attrs.failure.message
+        details = attrs.failure.application_failure_info.details
+        echo = await _decode(client, details, StepEcho) if details.payloads else None
+    if echo is None:
+        return
+    if activity == names.REPL_EXECUTE and echo.cell_index not in cells:
+        cell = cells[echo.cell_index] = CellView(cell_index=echo.cell_index, code=echo.code or "")
+        iteration(echo.iteration or 0).cells.append(cell)
+    if failure is not None:
+        if echo.cell_index in cells:
+            cells[echo.cell_index].error = f"step failed: {failure}"
+        return
+    _apply_result(activity, echo, outcome, iteration, cells)
 
 
 def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: dict[int, CellView]) -> None:

@@ -11,10 +11,13 @@ import time
 import uuid
 
 import pytest
+from temporalio.client import Client
 
+from durable_rlm.codec import data_converter
 from durable_rlm.episodes import start_episode
+from durable_rlm.runtime import EmbeddedServer
 from durable_rlm.scripted import Reply, root_and_sub
-from tests.conftest import request_for, run_episode
+from tests.conftest import WorkerProcess, request_for, run_episode
 from workflows.models import EpisodeResult
 
 pytestmark = pytest.mark.chaos
@@ -134,3 +137,83 @@ async def test_killed_while_children_run_repeats_no_finished_child(
     assert slow_turns == [0, 0, 1, 1, 1, 1]  # only the two calls cut mid-flight were repeated
     assert [r.turn for r in server.root_requests() if r.model == "root-m"] == [0, 1]
     assert result.tree_episodes == 4
+
+
+@pytest.mark.slow
+async def test_killed_in_the_middle_of_a_batch_of_eight_pays_only_the_calls_in_flight(
+    client, scripted, worker_processes
+) -> None:
+    """Four calls of the batch have answered when the worker dies, four are in flight: the
+    four answered are never asked again; only the four cut mid-flight are paid twice."""
+    prompts = [f"q{i}" for i in range(8)]
+    turns = [
+        f"```repl\nparts = llm_query_batched({prompts!r})\nresult = ','.join(parts)\n```",
+        "FINAL_VAR(result)",
+    ]
+
+    def answer(prompt: str) -> Reply:
+        slow = int(prompt[1:]) >= 4
+        return Reply(text=prompt.upper(), delay_s=4.0 if slow else 0.05)
+
+    server = scripted(root_and_sub(turns, answer))
+    first = worker_processes()
+    handle = await start_episode(
+        client, request_for(server), worker_processes.queue, f"crash-batch-{uuid.uuid4().hex[:6]}"
+    )
+    await wait_until(lambda: len(server.sub_requests()) == 8)
+    await asyncio.sleep(1.0)  # the quick four have answered and been recorded; four still think
+    first.kill()
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+
+    assert result.answer == ",".join(p.upper() for p in prompts)
+    asked: dict[str, int] = {}
+    for request in server.sub_requests():
+        asked[request.last_user] = asked.get(request.last_user, 0) + 1
+    assert {p: asked[p] for p in prompts[:4]} == dict.fromkeys(prompts[:4], 1)  # answered: paid once
+    assert {p: asked[p] for p in prompts[4:]} == dict.fromkeys(prompts[4:], 2)  # cut mid-flight
+    assert [r.turn for r in server.root_requests()] == [0, 1]  # no root call repeated
+
+
+async def test_the_server_killed_mid_episode_loses_nothing(tmp_path, blobs, session_dir, scripted) -> None:
+    """kill -9 of the Temporal server while a model call is in flight; restarted on its
+    SQLite file, the episode finishes with the right answer, and no call that had answered
+    before the kill is asked again."""
+    turns = [
+        "```repl\nfirst = llm_query('before')\n```",
+        "```repl\nsecond = llm_query('during')\nresult = first + '+' + second\n```",
+        "FINAL_VAR(result)",
+    ]
+    server = scripted(
+        root_and_sub(turns, lambda p: Reply(text=p.upper(), delay_s=3.0 if p == "during" else 0))
+    )
+    temporal = EmbeddedServer(tmp_path / "temporal.sqlite")
+    address = await temporal.start()
+    queue = f"server-kill-{uuid.uuid4().hex[:6]}"
+    worker = WorkerProcess(address, f"sqlite:///{session_dir / 'drlm.sqlite'}", queue)
+    try:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        handle = await start_episode(
+            client, request_for(server), queue, f"server-kill-{uuid.uuid4().hex[:6]}"
+        )
+        await wait_until(lambda: any(r.last_user == "during" for r in server.sub_requests()))
+        assert temporal.process is not None
+        temporal.process.kill()  # kill -9: no shutdown of any kind
+        await temporal.process.wait()
+        await asyncio.sleep(1.0)
+        restarted = EmbeddedServer(tmp_path / "temporal.sqlite", port=temporal.port)
+        await restarted.start()
+        temporal = restarted
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        result = await asyncio.wait_for(
+            client.get_workflow_handle(handle.id, result_type=EpisodeResult).result(), 120
+        )
+    finally:
+        worker.stop()
+        await temporal.stop()
+
+    assert result.answer == "BEFORE+DURING"
+    asked = [r.last_user for r in server.sub_requests()]
+    assert asked.count("before") == 1  # answered before the kill: never asked again
+    assert 1 <= asked.count("during") <= 2  # in flight at the kill: at most once more
+    assert [r.turn for r in server.root_requests()] == [0, 1, 2]  # no root call repeated

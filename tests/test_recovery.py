@@ -10,14 +10,13 @@ a sandbox killed mid-cell costs only that cell.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import uuid
-from datetime import datetime
 from pathlib import Path
 
 import pytest
-from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -28,24 +27,26 @@ from durable_rlm.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.timeline import episode_timeline
 from tests.conftest import Episode, request_for, run_episode
-from workflows import names
+from workflows import defaults, names
 from workflows.models import CellOutcome, DurabilitySettings, EpisodeLimits, ExecuteCellInput
 
 # --- host level ------------------------------------------------------------------------------
 
 
 def sandbox_pids(episode_id: str) -> list[int]:
-    """Sandbox processes of one episode, found by their command line."""
+    """Live sandbox processes of one episode, found by their working directory (spawned or
+    forked from a template alike: each runs in its own `<episode>-<random>` directory)."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in episode_id)[:80]
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+            cwd = os.readlink(entry / "cwd")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if "child.py" in cmdline and f"/{safe}-" in cmdline:
+        if Path(cwd).name.startswith(f"{safe}-") and state != "Z":
             pids.append(int(entry.name))
     return pids
 
@@ -136,28 +137,22 @@ async def test_a_sandbox_whose_limits_cannot_be_set_does_not_start(blob_store, s
 # --- episode level, real worker processes ------------------------------------------------------
 
 
-async def started_attempt(
-    handle: WorkflowHandle, activity: str, after: datetime | None, timeout: float = 60
-) -> datetime:
-    """When the next attempt of `activity` (any activity id) was picked up by a worker."""
+async def new_sandbox(episode_id: str, seen: set[int], timeout: float = 90) -> int:
+    """The next sandbox of the episode (a step started on a worker that had to rebuild)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        description = await handle.describe()
-        for pending in description.raw_description.pending_activities:
-            if (
-                pending.activity_type.name == activity
-                and pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
-            ):
-                started = pending.last_started_time.ToDatetime()
-                if after is None or started > after:
-                    return started
+        fresh = [pid for pid in sandbox_pids(episode_id) if pid not in seen]
+        if fresh:
+            seen.update(fresh)
+            return fresh[0]
         await asyncio.sleep(0.1)
-    raise AssertionError(f"no new attempt of {activity} started")
+    raise AssertionError(f"no new sandbox of {episode_id} started")
 
 
 async def last_log_head(client, handle: WorkflowHandle) -> str:
-    """The cell-log head of the episode's last completed REPL step, from its history."""
+    """The cell-log head of the episode's last completed REPL step, from its history (local
+    steps are markers; steps of remote episodes, activity events)."""
     history = await handle.fetch_history()
     scheduled = {}
     head = None
@@ -166,14 +161,24 @@ async def last_log_head(client, handle: WorkflowHandle) -> str:
             scheduled[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
         elif event.HasField("activity_task_completed_event_attributes"):
             attrs = event.activity_task_completed_event_attributes
-            if scheduled.get(attrs.scheduled_event_id) == names.REPL_EXECUTE:
+            if scheduled.get(attrs.scheduled_event_id) in (names.REPL_EXECUTE, names.REPL_RESUME):
                 (outcome,) = await client.data_converter.decode(list(attrs.result.payloads), [CellOutcome])
+                head = outcome.log_head
+        elif event.HasField("marker_recorded_event_attributes"):
+            details = event.marker_recorded_event_attributes.details
+            if "result" not in details or "data" not in details:
+                continue
+            kind = json.loads(details["data"].payloads[0].data).get("activity_type")
+            if kind in (names.REPL_EXECUTE, names.REPL_RESUME):
+                (outcome,) = await client.data_converter.decode(
+                    list(details["result"].payloads), [CellOutcome]
+                )
                 head = outcome.log_head
     assert head is not None
     return head
 
 
-FAST = DurabilitySettings(heartbeat_timeout_s=2, sticky_schedule_to_start_s=2)
+FAST = DurabilitySettings(heartbeat_timeout_s=2, sticky_schedule_to_start_s=2, task_timeout_s=2)
 
 
 @pytest.mark.chaos
@@ -190,12 +195,16 @@ async def test_a_cell_whose_worker_dies_on_every_attempt_is_lost_and_the_episode
     ]
     server = scripted(root_and_sub(turns, lambda p: p.upper()))
     worker = worker_processes()
+    episode_id = f"lost-{uuid.uuid4().hex[:6]}"
     handle = await start_episode(
-        client, request_for(server, durability=FAST), worker_processes.queue, f"lost-{uuid.uuid4().hex[:6]}"
+        client, request_for(server, durability=FAST), worker_processes.queue, episode_id
     )
-    started = None
-    for _ in range(4):  # the sticky attempt, then three attempts on the shared queue
-        started = await started_attempt(handle, names.REPL_RESUME, started)
+    while not server.sub_requests():  # the long cell asked its call: its resume step runs next
+        await asyncio.sleep(0.05)
+    seen = set(sandbox_pids(episode_id))
+    for attempt in range(defaults.REPL_ATTEMPTS_LOCAL):  # the next start gives up
+        if attempt:
+            await new_sandbox(episode_id, seen)  # a new worker rebuilt the REPL for this start
         await asyncio.sleep(1.5)
         worker.kill()
         worker = worker_processes()
@@ -219,7 +228,8 @@ async def test_a_cell_whose_worker_dies_on_every_attempt_is_lost_and_the_episode
 @pytest.mark.slow
 async def test_a_long_log_of_quick_cells_is_rebuilt_after_a_crash(client, scripted, worker_processes) -> None:
     quick = "".join(f"```repl\nimport time\ntime.sleep(0.3)\nn = {i}\n```\n" for i in range(1, 21))
-    turns = [quick, "```repl\nimport time\ntime.sleep(4)\nprint(n)\n```", "FINAL_VAR(n)"]
+    long_cell = "```repl\nopen('cell21', 'w').close()\nimport time\ntime.sleep(4)\nprint(n)\n```"
+    turns = [quick, long_cell, "FINAL_VAR(n)"]
     server = scripted(root_and_sub(turns))
     limits = EpisodeLimits(max_iterations=8, cell_timeout_s=10, max_cells_per_reply=20)
     first = worker_processes()
@@ -229,10 +239,14 @@ async def test_a_long_log_of_quick_cells_is_rebuilt_after_a_crash(client, script
         worker_processes.queue,
         f"quick-{uuid.uuid4().hex[:6]}",
     )
-    while len(server.root_requests()) < 2:
-        await asyncio.sleep(0.1)
-    await started_attempt(handle, names.REPL_EXECUTE, None)
-    await asyncio.sleep(1)  # cell 21 sleeps in the first worker's sandbox
+    episode_id = handle.id
+    for _ in range(600):  # cell 21 sleeps in the first worker's sandbox
+        if any((Path(f"/proc/{pid}/cwd") / "cell21").exists() for pid in sandbox_pids(episode_id)):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("cell 21 never started")
+    await asyncio.sleep(1)
     first.kill()
     worker_processes()  # must replay 20 x 0.3 s of cells, heartbeating every second
     result = await asyncio.wait_for(handle.result(), 120)

@@ -126,6 +126,22 @@ def test_trees_of_episodes_are_stored() -> None:
     assert not _has_patch_marker("cancelled.json", names.PATCH_CANCEL_WAVE)
 
 
+def test_histories_with_local_repl_steps_are_stored() -> None:
+    # REPL steps as local activities: markers in history, no activity events for them.
+    for name in ("local_steps", "local_lost"):
+        assert _has_patch_marker(f"{name}.json", names.PATCH_LOCAL_REPL), name
+        assert names.REPL_EXECUTE not in _activity_types(f"{name}.json")
+    events = json.loads((HISTORIES[0].parent / "local_steps.json").read_text())["events"]
+    local = [
+        e
+        for e in events
+        if e.get("markerRecordedEventAttributes", {}).get("markerName") == "core_local_activity"
+    ]
+    assert len(local) == 7  # 3 cells, 2 resumes, a variable read, the close
+    for name in OLD_RULES + NEW_KINDS:
+        assert not _has_patch_marker(f"{name}.json", names.PATCH_LOCAL_REPL), name
+
+
 def test_a_history_with_custom_tools_is_stored() -> None:
     assert _activity_types("tools.json").count(names.RUN_TOOL) == 3  # retries are attempts of one
 

@@ -158,6 +158,7 @@ async def child_episode(
             id=episode_id,
             result_type=EpisodeResult,
             parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+            task_timeout=timedelta(seconds=request.durability.task_timeout_s),
             memo={"parent": workflow.info().workflow_id, "depth": request.depth},
             static_summary=f"rlm_query {site.cell_index}.{call.call_index} (depth {request.depth})",
         )

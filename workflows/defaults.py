@@ -92,12 +92,16 @@ and tail kept); the stored conversation keeps it whole."""
 
 # --- durability ----------------------------------------------------------------------------
 
-HEARTBEAT_TIMEOUT_S = 10.0
+HEARTBEAT_TIMEOUT_S = 3.0
 """A worker that stops heartbeating for this long is presumed dead and the step retried."""
 
-STICKY_SCHEDULE_TO_START_S = 10.0
+STICKY_SCHEDULE_TO_START_S = 3.0
 """How long a REPL step waits for the worker that holds its sandbox before another worker
 rebuilds the sandbox from the log."""
+
+WORKFLOW_TASK_TIMEOUT_S = 5.0
+"""A local REPL step runs inside a workflow task: a worker lost during it is noticed when the
+task times out (the SDK extends the task every 80% of this while a step runs longer)."""
 
 HEARTBEAT_EVERY_S = 1.0
 """Heartbeat period of long activities; the SDK throttles what reaches the server."""
@@ -106,6 +110,11 @@ REPL_ATTEMPTS_STICKY = 2
 REPL_ATTEMPTS_SHARED = 3
 """A REPL step gets two tries on its worker, then three on any worker (rebuilding); after
 that the cell is recorded as lost and the episode goes on without it."""
+
+REPL_ATTEMPTS_LOCAL = 3
+"""A REPL step run as a local activity (on the worker that runs the episode's workflow task)
+gets three tries, counted across workers by a ledger in the blob store; after that the cell
+is recorded as lost."""
 
 REPL_SLACK_S = 120.0
 """Added to the cell timeout for a REPL step: a rebuild replays earlier cells first."""
@@ -188,3 +197,15 @@ the child's own fallback extraction before the parent's timer fires."""
 
 ANTHROPIC_MAX_TOKENS = 4_096
 """The Messages API requires max_tokens; this is sent when the model settings give none."""
+
+
+# --- worker capacity -------------------------------------------------------------------------
+
+WORKER_CAPACITY = 500
+"""Live episodes one worker serves. Its workflow cache holds that many: an episode evicted
+from the cache replays its whole history on its next step (~0.5 s per iteration) and, its
+REPL steps being local, rebuilds its sandbox on whichever worker picks it up."""
+
+ACTIVITY_SLOTS = 512
+"""Model calls and tool calls in flight on one worker. A model call is async: waiting on the
+provider holds a slot, not a thread."""

@@ -118,8 +118,14 @@ class EpisodeWorkflow:
         self._depth = request.depth
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
+        local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
         self._repl = ReplSteps(
-            request, self._s, self._set_phase, stop_on_cancel=self._honest, stopping=lambda: self._stopping
+            request,
+            self._s,
+            self._set_phase,
+            stop_on_cancel=self._honest,
+            stopping=lambda: self._stopping,
+            local=local,
         )
 
         try:

@@ -124,6 +124,17 @@ class DurabilitySettings(StrictModel):
 
     heartbeat_timeout_s: float = Field(default=defaults.HEARTBEAT_TIMEOUT_S, gt=0)
     sticky_schedule_to_start_s: float = Field(default=defaults.STICKY_SCHEDULE_TO_START_S, gt=0)
+    task_timeout_s: float = Field(
+        default=defaults.WORKFLOW_TASK_TIMEOUT_S,
+        gt=0,
+        le=120,
+        description="workflow task timeout: how soon a worker lost during a local REPL step is noticed",
+    )
+    local_repl: bool = Field(
+        default=True,
+        description="run REPL steps as local activities on the worker that runs the episode "
+        "(half the round trips per iteration); False routes them to the sandbox's worker queue",
+    )
 
 
 class TerminationSpec(StrictModel):
@@ -535,6 +546,15 @@ class SubCallRequest(StrictModel):
     )
 
 
+class StepEcho(StrictModel):
+    """A local REPL step's input as its result repeats it: history records a local
+    activity's result (a marker), not its input, and the audit trail needs the cell."""
+
+    cell_index: int
+    iteration: int | None = None  # set for the step that starts the cell
+    code: str | None = None  # likewise
+
+
 class CellOutcome(StrictModel):
     """Result of one REPL step: either the cell finished, or it is suspended at model calls
     the workflow must run before resuming it."""
@@ -553,6 +573,9 @@ class CellOutcome(StrictModel):
     divergences: list[str] = Field(default_factory=list)
     variables: dict[str, str] = Field(default_factory=dict, description="bounded summary")
     submitted: dict[str, Any] | None = None
+    step: StepEcho | None = Field(
+        default=None, description="which step this answers; set by local steps, whose input is not in history"
+    )
 
     @property
     def ok(self) -> bool:

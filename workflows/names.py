@@ -48,8 +48,10 @@ MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
 TOOL_NOT_REGISTERED = "ToolNotRegistered"
 TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
+REPL_STEP_ABANDONED = "ReplStepAbandoned"  # a local REPL step started too often without finishing
 
 # workflow.patched() ids: each guards a change that alters the commands of old histories.
 PATCH_FALLBACK_EXTRACTION = "fallback-extraction"
 PATCH_HONEST_ENDINGS = "honest-endings"
 PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of the wave in flight
+PATCH_LOCAL_REPL = "local-repl"  # REPL steps run as local activities on the workflow's worker

@@ -36,7 +36,13 @@ from workflows.models import (
     VariableValue,
 )
 from workflows.parsing import is_variable_name
-from workflows.retries import describe_failure, describe_lost_step, is_timeout, raise_if_cancelled
+from workflows.retries import (
+    STEP_FAILURES,
+    describe_failure,
+    describe_lost_step,
+    is_timeout,
+    raise_if_cancelled,
+)
 
 R = TypeVar("R")
 
@@ -60,8 +66,10 @@ class ReplSteps:
         set_phase: Callable[[str], None],
         stop_on_cancel: bool = True,
         stopping: Callable[[], bool] = lambda: False,
+        local: bool = False,
     ) -> None:
         self.request = request
+        self.local = local  # steps run as local activities (histories from before: remote)
         self.state = state
         self.set_phase = set_phase
         self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
@@ -104,7 +112,7 @@ class ReplSteps:
                     CellOutcome,
                     f"cell {cell_index} resumed",
                 )
-        except ActivityError as err:
+        except STEP_FAILURES as err:
             if self.stop_on_cancel:
                 raise_if_cancelled(err)
             state.log_head, state.repl_queue = head_before, None
@@ -131,7 +139,7 @@ class ReplSteps:
                 VariableValue,
                 f"read {name}",
             )
-        except ActivityError as err:
+        except STEP_FAILURES as err:
             if self.stop_on_cancel:
                 raise_if_cancelled(err)
             self.state.repl_queue = None
@@ -139,6 +147,18 @@ class ReplSteps:
         return VariableRead(value.value if value.found else None)
 
     async def close(self) -> None:
+        if self.local:
+            try:
+                await workflow.execute_local_activity(
+                    names.REPL_CLOSE,
+                    CloseSandboxInput(episode_id=workflow.info().workflow_id),
+                    result_type=bool,
+                    start_to_close_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
+                    retry_policy=RetryPolicy(maximum_attempts=1),
+                )
+            except STEP_FAILURES:
+                pass  # idle reaping covers a sandbox that would not close
+            return
         queue = self.state.repl_queue
         if queue is None:
             return
@@ -152,7 +172,7 @@ class ReplSteps:
                 start_to_close_timeout=timedelta(seconds=3 * defaults.CLOSE_SANDBOX_TIMEOUT_S),
                 retry_policy=RetryPolicy(maximum_attempts=1),
             )
-        except ActivityError:
+        except STEP_FAILURES:
             pass  # the worker is gone, and its sandbox with it; idle reaping covers the rest
 
     async def _step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
@@ -160,7 +180,13 @@ class ReplSteps:
 
         If that worker is gone (the step is not picked up in time), the step goes to the
         shared queue, where any worker rebuilds the sandbox from the cell log.
+
+        A local step runs on the worker running this workflow task, which is where the
+        sandbox lives as long as the episode stays in that worker's cache; on any other
+        worker it rebuilds. It saves an activity dispatch and a workflow task per step.
         """
+        if self.local:
+            return await self._local_step(activity, arg, result, summary)
         state = self.state
         durability = self.request.durability
         while True:
@@ -194,6 +220,23 @@ class ReplSteps:
             state.log_head = outcome.log_head or state.log_head  # type: ignore[attr-defined]
             state.repl_queue = outcome.worker_queue  # type: ignore[attr-defined]
             return outcome
+
+    async def _local_step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
+        outcome = await workflow.execute_local_activity(
+            activity,
+            arg,
+            result_type=result,
+            start_to_close_timeout=timedelta(
+                seconds=self.request.limits.cell_timeout_s + defaults.REPL_SLACK_S
+            ),
+            retry_policy=RetryPolicy(
+                maximum_attempts=defaults.REPL_ATTEMPTS_LOCAL,
+                non_retryable_error_types=[names.SANDBOX_FAILURE, names.REPL_STEP_ABANDONED],
+            ),
+            summary=summary,
+        )
+        self.state.log_head = outcome.log_head or self.state.log_head  # type: ignore[attr-defined]
+        return outcome
 
     async def answer_calls(
         self, iteration: int, cell_index: int, requests: list[SubCallRequest]

@@ -11,6 +11,7 @@ from temporalio.exceptions import (
     ActivityError,
     ApplicationError,
     CancelledError,
+    FailureError,
     TerminatedError,
     TimeoutError,
     TimeoutType,
@@ -18,6 +19,10 @@ from temporalio.exceptions import (
 
 from workflows import defaults, names
 from workflows.models import DurabilitySettings, ModelSettings
+
+STEP_FAILURES = (ActivityError, ApplicationError, TimeoutError)
+"""How a failed step reaches workflow code: an activity's failure wrapped in ActivityError, a
+local activity's as the failure itself."""
 
 
 def model_retry_policy(max_attempts: int) -> RetryPolicy:
@@ -40,10 +45,10 @@ def model_step_options(model: ModelSettings, durability: DurabilitySettings) -> 
     }
 
 
-def raise_if_cancelled(err: ActivityError) -> None:
+def raise_if_cancelled(err: FailureError) -> None:
     """A step cancelled because the episode (or the loop, at the deadline) was cancelled
     arrives as an ActivityError; it must end the loop, not be handled as a failed step."""
-    if isinstance(err.cause, CancelledError):
+    if isinstance(err, CancelledError) or isinstance(getattr(err, "cause", None), CancelledError):
         raise asyncio.CancelledError() from err
 
 
@@ -92,9 +97,11 @@ def ending_of(cause: BaseException | None) -> str:
     return "failed"
 
 
-def describe_lost_step(err: ActivityError) -> str:
+def describe_lost_step(err: FailureError) -> str:
     """Why a REPL step failed on every attempt, in the words the model and a person read."""
-    cause = err.cause
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if error_type(err) == names.REPL_STEP_ABANDONED:
+        return f"the worker running this cell was lost ({describe_failure(err)})"
     if isinstance(cause, TimeoutError):
         kind = {
             TimeoutType.HEARTBEAT: "stopped heartbeating",

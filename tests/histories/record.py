@@ -272,6 +272,34 @@ async def record_tools(client: Client, only: set[str]) -> None:
         (HERE / "tools.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only: set[str]) -> None:
+    """Episodes whose REPL steps are local activities (markers in history, not activity
+    events): one with calls, an error and a FINAL_VAR read; one whose cells are lost."""
+    model = lambda server: ModelSettings(model="scripted", base_url=server.base_url)  # noqa: E731
+
+    async def save(name: str, request: EpisodeRequest, queue: str) -> None:
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id=name, task_queue=queue, result_type=EpisodeResult
+        )
+        print(name, await handle.result())
+        (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
+
+    if "local_steps" in only:
+        turns, context = SCRIPTS["multi_iteration_final_var"]
+        with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
+            request = EpisodeRequest(
+                task="record a history", context=store_context(blobs, context), root_model=model(server), seed=1
+            )
+            await save("local_steps", request, "record")
+    if "local_lost" in only:
+        settings = Settings(task_queue="record-broken", data_dir=work, sandbox_memory_mb=2**44)
+        turns = ["```repl\nx = 1\n```", "FINAL(no REPL today)"]
+        with ScriptedModelServer(root_and_sub(turns)) as server:
+            async with running_workers(Services(settings, blobs, None, client)):
+                request = EpisodeRequest(task="t", root_model=model(server), seed=1)
+                await save("local_lost", request, "record-broken")
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -303,6 +331,7 @@ async def record(only: set[str]) -> None:
             await record_new_kinds(client, blobs, work, only)
             await record_trees(client, only)
             await record_tools(client, only)
+            await record_local_steps(client, blobs, work, only)
 
 
 if __name__ == "__main__":

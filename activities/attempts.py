@@ -1,0 +1,75 @@
+"""Starts of a local REPL step, counted across workers.
+
+A local activity's attempts are counted by the worker that runs it, and nothing reaches
+history until its workflow task completes. When a cell kills its worker, the next worker
+replays the episode and starts the step again as attempt 1: a cell that kills every worker
+would loop forever. Each start is therefore recorded in the blob store (a content-addressed
+marker: start k of step S of this run), and a step started too often gives up, so the
+workflow records the cell as lost and the episode goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from durable_rlm.blobs import BlobStore, digest_of
+from workflows import defaults, names
+from workflows.models import CellOutcome, StepEcho
+
+
+def _marker(step: str, start: int) -> bytes:
+    return f"drlm-local-step-start\n{step}\n{start}".encode()
+
+
+def record_start(blobs: BlobStore, step: str, limit: int) -> int:
+    """Record one more start of `step`; refuse the one after `limit`."""
+    for start in range(1, limit + 1):
+        marker = _marker(step, start)
+        if not blobs.contains(digest_of(marker)):
+            blobs.put(marker)
+            return start
+    raise ApplicationError(
+        f"its step was started {limit} times and the worker was lost each time",
+        type=names.REPL_STEP_ABANDONED,
+        non_retryable=True,
+    )
+
+
+async def count_local_start(blobs: BlobStore, limit: int = defaults.REPL_ATTEMPTS_LOCAL) -> None:
+    """In a local activity: count this start of the step (its activity id is stable across
+    replays of the run); remote activities are counted by the server."""
+    if not activity.in_activity():
+        return
+    info = activity.info()
+    if not info.is_local:
+        return
+    step = f"{info.workflow_id}/{info.workflow_run_id}/{info.activity_id}"
+    await asyncio.to_thread(record_start, blobs, step, limit)
+
+
+@contextlib.asynccontextmanager
+async def echoed(echo: StepEcho) -> AsyncIterator[Callable[[CellOutcome], CellOutcome]]:
+    """A local step repeats its input in what it returns, and in the details of a failure
+    (history holds a local activity's result, not its input)."""
+    local = activity.in_activity() and activity.info().is_local
+
+    def attach(outcome: CellOutcome) -> CellOutcome:
+        return outcome.model_copy(update={"step": echo}) if local else outcome
+
+    try:
+        yield attach
+    except ApplicationError as exc:
+        if not local or exc.details:
+            raise
+        raise ApplicationError(
+            exc.message,
+            echo,
+            type=exc.type,
+            non_retryable=exc.non_retryable,
+            next_retry_delay=exc.next_retry_delay,
+        ) from exc
