@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from temporalio.service import RPCError
 from durable_rlm import demo, schema
 from durable_rlm.api import DurableRLM
 from durable_rlm.episodes import (
+    CancelOutcome,
     EpisodeEnd,
     cancel_episode,
     follow,
@@ -33,7 +35,7 @@ from durable_rlm.episodes import (
 )
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import connect, import_policy_modules, session
+from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers, session
 from durable_rlm.scripted import ScriptedModelServer
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.timeline import describe_execution, episode_timeline, render
@@ -50,6 +52,8 @@ EXIT_USAGE = 2  # bad command line, configuration or request: nothing was starte
 EXIT_NO_ANSWER = 3  # a limit or a policy stopped it, and there is no answer
 EXIT_EXTRACTED = 4  # a limit stopped it and the answer was extracted (0 with --accept-extracted)
 EXIT_CANCELLED = 5  # cancelled or terminated
+
+CANCEL_HEAD_START_S = 0.5  # how long `drlm cancel` lets its request travel before its worker polls
 
 
 def _stderr(line: str) -> None:
@@ -409,14 +413,23 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     # A worker must run the cancellation (it cancels the children, closes the sandbox and
     # the audit row, and extracts when asked).
-    async with session(settings) as services:
-        outcome = await cancel_episode(services.client, args.episode_id, args.extract, args.reason)
-        _stderr(outcome.message)
-        if not outcome.accepted:
-            return EXIT_OK
-        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        end = await follow(handle, None)
-    code = _print_end(end, as_json=False)
+    async with connect(settings) as services:
+        # The request reaches the server before this process's worker polls: an episode no
+        # worker has picked up yet then sees the cancel in its first task, before any call.
+        request = asyncio.ensure_future(
+            cancel_episode(services.client, args.episode_id, args.extract, args.reason)
+        )
+        await asyncio.wait({request}, timeout=CANCEL_HEAD_START_S)
+        async with running_workers(services) if settings.embedded else contextlib.nullcontext():
+            return await _cancelled(services, args, await request)
+
+
+async def _cancelled(services: Services, args: argparse.Namespace, outcome: CancelOutcome) -> int:
+    _stderr(outcome.message)
+    if not outcome.accepted:
+        return EXIT_OK
+    handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+    code = _print_end(await follow(handle, None), as_json=False)
     return EXIT_OK if code == EXIT_CANCELLED else code
 
 
