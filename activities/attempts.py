@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.blobs import BlobStore, digest_of
+from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
 from workflows.models import CellOutcome, StepEcho
 
@@ -29,9 +29,7 @@ def _marker(step: str, start: int) -> bytes:
 def record_start(blobs: BlobStore, step: str, limit: int) -> int:
     """Record one more start of `step`; refuse the one after `limit`."""
     for start in range(1, limit + 1):
-        marker = _marker(step, start)
-        if not blobs.contains(digest_of(marker)):
-            blobs.put(marker)
+        if blobs.add(_marker(step, start)):
             return start
     raise ApplicationError(
         f"its step was started {limit} times and the worker was lost each time",

@@ -41,6 +41,8 @@ def _check_digest(digest: str) -> str:
 
 class BlobBackend(Protocol):
     def write(self, digest: str, data: bytes) -> None: ...
+    def write_many(self, items: dict[str, bytes]) -> None: ...
+    def add(self, digest: str, data: bytes) -> bool: ...
     def read(self, digest: str) -> bytes | None: ...
 
 
@@ -63,6 +65,21 @@ class DirectoryBackend:
             handle.write(data)
         os.replace(tmp, path)
 
+    def write_many(self, items: dict[str, bytes]) -> None:
+        for digest, data in items.items():
+            self.write(digest, data)
+
+    def add(self, digest: str, data: bytes) -> bool:
+        """Store unless present; True when this call stored it (an exclusive create)."""
+        path = self._path(digest)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(path, "xb") as handle:
+                handle.write(data)
+        except FileExistsError:
+            return False
+        return True
+
     def read(self, digest: str) -> bytes | None:
         path = self._path(digest)
         return path.read_bytes() if path.exists() else None
@@ -83,6 +100,40 @@ class SqlBackend:
                     conn.execute(schema.blobs.insert().values(digest=digest, size=len(data), data=data))
                 except sa.exc.IntegrityError:
                     pass  # a concurrent writer stored the same bytes
+
+    def write_many(self, items: dict[str, bytes]) -> None:
+        """One transaction for a step's blobs: each commit costs more than the rows."""
+        if not items:
+            return
+        for digest in items:
+            _check_digest(digest)
+        try:
+            with self.engine.begin() as conn:
+                present = set(
+                    conn.execute(
+                        sa.select(schema.blobs.c.digest).where(schema.blobs.c.digest.in_(list(items)))
+                    ).scalars()
+                )
+                rows = [
+                    {"digest": d, "size": len(data), "data": data}
+                    for d, data in items.items()
+                    if d not in present
+                ]
+                if rows:
+                    conn.execute(schema.blobs.insert(), rows)
+        except sa.exc.IntegrityError:
+            for d, data in items.items():
+                self.write(d, data)  # a concurrent writer stored some of them: one by one
+
+    def add(self, digest: str, data: bytes) -> bool:
+        """Store unless present; True when this call stored it (one insert, no read)."""
+        _check_digest(digest)
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(schema.blobs.insert().values(digest=digest, size=len(data), data=data))
+        except sa.exc.IntegrityError:
+            return False
+        return True
 
     def read(self, digest: str) -> bytes | None:
         _check_digest(digest)
@@ -119,8 +170,22 @@ class BlobStore:
         self._remember(digest, data)
         return data
 
-    def contains(self, digest: str) -> bool:
-        return digest in self._cache or self.backend.read(digest) is not None
+    def put_many(self, blobs: list[bytes]) -> list[str]:
+        """Store several blobs in one write; their digests in order."""
+        digests = [digest_of(data) for data in blobs]
+        fresh = {d: data for d, data in zip(digests, blobs, strict=True) if d not in self._cache}
+        self.backend.write_many(fresh)
+        for digest, data in fresh.items():
+            self._remember(digest, data)
+        return digests
+
+    def add(self, data: bytes) -> bool:
+        """Store `data` unless the backend has it; True when this call stored it. Always asks
+        the backend (another process may have stored it): a once-only marker."""
+        digest = digest_of(data)
+        added = self.backend.add(digest, data)
+        self._remember(digest, data)
+        return added
 
     def put_text(self, text: str) -> str:
         return self.put(text.encode("utf-8"))

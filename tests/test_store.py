@@ -161,3 +161,29 @@ def test_settings_default_to_the_embedded_server_and_sqlite(tmp_path: Path) -> N
     assert settings.embedded
     assert settings.effective_database_url == f"sqlite:///{tmp_path.resolve() / 'drlm.sqlite'}"
     assert not Settings.from_env({"TEMPORAL_ADDRESS": "localhost:7233"}).embedded
+
+
+def _backends(engine: sa.Engine, tmp_path: Path) -> list[BlobStore]:
+    migrate(engine)
+    return [BlobStore(SqlBackend(engine)), BlobStore(DirectoryBackend(tmp_path / "blobs"))]
+
+
+def test_a_once_only_marker_is_added_once_across_stores(engine: sa.Engine, tmp_path: Path) -> None:
+    """`add` asks the backend, not the cache: two stores on one backend (two workers) agree."""
+    for store in _backends(engine, tmp_path):
+        other = BlobStore(store.backend)
+        assert store.add(b"step 1 started") is True
+        assert store.add(b"step 1 started") is False
+        assert other.add(b"step 1 started") is False
+        assert other.get(digest_of(b"step 1 started")) == b"step 1 started"
+
+
+def test_a_step_stores_its_blobs_in_one_write(engine: sa.Engine, tmp_path: Path) -> None:
+    for store in _backends(engine, tmp_path):
+        store.put(b"already there")
+        blobs = [b"already there", b"new one", b"new one", b"another"]
+        digests = store.put_many(blobs)
+        assert digests == [digest_of(b) for b in blobs]
+        fresh = BlobStore(store.backend)  # nothing from the first store's cache
+        assert [fresh.get(d) for d in digests] == blobs
+        assert store.put_many([]) == []
