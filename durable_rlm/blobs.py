@@ -157,6 +157,10 @@ class BlobStore:
             self._remember(digest, data)
         return digest
 
+    def cached(self, digest: str) -> bytes | None:
+        """The blob if this process holds it in memory (no I/O, so no thread hop needed)."""
+        return self._cache.get(digest)
+
     def get(self, digest: str) -> bytes:
         cached = self._cache.get(digest)
         if cached is not None:

@@ -44,7 +44,10 @@ class ClaimCheckCodec(PayloadCodec):
     async def _decode_one(self, payload: Payload) -> Payload:
         if payload.metadata.get("encoding") != ENCODING:
             return payload
-        data = await asyncio.to_thread(self.blobs.get, payload.data.decode())
+        digest = payload.data.decode()
+        data = self.blobs.cached(digest)  # hot: a payload this worker wrote or read recently
+        if data is None:
+            data = await asyncio.to_thread(self.blobs.get, digest)
         return Payload.FromString(data)
 
 

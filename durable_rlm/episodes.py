@@ -82,6 +82,7 @@ async def start_episode(
         task_queue=task_queue,
         result_type=EpisodeResult,
         task_timeout=timedelta(seconds=request.durability.task_timeout_s),
+        request_eager_start=True,  # taken only when this client's process runs a worker
     )
 
 
