@@ -19,10 +19,9 @@ import contextlib
 import logging
 import os
 import shutil
-import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,8 +32,15 @@ from temporalio.exceptions import ApplicationError
 from activities import chains
 from activities.attempts import count_local_start, echoed
 from activities.chains import CallsAnswered, CellEnded, CellStarted, LoggedAnswer, LoggedCell
-from activities.sandbox import CHILD_PATH
 from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
+from activities.sandbox_processes import (
+    ForkServer,
+    ForkServerError,
+    SandboxProcess,
+    sandbox_env,
+    spawn_sandbox,
+    uss_bytes,
+)
 from durable_rlm.blobs import BlobStore, text_digest
 from workflows import defaults, names
 from workflows.models import (
@@ -95,7 +101,7 @@ async def heartbeating(every_s: float = defaults.HEARTBEAT_EVERY_S) -> AsyncIter
 @dataclass
 class LiveSandbox:
     episode_id: str
-    process: asyncio.subprocess.Process
+    process: SandboxProcess
     directory: Path
     frames: asyncio.Queue[dict[str, Any] | None]
     reader: asyncio.Task[None]
@@ -108,7 +114,6 @@ class LiveSandbox:
     layers: dict[str, str] = field(default_factory=dict)
 
     async def send(self, message: dict[str, Any]) -> None:
-        assert self.process.stdin is not None
         self.process.stdin.write(encode_frame(message))
         await self.process.stdin.drain()
 
@@ -126,6 +131,7 @@ class LiveSandbox:
                 self.process.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.process.wait(), 5)
+        self.process.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     async def exit_code(self) -> int | None:
@@ -134,9 +140,8 @@ class LiveSandbox:
         return self.process.returncode
 
 
-async def _read_frames(process: asyncio.subprocess.Process, queue: asyncio.Queue, max_frame: int) -> None:
+async def _read_frames(process: SandboxProcess, queue: asyncio.Queue, max_frame: int) -> None:
     """Frames from the sandbox; what is not a frame is reported as what it is."""
-    assert process.stdout is not None
     try:
         while True:
             header = await process.stdout.readexactly(HEADER.size)
@@ -162,11 +167,45 @@ async def _read_frames(process: asyncio.subprocess.Process, queue: asyncio.Queue
         await queue.put(None)
 
 
+class StepLock(asyncio.Lock):
+    """An episode's lock: held for the length of each of its steps; its release is the
+    moment a step has finished, when the memory budget is checked."""
+
+    def __init__(self, on_release: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_release = on_release
+
+    def release(self) -> None:
+        super().release()
+        self._on_release()
+
+
+@dataclass
+class MemoryReport:
+    """Unique set sizes in bytes: what each live sandbox alone holds, and the template."""
+
+    sandboxes: dict[str, int]  # episode id -> USS
+    template: int | None  # None in spawn mode, or when no template runs
+
+    @property
+    def sandboxes_total(self) -> int:
+        return sum(self.sandboxes.values())
+
+
+FORK_RETRY_S = 60.0  # after a template failed to start, sandboxes are spawned this long
+
+
 class ReplActivities:
     """The sandboxes this worker process holds, and the REPL activities that drive them.
 
     `worker_queue` is a task queue only this process polls; outcomes name it so the workflow
     routes the episode's next REPL step back here, where its sandbox lives.
+
+    `sandbox_start="fork"` forks sandboxes from a template process started on first use
+    (and again if it dies); "spawn" starts a fresh interpreter for each. A template that
+    cannot start is warned about once, and sandboxes are spawned meanwhile. With
+    `memory_budget_mb`, idle sandboxes are discarded least recently used first once the live
+    ones hold more than the budget; their next step rebuilds them from the cell log.
     """
 
     def __init__(
@@ -178,7 +217,13 @@ class ReplActivities:
         idle_s: float = defaults.SANDBOX_IDLE_S,
         max_frame_bytes: int = defaults.MAX_FRAME_BYTES,
         audit_hook: bool = True,
+        sandbox_start: str = "fork",
+        memory_budget_mb: int | None = None,
     ) -> None:
+        if sandbox_start not in ("fork", "spawn"):
+            raise ValueError(f"sandbox_start must be 'fork' or 'spawn', not {sandbox_start!r}")
+        if memory_budget_mb is not None and memory_budget_mb <= 0:
+            raise ValueError(f"memory_budget_mb must be positive, not {memory_budget_mb}")
         self.blobs = blobs
         self.worker_queue = worker_queue
         self.sandbox_root = prepare_sandbox_root(Path(sandbox_root))
@@ -187,8 +232,16 @@ class ReplActivities:
         self.max_frame_bytes = max_frame_bytes
         self.audit_hook = audit_hook  # tests turn it off to prove the other layers hold alone
         self.network_warned = False
+        self.sandbox_start = sandbox_start
+        self.memory_budget_mb = memory_budget_mb
+        self.fork_warned = False
         self._live: dict[str, LiveSandbox] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._template: ForkServer | None = None
+        self._template_lock = asyncio.Lock()
+        self._fork_retry_at = 0.0
+        self._budget_task: asyncio.Task[list[str]] | None = None
+        self._budget_again = False
 
     # --- activities -----------------------------------------------------------------------
 
@@ -289,22 +342,84 @@ class ReplActivities:
     async def reap_idle(self) -> int:
         """Kill sandboxes unused for `idle_s`; a later step rebuilds them from the log."""
         now = time.monotonic()
-        stale = [
-            e for e, b in self._live.items() if now - b.last_used > self.idle_s and not self._lock(e).locked()
-        ]
-        for episode_id in stale:
-            await self._discard(self._live[episode_id])
-        return len(stale)
+        stale = [b for b in self._live.values() if now - b.last_used > self.idle_s]
+        reaped = 0
+        for box in stale:
+            # Checked again right before: a step may have taken the episode meanwhile.
+            if self._live.get(box.episode_id) is box and not self._lock(box.episode_id).locked():
+                await self._discard(box)
+                reaped += 1
+        return reaped
 
     async def close_all(self) -> None:
+        """Kill every sandbox, and the template (a later step starts a new one)."""
         for box in list(self._live.values()):
             await self._discard(box)
+        if self._budget_task is not None:
+            self._budget_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._budget_task
+            self._budget_task = None
+        async with self._template_lock:
+            if self._template is not None:
+                await self._template.close()
+                self._template = None
 
     def live_episodes(self) -> list[str]:
         return sorted(self._live)
 
+    def memory_report(self) -> MemoryReport:
+        """USS (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup) of each live sandbox
+        and of the template: what discarding each would free."""
+        template = self._template
+        return MemoryReport(
+            sandboxes=self._measure(dict(self._live)),
+            template=uss_bytes(template.pid) if template is not None and template.alive else None,
+        )
+
+    @staticmethod
+    def _measure(boxes: dict[str, LiveSandbox]) -> dict[str, int]:
+        sizes = {}
+        for episode_id, box in boxes.items():
+            if box.process.returncode is None:
+                uss = uss_bytes(box.process.pid)
+                if uss is not None:
+                    sizes[episode_id] = uss
+        return sizes
+
+    async def enforce_memory_budget(self) -> list[str]:
+        """Discard idle sandboxes, least recently used first, until the live ones hold no
+        more than `memory_budget_mb`; returns the episodes discarded. A sandbox whose
+        episode runs a step (its lock held) is never discarded."""
+        if self.memory_budget_mb is None:
+            return []
+        budget = self.memory_budget_mb * 1024 * 1024
+        measured = dict(self._live)
+        sizes = await asyncio.to_thread(self._measure, measured)
+        total = sum(sizes.values())
+        evicted: list[str] = []
+        for episode_id in sorted(sizes, key=lambda e: measured[e].last_used):
+            if total <= budget:
+                break
+            box = measured[episode_id]
+            # No await between this check and `_discard` taking it out of `_live`.
+            if self._live.get(episode_id) is not box or self._lock(episode_id).locked():
+                continue
+            total -= sizes[episode_id]
+            evicted.append(episode_id)
+            await self._discard(box)
+        if evicted:
+            log.info(
+                "sandbox memory over the %d MB budget: discarded %d idle sandbox(es), %.1f MB now live",
+                self.memory_budget_mb,
+                len(evicted),
+                total / 2**20,
+            )
+        return evicted
+
     async def probe(self) -> dict[str, str]:
-        """Start a sandbox, report its isolation layers, and close it (`drlm doctor`)."""
+        """Start a sandbox, report its isolation layers, and close it (`drlm doctor`). A
+        forked sandbox and a spawned one report the same layers: they run the same code."""
         ref = SandboxRef(
             episode_id=f"doctor-{uuid.uuid4().hex[:8]}",
             context=None,
@@ -322,7 +437,28 @@ class ReplActivities:
     # --- internals ------------------------------------------------------------------------
 
     def _lock(self, episode_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(episode_id, asyncio.Lock())
+        return self._locks.setdefault(episode_id, StepLock(self._after_step))
+
+    def _after_step(self) -> None:
+        """A step finished: check the memory budget in the background (one pass at a time;
+        steps that finish during a pass ask for one more)."""
+        if self.memory_budget_mb is None:
+            return
+        if self._budget_task is not None and not self._budget_task.done():
+            self._budget_again = True
+            return
+        self._budget_task = asyncio.get_running_loop().create_task(self._budget_passes())
+
+    async def _budget_passes(self) -> list[str]:
+        evicted: list[str] = []
+        while True:
+            self._budget_again = False
+            try:
+                evicted += await self.enforce_memory_budget()
+            except Exception:  # noqa: BLE001 - a failed pass must not stop later ones
+                log.exception("enforcing the sandbox memory budget failed")
+            if not self._budget_again:
+                return evicted
 
     @contextlib.asynccontextmanager
     async def _discard_on_failure(self, box: LiveSandbox) -> AsyncIterator[None]:
@@ -518,26 +654,7 @@ class ReplActivities:
         if os.geteuid() == 0:
             for p in [directory, *directory.iterdir()]:
                 os.chown(p, NOBODY, NOBODY)
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(directory),
-            "LANG": "C.UTF-8",
-            "PYTHONHASHSEED": str(ref.seed % 4294967295),
-        }
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            str(CHILD_PATH),
-            str(os.getpid()),
-            str(directory),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=open(directory / "sandbox.err", "wb"),  # noqa: SIM115 - child owns it
-            env=env,
-            cwd=directory,
-            start_new_session=True,
-            limit=self.max_frame_bytes,
-        )
+        process = await self._start_process(directory)
         frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         box = LiveSandbox(
             episode_id=ref.episode_id,
@@ -567,6 +684,45 @@ class ReplActivities:
                 "audit hook refuses sockets. Run the worker as root or allow user namespaces."
             )
         return box
+
+    async def _start_process(self, directory: Path) -> SandboxProcess:
+        """Fork the sandbox from the template, or spawn it (spawn mode, or no template)."""
+        env = sandbox_env(directory)
+        if self.sandbox_start == "fork":
+            template = await self._running_template()
+            if template is not None:
+                try:
+                    return await template.fork(
+                        directory, env, self.max_frame_bytes, defaults.SANDBOX_STARTUP_S
+                    )
+                except ForkServerError as exc:
+                    self._fork_failed(str(exc))
+        return await spawn_sandbox(directory, env, self.max_frame_bytes)
+
+    async def _running_template(self) -> ForkServer | None:
+        """The template, started now if there is none or it died; None while a failed start
+        is recent (sandboxes are spawned meanwhile)."""
+        async with self._template_lock:
+            if self._template is not None and self._template.alive:
+                return self._template
+            if time.monotonic() < self._fork_retry_at:
+                return None
+            try:
+                self._template = await ForkServer.start(self.sandbox_root, defaults.SANDBOX_STARTUP_S)
+            except (ForkServerError, OSError) as exc:
+                self._template = None
+                self._fork_retry_at = time.monotonic() + FORK_RETRY_S
+                self._fork_failed(str(exc))
+            return self._template
+
+    def _fork_failed(self, problem: str) -> None:
+        if not self.fork_warned:
+            self.fork_warned = True
+            log.warning(
+                "sandboxes cannot be forked from a template on this worker (%s); they are spawned "
+                "instead (slower to start, more memory each)",
+                problem,
+            )
 
     async def _replay(self, box: LiveSandbox, ref: SandboxRef, cells: list[LoggedCell]) -> list[str]:
         """Re-run the logged cells, answering their calls from the log."""

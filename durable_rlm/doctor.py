@@ -37,7 +37,10 @@ async def sandbox_layers(root: Path) -> list[Check]:
     try:
         try:
             host = ReplActivities(BlobStore(DirectoryBackend(scratch / "blobs")), "doctor", root)
-            layers = await host.probe()
+            try:
+                layers = await host.probe()
+            finally:
+                await host.close_all()  # the template too
         except Exception as exc:  # noqa: BLE001 - report whatever stopped the start
             return [Check("sandbox", "start", "fail", str(exc))]
     finally:

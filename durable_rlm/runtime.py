@@ -341,6 +341,7 @@ def build_workers(
     capacity: int = defaults.WORKER_CAPACITY,
     activity_slots: int = defaults.ACTIVITY_SLOTS,
     sandbox_budget_mb: int | None = None,
+    sandbox_start: str = "fork",
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -348,7 +349,15 @@ def build_workers(
     import_tool_modules(tool_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
     root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
-    repl = ReplActivities(blobs, worker_queue, root, sandbox_memory_mb, sandbox_idle_s)
+    repl = ReplActivities(
+        blobs,
+        worker_queue,
+        root,
+        sandbox_memory_mb,
+        sandbox_idle_s,
+        sandbox_start=sandbox_start,
+        memory_budget_mb=sandbox_budget_mb,
+    )
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
     extraction = ExtractionActivities(models, blobs)
@@ -398,6 +407,7 @@ async def running_workers(
         capacity=settings.capacity,
         activity_slots=settings.activity_slots,
         sandbox_budget_mb=settings.sandbox_budget_mb,
+        sandbox_start=settings.sandbox_start,
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))

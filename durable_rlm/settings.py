@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -23,6 +24,9 @@ class Settings(BaseModel):
     claim_check_threshold: int = Field(default=4096, ge=256)
     sandbox_memory_mb: int = Field(default=defaults.SANDBOX_MEMORY_MB, ge=64)
     sandbox_idle_s: float = Field(default=defaults.SANDBOX_IDLE_S, gt=0)
+    sandbox_start: Literal["fork", "spawn"] = Field(
+        default="fork", description="fork sandboxes from a template process, or spawn each afresh"
+    )
     sandbox_budget_mb: int | None = Field(
         default=None, ge=64, description="evict idle sandboxes (rebuilt from the log) above this total"
     )
@@ -60,6 +64,7 @@ class Settings(BaseModel):
             "DRLM_SANDBOX_MEMORY_MB": "sandbox_memory_mb",
             "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
             "DRLM_SANDBOX_BUDGET_MB": "sandbox_budget_mb",
+            "DRLM_SANDBOX_START": "sandbox_start",
             "DRLM_CAPACITY": "capacity",
             "DRLM_ACTIVITY_SLOTS": "activity_slots",
             "DRLM_TRACING": "tracing",

@@ -1,9 +1,11 @@
 """The sandbox process: runs model-written code for one episode.
 
-Started by the worker as `python -I child.py PARENT_PID DIR`. Standard library only, so
-nothing of the worker (settings, credentials, clients) is importable here. It talks to its
-host over length-prefixed JSON frames on the original stdin/stdout; file descriptors 0 and 1
-are then pointed at /dev/null so stray writes from cells cannot corrupt the channel.
+Started by the worker as `python -s -P child.py PARENT_PID DIR`, or forked from a template
+process (forkserver.py) that has already imported this module; both then run `serve`.
+Standard library only, so nothing of the worker (settings, credentials, clients) is
+importable here. It talks to its host over length-prefixed JSON frames on the original
+stdin/stdout; file descriptors 0 and 1 are then pointed at /dev/null so stray writes from
+cells cannot corrupt the channel.
 
 Isolation, strongest first: a network namespace with no interfaces (when permitted), an
 unprivileged uid when started as root, resource limits, and an audit hook that refuses
@@ -21,7 +23,7 @@ import signal
 import struct
 import sys
 import traceback
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 256 * 1024 * 1024
@@ -97,10 +99,23 @@ _PATH_WRITE_EVENTS = {
 _PATH_READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob"}
 
 
-def _libc() -> Any:
-    import ctypes
+_LIBC: Any = None
 
-    return ctypes.CDLL(None, use_errno=True)
+
+def _libc() -> Any:
+    """libc through ctypes, loaded once per process: a fork-server template loads it before
+    forking, so its sandboxes skip the load (`start_layers` drops the handle when done)."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+def _forget_libc() -> None:
+    global _LIBC
+    _LIBC = None
 
 
 class LayerError(RuntimeError):
@@ -587,6 +602,7 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     layers["uid"] = drop_privileges()
     layers["death_signal"] = die_with_parent(parent_pid, libc)
     os.chdir(sandbox_dir)
+    _forget_libc()  # model code finds no libc handle lying around (it is refused anyway)
     if init.get("audit_hook", True):
         sys.addaudithook(guard)
         layers["audit_hook"] = "on"
@@ -595,8 +611,9 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     return layers
 
 
-def main() -> None:
-    parent_pid, sandbox_dir = int(sys.argv[1]), sys.argv[2]
+def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:
+    """The sandbox's whole life once its process exists, spawned or forked alike: the
+    channel on fds 0/1, the layers, the session, the loop. It never returns."""
     sys.dont_write_bytecode = True
     channel_in = os.fdopen(os.dup(0), "rb")
     channel_out = os.fdopen(os.dup(1), "wb")
@@ -631,6 +648,10 @@ def main() -> None:
         else:
             reply = {"op": "error", "error": f"unknown op {message['op']!r}"}
         write_frame(channel_out, reply)
+
+
+def main() -> None:
+    serve(int(sys.argv[1]), sys.argv[2])
 
 
 if __name__ == "__main__":

@@ -288,7 +288,10 @@ async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only:
         turns, context = SCRIPTS["multi_iteration_final_var"]
         with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
             request = EpisodeRequest(
-                task="record a history", context=store_context(blobs, context), root_model=model(server), seed=1
+                task="record a history",
+                context=store_context(blobs, context),
+                root_model=model(server),
+                seed=1,
             )
             await save("local_steps", request, "record")
     if "local_lost" in only:
