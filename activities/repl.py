@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import shutil
@@ -41,7 +42,7 @@ from activities.sandbox_processes import (
     spawn_sandbox,
     uss_bytes,
 )
-from durable_rlm.blobs import BlobStore, text_digest
+from durable_rlm.blobs import BlobBatch, BlobStore, text_digest
 from workflows import defaults, names
 from workflows.models import (
     CellOutcome,
@@ -59,6 +60,11 @@ from workflows.models import (
 log = logging.getLogger(__name__)
 
 BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame
+
+# The open step's blob writes (each activity runs in its own task, so its own context).
+_STEP_WRITES: contextvars.ContextVar[BlobBatch | None] = contextvars.ContextVar(
+    "step_writes", default=None
+)
 
 
 def prepare_sandbox_root(root: Path) -> Path:
@@ -253,7 +259,7 @@ class ReplActivities:
 
     async def _execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
         await count_local_start(self.blobs)
-        async with self._lock(request.sandbox.episode_id), heartbeating():
+        async with self._lock(request.sandbox.episode_id), heartbeating(), self._batched():
             box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=False)
             async with self._discard_on_failure(box):
                 box.log_head = await self._log(
@@ -272,7 +278,7 @@ class ReplActivities:
 
     async def _resume_cell(self, request: ResumeCellInput) -> CellOutcome:
         await count_local_start(self.blobs)
-        async with self._lock(request.sandbox.episode_id), heartbeating():
+        async with self._lock(request.sandbox.episode_id), heartbeating(), self._batched():
             box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=True)
             async with self._discard_on_failure(box):
                 if box.early_done is not None:
@@ -293,7 +299,7 @@ class ReplActivities:
                         call=a.call_index,
                         prompt=a.prompt_digest,
                         ok=a.ok,
-                        text=await asyncio.to_thread(self.blobs.put_text, a.text),
+                        text=self._store.put_text(a.text),
                         kind=kinds[a.call_index],
                     )
                     for a in request.answers
@@ -470,8 +476,29 @@ class ReplActivities:
             await asyncio.shield(self._discard(box))
             raise
 
+    @property
+    def _store(self) -> BlobStore | BlobBatch:
+        """Where a step writes: its batch while one is open (see `_batched`)."""
+        return _STEP_WRITES.get() or self.blobs
+
+    @contextlib.asynccontextmanager
+    async def _batched(self) -> AsyncIterator[None]:
+        """Hold the step's blob writes (log entries, outputs, answers) in memory and store
+        them in one transaction when it ends, before its result names them: a commit costs
+        more than its rows, and a step made five."""
+        batch = BlobBatch(self.blobs)
+        token = _STEP_WRITES.set(batch)
+        try:
+            yield
+            await asyncio.to_thread(batch.flush)
+        finally:
+            _STEP_WRITES.reset(token)
+
     async def _log(self, head: str | None, entry: chains.LogEntry) -> str:
-        return await asyncio.to_thread(chains.append, self.blobs, head, entry)
+        store = self._store
+        if isinstance(store, BlobBatch):
+            return chains.append(store, head, entry)  # type: ignore[arg-type] - hashing only
+        return await asyncio.to_thread(chains.append, store, head, entry)
 
     def _exec_message(self, ref: SandboxRef, cell_index: int, code: str) -> dict[str, Any]:
         return {
@@ -508,7 +535,7 @@ class ReplActivities:
         out = []
         for request in requests:
             if request.kind in names.CHILD_KINDS:
-                digest = self.blobs.put_text(request.prompt)
+                digest = self._store.put_text(request.prompt)
                 size = len(request.prompt)
                 request = request.model_copy(update={"context": ContextRef(digest=digest, size=size)})
             out.append(request)
@@ -536,7 +563,7 @@ class ReplActivities:
         status = frame.get("status", "error")
         # The output is logged so fallback extraction can rebuild the REPL history.
         output = "\n".join(x for x in (frame.get("stdout"), frame.get("stderr"), frame.get("error")) if x)
-        output_ref = await asyncio.to_thread(self.blobs.put_text, output)
+        output_ref = await asyncio.to_thread(self._store.put_text, output)
         box.log_head = await self._log(
             box.log_head, CellEnded(cell=box.cell_index, status=status, output=output_ref)
         )
@@ -584,7 +611,7 @@ class ReplActivities:
                 f"{problem} during this cell; variables from earlier cells are restored, "
                 "this cell's effects are lost"
             )
-        output_ref = await asyncio.to_thread(self.blobs.put_text, reason)
+        output_ref = await asyncio.to_thread(self._store.put_text, reason)
         head = await self._log(
             box.log_head, CellEnded(cell=box.cell_index, status="killed", output=output_ref)
         )
@@ -627,7 +654,7 @@ class ReplActivities:
     async def _abandon_open_cell(self, box: LiveSandbox, cell: int) -> None:
         """A new step arrives while the log's last cell never ended: the workflow gave up on
         it. The REPL was rebuilt without it; log it as lost so later rebuilds skip it too."""
-        reason = await asyncio.to_thread(self.blobs.put_text, "abandoned: a later step was started")
+        reason = await asyncio.to_thread(self._store.put_text, "abandoned: a later step was started")
         box.log_head = await self._log(box.log_head, CellEnded(cell=cell, status="lost", output=reason))
         box.cell_index, box.pending, box.early_done = None, [], None
 

@@ -210,3 +210,39 @@ class BlobStore:
         self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_entries:
             self._cache.popitem(last=False)
+
+
+class BlobBatch:
+    """A step's writes, held in memory and stored in one transaction by `flush` (before the
+    step's result, which names them, leaves the worker). Reads see the held blobs first."""
+
+    def __init__(self, store: BlobStore) -> None:
+        self.store = store
+        self._held: dict[str, bytes] = {}
+
+    def put(self, data: bytes) -> str:
+        digest = digest_of(data)
+        if self.store.cached(digest) is None:
+            self._held[digest] = data
+        return digest
+
+    def put_text(self, text: str) -> str:
+        return self.put(text.encode("utf-8"))
+
+    def put_json(self, value: Any) -> str:
+        return self.put(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+    def get(self, digest: str) -> bytes:
+        held = self._held.get(digest)
+        return held if held is not None else self.store.get(digest)
+
+    def get_text(self, digest: str) -> str:
+        return self.get(digest).decode("utf-8")
+
+    def get_json(self, digest: str) -> Any:
+        return json.loads(self.get(digest))
+
+    def flush(self) -> int:
+        held, self._held = self._held, {}
+        self.store.put_many(list(held.values()))
+        return len(held)

@@ -11,10 +11,13 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from temporalio.exceptions import ApplicationError
 
+from activities import chains
 from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore
+from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.store import open_store
 from tests.conftest import Episode
 from workflows.models import (
     CallAnswer,
@@ -476,3 +479,23 @@ async def test_a_failed_variable_read_says_why(host: ReplActivities) -> None:
     await episode.run("import os\nclass Bomb:\n    def __str__(self):\n        os._exit(3)\nv = Bomb()")
     with pytest.raises(ApplicationError, match=r"reading 'v' failed: the REPL process exited \(code 3\)"):
         await episode.read("v")
+
+
+async def test_a_step_stores_its_log_entries_and_outputs_in_one_transaction(tmp_path, sandboxes) -> None:
+    engine = open_store(f"sqlite:///{tmp_path / 'blobs.sqlite'}")
+    commits: list[int] = []
+    sa.event.listen(engine, "commit", lambda conn: commits.append(1))
+    host = ReplActivities(BlobStore(SqlBackend(engine)), "q", sandboxes, memory_mb=1024)
+    try:
+        episode = Episode(host)
+        await episode.run("x = 1")
+        commits.clear()
+        outcome = await episode.run("y = llm_query('p')\nprint(y, x)")  # execute, then resume
+        assert outcome.stdout == "P 1\n"
+        assert len(commits) == 2  # one per step: started, answered, ended, output, answer text
+        fresh = BlobStore(SqlBackend(engine))  # every entry is stored, not only cached
+        log = chains.read_cell_log(fresh, episode.head)
+        assert [c.status for c in log.cells] == ["ok", "ok"]
+        assert [fresh.get_text(a.text) for a in log.cells[1].answers] == ["P"]
+    finally:
+        await host.close_all()
