@@ -163,6 +163,38 @@ def test_settings_default_to_the_embedded_server_and_sqlite(tmp_path: Path) -> N
     assert not Settings.from_env({"TEMPORAL_ADDRESS": "localhost:7233"}).embedded
 
 
+async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobStore, client) -> None:
+    from durable_rlm.runtime import build_workers
+
+    env = {
+        "DRLM_CAPACITY": "20",
+        "DRLM_ACTIVITY_SLOTS": "30",
+        "DRLM_SANDBOX_BUDGET_MB": "256",
+        "DRLM_SANDBOX_START": "spawn",
+    }
+    settings = Settings.from_env(env)
+    assert (settings.capacity, settings.activity_slots, settings.sandbox_budget_mb) == (20, 30, 256)
+    with pytest.raises(ConfigurationError, match="sandbox_start"):
+        Settings.from_env({"DRLM_SANDBOX_START": "clone"})
+    with pytest.raises(ConfigurationError, match="capacity"):
+        Settings.from_env({"DRLM_CAPACITY": "0"})
+    workers, repl = build_workers(
+        client,
+        "q",
+        blobs,
+        None,
+        sandbox_root=sandboxes,
+        capacity=settings.capacity,
+        activity_slots=settings.activity_slots,
+        sandbox_budget_mb=settings.sandbox_budget_mb,
+        sandbox_start=settings.sandbox_start,
+    )
+    config = workers[0].config()
+    assert (config["max_cached_workflows"], config["max_concurrent_local_activities"]) == (20, 20)
+    assert config["max_concurrent_activities"] == 30
+    assert (repl.memory_budget_mb, repl.sandbox_start) == (256, "spawn")
+
+
 def _backends(engine: sa.Engine, tmp_path: Path) -> list[BlobStore]:
     migrate(engine)
     return [BlobStore(SqlBackend(engine)), BlobStore(DirectoryBackend(tmp_path / "blobs"))]
