@@ -154,6 +154,11 @@ async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
         return None
     pending = list(description.raw_description.pending_activities)
     if not pending:
+        # A local REPL step runs inside a workflow task: no pending activity shows it, but
+        # a task retried after its worker was lost does.
+        task = description.raw_description.pending_workflow_task
+        if task.attempt > 1:
+            return f"local step on a new worker after one was lost (workflow task attempt {task.attempt})"
         return None
     step = pending[-1]
     name = step.activity_type.name.removeprefix("drlm.").replace("_", " ")
