@@ -383,6 +383,10 @@ def build_workers(
         max_concurrent_local_activities=capacity,
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
+        # Heartbeats leave every second, not at 80% of the timeout (2.4 s of 3): a busy
+        # worker's late heartbeat must not pass for a dead worker and get a call paid twice.
+        max_heartbeat_throttle_interval=timedelta(seconds=1),
+        default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     # REPL steps of episodes from before local steps come back here, to their sandbox.
     own = Worker(client, task_queue=worker_queue, activities=repl_activities, max_concurrent_activities=64)

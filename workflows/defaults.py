@@ -92,16 +92,17 @@ and tail kept); the stored conversation keeps it whole."""
 
 # --- durability ----------------------------------------------------------------------------
 
-HEARTBEAT_TIMEOUT_S = 3.0
+HEARTBEAT_TIMEOUT_S = 5.0
 """A worker that stops heartbeating for this long is presumed dead and the step retried."""
 
-STICKY_SCHEDULE_TO_START_S = 3.0
+STICKY_SCHEDULE_TO_START_S = 5.0
 """How long a REPL step waits for the worker that holds its sandbox before another worker
 rebuilds the sandbox from the log."""
 
-WORKFLOW_TASK_TIMEOUT_S = 5.0
+WORKFLOW_TASK_TIMEOUT_S = 10.0
 """A local REPL step runs inside a workflow task: a worker lost during it is noticed when the
-task times out (the SDK extends the task every 80% of this while a step runs longer)."""
+task times out (the SDK extends the task every 80% of this while a step runs longer). 5 s
+gave 17 task timeouts with 200 episodes on one CPU-bound worker; Temporal's 10 s, none."""
 
 HEARTBEAT_EVERY_S = 1.0
 """Heartbeat period of long activities; the SDK throttles what reaches the server."""
