@@ -62,9 +62,7 @@ log = logging.getLogger(__name__)
 BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame
 
 # The open step's blob writes (each activity runs in its own task, so its own context).
-_STEP_WRITES: contextvars.ContextVar[BlobBatch | None] = contextvars.ContextVar(
-    "step_writes", default=None
-)
+_STEP_WRITES: contextvars.ContextVar[BlobBatch | None] = contextvars.ContextVar("step_writes", default=None)
 
 
 def prepare_sandbox_root(root: Path) -> Path:

@@ -1,9 +1,9 @@
 """Engine overhead per iteration on the embedded dev server, against a direct baseline.
 
-    python bench/engine_overhead.py [--iterations N] [--repeats R]
+    python bench/engine_overhead.py [--iterations N] [--repeats R] [--latency-ms MS]
 
 Each iteration: one root-model call, one REPL cell making one `llm_query`. The model is the
-scripted server on 127.0.0.1 (no think time), so what remains is the engine.
+scripted server on 127.0.0.1 (no think time unless --latency-ms), so what remains is the engine.
 
 - durable: the episode as a Temporal workflow (embedded dev server, SQLite, claim check).
 - direct:  the same activities (same model client, same sandbox, same blob store) called in
@@ -11,7 +11,7 @@ scripted server on 127.0.0.1 (no think time), so what remains is the engine.
 
 Overhead per iteration = (wall time - model time) / iterations. The durable episodes run on
 the embedded server as shipped (tuned) and, in the same run, on one with the dev server's
-own defaults.
+own defaults. `bench/overhead.py` (a section of `bench/run.py`) reuses `durable` and `direct`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -34,16 +35,16 @@ from activities.llm import ModelActivities  # noqa: E402
 from activities.repl import ReplActivities  # noqa: E402
 from durable_rlm.blobs import BlobStore, SqlBackend  # noqa: E402
 from durable_rlm.codec import data_converter  # noqa: E402
+from durable_rlm.episodes import start_episode  # noqa: E402
 from durable_rlm.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
-from durable_rlm.scripted import ScriptedModelServer, root_and_sub  # noqa: E402
+from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
 from durable_rlm.store import open_store  # noqa: E402
-from workflows import names, prompts  # noqa: E402
+from workflows import prompts  # noqa: E402
 from workflows.models import (  # noqa: E402
     CallAnswer,
     EpisodeLimits,
     EpisodeRequest,
-    EpisodeResult,
     ExecuteCellInput,
     ModelSettings,
     ResumeCellInput,
@@ -54,9 +55,15 @@ from workflows.models import (  # noqa: E402
 from workflows.parsing import find_code_blocks, parse_final_signal  # noqa: E402
 
 
-def script(iterations: int) -> list[str]:
+def script(iterations: int, delay_s: float = 0.0) -> list[Reply]:
+    """Root turns: `iterations` cells of one llm_query each, then FINAL(done); each reply
+    takes `delay_s` (the model's latency)."""
     turns = [f"```repl\nv{i} = llm_query('question {i}')\nprint(len(v{i}))\n```" for i in range(iterations)]
-    return [*turns, "FINAL(done)"]
+    return [Reply(text=t, delay_s=delay_s) for t in [*turns, "FINAL(done)"]]
+
+
+def sub_answer(delay_s: float = 0.0):  # noqa: ANN201 - a scripted sub-model
+    return lambda prompt: Reply(text="answer to " + prompt, delay_s=delay_s)
 
 
 async def durable(client: Client, task_queue: str, server: ScriptedModelServer, iterations: int) -> tuple:
@@ -67,9 +74,8 @@ async def durable(client: Client, task_queue: str, server: ScriptedModelServer, 
     )
     episode_id = f"bench-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()
-    result = await client.execute_workflow(
-        names.WORKFLOW, request, id=episode_id, task_queue=task_queue, result_type=EpisodeResult
-    )
+    handle = await start_episode(client, request, task_queue, episode_id)  # as `drlm run` starts it
+    result = await handle.result()
     wall = time.perf_counter() - started
     assert result.answer == "done", result
     history = await client.get_workflow_handle(episode_id).fetch_history()
@@ -173,18 +179,23 @@ async def on_server(
     return rows
 
 
-async def main(iterations: int, repeats: int) -> None:
+async def main(iterations: int, repeats: int, latency_ms: float = 0.0) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-bench-"))
     sandboxes = Path(tempfile.mkdtemp(prefix="drlm-bench-sb-", dir="/tmp"))
     sandboxes.chmod(0o711)
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
     blobs = BlobStore(SqlBackend(engine))
     direct_rows = []
-    with ScriptedModelServer(root_and_sub(script(iterations), lambda p: "answer to " + p)) as server:
-        durable_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=True)
-        untuned_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=False)
-        for _ in range(repeats):
-            direct_rows.append(await direct(blobs, sandboxes, server, iterations))
+    delay = latency_ms / 1000
+    try:
+        with ScriptedModelServer(root_and_sub(script(iterations, delay), sub_answer(delay))) as server:
+            durable_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=True)
+            untuned_rows = await on_server(work, blobs, engine, server, iterations, repeats, tuned=False)
+            for _ in range(repeats):
+                direct_rows.append(await direct(blobs, sandboxes, server, iterations))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(sandboxes, ignore_errors=True)
 
     def per_iteration(rows: list[tuple]) -> float:
         return statistics.median((wall - model) / its for wall, model, its, *_ in rows)
@@ -210,7 +221,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="the scripted model's think time")
     args = parser.parse_args()
-    asyncio.run(main(args.iterations, args.repeats))
+    asyncio.run(main(args.iterations, args.repeats, args.latency_ms))
     sys.stdout.flush()
     os._exit(0)

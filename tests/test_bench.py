@@ -1,8 +1,10 @@
 """The benchmarks run and print their figures (the default run takes the quick parsing
-benchmark; the engine-overhead one, minutes long, runs with `pytest -m slow`)."""
+benchmark and a smoke run of two cheap sections of the suite, bench/run.py; the
+engine-overhead one, minutes long, and the rest of the suite run with `pytest -m slow`)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -41,3 +43,51 @@ def test_the_child_start_benchmark_prints_its_figures() -> None:
     out = run_bench("child_start.py", "--children", "2", "--repeats", "1", timeout=600)
     assert re.search(r"ratio sequential/plain: [0-9.]+x", out), out
     assert re.search(r"time to start a child .*: median \d+ ms", out), out
+
+
+def run_suite(tmp_path: Path, *sections: str, timeout: float) -> dict:
+    """`bench/run.py --quick` for some sections, writing to tmp_path; its figures as JSON."""
+    only = [arg for name in sections for arg in ("--only", name)]
+    out = run_bench("run.py", "--quick", *only, "--output", str(tmp_path), timeout=timeout)
+    assert "Targets" in out, out
+    results = json.loads((tmp_path / "latest.json").read_text())
+    assert list(results["sections"]) == list(sections)
+    for section in results["sections"].values():
+        assert section["error"] is None, section["error"]
+        assert section["figures"], section
+        for figure in section["figures"]:
+            assert figure["runs"] >= 1 and figure["median"] is not None, figure
+    return results
+
+
+def test_the_suite_runs_its_cheap_sections_and_reports_them(tmp_path: Path) -> None:
+    results = run_suite(tmp_path, "history", "rebuild", timeout=300)
+    figures = {f["key"]: f for s in results["sections"].values() for f in s["figures"]}
+    assert figures["slope_6"]["ratio"] is not None and figures["slope_6"]["status"] in ("PASS", "MISS")
+    assert figures["rebuild_10"]["target"]["text"] == "<= 50 ms"
+    assert results["meta"]["machine"]["cores"] and results["meta"]["git"]["commit"]
+    assert "history.png" in results["plots"] and (tmp_path / "history.png").stat().st_size > 0
+    report = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "report.py"),
+            "--input",
+            str(tmp_path / "latest.json"),
+            "--output",
+            str(tmp_path / "BENCHMARKS.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Targets" in page and "slope, bytes per iteration" in page and "history.png" in page
+
+
+@pytest.mark.slow
+def test_every_section_of_the_suite_runs_quick(tmp_path: Path) -> None:
+    results = run_suite(
+        tmp_path, "overhead", "rlms", "concurrency", "history", "rebuild", "recovery", timeout=1800
+    )
+    assert {"overhead.png", "concurrency.png"} <= set(results["plots"])
