@@ -498,13 +498,16 @@ class ReplActivities:
             return chains.append(store, head, entry)  # type: ignore[arg-type] - hashing only
         return await asyncio.to_thread(chains.append, store, head, entry)
 
-    def _exec_message(self, ref: SandboxRef, cell_index: int, code: str) -> dict[str, Any]:
+    def _exec_message(
+        self, ref: SandboxRef, cell_index: int, code: str, summary: bool = True
+    ) -> dict[str, Any]:
         return {
             "op": "exec",
             "code": code,
             "cell_name": f"<cell {cell_index}>",
             "timeout": ref.cell_timeout_s,
             "limit": max(ref.stored_output_chars, ref.output_truncation),
+            "summary": summary,
         }
 
     async def _discard(self, box: LiveSandbox) -> None:
@@ -750,13 +753,20 @@ class ReplActivities:
             )
 
     async def _replay(self, box: LiveSandbox, ref: SandboxRef, cells: list[LoggedCell]) -> list[str]:
-        """Re-run the logged cells, answering their calls from the log."""
+        """Re-run the logged cells, answering their calls from the log: the finished ones in
+        batches (one exchange each), then the open one call by call, since it must stop
+        where the log's answers end."""
+        kept = [c for c in cells if c.status not in chains.SKIPPED_ON_REBUILD]
+        finished = [c for c in kept if c.status is not None]
         divergences: list[str] = []
-        for cell in cells:
-            if cell.status in chains.SKIPPED_ON_REBUILD:
+        for batch in _replay_batches(finished):
+            divergences += await self._replay_finished(box, ref, batch)
+        for cell in kept:
+            if cell.status is not None:
                 continue
             box.cell_index, box.next_call = cell.index, 0
-            await box.send(self._exec_message(ref, cell.index, cell.code))
+            # A finished cell's summary is not reported; the open cell's may be (early_done).
+            await box.send(self._exec_message(ref, cell.index, cell.code, summary=cell.status is None))
             recorded = list(cell.answers)
             while True:
                 frame = await box.receive(ref.cell_timeout_s + defaults.HARD_KILL_GRACE_S)
@@ -795,3 +805,60 @@ class ReplActivities:
                     replies.append({"ok": answer.ok, "text": text})
                 await box.send({"op": "answers", "answers": replies})
         return divergences
+
+    async def _replay_finished(self, box: LiveSandbox, ref: SandboxRef, cells: list[LoggedCell]) -> list[str]:
+        async def answers(cell: LoggedCell) -> list[dict[str, Any]]:
+            texts = [await asyncio.to_thread(self.blobs.get_text, a.text) for a in cell.answers]
+            return [{"ok": a.ok, "text": t} for a, t in zip(cell.answers, texts, strict=True)]
+
+        message = {
+            "op": "replay",
+            "cells": [
+                {**self._exec_message(ref, c.index, c.code, summary=False), "answers": await answers(c)}
+                for c in cells
+            ],
+        }
+        await box.send(message)
+        timeout = len(cells) * ref.cell_timeout_s + defaults.HARD_KILL_GRACE_S
+        frame = await box.receive(timeout)
+        if frame is None or frame.get("op") != "replayed" or len(frame.get("cells", [])) != len(cells):
+            problem = await self._silence(box, frame, timeout - defaults.HARD_KILL_GRACE_S)
+            raise ApplicationError(
+                f"rebuilding the REPL failed: cells {cells[0].index}-{cells[-1].index} did not finish "
+                f"({problem})",
+                type=names.SANDBOX_FAILURE,
+            )
+        divergences = []
+        for cell, report in zip(cells, frame["cells"], strict=True):
+            recorded = [(a.kind, a.prompt) for a in cell.answers]
+            for call, asked in enumerate(report.get("asked", [])):
+                if call >= len(recorded):
+                    divergences.append(f"cell {cell.index} call {call}: no recorded result")
+                elif tuple(asked) != recorded[call]:
+                    divergences.append(
+                        f"cell {cell.index} call {call}: the {asked[0]} call differs from the recorded one"
+                    )
+        box.cell_index = None
+        return divergences
+
+
+REPLAY_BATCH_CELLS = 200
+REPLAY_BATCH_BYTES = 8 * 1024 * 1024
+
+
+def _replay_batches(cells: list[LoggedCell]) -> list[list[LoggedCell]]:
+    """Finished cells in batches: one frame carries a batch's code and its answers' texts.
+    An answer counts as 4 KB here (its text is loaded only when the batch is sent)."""
+    batches: list[list[LoggedCell]] = []
+    current: list[LoggedCell] = []
+    size = 0
+    for cell in cells:
+        weight = len(cell.code) + 4096 * len(cell.answers)
+        if current and (len(current) >= REPLAY_BATCH_CELLS or size + weight > REPLAY_BATCH_BYTES):
+            batches.append(current)
+            current, size = [], 0
+        current.append(cell)
+        size += weight
+    if current:
+        batches.append(current)
+    return batches

@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -499,3 +500,31 @@ async def test_a_step_stores_its_log_entries_and_outputs_in_one_transaction(tmp_
         assert [fresh.get_text(a.text) for a in log.cells[1].answers] == ["P"]
     finally:
         await host.close_all()
+
+
+async def test_a_rebuild_replays_finished_cells_in_batches_with_their_answers(
+    host: ReplActivities, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import activities.repl as repl_module
+
+    monkeypatch.setattr(repl_module, "REPLAY_BATCH_CELLS", 3)  # 8 cells: batches of 3, 3, 2
+    episode = Episode(host)
+    await episode.run("total = 0")
+    for i in range(6):
+        await episode.run(f"total += len(llm_query_batched(['a{i}', 'bb{i}']))")
+    await episode.run("import random\nrolled = random.random()")
+    before = (await episode.run("print(total, rolled)")).stdout
+    await host.close_all()
+    outcome = await episode.run("print(total, rolled)")
+    assert (outcome.stdout, outcome.rebuilt, outcome.divergences) == (before, True, [])
+    # A rebuilt cell that asks more than the log answered is a divergence, in a batch too:
+    # one call before the deadline (the first run), two after it (the rebuild).
+    deadline = time.time() + 1.0
+    await episode.run(
+        f"import time\nextra = [llm_query(str(i)) for i in range(1 if time.time() < {deadline} else 2)]"
+    )
+    await asyncio.sleep(max(0.0, deadline - time.time()) + 0.5)
+    await host.close_all()
+    outcome = await episode.run("print('extra' in globals())")
+    assert outcome.stdout == "False\n"  # the unanswered call raised in the rebuilt cell
+    assert outcome.divergences == ["cell 11 call 1: no recorded result"]

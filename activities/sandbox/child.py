@@ -16,6 +16,7 @@ sandbox directory (reads of the Python installation excepted).
 from __future__ import annotations
 
 import ast
+import hashlib
 import io
 import json
 import os
@@ -320,9 +321,19 @@ class Session:
         self.final: tuple[str, str] | None = None  # (kind, answer) set by FINAL / FINAL_VAR
         self.variable_limits = (50, 200)
         self.child_batch_cap: int | None = None  # set when rlm_query starts child episodes
+        self.recorded: list[dict[str, Any]] | None = None  # answers served while rebuilding
+        self.asked: list[list[str]] = []  # [kind, prompt digest] of each call while rebuilding
 
     def _call(self, kind: str, prompts: list[str], model: str | None = None) -> list[dict[str, Any]]:
-        """Suspend the cell at calls of one kind; the workflow routes them by kind."""
+        """Suspend the cell at calls of one kind; the workflow routes them by kind. While the
+        REPL is rebuilt, the calls are answered from the log instead, by position."""
+        if self.recorded is not None:
+            answers = []
+            for prompt in prompts:
+                self.asked.append([kind, "sha256:" + hashlib.sha256(prompt.encode("utf-8")).hexdigest()])
+                missing = {"ok": False, "text": "replay diverged: no recorded result"}
+                answers.append(self.recorded.pop(0) if self.recorded else missing)
+            return answers
         remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model and child time is not cell time
         frame: dict[str, Any] = {"op": "call", "kind": kind, "prompts": prompts}
         if model is not None:
@@ -472,7 +483,11 @@ class Session:
         call.__signature__ = signature  # type: ignore[attr-defined]
         return call
 
-    def execute(self, code: str, cell_name: str, timeout: float, limit: int) -> dict[str, Any]:
+    def execute(
+        self, code: str, cell_name: str, timeout: float, limit: int, summary: bool = True
+    ) -> dict[str, Any]:
+        """Run a cell. A cell re-run to rebuild the REPL needs no variables summary (only the
+        step's last cell is reported)."""
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
         self.submitted, self.final = None, None
         error: str | None = None
@@ -506,13 +521,34 @@ class Session:
             "answer": answer,
             "answer_kind": kind if answer is not None else None,
             "submitted": self.submitted,
-            "variables": self.variables_summary(*self.variable_limits),
+            "variables": self.variables_summary(*self.variable_limits) if summary else {},
         }
+
+    def replay(self, cells: list[dict[str, Any]]) -> dict[str, Any]:
+        """Re-run finished cells to rebuild the namespace, in one exchange with the host: their
+        calls are answered from the answers logged with them. Reports what each cell asked,
+        so the host can tell where the code diverged from the log."""
+        report = []
+        try:
+            for cell in cells:
+                self.recorded, self.asked = list(cell["answers"]), []
+                done = self.execute(
+                    cell["code"], cell["cell_name"], float(cell["timeout"]), int(cell["limit"]), summary=False
+                )
+                report.append({"status": done["status"], "asked": self.asked})
+        finally:
+            self.recorded, self.asked = None, []
+        return {"op": "replayed", "cells": report}
 
     def variables_summary(self, limit: int = 50, width: int = 200) -> dict[str, str]:
         """A bounded text view of user variables, for termination policies."""
+        import reprlib
         import types
 
+        # Bounded as it is built: a large value is not rendered whole and then cut.
+        shorten = reprlib.Repr()
+        shorten.maxstring = shorten.maxother = width
+        shorten.maxlist = shorten.maxtuple = shorten.maxset = shorten.maxdict = 50
         summary: dict[str, str] = {}
         for name, value in list(self.namespace.items()):
             if len(summary) >= limit:
@@ -522,7 +558,12 @@ class Session:
             if isinstance(value, (types.ModuleType, types.FunctionType, type)):
                 continue
             try:
-                text = str(value) if isinstance(value, (str, int, float, bool)) else repr(value)
+                if isinstance(value, str):
+                    text = value[:width]
+                elif isinstance(value, (int, float, bool)):
+                    text = str(value)
+                else:
+                    text = shorten.repr(value)
             except Exception:  # noqa: BLE001 - hostile __repr__
                 text = f"<{type(value).__name__}>"
             summary[name] = text[:width]
@@ -641,8 +682,14 @@ def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:
             os._exit(0)
         if message["op"] == "exec":
             reply = session.execute(
-                message["code"], message["cell_name"], float(message["timeout"]), int(message["limit"])
+                message["code"],
+                message["cell_name"],
+                float(message["timeout"]),
+                int(message["limit"]),
+                summary=bool(message.get("summary", True)),
             )
+        elif message["op"] == "replay":
+            reply = session.replay(list(message["cells"]))
         elif message["op"] == "read_var":
             reply = session.read_variable(str(message["name"]))
         else:
