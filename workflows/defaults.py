@@ -93,7 +93,9 @@ and tail kept); the stored conversation keeps it whole."""
 # --- durability ----------------------------------------------------------------------------
 
 HEARTBEAT_TIMEOUT_S = 5.0
-"""A worker that stops heartbeating for this long is presumed dead and the step retried."""
+"""A worker that stops heartbeating for this long is presumed dead and the step retried.
+With 200 episodes on one saturated worker (bench/concurrency.py), 3 s presumed 86 live
+model calls dead (each then paid twice), 5 s none: an overloaded event loop is late."""
 
 STICKY_SCHEDULE_TO_START_S = 5.0
 """How long a REPL step waits for the worker that holds its sandbox before another worker
