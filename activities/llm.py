@@ -69,17 +69,13 @@ def mean_logprob(choice: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-CLIENTS_PER_ENDPOINT = 8
-
-
 class ModelActivities:
     """Holds the credentials (never in history) and one client per endpoint."""
 
     def __init__(self, blobs: BlobStore, credentials: Mapping[str, str] | None = None) -> None:
         self.blobs = blobs
         self.credentials = dict(credentials or {})
-        self._clients: dict[tuple[str, str | None, str, float, int], Any] = {}
-        self._turn = 0
+        self._clients: dict[tuple[str, str | None, str, float], Any] = {}
 
     def _env(self, name: str) -> str | None:
         return self.credentials.get(name) or os.environ.get(name)
@@ -100,11 +96,7 @@ class ModelActivities:
                     non_retryable=True,
                 )
             key = "EMPTY"  # local servers often need no key
-        # Calls take the endpoint's clients in turn: httpx scans its whole connection pool for
-        # each request, so one pool of hundreds of connections costs CPU per call (~8% of a
-        # worker's samples with 100 episodes in flight); several small pools do not.
-        self._turn = (self._turn + 1) % CLIENTS_PER_ENDPOINT
-        cache_key = (settings.provider, base_url, key, settings.request_timeout_s, self._turn)
+        cache_key = (settings.provider, base_url, key, settings.request_timeout_s)
         client = self._clients.get(cache_key)
         if client is None:
             kind = anthropic.AsyncAnthropic if settings.provider == "anthropic" else openai.AsyncOpenAI
