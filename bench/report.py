@@ -108,7 +108,12 @@ def render_markdown(results: dict[str, Any], results_dir: Path) -> str:
         for name in results["plots"]:
             caption = PLOT_CAPTIONS.get(name, name)
             lines += [f"![{caption}]({_rel(results_dir / name)})", "", f"*{caption}*", ""]
+    if ANALYSIS.exists() and not meta["quick"]:
+        lines += ["", ANALYSIS.read_text().strip(), ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+ANALYSIS = BENCH / "analysis.md"  # written by people: what was tried, what bounds each miss
 
 
 def _short(text: str, limit: int = 100) -> str:
