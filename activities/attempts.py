@@ -32,7 +32,7 @@ def record_start(blobs: BlobStore, step: str, limit: int) -> int:
         if blobs.add(_marker(step, start)):
             return start
     raise ApplicationError(
-        f"its step was started {limit} times and the worker was lost each time",
+        f"its step was started afresh {limit} times (a worker lost, or its task timed out, each time)",
         type=names.REPL_STEP_ABANDONED,
         non_retryable=True,
     )
@@ -44,7 +44,9 @@ async def count_local_start(blobs: BlobStore, limit: int = defaults.REPL_ATTEMPT
     if not activity.in_activity():
         return
     info = activity.info()
-    if not info.is_local:
+    # Retries on the same worker (attempt > 1) are bounded by the step's retry policy; a
+    # start after a replay (a new worker, a lost task) is attempt 1 again: that is counted.
+    if not info.is_local or info.attempt > 1:
         return
     step = f"{info.workflow_id}/{info.workflow_run_id}/{info.activity_id}"
     await asyncio.to_thread(record_start, blobs, step, limit)
@@ -71,3 +73,7 @@ async def echoed(echo: StepEcho) -> AsyncIterator[Callable[[CellOutcome], CellOu
             non_retryable=exc.non_retryable,
             next_retry_delay=exc.next_retry_delay,
         ) from exc
+    except Exception as exc:  # a broken pipe, a locked database: retryable, and still echoed
+        if not local:
+            raise
+        raise ApplicationError(str(exc) or type(exc).__name__, echo, type=type(exc).__name__) from exc

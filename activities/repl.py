@@ -759,7 +759,18 @@ class ReplActivities:
         kept = [c for c in cells if c.status not in chains.SKIPPED_ON_REBUILD]
         finished = [c for c in kept if c.status is not None]
         divergences: list[str] = []
-        for batch in _replay_batches(finished):
+        batch: list[tuple[LoggedCell, list[dict[str, Any]]]] = []
+        size = 0
+        for cell in finished:
+            texts = [await asyncio.to_thread(self.blobs.get_text, a.text) for a in cell.answers]
+            answers = [{"ok": a.ok, "text": t} for a, t in zip(cell.answers, texts, strict=True)]
+            weight = len(cell.code) + sum(len(t) for t in texts) + 64
+            if batch and (len(batch) >= REPLAY_BATCH_CELLS or size + weight > REPLAY_BATCH_BYTES):
+                divergences += await self._replay_finished(box, ref, batch)
+                batch, size = [], 0
+            batch.append((cell, answers))
+            size += weight
+        if batch:
             divergences += await self._replay_finished(box, ref, batch)
         for cell in kept:
             if cell.status is not None:
@@ -806,16 +817,17 @@ class ReplActivities:
                 await box.send({"op": "answers", "answers": replies})
         return divergences
 
-    async def _replay_finished(self, box: LiveSandbox, ref: SandboxRef, cells: list[LoggedCell]) -> list[str]:
-        async def answers(cell: LoggedCell) -> list[dict[str, Any]]:
-            texts = [await asyncio.to_thread(self.blobs.get_text, a.text) for a in cell.answers]
-            return [{"ok": a.ok, "text": t} for a, t in zip(cell.answers, texts, strict=True)]
-
+    async def _replay_finished(
+        self, box: LiveSandbox, ref: SandboxRef, batch: list[tuple[LoggedCell, list[dict[str, Any]]]]
+    ) -> list[str]:
+        """One exchange: the batch's cells with their logged answers (a batch is bounded by
+        the real size of its code and answers, far under the frame limit)."""
+        cells = [cell for cell, _ in batch]
         message = {
             "op": "replay",
             "cells": [
-                {**self._exec_message(ref, c.index, c.code, summary=False), "answers": await answers(c)}
-                for c in cells
+                {**self._exec_message(ref, c.index, c.code, summary=False), "answers": answers}
+                for c, answers in batch
             ],
         }
         await box.send(message)
@@ -844,21 +856,3 @@ class ReplActivities:
 
 REPLAY_BATCH_CELLS = 200
 REPLAY_BATCH_BYTES = 8 * 1024 * 1024
-
-
-def _replay_batches(cells: list[LoggedCell]) -> list[list[LoggedCell]]:
-    """Finished cells in batches: one frame carries a batch's code and its answers' texts.
-    An answer counts as 4 KB here (its text is loaded only when the batch is sent)."""
-    batches: list[list[LoggedCell]] = []
-    current: list[LoggedCell] = []
-    size = 0
-    for cell in cells:
-        weight = len(cell.code) + 4096 * len(cell.answers)
-        if current and (len(current) >= REPLAY_BATCH_CELLS or size + weight > REPLAY_BATCH_BYTES):
-            batches.append(current)
-            current, size = [], 0
-        current.append(cell)
-        size += weight
-    if current:
-        batches.append(current)
-    return batches

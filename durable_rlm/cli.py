@@ -420,8 +420,15 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
             cancel_episode(services.client, args.episode_id, args.extract, args.reason)
         )
         await asyncio.wait({request}, timeout=CANCEL_HEAD_START_S)
-        async with running_workers(services) if settings.embedded else contextlib.nullcontext():
-            return await _cancelled(services, args, await request)
+        if request.done():  # refused (the episode ended) or accepted: no worker needed for that
+            outcome = request.result()
+            if not outcome.accepted:
+                return await _cancelled(services, args, outcome)
+        try:
+            async with running_workers(services) if settings.embedded else contextlib.nullcontext():
+                return await _cancelled(services, args, await request)
+        finally:
+            request.cancel()  # a no-op once done; a worker that failed to start leaves it pending
 
 
 async def _cancelled(services: Services, args: argparse.Namespace, outcome: CancelOutcome) -> int:

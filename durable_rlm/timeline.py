@@ -204,8 +204,12 @@ async def _local_step(client: Client, attrs: Any, iteration: Any, cells: dict[in
         echo, failure = outcome.step, None
     else:
         failure = attrs.failure.message
-        details = attrs.failure.application_failure_info.details
-        echo = await _decode(client, details, StepEcho) if details.payloads else None
+        echo = None
+        cause = attrs.failure
+        while cause is not None and echo is None:  # the echo may sit under a wrapping failure
+            details = cause.application_failure_info.details
+            echo = await _decode(client, details, StepEcho) if details.payloads else None
+            cause = cause.cause if cause.HasField("cause") else None
     if echo is None:
         return
     if activity == names.REPL_EXECUTE and echo.cell_index not in cells:

@@ -105,3 +105,24 @@ async def test_remote_steps_still_work_when_asked_for(client, worker, scripted) 
         if e.HasField("activity_task_scheduled_event_attributes")
     ]
     assert names.REPL_EXECUTE in scheduled
+
+
+async def test_only_fresh_starts_of_a_local_step_are_counted(blob_store: BlobStore) -> None:
+    """A retry on the same worker is bounded by the step's retry policy; a start after a
+    replay (attempt 1 on a new worker) is what the ledger counts."""
+    import dataclasses
+
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.attempts import count_local_start
+
+    env = ActivityEnvironment()
+    fresh = dataclasses.replace(env.info, is_local=True, attempt=1, activity_id="7", workflow_run_id="r")
+    for _ in range(3):
+        env.info = fresh
+        await env.run(count_local_start, blob_store)
+        env.info = dataclasses.replace(fresh, attempt=2)  # a local retry: not counted
+        await env.run(count_local_start, blob_store)
+    env.info = fresh
+    with pytest.raises(ApplicationError, match="started afresh 3 times"):
+        await env.run(count_local_start, blob_store)

@@ -20,9 +20,10 @@ from temporalio.exceptions import (
 from workflows import defaults, names
 from workflows.models import DurabilitySettings, ModelSettings
 
-STEP_FAILURES = (ActivityError, ApplicationError, TimeoutError)
-"""How a failed step reaches workflow code: an activity's failure wrapped in ActivityError, a
-local activity's as the failure itself."""
+STEP_FAILURES = (ActivityError, ApplicationError, TimeoutError, CancelledError)
+"""How a failed step reaches workflow code: an activity's failure wrapped in ActivityError; a
+local activity's ordinary failure as the ApplicationError itself, its timeout or cancel
+wrapped (live) or bare (on replay)."""
 
 
 def model_retry_policy(max_attempts: int) -> RetryPolicy:
