@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from durable_rlm.blobs import BlobStore
+from durable_rlm.blobs import BlobStore, TypedBlobs
 from workflows.models import Message
 
 MAX_CHAIN = 1_000_000
@@ -96,7 +96,7 @@ class CellLog:
         return self.cells[-1] if self.cells and self.cells[-1].status is None else None
 
 
-def append(blobs: BlobStore, head: str | None, entry: _Entry | dict[str, Any]) -> str:
+def append(blobs: TypedBlobs, head: str | None, entry: _Entry | dict[str, Any]) -> str:
     body = entry.model_dump(mode="json") if isinstance(entry, BaseModel) else entry
     return blobs.put_json({"prev": head, **body})
 

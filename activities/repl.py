@@ -42,7 +42,7 @@ from activities.sandbox_processes import (
     spawn_sandbox,
     uss_bytes,
 )
-from durable_rlm.blobs import BlobBatch, BlobStore, text_digest
+from durable_rlm.blobs import BlobBatch, BlobStore, TypedBlobs, text_digest
 from workflows import defaults, names
 from workflows.models import (
     CellOutcome,
@@ -475,7 +475,7 @@ class ReplActivities:
             raise
 
     @property
-    def _store(self) -> BlobStore | BlobBatch:
+    def _store(self) -> TypedBlobs:
         """Where a step writes: its batch while one is open (see `_batched`)."""
         return _STEP_WRITES.get() or self.blobs
 
@@ -495,7 +495,7 @@ class ReplActivities:
     async def _log(self, head: str | None, entry: chains.LogEntry) -> str:
         store = self._store
         if isinstance(store, BlobBatch):
-            return chains.append(store, head, entry)  # type: ignore[arg-type] - hashing only
+            return chains.append(store, head, entry)  # hashing only: no I/O
         return await asyncio.to_thread(chains.append, store, head, entry)
 
     def _exec_message(

@@ -142,7 +142,30 @@ class SqlBackend:
         return None if row is None else bytes(row[0])
 
 
-class BlobStore:
+class TypedBlobs:
+    """Text and JSON over `put` / `get`, one encoding for every store (a digest names bytes:
+    two spellings of the same JSON would be two blobs)."""
+
+    def put(self, data: bytes) -> str:
+        raise NotImplementedError
+
+    def get(self, digest: str) -> bytes:
+        raise NotImplementedError
+
+    def put_text(self, text: str) -> str:
+        return self.put(text.encode("utf-8"))
+
+    def get_text(self, digest: str) -> str:
+        return self.get(digest).decode("utf-8")
+
+    def put_json(self, value: Any) -> str:
+        return self.put(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+    def get_json(self, digest: str) -> Any:
+        return json.loads(self.get(digest))
+
+
+class BlobStore(TypedBlobs):
     """Typed access plus a small read cache (safe: content never changes under a digest)."""
 
     def __init__(self, backend: BlobBackend, cache_entries: int = 4096) -> None:
@@ -191,18 +214,6 @@ class BlobStore:
         self._remember(digest, data)
         return added
 
-    def put_text(self, text: str) -> str:
-        return self.put(text.encode("utf-8"))
-
-    def get_text(self, digest: str) -> str:
-        return self.get(digest).decode("utf-8")
-
-    def put_json(self, value: Any) -> str:
-        return self.put(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
-
-    def get_json(self, digest: str) -> Any:
-        return json.loads(self.get(digest))
-
     def _remember(self, digest: str, data: bytes) -> None:
         if len(data) > 1_000_000:
             return
@@ -212,7 +223,7 @@ class BlobStore:
             self._cache.popitem(last=False)
 
 
-class BlobBatch:
+class BlobBatch(TypedBlobs):
     """A step's writes, held in memory and stored in one transaction by `flush` (before the
     step's result, which names them, leaves the worker). Reads see the held blobs first."""
 
@@ -226,21 +237,9 @@ class BlobBatch:
             self._held[digest] = data
         return digest
 
-    def put_text(self, text: str) -> str:
-        return self.put(text.encode("utf-8"))
-
-    def put_json(self, value: Any) -> str:
-        return self.put(json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8"))
-
     def get(self, digest: str) -> bytes:
         held = self._held.get(digest)
         return held if held is not None else self.store.get(digest)
-
-    def get_text(self, digest: str) -> str:
-        return self.get(digest).decode("utf-8")
-
-    def get_json(self, digest: str) -> Any:
-        return json.loads(self.get(digest))
 
     def flush(self) -> int:
         held, self._held = self._held, {}
