@@ -74,6 +74,16 @@ async def test_the_timeline_shows_local_cells_including_a_lost_one(client, worke
     assert "os._exit(9)" in second.code
     assert "exited" in (second.error or "")
     assert "os._exit(9)" in render(timeline)
+    # The steps were local: markers in history, no REPL activity scheduled.
+    history = await handle.fetch_history()
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in history.events
+        if e.HasField("activity_task_scheduled_event_attributes")
+    ]
+    assert names.REPL_EXECUTE not in scheduled and names.ROOT_COMPLETION in scheduled
+    markers = [e for e in history.events if e.HasField("marker_recorded_event_attributes")]
+    assert len(markers) >= 4  # the patch markers, then each local step
 
 
 def test_a_step_started_too_often_gives_up(blob_store: BlobStore) -> None:

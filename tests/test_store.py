@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,8 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     config = workers[0].config()
     assert (config["max_cached_workflows"], config["max_concurrent_local_activities"]) == (20, 20)
     assert config["max_concurrent_activities"] == 30
+    # Heartbeats leave at most a second apart, not at 80% of the timeout.
+    assert config["max_heartbeat_throttle_interval"] == timedelta(seconds=1)
     assert (repl.memory_budget_mb, repl.sandbox_start) == (256, "spawn")
 
 
