@@ -11,6 +11,7 @@ logs had before these models, so old logs read the same. `read_cell_log` is the 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -61,12 +62,37 @@ class CellEnded(_Entry):
     output: str | None = None  # blob digest of stdout + stderr + error
 
 
+class RecreateCell(_Entry):
+    """A cell a rebuild re-runs after loading a snapshot, for the names the snapshot could
+    not hold (open files, generators...): its code and logged answers travel with it."""
+
+    cell: int
+    code: str
+    answers: list[LoggedAnswer] = []
+    names: dict[str, str]  # name -> why it could not be saved
+
+
 class SnapshotTaken(_Entry):
-    """A checkpoint of the namespace after the cells before it (REPL snapshots)."""
+    """A checkpoint of the namespace after `cell`. `mac` is a keyed hash (the workers' key)
+    over the rest of the entry, so a snapshot is loaded only into the episode it was made
+    for, and only as it was made."""
 
     t: Literal["snapshot"] = "snapshot"
-    ref: str
-    cells: int
+    ref: str  # blob digest of the compressed pickle
+    cell: int
+    episode: str
+    size: int
+    recreate: list[RecreateCell] = []
+    lost: dict[str, str] = {}  # names it could not hold and no logged cell re-creates
+    mac: str = ""
+
+    def signed_part(self) -> bytes:
+        body = self.model_dump(mode="json", exclude={"mac"})
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+    @property
+    def unsaved(self) -> list[str]:
+        return sorted([*(name for cell in self.recreate for name in cell.names), *self.lost])
 
 
 LogEntry = Annotated[CellStarted | CallsAnswered | CellEnded | SnapshotTaken, Field(discriminator="t")]
@@ -89,6 +115,8 @@ class LoggedCell:
 class CellLog:
     cells: list[LoggedCell]
     snapshot: SnapshotTaken | None = None  # the latest snapshot, if any
+    snapshot_at: int = 0  # cells before it: `cells[snapshot_at:]` ran after it
+    partial: bool = False  # read back only to the snapshot (cells before it are not listed)
 
     @property
     def open_cell(self) -> LoggedCell | None:
@@ -101,12 +129,16 @@ def append(blobs: TypedBlobs, head: str | None, entry: _Entry | dict[str, Any]) 
     return blobs.put_json({"prev": head, **body})
 
 
-def walk(blobs: BlobStore, head: str | None) -> list[dict[str, Any]]:
-    """Nodes from the first to `head`."""
+def walk(blobs: TypedBlobs, head: str | None, stop_at: str | None = None) -> list[dict[str, Any]]:
+    """Nodes from the first to `head`; with `stop_at`, from the newest node of that type
+    (a rebuild reads back only to the latest snapshot, so its cost does not grow with the
+    episode's length)."""
     nodes: list[dict[str, Any]] = []
     while head is not None:
         node = blobs.get_json(head)
         nodes.append(node)
+        if stop_at is not None and node.get("t") == stop_at:
+            break
         head = node["prev"]
         if len(nodes) > MAX_CHAIN:
             raise ValueError("chain too long or cyclic")
@@ -114,15 +146,18 @@ def walk(blobs: BlobStore, head: str | None) -> list[dict[str, Any]]:
     return nodes
 
 
-def read_cell_log(blobs: BlobStore, head: str | None) -> CellLog:
-    """The cell log up to `head`, as cells."""
+def read_cell_log(blobs: TypedBlobs, head: str | None, since_snapshot: bool = False) -> CellLog:
+    """The cell log up to `head`, as cells; `since_snapshot`: only the latest snapshot and
+    the cells after it."""
     log = CellLog(cells=[])
-    for node in walk(blobs, head):
+    nodes = walk(blobs, head, stop_at="snapshot" if since_snapshot else None)
+    log.partial = since_snapshot and bool(nodes) and nodes[0].get("t") == "snapshot"
+    for node in nodes:
         entry = _ENTRY.validate_python({k: v for k, v in node.items() if k != "prev"})
         if isinstance(entry, CellStarted):
             log.cells.append(LoggedCell(entry.cell, entry.iteration, entry.code))
         elif isinstance(entry, SnapshotTaken):
-            log.snapshot = entry
+            log.snapshot, log.snapshot_at = entry, len(log.cells)
         elif not log.cells:
             raise ValueError(f"cell log entry {entry.t!r} before any cell")
         elif isinstance(entry, CallsAnswered):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import hashlib
+import hmac
 import logging
 import os
 import shutil
@@ -32,8 +34,17 @@ from temporalio.exceptions import ApplicationError
 
 from activities import chains
 from activities.attempts import count_local_start, echoed
-from activities.chains import CallsAnswered, CellEnded, CellStarted, LoggedAnswer, LoggedCell
+from activities.chains import (
+    CallsAnswered,
+    CellEnded,
+    CellStarted,
+    LoggedAnswer,
+    LoggedCell,
+    RecreateCell,
+    SnapshotTaken,
+)
 from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
+from activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from activities.sandbox_processes import (
     ForkServer,
     ForkServerError,
@@ -50,8 +61,11 @@ from workflows.models import (
     ContextRef,
     ExecuteCellInput,
     ReadVariableInput,
+    RebuildReport,
     ResumeCellInput,
     SandboxRef,
+    SnapshotPolicy,
+    SnapshotRef,
     StepEcho,
     SubCallRequest,
     VariableValue,
@@ -116,6 +130,34 @@ class LiveSandbox:
     early_done: dict[str, Any] | None = None
     last_used: float = field(default_factory=time.monotonic)
     layers: dict[str, str] = field(default_factory=dict)
+    # REPL snapshots: the policy of the last step, the latest snapshot, what ran since it,
+    # and the cells a snapshot may need to re-run (by index).
+    policy: SnapshotPolicy | None = None
+    snapshot: SnapshotTaken | None = None
+    snapshot_head: str | None = None  # the log node recording `snapshot`
+    since_s: float = 0.0
+    since_cells: int = 0
+    since_volatile: bool = False
+    last_cell: int | None = None
+    cells: dict[int, LoggedCell] = field(default_factory=dict)
+
+    def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
+        """A cell finished (live or re-run): the snapshot policy counts it."""
+        self.cells[cell.index] = cell
+        self.since_s += elapsed
+        self.since_cells += 1
+        self.since_volatile |= volatile
+        self.last_cell = cell.index
+
+    def snapshot_due(self) -> bool:
+        policy = self.policy
+        if policy is None or self.since_cells == 0:
+            return False
+        return (
+            self.since_s >= policy.after_s
+            or self.since_cells >= policy.every_cells
+            or (policy.volatile and self.since_volatile)
+        )
 
     async def send(self, message: dict[str, Any]) -> None:
         self.process.stdin.write(encode_frame(message))
@@ -196,6 +238,11 @@ class MemoryReport:
         return sum(self.sandboxes.values())
 
 
+class SnapshotRefused(Exception):
+    """A snapshot a rebuild will not load (another episode's, altered, unreadable); the
+    rebuild re-runs the cells instead."""
+
+
 FORK_RETRY_S = 60.0  # after a template failed to start, sandboxes are spawned this long
 
 
@@ -210,6 +257,12 @@ class ReplActivities:
     cannot start is warned about once, and sandboxes are spawned meanwhile. With
     `memory_budget_mb`, idle sandboxes are discarded least recently used first once the live
     ones hold more than the budget; their next step rebuilds them from the cell log.
+
+    With a snapshot policy (`SandboxRef.snapshots`), the sandbox's namespace is snapshotted
+    after cells (signed with `snapshot_key`, stored in the blob store, recorded in the log),
+    and a rebuild loads the latest snapshot and re-runs only the cells after it. A sandbox
+    discarded while idle (reaped, or over the memory budget) is snapshotted first, so it
+    comes back as it was without re-running anything.
     """
 
     def __init__(
@@ -223,6 +276,7 @@ class ReplActivities:
         audit_hook: bool = True,
         sandbox_start: str = "fork",
         memory_budget_mb: int | None = None,
+        snapshot_key: bytes | None = None,
     ) -> None:
         if sandbox_start not in ("fork", "spawn"):
             raise ValueError(f"sandbox_start must be 'fork' or 'spawn', not {sandbox_start!r}")
@@ -246,6 +300,13 @@ class ReplActivities:
         self._fork_retry_at = 0.0
         self._budget_task: asyncio.Task[list[str]] | None = None
         self._budget_again = False
+        # Signs snapshots; every worker that may rebuild an episode needs the same key (a
+        # snapshot signed with another is refused, and the cells re-run instead).
+        if snapshot_key is not None and len(snapshot_key) < 16:
+            raise ValueError("snapshot_key must be at least 16 bytes")
+        self.snapshot_key = snapshot_key or os.urandom(32)
+        # Snapshots of evicted sandboxes, off the log: episode -> (log head, snapshot).
+        self._parked: dict[str, tuple[str | None, SnapshotTaken]] = {}
 
     # --- activities -----------------------------------------------------------------------
 
@@ -258,16 +319,23 @@ class ReplActivities:
     async def _execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
         await count_local_start(self.blobs)
         async with self._lock(request.sandbox.episode_id), heartbeating(), self._batched():
-            box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=False)
+            box, report, divergences = await self._ensure(request.sandbox, resuming=False)
             async with self._discard_on_failure(box):
                 box.log_head = await self._log(
                     box.log_head,
                     CellStarted(cell=request.cell_index, iteration=request.iteration, code=request.code),
                 )
                 box.cell_index, box.next_call = request.cell_index, 0
+                box.cells[request.cell_index] = LoggedCell(
+                    request.cell_index, request.iteration, request.code
+                )
                 await box.send(self._exec_message(request.sandbox, request.cell_index, request.code))
-                outcome = await self._drive(box, request.sandbox)
-            return outcome.model_copy(update={"rebuilt": rebuilt, "divergences": divergences})
+                outcome = await self._after_cell(
+                    box, request.sandbox, await self._drive(box, request.sandbox)
+                )
+            return outcome.model_copy(
+                update={"rebuilt": report is not None, "divergences": divergences, "rebuild": report}
+            )
 
     @activity.defn(name=names.REPL_RESUME)
     async def resume_cell(self, request: ResumeCellInput) -> CellOutcome:
@@ -277,11 +345,13 @@ class ReplActivities:
     async def _resume_cell(self, request: ResumeCellInput) -> CellOutcome:
         await count_local_start(self.blobs)
         async with self._lock(request.sandbox.episode_id), heartbeating(), self._batched():
-            box, rebuilt, divergences = await self._ensure(request.sandbox, resuming=True)
+            box, report, divergences = await self._ensure(request.sandbox, resuming=True)
+            rebuilt = report is not None
             async with self._discard_on_failure(box):
                 if box.early_done is not None:
                     # Rebuilt code finished without asking for these calls: it diverged.
-                    return await self._finish(box, box.early_done, rebuilt, divergences)
+                    done = await self._finish(box, box.early_done, rebuilt, divergences)
+                    return done.model_copy(update={"rebuild": report})
                 expected = [r.call_index for r in box.pending]
                 given = [a.call_index for a in request.answers]
                 if box.cell_index != request.cell_index or expected != given:
@@ -305,12 +375,18 @@ class ReplActivities:
                 box.log_head = await self._log(
                     box.log_head, CallsAnswered(cell=request.cell_index, answers=logged)
                 )
+                if request.cell_index in box.cells:
+                    box.cells[request.cell_index].answers.extend(logged)
                 box.pending = []
                 await box.send(
                     {"op": "answers", "answers": [{"ok": a.ok, "text": a.text} for a in request.answers]}
                 )
-                outcome = await self._drive(box, request.sandbox)
-            return outcome.model_copy(update={"rebuilt": rebuilt, "divergences": divergences})
+                outcome = await self._after_cell(
+                    box, request.sandbox, await self._drive(box, request.sandbox)
+                )
+            return outcome.model_copy(
+                update={"rebuilt": rebuilt, "divergences": divergences, "rebuild": report}
+            )
 
     @activity.defn(name=names.REPL_READ_VARIABLE)
     async def read_variable(self, request: ReadVariableInput) -> VariableValue:
@@ -335,6 +411,7 @@ class ReplActivities:
     @activity.defn(name=names.REPL_CLOSE)
     async def close_sandbox(self, request: CloseSandboxInput) -> bool:
         async with self._lock(request.episode_id):
+            self._parked.pop(request.episode_id, None)
             box = self._live.pop(request.episode_id, None)
             if box is not None:
                 await box.kill()
@@ -346,24 +423,25 @@ class ReplActivities:
     async def reap_idle(self) -> int:
         """Kill sandboxes unused for `idle_s`; a later step rebuilds them from the log."""
         now = time.monotonic()
-        stale = [b for b in self._live.values() if now - b.last_used > self.idle_s]
+        stale = [(b, b.last_used) for b in self._live.values() if now - b.last_used > self.idle_s]
         reaped = 0
-        for box in stale:
+        for box, used in stale:
             # Checked again right before: a step may have taken the episode meanwhile.
             if self._live.get(box.episode_id) is box and not self._lock(box.episode_id).locked():
-                await self._discard(box)
-                reaped += 1
+                if await self._evict(box, used):
+                    reaped += 1
         return reaped
 
     async def close_all(self) -> None:
         """Kill every sandbox, and the template (a later step starts a new one)."""
-        for box in list(self._live.values()):
-            await self._discard(box)
-        if self._budget_task is not None:
+        if self._budget_task is not None:  # first: it may be snapshotting a sandbox to evict
             self._budget_task.cancel()
             with contextlib.suppress(BaseException):
                 await self._budget_task
             self._budget_task = None
+        for box in list(self._live.values()):
+            await self._discard(box)
+        self._parked.clear()
         async with self._template_lock:
             if self._template is not None:
                 await self._template.close()
@@ -406,12 +484,11 @@ class ReplActivities:
             if total <= budget:
                 break
             box = measured[episode_id]
-            # No await between this check and `_discard` taking it out of `_live`.
             if self._live.get(episode_id) is not box or self._lock(episode_id).locked():
                 continue
-            total -= sizes[episode_id]
-            evicted.append(episode_id)
-            await self._discard(box)
+            if await self._evict(box, box.last_used):
+                total -= sizes[episode_id]
+                evicted.append(episode_id)
         if evicted:
             log.info(
                 "sandbox memory over the %d MB budget: discarded %d idle sandbox(es), %.1f MB now live",
@@ -504,6 +581,7 @@ class ReplActivities:
         return {
             "op": "exec",
             "code": code,
+            "cell": cell_index,
             "cell_name": f"<cell {cell_index}>",
             "timeout": ref.cell_timeout_s,
             "limit": max(ref.stored_output_chars, ref.output_truncation),
@@ -568,6 +646,13 @@ class ReplActivities:
         box.log_head = await self._log(
             box.log_head, CellEnded(cell=box.cell_index, status=status, output=output_ref)
         )
+        cell = box.cells.get(box.cell_index) if box.cell_index is not None else None
+        if cell is not None:
+            cell.status = status
+            if status in chains.SKIPPED_ON_REBUILD:
+                del box.cells[cell.index]
+            else:
+                box.ran(cell, float(frame.get("elapsed") or 0.0), bool(frame.get("volatile")))
         box.cell_index, box.pending, box.early_done = None, [], None
         return CellOutcome(
             status="completed",
@@ -624,7 +709,12 @@ class ReplActivities:
             cell_status="killed",
         )
 
-    async def _ensure(self, ref: SandboxRef, resuming: bool) -> tuple[LiveSandbox, bool, list[str]]:
+    async def _ensure(
+        self, ref: SandboxRef, resuming: bool
+    ) -> tuple[LiveSandbox, RebuildReport | None, list[str]]:
+        """The episode's live sandbox at `ref.log_head`, rebuilt if this worker lacks it: from
+        a snapshot parked when it was evicted, else from the log's latest snapshot and the
+        cells after it, else (no usable snapshot) by re-running every cell."""
         box = self._live.get(ref.episode_id)
         mid_cell = box is not None and box.cell_index is not None
         if (
@@ -634,12 +724,37 @@ class ReplActivities:
             and (resuming or not mid_cell)
         ):
             box.last_used = time.monotonic()
-            return box, False, []
+            box.policy = ref.snapshots
+            return box, None, []
         if box is not None:
             await self._discard(box)
+        started = time.monotonic()
+        parked = self._parked.pop(ref.episode_id, None)
         box = await self._spawn(ref)
         try:
-            cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head)
+            box.policy = ref.snapshots
+            notes: list[str] = []
+            cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head, True)
+            snapshot: SnapshotTaken | None = None
+            if parked is not None and parked[0] == ref.log_head:
+                snapshot, cell_log = parked[1], chains.CellLog(cells=[])
+            elif cell_log.snapshot is not None:
+                snapshot = cell_log.snapshot
+                cell_log = chains.CellLog(cells=cell_log.cells[cell_log.snapshot_at :])
+            if snapshot is not None:
+                try:
+                    notes += await self._restore(box, ref, snapshot)
+                except SnapshotRefused as refused:
+                    log.warning("episode %s: %s; re-running its cells instead", ref.episode_id, refused)
+                    notes.append(
+                        f"The REPL's snapshot after cell {snapshot.cell} could not be used ({refused}); "
+                        "the REPL was rebuilt by re-running every cell instead, so values that came "
+                        "from the clock or OS randomness were drawn again."
+                    )
+                    await asyncio.shield(box.kill())
+                    box, snapshot = await self._spawn(ref), None
+                    box.policy = ref.snapshots
+                    cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head)
             open_cell = cell_log.open_cell
             replayed = cell_log.cells if resuming or open_cell is None else cell_log.cells[:-1]
             divergences = await self._replay(box, ref, replayed)
@@ -650,7 +765,170 @@ class ReplActivities:
             await asyncio.shield(box.kill())
             raise
         self._live[ref.episode_id] = box
-        return box, ref.log_head is not None, divergences
+        if ref.log_head is None:
+            return box, None, divergences
+        kept = [c for c in replayed if c.status not in chains.SKIPPED_ON_REBUILD]
+        report = RebuildReport(
+            from_snapshot=snapshot.cell if snapshot is not None else None,
+            cells_rerun=len(kept) + (len(snapshot.recreate) if snapshot is not None else 0),
+            seconds=round(time.monotonic() - started, 3),
+            notes=notes,
+        )
+        return box, report, divergences
+
+    async def _restore(self, box: LiveSandbox, ref: SandboxRef, snapshot: SnapshotTaken) -> list[str]:
+        """Load a snapshot into a fresh sandbox after checking it was made for this episode
+        (or one it descends from) and is unchanged; then the cells it lists re-create the
+        names it could not hold. Notes say which names came back how."""
+        if snapshot.episode != ref.episode_id and snapshot.episode not in ref.lineage:
+            raise SnapshotRefused(f"it belongs to another episode ({snapshot.episode})")
+        if not hmac.compare_digest(snapshot.mac, self._mac(snapshot)):
+            raise SnapshotRefused("its integrity check failed: it was altered, or signed with another key")
+        try:
+            data = await asyncio.to_thread(self.blobs.get, snapshot.ref)
+        except (KeyError, ValueError) as exc:
+            raise SnapshotRefused(f"its blob cannot be read ({exc})") from None
+        name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
+        await asyncio.to_thread((box.directory / name).write_bytes, data)
+        del data
+        recreate = []
+        for cell in snapshot.recreate:
+            texts = [await asyncio.to_thread(self.blobs.get_text, a.text) for a in cell.answers]
+            recreate.append(
+                {
+                    **self._exec_message(ref, cell.cell, cell.code, summary=False),
+                    "names": sorted(cell.names),
+                    "answers": [{"ok": a.ok, "text": t} for a, t in zip(cell.answers, texts, strict=True)],
+                }
+            )
+        await box.send({"op": "restore", "name": name, "recreate": recreate})
+        timeout = defaults.SNAPSHOT_TIMEOUT_S + len(recreate) * ref.cell_timeout_s
+        reply = await box.receive(timeout)
+        if reply is None or reply.get("op") not in ("restored", "restore_failed"):
+            raise SnapshotRefused(f"loading it failed: {await self._silence(box, reply, timeout)}")
+        if reply["op"] == "restore_failed":
+            raise SnapshotRefused(f"loading it failed: {reply.get('error')}")
+        box.snapshot, box.snapshot_head = snapshot, ref.log_head
+        box.cells = {
+            c.cell: LoggedCell(c.cell, 0, c.code, list(c.answers), status="ok") for c in snapshot.recreate
+        }
+        box.last_cell = snapshot.cell
+        notes = dict(reply.get("notes") or {})
+        notes.update({name: f"lost: {why}" for name, why in snapshot.lost.items()})
+        if not notes:
+            return []
+        how = "; ".join(f"`{name}` {how}" for name, how in sorted(notes.items()))
+        return [
+            f"The REPL was restored from its snapshot after cell {snapshot.cell}. Names the snapshot "
+            f"could not hold: {how}. A re-created value starts over as that cell made it."
+        ]
+
+    def _mac(self, snapshot: SnapshotTaken) -> str:
+        return hmac.new(self.snapshot_key, snapshot.signed_part(), hashlib.sha256).hexdigest()
+
+    async def _after_cell(self, box: LiveSandbox, ref: SandboxRef, outcome: CellOutcome) -> CellOutcome:
+        """A cell completed: snapshot the namespace if the policy says so, and record it in
+        the log right after the cell. A snapshot that fails costs only itself."""
+        if outcome.status != "completed" or self._live.get(box.episode_id) is not box:
+            return outcome
+        box.policy = ref.snapshots
+        if not box.snapshot_due():
+            return outcome
+        entry = await self._snapshot(box, ref)
+        if entry is None:
+            return outcome
+        box.log_head = await self._log(box.log_head, entry)
+        box.snapshot, box.snapshot_head = entry, box.log_head
+        return outcome.model_copy(
+            update={
+                "log_head": box.log_head,
+                "snapshot": SnapshotRef(
+                    digest=entry.ref,
+                    cell=entry.cell,
+                    size=entry.size,
+                    log_head=box.log_head,
+                    unsaved=entry.unsaved,
+                ),
+            }
+        )
+
+    async def _snapshot(self, box: LiveSandbox, ref: SandboxRef | None = None) -> SnapshotTaken | None:
+        """Have the sandbox pickle its namespace to a file; store it, list what a rebuild
+        must re-run for the names it could not hold, and sign the entry."""
+        episode = ref.episode_id if ref is not None else box.episode_id
+        name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
+        path = box.directory / name
+        box.since_s, box.since_cells, box.since_volatile = 0.0, 0, False  # tried: not again at once
+        await box.send({"op": "snapshot", "name": name, "files_bytes": defaults.SNAPSHOT_FILES_MB * 2**20})
+        reply = await box.receive(defaults.SNAPSHOT_TIMEOUT_S)
+        if reply is None or reply.get("op") not in ("snapshotted", "snapshot_failed"):
+            problem = await self._silence(box, reply, defaults.SNAPSHOT_TIMEOUT_S)
+            log.warning("episode %s: snapshot abandoned (%s); the sandbox is discarded", episode, problem)
+            await self._discard(box)  # its log is intact: the next step rebuilds from it
+            return None
+        if reply["op"] == "snapshot_failed":
+            log.info("episode %s: no snapshot after cell %s: %s", episode, box.last_cell, reply.get("error"))
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        digest = await asyncio.to_thread(self._store.put, data)
+        recreate: dict[int, RecreateCell] = {}
+        lost: dict[str, str] = {}
+        earlier = {c.cell: c for c in box.snapshot.recreate} if box.snapshot is not None else {}
+        for unsaved, (cell_index, reason) in sorted(dict(reply.get("unsaved") or {}).items()):
+            cell = box.cells.get(cell_index) if isinstance(cell_index, int) else None
+            if cell is not None:
+                code, answers = cell.code, list(cell.answers)
+            elif cell_index in earlier:
+                code, answers = earlier[cell_index].code, list(earlier[cell_index].answers)
+            else:
+                lost[unsaved] = f"{reason} (no cell to re-create it)"
+                continue
+            entry = recreate.setdefault(
+                cell_index, RecreateCell(cell=cell_index, code=code, answers=answers, names={})
+            )
+            entry.names[unsaved] = str(reason)
+        if box.snapshot is not None:
+            lost.update({k: v for k, v in box.snapshot.lost.items() if k in (reply.get("unsaved") or {})})
+        snapshot = SnapshotTaken(
+            ref=digest,
+            cell=box.last_cell if box.last_cell is not None else 0,
+            episode=episode,
+            size=len(data),
+            recreate=[recreate[i] for i in sorted(recreate)],
+            lost=lost,
+        )
+        snapshot.mac = self._mac(snapshot)
+        box.cells = {
+            c.cell: box.cells.get(c.cell) or LoggedCell(c.cell, 0, c.code, list(c.answers), "ok")
+            for c in snapshot.recreate
+        }
+        return snapshot
+
+    async def _evict(self, box: LiveSandbox, used: float) -> bool:
+        """Discard an idle sandbox to free its memory, parking a snapshot of it first (when
+        its episode takes snapshots) so its next step restores it without re-running cells.
+        False when a step took the episode meanwhile."""
+        episode = box.episode_id
+        async with self._lock(episode):
+            if self._live.get(episode) is not box or box.last_used != used:
+                return False  # discarded, or used by a step, while this waited for the lock
+            current = box.snapshot is not None and box.snapshot_head == box.log_head
+            if box.policy is not None and box.cell_index is None and box.process.returncode is None:
+                if current and box.snapshot is not None:
+                    self._parked[episode] = (box.log_head, box.snapshot)
+                elif box.last_cell is not None:
+                    async with self._batched():
+                        parked = await self._snapshot(box)
+                    if parked is not None:
+                        self._parked[episode] = (box.log_head, parked)
+            await self._discard(box)
+            return True
 
     async def _abandon_open_cell(self, box: LiveSandbox, cell: int) -> None:
         """A new step arrives while the log's last cell never ended: the workflow gave up on
@@ -776,6 +1054,7 @@ class ReplActivities:
             if cell.status is not None:
                 continue
             box.cell_index, box.next_call = cell.index, 0
+            box.cells[cell.index] = LoggedCell(cell.index, cell.iteration, cell.code, list(cell.answers))
             # A finished cell's summary is not reported; the open cell's may be (early_done).
             await box.send(self._exec_message(ref, cell.index, cell.code, summary=cell.status is None))
             recorded = list(cell.answers)
@@ -842,6 +1121,7 @@ class ReplActivities:
             )
         divergences = []
         for cell, report in zip(cells, frame["cells"], strict=True):
+            box.ran(cell, float(report.get("elapsed") or 0.0), bool(report.get("volatile")))
             recorded = [(a.kind, a.prompt) for a in cell.answers]
             for call, asked in enumerate(report.get("asked", [])):
                 if call >= len(recorded):

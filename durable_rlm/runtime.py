@@ -35,6 +35,7 @@ from activities.tools import run_tool
 from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.store import open_store
 from durable_rlm.telemetry import client_interceptors
 from durable_rlm.tools import import_tool_modules
@@ -342,6 +343,7 @@ def build_workers(
     activity_slots: int = defaults.ACTIVITY_SLOTS,
     sandbox_budget_mb: int | None = None,
     sandbox_start: str = "fork",
+    snapshot_key: bytes | None = None,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -357,6 +359,7 @@ def build_workers(
         sandbox_idle_s,
         sandbox_start=sandbox_start,
         memory_budget_mb=sandbox_budget_mb,
+        snapshot_key=snapshot_key,
     )
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
@@ -412,6 +415,7 @@ async def running_workers(
         activity_slots=settings.activity_slots,
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
+        snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
     )
     tasks = [asyncio.create_task(w.run()) for w in workers]
     reaper = asyncio.create_task(_reap_forever(repl))

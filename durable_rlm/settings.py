@@ -39,6 +39,9 @@ class Settings(BaseModel):
     activity_slots: int = Field(
         default=defaults.ACTIVITY_SLOTS, ge=1, le=100_000, description="model calls and tools in flight"
     )
+    snapshot_key: str | None = Field(
+        default=None, repr=False, description="signs REPL snapshots; default: a key file in data_dir"
+    )
     tracing: str = "off"
     policy_modules: str = Field(default="", description="comma-separated modules registering policies")
     tool_modules: str = Field(default="", description="comma-separated modules registering custom tools")
@@ -68,6 +71,7 @@ class Settings(BaseModel):
             "DRLM_CAPACITY": "capacity",
             "DRLM_ACTIVITY_SLOTS": "activity_slots",
             "DRLM_TRACING": "tracing",
+            "DRLM_SNAPSHOT_KEY": "snapshot_key",
             "DRLM_POLICY_MODULES": "policy_modules",
             "DRLM_TOOL_MODULES": "tool_modules",
         }

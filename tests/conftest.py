@@ -40,6 +40,7 @@ from workflows.models import (
     ReadVariableInput,
     ResumeCellInput,
     SandboxRef,
+    SnapshotPolicy,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,8 +212,11 @@ class Episode:
         cell_timeout_s: float = 5.0,
         truncation: int = 2_000,
         stored: int = 1_000_000,
+        snapshots: SnapshotPolicy | None = None,
     ) -> None:
         self.host = host
+        self.snapshots = snapshots
+        self.lineage: list[str] = []
         self.context = None if context is None else store_context(host.blobs, context)
         self.head: str | None = None
         self.cells = 0
@@ -230,6 +234,8 @@ class Episode:
             cell_timeout_s=self.cell_timeout_s,
             output_truncation=self.truncation,
             stored_output_chars=self.stored,
+            snapshots=self.snapshots,
+            lineage=self.lineage,
         )
 
     async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:

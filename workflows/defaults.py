@@ -122,6 +122,22 @@ is recorded as lost."""
 REPL_SLACK_S = 120.0
 """Added to the cell timeout for a REPL step: a rebuild replays earlier cells first."""
 
+SNAPSHOT_AFTER_S = 1.0
+"""A REPL snapshot is taken once the cells since the last one have run this long in all:
+a rebuild then re-runs at most about this much cell time. A small namespace snapshots in
+~5 ms, so a second of cells pays it back 200 times (bench/snapshots.py)."""
+
+SNAPSHOT_EVERY_CELLS = 20
+"""...and at least every this many cells, so a log of quick cells is never replayed whole."""
+
+SNAPSHOT_TIMEOUT_S = 60.0
+"""How long the sandbox may take to write (or load) a snapshot; then it is abandoned and the
+sandbox discarded (the cell log is intact: the next step rebuilds from it)."""
+
+SNAPSHOT_FILES_MB = 64
+"""Files the cells wrote in their directory travel in the snapshot up to this total; past
+it no snapshot is taken (a rebuild re-runs the cells, which re-create the files)."""
+
 AUDIT_ATTEMPTS = 5
 """The audit store is a projection: a few retries, then history alone is the record."""
 

@@ -416,8 +416,11 @@ class EpisodeWorkflow:
         for code in blocks:
             s.cell_count += 1
             self._set_phase(f"cell {s.cell_count}")
-            cell = CellRecord.of(s.cell_count, code, await repl.run_cell(s.iteration, s.cell_count, code))
+            ran = await repl.run_cell(s.iteration, s.cell_count, code)
+            cell = CellRecord.of(s.cell_count, code, ran)
             outcome.cells.append(cell)
+            if ran.rebuild is not None:
+                outcome.notes.extend(ran.rebuild.notes)  # which names a rebuild re-created, and how
             self._last_output = (cell.stdout + (cell.error or ""))[-defaults.PROGRESS_TEXT_CHARS :]
             answer, notes, answered = cell_answer(cell, fields)
             outcome.notes.extend(notes)

@@ -119,6 +119,25 @@ class EpisodeLimits(StrictModel):
         return value
 
 
+class SnapshotPolicy(StrictModel):
+    """When the worker snapshots the REPL's namespace after a cell (REPL snapshots): a
+    rebuild loads the latest snapshot and re-runs only the cells after it."""
+
+    after_s: float = Field(
+        default=defaults.SNAPSHOT_AFTER_S,
+        ge=0,
+        description="snapshot once the cells since the last snapshot have run this many seconds",
+    )
+    every_cells: int = Field(
+        default=defaults.SNAPSHOT_EVERY_CELLS, ge=1, description="...or after this many cells (1: every cell)"
+    )
+    volatile: bool = Field(
+        default=True,
+        description="snapshot after a cell that read the clock or OS randomness, so a rebuild "
+        "restores the values the model saw instead of drawing new ones",
+    )
+
+
 class DurabilitySettings(StrictModel):
     """How fast a dead worker is noticed. Tests shorten these; production keeps defaults."""
 
@@ -134,6 +153,10 @@ class DurabilitySettings(StrictModel):
         default=True,
         description="run REPL steps as local activities on the worker that runs the episode "
         "(half the round trips per iteration); False routes them to the sandbox's worker queue",
+    )
+    snapshots: SnapshotPolicy | None = Field(
+        default_factory=SnapshotPolicy,
+        description="REPL snapshots; None: a rebuild re-runs every cell since the start",
     )
 
 
@@ -504,6 +527,32 @@ class SandboxRef(StrictModel):
         default=None, description="most prompts per rlm_query_batched when it starts children"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
+    snapshots: SnapshotPolicy | None = Field(default=None, description="None: no snapshots are taken")
+    lineage: list[str] = Field(
+        default_factory=list,
+        description="other episodes whose snapshots this one may load (a fork loads its parent's)",
+    )
+
+
+class SnapshotRef(StrictModel):
+    """A REPL snapshot as the workflow records it, with the cell it follows."""
+
+    digest: str = Field(description="blob of the compressed, pickled namespace")
+    cell: int = Field(description="the last cell whose effects it holds")
+    size: int = Field(description="bytes stored")
+    log_head: str = Field(description="the cell-log node that records it")
+    unsaved: list[str] = Field(
+        default_factory=list, description="names a rebuild re-creates by re-running cells"
+    )
+
+
+class RebuildReport(StrictModel):
+    """How a worker that lacked the live REPL rebuilt it (observations and audit)."""
+
+    from_snapshot: int | None = Field(default=None, description="cell the loaded snapshot follows")
+    cells_rerun: int = 0
+    seconds: float = 0.0
+    notes: list[str] = Field(default_factory=list, description="what the model should know")
 
 
 class ExecuteCellInput(StrictModel):
@@ -576,6 +625,8 @@ class CellOutcome(StrictModel):
     step: StepEcho | None = Field(
         default=None, description="which step this answers; set by local steps, whose input is not in history"
     )
+    snapshot: SnapshotRef | None = Field(default=None, description="taken after this cell")
+    rebuild: RebuildReport | None = None
 
     @property
     def ok(self) -> bool:
@@ -680,6 +731,9 @@ class EpisodeCarry(StrictModel):
     conversation: str | None = None
     pending: list[Message] = Field(default_factory=list)
     log_head: str | None = None
+    snapshot: SnapshotRef | None = Field(
+        default=None, description="the latest REPL snapshot: a rebuild re-runs only the cells after it"
+    )
     repl_queue: str | None = None
     model_calls: int = 0
     sub_calls: int = 0

@@ -55,3 +55,4 @@ PATCH_FALLBACK_EXTRACTION = "fallback-extraction"
 PATCH_HONEST_ENDINGS = "honest-endings"
 PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of the wave in flight
 PATCH_LOCAL_REPL = "local-repl"  # REPL steps run as local activities on the workflow's worker
+PATCH_SNAPSHOTS = "repl-snapshots"  # REPL steps are asked to snapshot the namespace

@@ -87,12 +87,17 @@ class ReplSteps:
                 self.request.limits.max_children_per_batch if self.request.spawns_children else None
             ),
             tools=self.request.tools,
+            # Episodes begun before snapshots keep rebuilding by re-running every cell.
+            snapshots=(
+                self.request.durability.snapshots if workflow.patched(names.PATCH_SNAPSHOTS) else None
+            ),
         )
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
         """Run a cell to completion, answering its calls; never raises for a lost step."""
         state = self.state
-        head_before = state.log_head
+        head_before, snapshot_before = state.log_head, state.snapshot
+        rebuild = None
         try:
             outcome = await self._step(
                 names.REPL_EXECUTE,
@@ -102,6 +107,7 @@ class ReplSteps:
                 CellOutcome,
                 f"cell {cell_index}",
             )
+            rebuild = outcome.rebuild
             while outcome.status == "suspended":
                 kind = outcome.requests[0].kind if outcome.requests else "model"
                 self.set_phase(f"cell {cell_index}: {len(outcome.requests)} {kind} call(s)")
@@ -112,10 +118,11 @@ class ReplSteps:
                     CellOutcome,
                     f"cell {cell_index} resumed",
                 )
+                rebuild = outcome.rebuild or rebuild
         except STEP_FAILURES as err:
             if self.stop_on_cancel:
                 raise_if_cancelled(err)
-            state.log_head, state.repl_queue = head_before, None
+            state.log_head, state.repl_queue, state.snapshot = head_before, None, snapshot_before
             state.lost_cells += 1
             return CellOutcome(
                 status="completed",
@@ -127,6 +134,10 @@ class ReplSteps:
         state.divergences += len(outcome.divergences)
         if outcome.variables or outcome.ok:
             state.variables = outcome.variables
+        if outcome.snapshot is not None:
+            state.snapshot = outcome.snapshot
+        if rebuild is not None and outcome.rebuild is None:
+            outcome = outcome.model_copy(update={"rebuild": rebuild})  # its notes reach the model
         return outcome
 
     async def read_variable(self, name: str) -> VariableRead:

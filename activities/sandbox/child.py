@@ -16,6 +16,7 @@ sandbox directory (reads of the Python installation excepted).
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import io
 import json
@@ -160,6 +161,85 @@ def preload_modules() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    try:
+        snapshots()
+    except ImportError:
+        pass  # no cloudpickle here: the host is told when it asks for a snapshot
+
+
+_SNAPSHOTS: Any = None
+
+
+def snapshots() -> Any:
+    """activities/sandbox/snapshot.py, by its path (under -P no directory of ours is on
+    sys.path): pickling the namespace, and loading it back."""
+    global _SNAPSHOTS
+    if _SNAPSHOTS is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot.py")
+        spec = importlib.util.spec_from_file_location("drlm_sandbox_snapshot", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["drlm_sandbox_snapshot"] = module
+        _SNAPSHOTS = module
+    return _SNAPSHOTS
+
+
+# --- volatile cells ---------------------------------------------------------------------------
+
+_VOLATILE = [False]  # set when the running cell reads the clock or OS randomness
+_WALL = __import__("time").perf_counter  # the host's own timing, never flagged
+_CLOCK_READS = (
+    ("time", ("time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns")),
+    ("time", ("localtime", "gmtime", "ctime", "asctime", "strftime")),  # flagged without a time argument
+    ("os", ("urandom", "getrandom")),
+)
+_VOLATILE_WORDS = frozenset({"now", "today", "utcnow", "SystemRandom", "secrets", "token_hex", "token_bytes"})
+
+
+def _flagging(module: Any, name: str, reads_clock_without_args: bool) -> Any:
+    original = getattr(module, name)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        # strftime(format) and asctime() read the clock; with a time tuple they do not.
+        if not reads_clock_without_args or len(args) + len(kwargs) <= (1 if name == "strftime" else 0):
+            _VOLATILE[0] = True
+        return original(*args, **kwargs)
+
+    # Named as the original, so a pickled reference to it loads as the new sandbox's.
+    call.__module__, call.__name__, call.__qualname__ = module.__name__, name, name
+    call.__doc__ = original.__doc__
+    return call
+
+
+def watch_volatile_reads() -> None:
+    """Flag cells that read the clock or OS randomness (they snapshot right after, so a
+    rebuild restores what the model saw). `random` needs none: it is seeded, and its state
+    travels in the snapshot. What wrappers cannot see (datetime.now, secrets) is found in
+    the code's words."""
+    import importlib
+
+    for position, (module_name, functions) in enumerate(_CLOCK_READS):
+        module = importlib.import_module(module_name)
+        for name in functions:
+            if hasattr(module, name):
+                setattr(module, name, _flagging(module, name, reads_clock_without_args=position == 1))
+
+
+def volatile_code(tree: ast.AST) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _VOLATILE_WORDS:
+            return True
+        if isinstance(node, ast.Name) and node.id in _VOLATILE_WORDS:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            named = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            if any(part in _VOLATILE_WORDS for n in named for part in n.split(".")):
+                return True
+    return False
 
 
 def drop_privileges() -> str:
@@ -323,6 +403,10 @@ class Session:
         self.child_batch_cap: int | None = None  # set when rlm_query starts child episodes
         self.recorded: list[dict[str, Any]] | None = None  # answers served while rebuilding
         self.asked: list[list[str]] = []  # [kind, prompt digest] of each call while rebuilding
+        self.initial: dict[str, Any] = {}  # the REPL's own names as init made them
+        self.defined_by: dict[str, int] = {}  # name -> the last cell that bound it
+        self.sandbox_dir = "."
+        self.blocked_s = 0.0  # time the running cell spent waiting on the host
 
     def _call(self, kind: str, prompts: list[str], model: str | None = None) -> list[dict[str, Any]]:
         """Suspend the cell at calls of one kind; the workflow routes them by kind. While the
@@ -338,8 +422,10 @@ class Session:
         frame: dict[str, Any] = {"op": "call", "kind": kind, "prompts": prompts}
         if model is not None:
             frame["model"] = model
+        waited = _WALL()
         write_frame(self.channel_out, frame)
         reply = read_frame(self.channel_in)
+        self.blocked_s += _WALL() - waited
         if reply is None:
             os._exit(0)
         if remaining > 0:
@@ -450,6 +536,9 @@ class Session:
         for spec in message.get("tools") or []:
             self.namespace[spec["name"]] = self._tool(spec)
         self.reserved = set(self.namespace)
+        self.initial = {k: v for k, v in self.namespace.items() if k != "__builtins__"}
+        self.sandbox_dir = os.getcwd()
+        watch_volatile_reads()
 
     def _tool(self, spec: dict[str, Any]) -> Any:
         """A REPL function with the tool's name, parameters and docstring. Its call suspends
@@ -484,15 +573,24 @@ class Session:
         return call
 
     def execute(
-        self, code: str, cell_name: str, timeout: float, limit: int, summary: bool = True
+        self,
+        code: str,
+        cell_name: str,
+        timeout: float,
+        limit: int,
+        summary: bool = True,
+        cell: int | None = None,
     ) -> dict[str, Any]:
         """Run a cell. A cell re-run to rebuild the REPL needs no variables summary (only the
-        step's last cell is reported)."""
+        step's last cell is reported). Reports its own run time (calls to the host excluded:
+        what a rebuild would spend on it) and whether it read the clock."""
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
         self.submitted, self.final = None, None
         error: str | None = None
         status = "ok"
         saved = sys.stdout, sys.stderr
+        bound_before = {name: id(value) for name, value in self.namespace.items()}
+        _VOLATILE[0], self.blocked_s, started = False, 0.0, _WALL()
 
         def on_alarm(signum: int, frame: Any) -> None:
             raise CellTimeout(f"cell exceeded its {timeout:g} s time limit")
@@ -511,6 +609,10 @@ class Session:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout, sys.stderr = saved
+        elapsed = max(0.0, _WALL() - started - self.blocked_s)
+        volatile = _VOLATILE[0] or self._volatile_code(code)
+        if cell is not None:
+            self._note_bindings(bound_before, cell)
         kind, answer = self.final if self.final is not None else ("answer_ready", self._ready_answer())
         return {
             "op": "done",
@@ -522,7 +624,82 @@ class Session:
             "answer_kind": kind if answer is not None else None,
             "submitted": self.submitted,
             "variables": self.variables_summary(*self.variable_limits) if summary else {},
+            "elapsed": elapsed,
+            "volatile": volatile,
         }
+
+    @staticmethod
+    def _volatile_code(code: str) -> bool:
+        try:
+            return volatile_code(ast.parse(code))
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return False
+
+    def _note_bindings(self, before: dict[str, int], cell: int) -> None:
+        """Which cell last bound each name: a rebuild re-runs it for a name no snapshot holds."""
+        for name, value in self.namespace.items():
+            if before.get(name) != id(value):
+                self.defined_by[name] = cell
+        for name in [n for n in self.defined_by if n not in self.namespace]:
+            del self.defined_by[name]
+
+    def snapshot(self, message: dict[str, Any]) -> dict[str, Any]:
+        try:
+            taken = snapshots().take(
+                os.path.join(self.sandbox_dir, str(message["name"])),
+                self.namespace,
+                self.initial,
+                self.defined_by,
+                self.sandbox_dir,
+                int(message["files_bytes"]),
+            )
+        except ImportError as exc:
+            return {"op": "snapshot_failed", "error": f"no snapshot support in the sandbox: {exc}"}
+        except BaseException as exc:  # noqa: BLE001 - hostile values, full disk, memory limit
+            return {"op": "snapshot_failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
+        return {"op": "snapshotted", **taken}
+
+    def restore(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Load a snapshot, then re-run the cells that bound the names it could not hold,
+        keeping only those names from each (everything else stays as the snapshot has it)."""
+        path = os.path.join(self.sandbox_dir, str(message["name"]))
+        try:
+            self.namespace, self.defined_by, files = snapshots().load(path, self.initial, self.sandbox_dir)
+            self.namespace["__builtins__"] = __builtins__
+        except BaseException as exc:  # noqa: BLE001 - the host falls back to re-running cells
+            return {"op": "restore_failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        notes: dict[str, str] = {}
+        for cell in message.get("recreate", []):
+            wanted = set(cell["names"])
+            kept = dict(self.namespace)
+            self.recorded, self.asked = list(cell["answers"]), []
+            try:
+                done = self.execute(
+                    cell["code"], cell["cell_name"], float(cell["timeout"]), int(cell["limit"])
+                )
+            finally:
+                self.recorded, self.asked = None, []
+            for name in set(self.namespace) | set(kept):
+                if name in wanted:
+                    continue
+                if name in kept:
+                    self.namespace[name] = kept[name]
+                else:
+                    del self.namespace[name]
+            for name in sorted(wanted):
+                if name in self.namespace:
+                    self.defined_by[name] = int(cell["cell"])
+                    notes[name] = f"re-created by re-running cell {cell['cell']}"
+                else:
+                    problem = done.get("error") or "the cell did not bind it"
+                    notes[name] = f"lost: re-running cell {cell['cell']} did not re-create it ({problem})"
+        if message.get("recreate"):
+            # The re-run cells may have written files: they are as the snapshot has them.
+            snapshots().put_files(files, self.sandbox_dir)
+        return {"op": "restored", "notes": notes}
 
     def replay(self, cells: list[dict[str, Any]]) -> dict[str, Any]:
         """Re-run finished cells to rebuild the namespace, in one exchange with the host: their
@@ -533,9 +710,21 @@ class Session:
             for cell in cells:
                 self.recorded, self.asked = list(cell["answers"]), []
                 done = self.execute(
-                    cell["code"], cell["cell_name"], float(cell["timeout"]), int(cell["limit"]), summary=False
+                    cell["code"],
+                    cell["cell_name"],
+                    float(cell["timeout"]),
+                    int(cell["limit"]),
+                    summary=False,
+                    cell=cell.get("cell"),
                 )
-                report.append({"status": done["status"], "asked": self.asked})
+                report.append(
+                    {
+                        "status": done["status"],
+                        "asked": self.asked,
+                        "elapsed": done["elapsed"],
+                        "volatile": done["volatile"],
+                    }
+                )
         finally:
             self.recorded, self.asked = None, []
         return {"op": "replayed", "cells": report}
@@ -687,7 +876,12 @@ def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:
                 float(message["timeout"]),
                 int(message["limit"]),
                 summary=bool(message.get("summary", True)),
+                cell=message.get("cell"),
             )
+        elif message["op"] == "snapshot":
+            reply = session.snapshot(message)
+        elif message["op"] == "restore":
+            reply = session.restore(message)
         elif message["op"] == "replay":
             reply = session.replay(list(message["cells"]))
         elif message["op"] == "read_var":

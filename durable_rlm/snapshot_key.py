@@ -1,0 +1,43 @@
+"""The key that signs REPL snapshots: every worker that may rebuild an episode needs it.
+
+`DRLM_SNAPSHOT_KEY` names it (production: the same secret on every worker). Without it, a
+key file in the data directory is made once (0600) and shared by the processes that use
+that directory: the CLI, the API and local workers. A worker whose key differs refuses the
+snapshots it cannot verify and re-runs the cells instead: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+from durable_rlm.errors import ConfigurationError
+
+KEY_FILE = "snapshot.key"
+MIN_CHARS = 32
+
+
+def snapshot_key(configured: str | None, data_dir: Path) -> bytes:
+    if configured:
+        if len(configured) < MIN_CHARS:
+            raise ConfigurationError(
+                f"DRLM_SNAPSHOT_KEY must have at least {MIN_CHARS} characters (it signs REPL snapshots)"
+            )
+        return configured.encode("utf-8")
+    path = data_dir / KEY_FILE
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        # O_EXCL: of two processes starting at once, one writes the key and both read it.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(secrets.token_hex(32))
+    for _ in range(50):
+        text = path.read_text().strip()
+        if len(text) >= MIN_CHARS:
+            return text.encode("utf-8")
+        import time
+
+        time.sleep(0.01)  # the other process is still writing it
+    raise ConfigurationError(f"{path} holds no usable snapshot key: delete it to make a new one")
