@@ -13,6 +13,7 @@ Sections (each also runs alone: python bench/<module>.py [--quick]):
     history      history bytes per iteration at 10, 50, 200 iterations   (bench/history.py)
     rebuild      REPL rebuild for 10 and 100 cells; a 100 MB context     (bench/rebuild.py)
     recovery     SIGKILL the only worker mid-call; time to the next step (bench/recovery.py)
+    snapshots    rebuild time against episode length, with/without snapshots (bench/snapshots.py)
 
 Prints rich tables (median, min, max of several runs, the ratio to the baseline, the target
 and PASS/MISS) and writes the figures to bench/results/latest.json with PNG plots next to it
@@ -42,6 +43,7 @@ SECTIONS = {
     "history": "history",
     "rebuild": "rebuild",
     "recovery": "recovery",
+    "snapshots": "snapshots",
 }
 
 

@@ -24,9 +24,11 @@ from workflows.models import (
     EpisodeRequest,
     EpisodeResult,
     ExecuteCellInput,
+    RebuildReport,
     ResumeCellInput,
     RootCompletion,
     RootCompletionInput,
+    SnapshotRef,
     StepEcho,
     SubQueryInput,
     SubQueryReply,
@@ -56,6 +58,8 @@ class CellView(BaseModel):
     stderr: str = ""
     error: str | None = None
     rebuilt: bool = False
+    rebuild: RebuildReport | None = None
+    snapshot: SnapshotRef | None = Field(default=None, description="the REPL snapshot taken after it")
     sub_calls: list[SubCall] = Field(default_factory=list)
     children: list[ChildView] = Field(default_factory=list)
 
@@ -238,6 +242,8 @@ def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: di
         if cell is not None and value.status == "completed":
             cell.stdout, cell.stderr, cell.error = value.stdout, value.stderr, value.error
             cell.rebuilt = cell.rebuilt or value.rebuilt
+            cell.rebuild = cell.rebuild or value.rebuild
+            cell.snapshot = value.snapshot or cell.snapshot
 
 
 def render(timeline: Timeline, width: int = 2_000) -> str:
@@ -268,6 +274,23 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
                 lines.append(_indent(_render_child(child, width)))
             output = "\n".join(x for x in (cell.stdout, cell.stderr, cell.error or "") if x)
             lines.append("output:\n" + _indent(clip(output) or "(none)"))
+            if cell.rebuild is not None:
+                source = (
+                    f"the snapshot after cell {cell.rebuild.from_snapshot}"
+                    if cell.rebuild.from_snapshot is not None
+                    else "the cell log alone"
+                )
+                lines.append(
+                    f"REPL rebuilt before it from {source}: {cell.rebuild.cells_rerun} cell(s) re-run "
+                    f"in {cell.rebuild.seconds:.2f} s"
+                )
+                lines.extend(f"  {note}" for note in cell.rebuild.notes)
+            if cell.snapshot is not None:
+                unsaved = f"; re-created by re-running cells: {', '.join(cell.snapshot.unsaved)}"
+                lines.append(
+                    f"snapshot after this cell: {cell.snapshot.size:,} bytes"
+                    + (unsaved if cell.snapshot.unsaved else "")
+                )
     if timeline.result is not None:
         r = timeline.result
         lines.append(

@@ -16,7 +16,7 @@ from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import request_for, run_episode, workers_for
 from workflows import prompts
-from workflows.models import EpisodeLimits
+from workflows.models import EpisodeLimits, EpisodeRequest
 
 MULTI = [
     "Let me look.\n```repl\nwords = context.split()\nprint(len(words))\n```",
@@ -200,7 +200,8 @@ async def test_continue_as_new_carries_the_episode_over(session_dir: Path, store
     server = scripted(
         root_and_sub(
             [
-                "```repl\ncount = globals().get('count', 0) + 1\nprint(count)\n```",
+                "```repl\nimport time\nbegan = time.time()\n"
+                "count = globals().get('count', 0) + 1\nprint(count)\n```",
                 "```repl\ncount += 1\n```",
                 "```repl\ncount += 1\n```",
                 "```repl\ncount += 1\n```",
@@ -217,9 +218,16 @@ async def test_continue_as_new_carries_the_episode_over(session_dir: Path, store
             episode_id = f"can-{uuid.uuid4().hex[:6]}"
             result = await run_episode(can_client, request_for(server), "can-queue", episode_id)
             timeline = await episode_timeline(can_client, episode_id)
+            history = await can_client.get_workflow_handle(episode_id).fetch_history()
+            started = history.events[0].workflow_execution_started_event_attributes
+            (carried,) = await can_client.data_converter.decode(started.input.payloads, [EpisodeRequest])
     assert result.answer == "4"  # REPL state crossed runs: the sandbox followed the log head
     assert result.iterations == 5
     assert timeline.runs > 1
+    # The new run carries the latest snapshot (cell 1 read the clock), not the cell log.
+    assert carried.carry is not None and carried.carry.snapshot is not None
+    assert carried.carry.snapshot.cell == 1
+    assert len(carried.carry.model_dump_json()) < 4_000
 
 
 async def test_results_are_the_same_for_the_same_script_and_seed(client, blobs, worker, scripted) -> None:

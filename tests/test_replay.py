@@ -142,6 +142,22 @@ def test_histories_with_local_repl_steps_are_stored() -> None:
         assert not _has_patch_marker(f"{name}.json", names.PATCH_LOCAL_REPL), name
 
 
+def test_a_history_with_repl_snapshots_is_stored() -> None:
+    # Cell 1 read the clock: its step's result names the snapshot taken after it.
+    assert _has_patch_marker("snapshots.json", names.PATCH_SNAPSHOTS)
+    events = json.loads((HISTORIES[0].parent / "snapshots.json").read_text())["events"]
+    results = [
+        base64.b64decode(p["data"]).decode()
+        for e in events
+        if e.get("markerRecordedEventAttributes", {}).get("markerName") == "core_local_activity"
+        for p in e["markerRecordedEventAttributes"]["details"].get("result", {}).get("payloads", [])
+    ]
+    assert sum('"snapshot":{"digest"' in r for r in results) == 1
+    for path in HISTORIES:
+        if path.stem != "snapshots":
+            assert not _has_patch_marker(path.name, names.PATCH_SNAPSHOTS), path.stem
+
+
 def test_a_history_with_custom_tools_is_stored() -> None:
     assert _activity_types("tools.json").count(names.RUN_TOOL) == 3  # retries are attempts of one
 

@@ -19,7 +19,7 @@ from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore
 from durable_rlm.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
-from tests.conftest import Episode, request_for
+from tests.conftest import Episode, request_for, run_episode
 from tests.test_recovery import FAST, sandbox_pids
 from workflows.models import EpisodeLimits, SnapshotPolicy
 
@@ -275,3 +275,24 @@ async def test_a_killed_worker_resumes_the_episode_without_rerunning_its_20_s_ce
     observed = server.root_requests()[2].last_user
     assert f"done {result.answer}" in observed  # the clock value cell 1 read, not a new one
     assert "Cell 2" in observed
+
+
+async def test_the_model_and_the_timeline_are_told_how_the_repl_came_back(client, worker, scripted) -> None:
+    """A cell kills its sandbox; the next step restores the snapshot taken after cell 1 (it
+    read the clock), re-creates the generator by re-running cell 1, and says so."""
+    from durable_rlm.timeline import episode_timeline, render
+
+    turns = [
+        "```repl\nimport time\nstamp = time.time()\nsquares = (i * i for i in range(3))\nprint(stamp)\n```",
+        "```repl\nimport os\nos._exit(3)\n```",
+        "```repl\nprint(stamp, next(squares))\n```",
+        "FINAL_VAR(stamp)",
+    ]
+    server = scripted(root_and_sub(turns))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    observed = server.root_requests()[3].last_user
+    assert f"{result.answer} 0" in observed  # the stamp cell 1 printed, and a fresh generator
+    assert "`squares` re-created by re-running cell 1" in observed
+    shown = render(await episode_timeline(client, result.episode_id))
+    assert "snapshot after this cell" in shown and "re-created by re-running cells: squares" in shown
+    assert "REPL rebuilt before it from the snapshot after cell 1: 1 cell(s) re-run" in shown

@@ -303,6 +303,29 @@ async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only:
                 await save("local_lost", request, "record-broken")
 
 
+async def record_snapshots(client: Client, blobs: BlobStore, only: set[str]) -> None:
+    """REPL snapshots: a cell that reads the clock (snapshotted after it), one that binds a
+    value no snapshot can hold, and a FINAL_VAR read."""
+    if "snapshots" not in only:
+        return
+    turns = [
+        "```repl\nimport time\nstamp = time.time()\nsquares = (i * i for i in range(3))\n```",
+        "```repl\nresult = llm_query('shout') + str(next(squares))\n```",
+        "FINAL_VAR(result)",
+    ]
+    with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="snapshots", task_queue="record", result_type=EpisodeResult
+        )
+        print("snapshots", await handle.result())
+        (HERE / "snapshots.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -335,6 +358,7 @@ async def record(only: set[str]) -> None:
             await record_trees(client, only)
             await record_tools(client, only)
             await record_local_steps(client, blobs, work, only)
+            await record_snapshots(client, blobs, only)
 
 
 if __name__ == "__main__":
