@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
     "tests/test_repl.py",
+    "tests/test_snapshots.py",
     "tests/test_recovery.py",
     "tests/test_replay.py",
     "tests/test_episode.py",
@@ -96,6 +97,20 @@ MECHANISMS = [
         "if answer.prompt != request.prompt_digest or answer.kind != request.kind:",
         "if False:",
         "a rebuilt cell's different call is answered silently",
+    ),
+    Mechanism(
+        "snapshot signature",
+        "activities/repl.py",
+        "if not hmac.compare_digest(snapshot.mac, self._mac(snapshot)):",
+        "if False:",
+        "a rebuild loads a snapshot without checking its keyed hash",
+    ),
+    Mechanism(
+        "snapshot episode binding",
+        "activities/repl.py",
+        "if snapshot.episode != ref.episode_id and snapshot.episode not in ref.lineage:",
+        "if False:",
+        "a rebuild loads another episode's snapshot",
     ),
 ]
 

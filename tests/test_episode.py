@@ -16,7 +16,7 @@ from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import request_for, run_episode, workers_for
 from workflows import prompts
-from workflows.models import EpisodeLimits, EpisodeRequest
+from workflows.models import DurabilitySettings, EpisodeLimits, EpisodeRequest
 
 MULTI = [
     "Let me look.\n```repl\nwords = context.split()\nprint(len(words))\n```",
@@ -308,7 +308,12 @@ async def test_a_divergent_rebuild_is_counted_in_the_result(client, worker, scri
         ]
 
     server = scripted(script)
-    task = asyncio.ensure_future(run_episode(client, request_for(server), worker.task_queue))
+    # Without snapshots: a snapshot after cell 1 (it read the clock) would spare the re-run
+    # (test_snapshots.py::test_clock_and_randomness_come_back_as_the_model_saw_them).
+    durability = DurabilitySettings(heartbeat_timeout_s=3, sticky_schedule_to_start_s=3, snapshots=None)
+    task = asyncio.ensure_future(
+        run_episode(client, request_for(server, durability=durability), worker.task_queue)
+    )
     while not any(r.turn == 1 for r in server.root_requests()):
         await asyncio.sleep(0.05)
     await worker.close_all()  # the next step rebuilds, and cell 1 asks a different question
