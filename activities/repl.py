@@ -140,6 +140,7 @@ class LiveSandbox:
     since_volatile: bool = False
     last_cell: int | None = None
     cells: dict[int, LoggedCell] = field(default_factory=dict)
+    snapshot_cost_s: float = 0.0  # what the last snapshot took, sandbox and store
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
         """A cell finished (live or re-run): the snapshot policy counts it."""
@@ -150,13 +151,19 @@ class LiveSandbox:
         self.last_cell = cell.index
 
     def snapshot_due(self) -> bool:
+        """The policy's rules, with one bound: a snapshot is not retaken before the cells
+        since the last would cost as much to re-run as it cost to take (twice as much, for
+        the time rule). A big namespace is snapshotted less often, never more than ~half
+        of the cells' own time. A cell that read the clock is snapshotted regardless."""
         policy = self.policy
         if policy is None or self.since_cells == 0:
             return False
-        return (
-            self.since_s >= policy.after_s
-            or self.since_cells >= policy.every_cells
-            or (policy.volatile and self.since_volatile)
+        if (policy.volatile and self.since_volatile) or policy.every_cells == 1:
+            return True  # every_cells=1 asks for every cell, whatever it costs
+        rerun = self.since_s + self.since_cells * defaults.REPLAY_CELL_COST_S
+        cost = self.snapshot_cost_s
+        return rerun >= max(policy.after_s, 2 * cost) or (
+            self.since_cells >= policy.every_cells and rerun >= cost
         )
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -856,6 +863,7 @@ class ReplActivities:
         """Have the sandbox pickle its namespace to a file; store it, list what a rebuild
         must re-run for the names it could not hold, and sign the entry."""
         episode = ref.episode_id if ref is not None else box.episode_id
+        started = time.monotonic()
         name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
         path = box.directory / name
         box.since_s, box.since_cells, box.since_volatile = 0.0, 0, False  # tried: not again at once
@@ -877,6 +885,7 @@ class ReplActivities:
             with contextlib.suppress(OSError):
                 path.unlink()
         digest = await asyncio.to_thread(self._store.put, data)
+        box.snapshot_cost_s = time.monotonic() - started
         recreate: dict[int, RecreateCell] = {}
         lost: dict[str, str] = {}
         earlier = {c.cell: c for c in box.snapshot.recreate} if box.snapshot is not None else {}

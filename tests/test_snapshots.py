@@ -296,3 +296,25 @@ async def test_the_model_and_the_timeline_are_told_how_the_repl_came_back(client
     shown = render(await episode_timeline(client, result.episode_id))
     assert "snapshot after this cell" in shown and "re-created by re-running cells: squares" in shown
     assert "REPL rebuilt before it from the snapshot after cell 1: 1 cell(s) re-run" in shown
+
+
+def test_a_costly_snapshot_is_retaken_only_when_the_cells_since_are_worth_it() -> None:
+    from activities.repl import LiveSandbox
+
+    box = LiveSandbox("e", None, Path("."), None, None, policy=SnapshotPolicy())  # type: ignore[arg-type]
+    assert not box.snapshot_due()  # no cell since
+    box.since_cells, box.since_s = 1, 1.0
+    assert box.snapshot_due()  # a second of cells: the default rule
+    box.snapshot_cost_s = 3.0  # a big namespace: its last snapshot took 3 s
+    box.since_cells, box.since_s = 20, 1.5
+    assert not box.snapshot_due()  # 20 cells, but re-running them is cheaper than a snapshot
+    box.since_s = 3.1
+    assert box.snapshot_due()
+    box.since_cells, box.since_s = 5, 5.0
+    assert not box.snapshot_due()  # the time rule waits for twice the snapshot's cost
+    box.since_s = 6.0
+    assert box.snapshot_due()
+    box.since_s, box.since_volatile = 0.0, True
+    assert box.snapshot_due()  # a cell read the clock: regardless of cost
+    box.since_volatile, box.policy = False, SnapshotPolicy(every_cells=1)
+    assert box.snapshot_due()  # "every cell" is every cell

@@ -129,7 +129,11 @@ class SnapshotPolicy(StrictModel):
         description="snapshot once the cells since the last snapshot have run this many seconds",
     )
     every_cells: int = Field(
-        default=defaults.SNAPSHOT_EVERY_CELLS, ge=1, description="...or after this many cells (1: every cell)"
+        default=defaults.SNAPSHOT_EVERY_CELLS,
+        ge=1,
+        description="...or after this many cells (1: every cell). Either rule waits while the cells "
+        "since the last snapshot would cost less to re-run than it cost to take (the time rule: "
+        "half as much), so a big namespace is snapshotted less often",
     )
     volatile: bool = Field(
         default=True,

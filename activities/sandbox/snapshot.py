@@ -8,6 +8,8 @@ the signature before handing it to a sandbox of the same episode.
 cloudpickle, not dill: it pickles what cells define (functions, lambdas, classes of
 `__main__`) by value and everything else with the C pickler. dill's pure-Python pickler
 took 5.3 s where cloudpickle took 0.33 s for 68 MB of ordinary data (the same load time).
+zstd (level 1), not zlib: on 84 MB of pickled variables, half of it random bytes, zlib
+level 1 took 1.75 s to compress and 0.23 s to decompress, zstd 0.17 s and 0.10 s.
 
 A snapshot holds: every user name it can pickle (in one pickle, so shared references stay
 shared), the `random` module's state, the files the cells wrote in the sandbox directory,
@@ -18,15 +20,14 @@ and the cell that bound them; a rebuild re-runs that cell for them. The REPL's h
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import random
 import types
-import zlib
-from typing import Any, BinaryIO
+from typing import Any
 
 import cloudpickle
+import zstandard
 
 FORMAT = 1
 SKIPPED_FILES = ("context.json", "context.txt", "sandbox.err")
@@ -35,21 +36,6 @@ SNAPSHOT_PREFIX = ".drlm-snapshot-"
 
 class SnapshotError(RuntimeError):
     """The snapshot could not be written or loaded; the message says why."""
-
-
-class _Deflate:
-    """A binary file that compresses what it is given (zlib level 1: ~250 MB/s here)."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.packer = zlib.compressobj(1)
-
-    def write(self, data: bytes) -> int:
-        self.raw.write(self.packer.compress(data))
-        return len(data)
-
-    def close(self) -> None:
-        self.raw.write(self.packer.flush())
 
 
 class _Discard:
@@ -154,10 +140,8 @@ def take(
     }
     for attempt in range(2):
         try:
-            with open(path, "wb") as raw:
-                sink = _Deflate(raw)
+            with open(path, "wb") as raw, zstandard.ZstdCompressor(level=1).stream_writer(raw) as sink:
                 _Pickler(sink, helpers).dump(state)
-                sink.close()
             break
         except Exception as exc:  # noqa: BLE001 - a value refused to pickle: find which
             if attempt:
@@ -177,10 +161,8 @@ def load(
 ) -> tuple[dict[str, Any], dict[str, int], dict[str, bytes]]:
     """The namespace a snapshot holds (the helpers bound to this sandbox's), with the files
     put back and `random` where it was; returns (namespace, defined_by, files)."""
-    with open(path, "rb") as handle:
-        data = zlib.decompress(handle.read())
-    state = _Unpickler(io.BytesIO(data), initial).load()
-    del data
+    with open(path, "rb") as handle, zstandard.ZstdDecompressor().stream_reader(handle) as stream:
+        state = _Unpickler(stream, initial).load()
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise SnapshotError("not a snapshot of this format")
     put_files(state["files"], sandbox_dir)
