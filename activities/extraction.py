@@ -11,7 +11,7 @@ from temporalio.exceptions import ApplicationError
 from activities import chains
 from activities.llm import ModelActivities
 from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
+from workflows import defaults, names, prompts
 from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt
 from workflows.models import ExtractionInput, ExtractionReply, Message, TokenUsage
 from workflows.parsing import strip_code_blocks, truncate_output
@@ -24,7 +24,8 @@ class ExtractionActivities:
 
     @activity.defn(name=names.EXTRACT_FALLBACK)
     async def extract_fallback(self, request: ExtractionInput) -> ExtractionReply:
-        history = await asyncio.to_thread(self.history, request.conversation, request.log_head)
+        messages = await asyncio.to_thread(chains.read_conversation, self.blobs, request.conversation)
+        history = await asyncio.to_thread(self.history, messages, request.log_head)
         history = history[-request.max_history :]
         prompt = extraction_prompt(
             ExtractFallbackInputs(
@@ -32,6 +33,7 @@ class ExtractionActivities:
                 variables=request.variables,
                 output_fields=request.output_fields,
                 fallback_reason=str(request.reason),
+                task=task_of(messages),
             )
         )
         try:
@@ -57,11 +59,9 @@ class ExtractionActivities:
             prompt_chars=len(prompt),
         )
 
-    def history(self, conversation: str | None, log_head: str | None) -> list[REPLHistoryEntry]:
+    def history(self, messages: list[Message], log_head: str | None) -> list[REPLHistoryEntry]:
         """One entry per finished cell: its iteration's reasoning, code, output, success."""
-        responses = [
-            m.content for m in chains.read_conversation(self.blobs, conversation) if m.role == "assistant"
-        ]
+        responses = [m.content for m in messages if m.role == "assistant"]
         entries: list[REPLHistoryEntry] = []
         for cell in chains.read_cell_log(self.blobs, log_head).cells:
             if cell.status is None:
@@ -78,3 +78,9 @@ class ExtractionActivities:
                 )
             )
         return entries
+
+
+def task_of(messages: list[Message]) -> str | None:
+    """The episode's task, from the conversation's first user turn (compaction keeps it)."""
+    first = next((m for m in messages if m.role == "user"), None)
+    return prompts.task_of_opening(first.content) if first is not None else None

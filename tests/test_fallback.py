@@ -238,8 +238,7 @@ def test_nested_models_and_enums_take_their_definitions_type() -> None:
 @pytest.mark.parametrize(
     ("prop", "defs", "kind"),
     [
-        ({"$ref": "#/$defs/Gone"}, {}, "object"),  # a definition that is not there: an object
-        ({"$ref": "#/$defs/Gone"}, None, "object"),  # ... nor any definitions at all
+        ({"$ref": "#/$defs/Shape"}, {"Shape": {"properties": {}}}, "object"),  # no type: an object
         ({"$ref": "#/$defs/Level", "type": "integer"}, {"Level": {"type": "string"}}, "integer"),
         ({"anyOf": [{"$ref": "#/$defs/Level"}, {"type": "null"}]}, {"Level": {"type": "number"}}, "number"),
     ],
@@ -297,7 +296,9 @@ def test_schema_comes_from_json_schema_or_a_pydantic_model() -> None:
     ],
 )
 def test_fields_from_a_hand_written_json_schema(schema: dict[str, Any], fields: list[FieldSpec]) -> None:
-    assert fields_from_json_schema(schema) == fields
+    made = fields_from_json_schema(schema)
+    assert [f.model_copy(update={"json_schema": None}) for f in made] == fields
+    assert [f.json_schema for f in made] == list(schema["properties"].values())  # each keeps its own
 
 
 NOT_AN_OBJECT = "an output schema must be a JSON Schema object with 'properties'"
@@ -313,6 +314,30 @@ NOT_AN_OBJECT = "an output schema must be a JSON Schema object with 'properties'
         ({"type": "object", "properties": {}}, "an output schema needs at least one field"),
         ({"properties": {"x": {"type": "date"}}}, "output field 'x': unsupported type 'date'"),
         ({"properties": {"x": {"type": "null"}}}, "output field 'x': unsupported type 'null'"),
+        ({"properties": {"x": True}}, "output field 'x': its schema must be a JSON object"),
+        (
+            {"properties": {"x": {"type": "integer", "minimum": "zero"}}},
+            "not a valid JSON Schema (Draft 2020-12): $.properties.x.minimum: 'zero' is not of type 'number'",
+        ),
+        (
+            {"properties": {"x": {"$ref": "#/$defs/Gone"}}, "$defs": {}},
+            "$ref '#/$defs/Gone' points at nothing in the schema",
+        ),
+        (
+            {"properties": {"x": {"$ref": "https://example.com/item.json"}}},
+            "$ref 'https://example.com/item.json' is not supported: only "
+            "references inside the schema ('#/...') are",
+        ),
+        (
+            {"properties": {"x": {"$ref": "#/properties/y"}, "y": {"type": "string"}}},
+            "output field 'x': $ref '#/properties/y' is not supported; refer to definitions under "
+            "'$defs' ('#/$defs/Name')",
+        ),
+        (
+            {"properties": {"x": {"type": "string"}}, "minProperties": 1},
+            "the output schema's root keyword 'minProperties' is not supported: put the constraints "
+            "on the properties",
+        ),
     ],
 )
 def test_an_unusable_output_schema_is_refused_with_a_readable_reason(

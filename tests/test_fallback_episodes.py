@@ -5,12 +5,18 @@ history and partial outputs."""
 from __future__ import annotations
 
 import json
+import uuid
+from typing import Literal
 
 import pytest
+from pydantic import BaseModel, Field
+from temporalio.worker import Replayer
 
+from durable_rlm.runtime import workflow_runner
 from durable_rlm.scripted import root_and_sub
 from tests.conftest import request_for, run_episode
-from workflows.fallback import FieldSpec
+from workflows.episode import EpisodeWorkflow
+from workflows.fallback import FieldSpec, fields_from_model
 from workflows.models import EpisodeLimits
 
 FIELDS = [
@@ -155,3 +161,63 @@ async def test_a_failed_extraction_call_keeps_the_history(client, worker, script
     assert "prompt too long" in variant.reason
     assert [e.iteration for e in variant.history] == [1, 2]
     assert len(server.extraction_requests()) == attempts  # rejected: once; server errors: every attempt
+
+
+class Line(BaseModel):
+    sku: str
+    price: float = Field(ge=0)
+
+
+class Invoice(BaseModel):
+    status: Literal["paid", "due"]
+    lines: list[Line]
+
+
+INVOICE = fields_from_model(Invoice)
+
+
+async def test_a_submit_breaking_the_schema_is_fed_back_with_json_paths(client, worker, scripted) -> None:
+    server = scripted(
+        root_and_sub(
+            [
+                "```repl\nlines = [{'sku': 'a', 'price': 2}, {'sku': 'b', 'price': -3}]\n"
+                "SUBMIT(status='late', lines=lines)\n```",
+                "```repl\nlines[1]['price'] = 3\nSUBMIT(status='due', lines=lines)\n```",
+            ]
+        )
+    )
+    episode_id = f"typed-{uuid.uuid4().hex[:8]}"
+    request = request_for(server, output_fields=INVOICE)
+    result = await run_episode(client, request, worker.task_queue, episode_id)
+    assert (result.ended_by, result.iterations) == ("submitted", 2)
+    assert result.execution.outputs() == {
+        "status": "due",
+        "lines": [{"sku": "a", "price": 2}, {"sku": "b", "price": 3}],
+    }
+    assert '"minimum": 0' in server.root_requests()[0].messages[0]["content"]  # told the rules
+    feedback = server.root_requests()[1].last_user
+    assert "SUBMIT was rejected:\n- $.status: 'late' is not one of ['paid', 'due']\n" in feedback
+    assert "- $.lines[1].price: -3 is less than the minimum of 0\n" in feedback
+    # The check runs in the workflow sandbox and replays to the same decisions.
+    history = await client.get_workflow_handle(episode_id).fetch_history()
+    replayer = Replayer(
+        workflows=[EpisodeWorkflow], data_converter=client.data_converter, workflow_runner=workflow_runner()
+    )
+    assert (await replayer.replay_workflow(history)).replay_failure is None
+
+
+async def test_extraction_is_told_the_task_and_checked_against_the_schema(client, worker, scripted) -> None:
+    server = scripted(
+        root_and_sub(
+            [NEVER_DONE], extract=lambda p: '{"status": "due", "lines": [{"sku": "a", "price": -1}]}'
+        )
+    )
+    request = request_for(
+        server, "Total the invoice in `context`.", output_fields=INVOICE, limits=limits(max_iterations=1)
+    )
+    result = await run_episode(client, request, worker.task_queue)
+    prompt = server.extraction_requests()[0].last_user
+    assert "variables.\n\n## Task\n\nTotal the invoice in `context`.\n\n## REPL History" in prompt
+    variant = result.execution.variant
+    assert variant.kind == "failed"
+    assert variant.reason == "Failed to parse extraction: $.lines[0].price: -1 is less than the minimum of 0"

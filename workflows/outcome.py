@@ -101,7 +101,8 @@ def cell_answer(cell: CellRecord, fields: list[FieldSpec]) -> tuple[ModelAnswer 
         problems = check_outputs(cell.submitted, fields, allow_null=False)
         if not problems:
             return ModelAnswer(answer_text(cell.submitted, fields), "submitted", cell.submitted), notes, True
-        notes.append(prompts.SUBMIT_REJECTED.format(problems="; ".join(problems)))
+        listed = any(f.json_schema is not None for f in fields)
+        notes.append(prompts.submit_rejected(problems, listed))
     if cell.answer is not None:
         kind: EndReason = cell.answer_kind if cell.answer_kind in ("final", "final_var") else "answer_ready"
         answer, note = text_answer(cell.answer, kind, fields)

@@ -66,6 +66,7 @@ Query: {task}
 You have not looked at the context yet. Start by inspecting it in the REPL; do not give \
 a final answer in this turn."""
 
+
 NEXT_TURN = "Continue with the REPL, or give FINAL(...) / FINAL_VAR(...) when you are sure."
 
 NO_CODE_TURN = (
@@ -79,6 +80,8 @@ This task needs structured outputs. Instead of FINAL(...), finish by calling
 {fields}"""
 
 SUBMIT_REJECTED = "SUBMIT was rejected: {problems}. Fix the values and call SUBMIT again."
+
+SUBMIT_REJECTED_LIST = "SUBMIT was rejected:\n{problems}\nFix the values and call SUBMIT again."
 
 NEEDS_SUBMIT = (
     "This episode needs structured outputs: call SUBMIT(...) in a code cell with the fields "
@@ -147,6 +150,23 @@ def observation(cell_number: int, code: str, stdout: str, stderr: str, error: st
         f"Cell {cell_number}:\n```python\n{truncate_output(code, defaults.CODE_SHOWN_CHARS)}\n```\n"
         f"Output:\n{truncate_output(body, limit)}"
     )
+
+
+def submit_rejected(problems: list[str], listed: bool) -> str:
+    """Why SUBMIT was refused. Schema-checked outputs give one violation per line, each with
+    its JSON path; fields without a schema keep the one-line wording older histories saw."""
+    if not listed:
+        return SUBMIT_REJECTED.format(problems="; ".join(problems))
+    return SUBMIT_REJECTED_LIST.format(problems="\n".join(f"- {p}" for p in problems))
+
+
+def task_of_opening(first_turn: str) -> str:
+    """The task a FIRST_TURN message was made from (the whole text if it is not one): the
+    extraction call reads it back from the conversation, which always keeps that turn."""
+    prefix, suffix = FIRST_TURN.split("{task}")
+    if first_turn.startswith(prefix) and first_turn.endswith(suffix):
+        return first_turn[len(prefix) : len(first_turn) - len(suffix)]
+    return first_turn
 
 
 def next_turn(observations: list[str]) -> Message:
