@@ -53,6 +53,7 @@ from activities.sandbox_processes import (
     spawn_sandbox,
     uss_bytes,
 )
+from activities.sandbox_reaper import SandboxHome, reap_dead
 from durable_rlm.blobs import BlobBatch, BlobStore, TypedBlobs, text_digest
 from workflows import defaults, names
 from workflows.models import (
@@ -427,8 +428,20 @@ class ReplActivities:
 
     # --- lifecycle ------------------------------------------------------------------------
 
+    def reap_dead_sandboxes(self) -> None:
+        """Remove the sandbox directories (and kill the processes) of dead workers sharing
+        this root, and forget this worker's own ended processes. Never raises: hygiene must
+        not stop a worker."""
+        try:
+            reap_dead(self.sandbox_root)
+            self.home.forget_ended()
+        except Exception:  # noqa: BLE001 - told, and tried again at the next reap
+            log.exception("reaping dead sandboxes under %s failed", self.sandbox_root)
+
     async def reap_idle(self) -> int:
-        """Kill sandboxes unused for `idle_s`; a later step rebuilds them from the log."""
+        """Kill sandboxes unused for `idle_s` (a later step rebuilds them from the log), and
+        reap the sandboxes of dead workers."""
+        await asyncio.to_thread(self.reap_dead_sandboxes)
         now = time.monotonic()
         stale = [(b, b.last_used) for b in self._live.values() if now - b.last_used > self.idle_s]
         reaped = 0
@@ -453,6 +466,7 @@ class ReplActivities:
             if self._template is not None:
                 await self._template.close()
                 self._template = None
+            self.home.remove()  # made again if this host starts another sandbox
 
     def live_episodes(self) -> list[str]:
         return sorted(self._live)
@@ -948,8 +962,8 @@ class ReplActivities:
 
     async def _spawn(self, ref: SandboxRef) -> LiveSandbox:
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in ref.episode_id)[:80]
-        directory = self.sandbox_root / f"{safe}-{uuid.uuid4().hex[:8]}"
-        directory.mkdir(parents=True)
+        directory = self.home.ensure() / f"{safe}-{uuid.uuid4().hex[:8]}"
+        directory.mkdir()
         init: dict[str, Any] = {
             "op": "init",
             "seed": ref.seed,
@@ -961,15 +975,20 @@ class ReplActivities:
             "child_batch_cap": ref.child_batch_cap,
             "tools": [spec.model_dump(mode="json") for spec in ref.tools],
         }
-        if ref.context is not None:
-            data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
-            path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
-            path.write_bytes(data)
-            init.update(context_path=str(path), context_kind=ref.context.kind)
-        if os.geteuid() == 0:
-            for p in [directory, *directory.iterdir()]:
-                os.chown(p, NOBODY, NOBODY)
-        process = await self._start_process(directory)
+        try:
+            if ref.context is not None:
+                data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
+                path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
+                path.write_bytes(data)
+                init.update(context_path=str(path), context_kind=ref.context.kind)
+            if os.geteuid() == 0:
+                for p in [directory, *directory.iterdir()]:
+                    os.chown(p, NOBODY, NOBODY)
+            process = await self._start_process(directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # no process yet: nothing else holds it
+            raise
+        self.home.record(process.pid, "sandbox")
         frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         box = LiveSandbox(
             episode_id=ref.episode_id,
@@ -1023,7 +1042,8 @@ class ReplActivities:
             if time.monotonic() < self._fork_retry_at:
                 return None
             try:
-                self._template = await ForkServer.start(self.sandbox_root, defaults.SANDBOX_STARTUP_S)
+                self._template = await ForkServer.start(self.home.ensure(), defaults.SANDBOX_STARTUP_S)
+                self.home.record(self._template.pid, "template")
             except (ForkServerError, OSError) as exc:
                 self._template = None
                 self._fork_retry_at = time.monotonic() + FORK_RETRY_S

@@ -1,0 +1,366 @@
+"""Sandbox hygiene: the directories and processes of workers that died without cleaning up.
+
+Each REPL host (`ReplActivities`) keeps its sandboxes in a home of its own under the sandbox
+root, `w-<pid>-<random>/`, holding `owner.json` (the worker's pid, its start time from
+/proc/<pid>/stat, the boot and pid namespace it runs in) and a `<pid>.proc` record for each
+process it started (a sandbox or the fork-server template: pid and start time). The worker
+writes both where its sandboxes cannot (a root-owned 0711 directory when they run as
+`nobody`), so a sandbox cannot forge the record of a process it would like killed.
+
+A worker killed by SIGKILL leaves its home behind; its processes normally die with it
+(PR_SET_PDEATHSIG), but not always (a sandbox forked after the worker's last breath, a
+process stuck in a cell). `reap_dead` finds the homes whose owner is gone (no such pid, a
+zombie, a pid reused by a process started at another time, another boot), claims each by
+renaming it (two reapers never both work on one home), SIGKILLs the recorded processes that
+are still those processes (same start time, a sandbox command line naming that owner), and
+removes the directory. It never judges a home of another pid namespace (its pids mean
+nothing here) or, unless root, of another user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import stat
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+OWNER_FILE = "owner.json"
+HOME_PREFIX = "w-"
+NEW_PREFIX = ".new-"  # a home being made: renamed to w-... once its owner file is in
+CLAIMED_PREFIX = ".reaping-"  # a dead home one reaper has taken
+RECORD_SUFFIX = ".proc"
+GRACE_S = 60.0
+"""How old a home without a readable owner (or a half-made or half-reaped one) must be before
+it is taken for dead: younger, it may be one another worker is making right now."""
+SANDBOX_SCRIPTS = (b"child.py", b"forkserver.py")
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    state: str
+    ppid: int
+    start: int  # clock ticks after boot: with the pid, names one process for good
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """/proc/<pid>/stat, or None when there is no such process (or it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            text = file.read().decode("ascii", "replace")
+        fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and ')'
+        return ProcStat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def running(pid: int, start: int) -> bool:
+    """Is `pid` still the process that started at `start`? A zombie has ended."""
+    found = proc_stat(pid)
+    return found is not None and found.start == start and found.state not in ("Z", "X")
+
+
+def sandbox_of(pid: int, start: int, owner_pid: int | None) -> bool:
+    """Is `pid` still that sandbox (or template) process, started by `owner_pid`? Checked
+    right before a kill: a pid is only killed while it is the process that was recorded."""
+    if pid <= 1 or pid == os.getpid() or not running(pid, start):
+        return False
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            argv = file.read().split(b"\0")
+    except OSError:
+        return False
+    # `python -s -P child.py WORKER_PID DIR`, or a template's (and its forks')
+    # `python -s -P forkserver.py WORKER_PID`.
+    for arg, after in zip(argv, argv[1:], strict=False):
+        if os.path.basename(arg) in SANDBOX_SCRIPTS:
+            return owner_pid is None or after == str(owner_pid).encode()
+    return False
+
+
+def _read_line(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+# --- owners ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The worker process a home belongs to, named so that a reused pid is not mistaken for it."""
+
+    pid: int
+    start: int
+    boot: str = ""
+    pidns: str = ""
+
+    @classmethod
+    def current(cls) -> Owner | None:
+        """This process; None when /proc cannot say (then nothing can be judged)."""
+        found = proc_stat(os.getpid())
+        if found is None:
+            return None
+        return cls(
+            pid=os.getpid(),
+            start=found.start,
+            boot=_read_line("/proc/sys/kernel/random/boot_id"),
+            pidns=_pid_namespace(),
+        )
+
+    @classmethod
+    def parse(cls, data: bytes) -> Owner:
+        """Raises ValueError for anything but a whole owner file."""
+        try:
+            fields = json.loads(data)
+            owner = cls(int(fields["pid"]), int(fields["start"]), str(fields["boot"]), str(fields["pidns"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not an owner file: {exc}") from exc
+        if owner.pid <= 0 or owner.start < 0:
+            raise ValueError("not an owner file: bad pid or start time")
+        return owner
+
+    def verdict(self, here: Owner) -> Literal["alive", "dead", "foreign"]:
+        if self.boot and here.boot and self.boot != here.boot:
+            return "dead"  # every process of an earlier boot is gone
+        if self.pidns != here.pidns:
+            return "foreign"  # its pid means another process here: not ours to judge
+        return "alive" if running(self.pid, self.start) else "dead"
+
+
+def read_owner(home: Path) -> Owner | None:
+    try:
+        return Owner.parse((home / OWNER_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """A reader sees the whole file or none (a crash mid-write leaves only a temporary)."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise
+
+
+# --- this worker's home ---------------------------------------------------------------------
+
+
+class SandboxHome:
+    """This REPL host's directory under the sandbox root: its sandboxes, its template's log,
+    and the files that say whose they are."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.owner = Owner.current()
+        self.path = root / f"{HOME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def ensure(self) -> Path:
+        """The home, made now if it is not there (first use, or after `remove`)."""
+        if not self.path.is_dir():
+            self._make()
+        return self.path
+
+    def _make(self) -> None:
+        # Made aside and renamed into place once the owner file is in: a w-... home without
+        # a readable owner is then never one being made.
+        staging = self.root / f"{NEW_PREFIX}{uuid.uuid4().hex}"
+        staging.mkdir(mode=0o700)
+        try:
+            # The unprivileged sandbox user must pass through to its own directory.
+            os.chmod(staging, 0o711 if os.geteuid() == 0 else 0o700)
+            if self.owner is not None:
+                _write_atomically(staging / OWNER_FILE, json.dumps(asdict(self.owner)).encode())
+            os.rename(staging, self.path)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    def record(self, pid: int, role: str) -> None:
+        """Note a process this worker started, so a reaper can kill it if the worker dies.
+        Best effort: its death signal is the first line, this the second."""
+        found = proc_stat(pid)
+        if found is None:
+            return  # already gone
+        body = json.dumps({"pid": pid, "start": found.start, "role": role}).encode()
+        try:
+            _write_atomically(self.path / f"{pid}{RECORD_SUFFIX}", body)
+        except OSError as exc:
+            log.warning("could not record sandbox process %d in %s: %s", pid, self.path, exc)
+
+    def forget_ended(self) -> int:
+        """Drop the records of this worker's processes that have ended (a long-lived worker
+        would otherwise gather one per sandbox it ever started)."""
+        dropped = 0
+        with contextlib.suppress(OSError):
+            for path in self.path.glob(f"*{RECORD_SUFFIX}"):
+                record = _read_record(path)
+                if record is not None and not running(*record):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                        dropped += 1
+        return dropped
+
+    def remove(self) -> None:
+        """The worker closes: its sandboxes and template are gone, so is their home."""
+        if not remove_tree(self.path):
+            log.warning("could not remove the sandbox directory %s", self.path)
+
+
+def _read_record(path: Path) -> tuple[int, int] | None:
+    try:
+        fields = json.loads(path.read_bytes())
+        return int(fields["pid"]), int(fields["start"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# --- reaping --------------------------------------------------------------------------------
+
+
+@dataclass
+class Reaped:
+    home: str  # its name before it was claimed
+    owner_pid: int | None  # None: its owner file was missing or unreadable
+    sandboxes: int  # sandbox directories removed with it
+    killed: list[int] = field(default_factory=list)  # processes that had outlived the worker
+    removed: bool = True  # False: something in it could not be deleted (told in the log)
+
+
+def reap_dead(root: Path, grace_s: float = GRACE_S) -> list[Reaped]:
+    """Reap every home under `root` whose worker is gone: kill its leftover processes and
+    remove its directory. Safe to run from any number of workers at once; what vanishes
+    mid-scan, or belongs to a live worker, another user or another pid namespace, is left."""
+    here = Owner.current()
+    if here is None:
+        log.warning("sandbox directories are not reaped: /proc/self/stat cannot be read")
+        return []
+    try:
+        entries = list(os.scandir(root))
+    except OSError as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("could not scan the sandbox root %s: %s", root, exc)
+        return []
+    reaped: list[Reaped] = []
+    for entry in entries:
+        try:
+            done = _reap_one(root, entry, here, grace_s)
+        except OSError as exc:
+            log.warning("could not reap %s: %s", entry.path, exc)
+            continue
+        if done is None:
+            continue
+        reaped.append(done)
+        log.log(
+            logging.WARNING if done.killed or not done.removed else logging.INFO,
+            "reaped the sandboxes of a dead worker: %s (pid %s), %d sandbox directories%s%s",
+            done.home,
+            done.owner_pid if done.owner_pid is not None else "unknown",
+            done.sandboxes,
+            f", killed leftover processes {done.killed}" if done.killed else "",
+            "" if done.removed else ", but some of its files could not be deleted",
+        )
+    return reaped
+
+
+def _reap_one(root: Path, entry: os.DirEntry[str], here: Owner, grace_s: float) -> Reaped | None:
+    name = entry.name
+    if not name.startswith((HOME_PREFIX, NEW_PREFIX, CLAIMED_PREFIX)):
+        return None  # not a home (an older worker's layout, or someone else's file)
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None  # reaped by another worker meanwhile
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    if os.geteuid() != 0 and info.st_uid != os.geteuid():
+        return None  # another user's worker: its files are not ours to delete
+    home = Path(entry.path)
+    owner = read_owner(home)
+    if name.startswith(HOME_PREFIX) and owner is not None:
+        if owner.verdict(here) != "dead":
+            return None
+    elif time.time() - max(info.st_mtime, info.st_ctime) < grace_s:
+        return None  # no owner to ask, and young: it may be being made or reaped right now
+    claimed = root / f"{CLAIMED_PREFIX}{uuid.uuid4().hex}"
+    try:
+        os.rename(home, claimed)
+    except FileNotFoundError:
+        return None  # another reaper claimed it first
+    owner_pid = owner.pid if owner is not None else None
+    killed = kill_recorded(claimed, owner_pid)
+    sandboxes = sum(1 for child in _listing(claimed) if child.is_dir(follow_symlinks=False))
+    return Reaped(name, owner_pid, sandboxes, killed, remove_tree(claimed))
+
+
+def _listing(path: Path) -> list[os.DirEntry[str]]:
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def kill_recorded(home: Path, owner_pid: int | None) -> list[int]:
+    """SIGKILL the recorded processes of a dead home that are still those processes."""
+    killed = []
+    for entry in _listing(home):
+        if not entry.name.endswith(RECORD_SUFFIX):
+            continue
+        record = _read_record(Path(entry.path))
+        if record is None or not sandbox_of(*record, owner_pid):
+            continue
+        try:
+            os.kill(record[0], signal.SIGKILL)
+            killed.append(record[0])
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            log.warning("could not kill leftover sandbox process %d: %s", record[0], exc)
+    return killed
+
+
+def remove_tree(path: Path) -> bool:
+    """Delete a sandbox tree, even one whose sandbox made parts of it read-only; True once
+    nothing of it is left."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return True
+    # Not root (root deletes whatever the mode): give ourselves back write and search on
+    # every directory of it, never following a link out of it, and try again.
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o700)
+    for directory, subdirectories, _ in os.walk(path):
+        for name in subdirectories:
+            inner = os.path.join(directory, name)
+            if not os.path.islink(inner):
+                with contextlib.suppress(OSError):
+                    os.chmod(inner, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
