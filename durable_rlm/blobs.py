@@ -21,7 +21,21 @@ from durable_rlm import schema
 
 
 class BlobNotFound(KeyError):
-    """A digest the store does not hold: a history that outlived its blobs."""
+    """A digest the store does not hold: a history that outlived its blobs, or a process
+    that looks in another store than the one the episode was started with."""
+
+    def __init__(self, digest: str, where: str = "") -> None:
+        super().__init__(digest)
+        self.digest = digest
+        self.where = where
+
+    def __str__(self) -> str:
+        place = f" in {self.where}" if self.where else ""
+        return (
+            f"blob {self.digest} not found{place}: every client and worker of an episode must use "
+            "the same stores (check DRLM_DATA_DIR, DRLM_DATABASE_URL and DRLM_BLOB_STORE; "
+            "`drlm info` shows them)"
+        )
 
 
 def digest_of(data: bytes) -> str:
@@ -49,7 +63,7 @@ class BlobBackend(Protocol):
 class DirectoryBackend:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _path(self, digest: str) -> Path:
         hexpart = _check_digest(digest)
@@ -168,8 +182,9 @@ class TypedBlobs:
 class BlobStore(TypedBlobs):
     """Typed access plus a small read cache (safe: content never changes under a digest)."""
 
-    def __init__(self, backend: BlobBackend, cache_entries: int = 4096) -> None:
+    def __init__(self, backend: BlobBackend, cache_entries: int = 4096, where: str = "") -> None:
         self.backend = backend
+        self.where = where  # for errors: the store and the setting that chose it
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cache_entries = cache_entries
 
@@ -191,7 +206,7 @@ class BlobStore(TypedBlobs):
             return cached
         data = self.backend.read(digest)
         if data is None:
-            raise BlobNotFound(digest)
+            raise BlobNotFound(digest, self.where)
         if digest_of(data) != digest:
             raise ValueError(f"blob {digest} is corrupt")
         self._remember(digest, data)

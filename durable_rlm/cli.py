@@ -1,8 +1,8 @@
 """`drlm`: run, follow, show and list RLM episodes.
 
-Without TEMPORAL_ADDRESS every command starts the embedded Temporal dev server on the data
-directory's SQLite file (and, when an episode has to make progress, an in-process worker).
-With it, the CLI is only a client and `python worker.py` does the work.
+Without TEMPORAL_ADDRESS the commands share the data directory's embedded Temporal server
+(durable_rlm/server.py: started on first use, stopped when idle) and `run`/`resume` work on
+the episode in-process. With it, the CLI is only a client and `python worker.py` does the work.
 """
 
 from __future__ import annotations
@@ -16,35 +16,20 @@ import os
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import sqlalchemy as sa
 from pydantic import ValidationError
-from temporalio.client import WorkflowUpdateFailedError
-from temporalio.service import RPCError
 
-from durable_rlm import demo, schema
-from durable_rlm.api import DurableRLM
-from durable_rlm.episodes import (
-    CancelOutcome,
-    EpisodeEnd,
-    cancel_episode,
-    follow,
-    load_context_file,
-    send_reward,
-)
-from durable_rlm.errors import DurableRLMError
-from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import Services, connect, import_policy_modules, running_workers, session
-from durable_rlm.scripted import ScriptedModelServer
+from durable_rlm.errors import DurableRLMError, ServerUnavailable
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.timeline import describe_execution, episode_timeline, render
-from durable_rlm.tools import import_tool_modules
 from workflows import defaults
-from workflows.models import (
-    EpisodeResult,
-)
-from workflows.termination import PolicyError
+
+# Commands import what they use: `drlm show` of an ended episode and `drlm list` read the
+# SQL store and answer in a fraction of a second, without temporalio or model clients.
+if TYPE_CHECKING:
+    from durable_rlm.api import DurableRLM
+    from durable_rlm.episodes import CancelOutcome, EpisodeEnd
+    from durable_rlm.runtime import Services
 
 EXIT_OK = 0  # the model (or a policy that found one) answered
 EXIT_FAILED = 1  # a model error, a failed or timed-out episode
@@ -52,6 +37,8 @@ EXIT_USAGE = 2  # bad command line, configuration or request: nothing was starte
 EXIT_NO_ANSWER = 3  # a limit or a policy stopped it, and there is no answer
 EXIT_EXTRACTED = 4  # a limit stopped it and the answer was extracted (0 with --accept-extracted)
 EXIT_CANCELLED = 5  # cancelled or terminated
+EXIT_PAUSED = 6  # the episode waits for a fix (a model key): `drlm resume ID` once fixed
+EXIT_INTERRUPTED = 130  # Ctrl-C: the episode itself goes on
 
 CANCEL_HEAD_START_S = 0.5  # how long `drlm cancel` lets its request travel before its worker polls
 
@@ -60,9 +47,18 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one line (with where to look) and exit 2, not a usage dump."""
+
+    def error(self, message: str) -> NoReturn:
+        _stderr(f"{self.prog}: {message} (see `{self.prog} --help`)")
+        _exit(EXIT_USAGE)
+        raise SystemExit(EXIT_USAGE)  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="drlm", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="drlm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="run an episode and print its answer")
     run.add_argument("task")
@@ -109,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("episode_id")
     show.add_argument("--json", action="store_true")
     show.add_argument("--full", action="store_true", help="do not shorten long texts")
+    show.add_argument(
+        "--refresh", action="store_true", help="read the history even if the timeline is stored"
+    )
+
+    watch = sub.add_parser("watch", help="follow a running episode's progress until it ends (no worker)")
+    watch.add_argument("episode_id")
+    watch.add_argument("--json", action="store_true")
+    watch.add_argument("--accept-extracted", action="store_true")
+
+    info = sub.add_parser("info", help="where data lives, which setting chose it, and the server")
+    info.add_argument("--json", action="store_true")
 
     resume = sub.add_parser("resume", help="wait for an episode, working on it if embedded")
     resume.add_argument("episode_id")
@@ -135,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = sub.add_parser("list", help="episodes in the audit store")
     listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument(
+        "--refresh",
+        action="store_true",
+        help="first settle rows of episodes that ended without writing theirs",
+    )
     return parser
 
 
@@ -241,6 +253,8 @@ def _json_object(text: str) -> dict[str, Any]:
 
 def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
     """The command line as a DurableRLM: the CLI and the Python API are one code path."""
+    from durable_rlm.api import DurableRLM
+
     limits = {
         "max_iterations": args.max_iterations,
         "max_llm_calls": args.max_llm_calls,
@@ -297,6 +311,8 @@ def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
     """The exit code a script reads: answered, extracted, no answer, failed, cancelled."""
     if end.status in ("cancelled", "terminated"):
         return EXIT_CANCELLED
+    if end.status == "paused":
+        return EXIT_PAUSED
     result = end.result
     if result is not None and result.ended_by == "cancelled":
         return EXIT_CANCELLED
@@ -317,6 +333,8 @@ def _print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) -
     if result is None:
         _stderr(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
         return exit_code(end, accept_extracted)
+    from durable_rlm.timeline import describe_execution
+
     _stderr(
         f"ended by {result.ended_by} after {result.iterations} iteration(s), "
         f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
@@ -336,19 +354,22 @@ def _print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) -
     return exit_code(end, accept_extracted)
 
 
-async def _run_episode(settings: Settings, args: argparse.Namespace, context_value: Any) -> int:
+# The episode this process started or follows: what Ctrl-C names.
+_FOLLOWING: list[str] = []
+
+
+async def _run_episode(settings: Settings, args: argparse.Namespace, context: Any) -> int:
+    from durable_rlm.episodes import follow
+
     rlm = _rlm(args, settings)
-    services = await rlm.open(work=not args.no_wait)
+    await rlm.open(work=not args.no_wait)
     try:
-        if context_value is None and getattr(args, "context", None):
-            context = load_context_file(services.blobs, args.context)
-        else:
-            context = context_value
         episode = await rlm.start(context, args.task, getattr(args, "id", None))
         handle = episode.handle
         if args.no_wait:
             print(handle.id)
             return EXIT_OK
+        _FOLLOWING.append(handle.id)
         if not args.json:
             _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
         end = await follow(handle, None if args.json else _stderr)
@@ -357,7 +378,26 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context_val
         await rlm.close()
 
 
+def _read_context(path: Path | None) -> Any:
+    """The --context file's value, read before anything starts: its text, or for .json its
+    JSON value. Every problem with the file is a one-line error."""
+    if path is None:
+        return None
+    from durable_rlm.episodes import read_context_text
+
+    text = read_context_text(path)
+    if path.suffix.lower() != ".json":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from None
+
+
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm import demo
+    from durable_rlm.scripted import ScriptedModelServer
+
     args.task, args.no_wait, args.id, args.accept_extracted = demo.TASK, False, None, False
     args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
@@ -381,8 +421,15 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _show(settings: Settings, args: argparse.Namespace) -> int:
-    async with connect(settings) as services:
-        timeline = await episode_timeline(services.client, args.episode_id)
+    from durable_rlm import readonly
+    from durable_rlm.timeline import render
+
+    engine = readonly.open_existing(settings)
+    timeline = None
+    if engine is not None and not args.refresh:
+        timeline = readonly.cached_timeline(engine, args.episode_id)
+    if timeline is None:
+        timeline = await _timeline_from_history(settings, args.episode_id)
     if args.json:
         print(timeline.model_dump_json())
     else:
@@ -390,7 +437,71 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
+    """Read the history (through the server), and keep the timeline if the episode ended."""
+    from durable_rlm import readonly
+    from durable_rlm.runtime import connect
+    from durable_rlm.timeline import episode_timeline
+
+    async with connect(settings) as services:
+        timeline = await episode_timeline(services.client, episode_id)
+        if services.engine is not None and timeline.status in readonly.ENDED:
+            description = await services.client.get_workflow_handle(episode_id).describe()
+            await asyncio.to_thread(readonly.store_timeline, services.engine, timeline, description.run_id)
+    return timeline
+
+
+async def _watch(settings: Settings, args: argparse.Namespace) -> int:
+    """Follow without working on it: any number of watchers, from anywhere."""
+    from durable_rlm.episodes import follow
+    from durable_rlm.runtime import connect
+    from workflows.models import EpisodeResult
+
+    async with connect(settings) as services:
+        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        await handle.describe()  # an unknown id is an error now, not a wait
+        _FOLLOWING.append(args.episode_id)
+        end = await follow(handle, None if args.json else _stderr)
+    return _print_end(end, args.json, args.accept_extracted)
+
+
+def _info(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.server import running_address
+
+    stores = settings.describe_stores()
+    if settings.embedded:
+        address = running_address(settings)
+        server = (
+            f"{address} (shared by every client of the data directory)"
+            if address
+            else "not running (starts on first use)"
+        )
+        stores["server"] = (
+            server,
+            f"stops {settings.server_idle_s:g} s after its last client (DRLM_SERVER_IDLE_S)",
+        )
+    stores["task queue"] = (settings.task_queue, settings.origin("task_queue"))
+    if args.json:
+        print(json.dumps({name: {"value": value, "chosen_by": why} for name, (value, why) in stores.items()}))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="drlm info")
+    for column in ("what", "where", "chosen by"):
+        table.add_column(column, overflow="fold")
+    for name, (value, why) in stores.items():
+        table.add_row(name, value, why)
+    Console().print(table)
+    return EXIT_OK
+
+
 async def _reward(settings: Settings, args: argparse.Namespace) -> int:
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from durable_rlm.episodes import send_reward
+    from durable_rlm.runtime import connect
+
     async with connect(settings) as services:
         try:
             receipt = await send_reward(services.client, args.episode_id, args.value, args.note)
@@ -404,13 +515,22 @@ async def _reward(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.episodes import follow
+    from durable_rlm.runtime import session
+    from workflows.models import EpisodeResult
+
     async with session(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        await handle.describe()
+        _FOLLOWING.append(args.episode_id)
         end = await follow(handle, None if args.json else _stderr)
         return _print_end(end, args.json, args.accept_extracted)
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.episodes import cancel_episode
+    from durable_rlm.runtime import connect, running_workers
+
     # A worker must run the cancellation (it cancels the children, closes the sandbox and
     # the audit row, and extracts when asked).
     async with connect(settings) as services:
@@ -432,6 +552,9 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _cancelled(services: Services, args: argparse.Namespace, outcome: CancelOutcome) -> int:
+    from durable_rlm.episodes import follow
+    from workflows.models import EpisodeResult
+
     _stderr(outcome.message)
     if not outcome.accepted:
         return EXIT_OK
@@ -441,15 +564,20 @@ async def _cancelled(services: Services, args: argparse.Namespace, outcome: Canc
 
 
 async def _list(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.projection import reconcile_audit
+    """From the audit store alone (no server). Rows of episodes that ended without writing
+    theirs (terminated, timed out) are settled by every worker each minute, by the shared
+    server before it stops, and here with --refresh."""
+    from durable_rlm import readonly
 
-    async with connect(settings) as services:
-        engine = services.engine
-        assert engine is not None
-        await reconcile_audit(services.client, engine)
-    table = schema.episodes
-    with engine.connect() as conn:
-        rows = conn.execute(sa.select(table).order_by(table.c.updated_at.desc()).limit(args.limit)).all()
+    if args.refresh:
+        from durable_rlm.projection import reconcile_audit
+        from durable_rlm.runtime import connect
+
+        async with connect(settings) as services:
+            assert services.engine is not None
+            await reconcile_audit(services.client, services.engine)
+    engine = readonly.open_existing(settings)
+    rows = [] if engine is None else readonly.episode_rows(engine, args.limit)
     for row in rows:
         answer = (row.answer or "").replace("\n", " ")[:60]
         print(f"{row.episode_id}  {row.status:<9} {row.ended_by or '-':<14} {row.task[:40]!r}  {answer}")
@@ -458,36 +586,45 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _dispatch(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
-    # Custom policies must be known here too: `run` validates the request before starting.
-    import_policy_modules(settings.policy_module_names)
-    import_tool_modules(settings.tool_module_names)
+    if args.command in ("run", "demo"):
+        from durable_rlm.runtime import import_policy_modules
+        from durable_rlm.tools import import_tool_modules
+
+        # Custom policies and tools must be known here too: `run` validates the request
+        # before starting anything.
+        import_policy_modules(settings.policy_module_names)
+        import_tool_modules(settings.tool_module_names)
     if args.command == "run":
-        if args.context is not None and not args.context.is_file():
-            raise ConfigurationError(f"context file not found: {args.context}")
+        context = _read_context(args.context)
         rlm = _rlm(args, settings)  # validate before starting anything
         rlm.request(None, args.task)
         rlm.check_credentials()
-        return await _run_episode(settings, args, None)
+        return await _run_episode(settings, args, context)
     if args.command == "demo":
         return await _demo(settings, args)
-    if args.command == "show":
-        return await _show(settings, args)
-    if args.command == "resume":
-        return await _resume(settings, args)
-    if args.command == "reward":
-        return await _reward(settings, args)
-    if args.command == "cancel":
-        return await _cancel(settings, args)
+    if args.command == "info":
+        return _info(settings, args)
     if args.command == "doctor":
         from durable_rlm.doctor import run_doctor
 
         return await run_doctor(settings)
     if args.command == "audit-rebuild":
+        from durable_rlm.projection import rebuild_audit
+        from durable_rlm.runtime import connect
+
         async with connect(settings) as services:
             count = await rebuild_audit(services.client, services.engine)
         print(f"audit store rebuilt from history: {count} episode(s)")
         return EXIT_OK
-    return await _list(settings, args)
+    commands = {
+        "show": _show,
+        "watch": _watch,
+        "resume": _resume,
+        "reward": _reward,
+        "cancel": _cancel,
+        "list": _list,
+    }
+    return await commands[args.command](settings, args)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -498,21 +635,58 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = build_parser().parse_args(argv)
         code = asyncio.run(_dispatch(args))
-    except (DurableRLMError, ValidationError, PolicyError) as exc:
-        _stderr(f"drlm: {_explain(exc)}")
-        code = EXIT_USAGE
-    except LookupError as exc:
-        _stderr(f"drlm: {exc.args[0] if exc.args else exc}")
-        code = EXIT_USAGE
-    except RPCError as exc:
-        _stderr(f"drlm: Temporal error: {exc}")
-        code = EXIT_FAILED
     except KeyboardInterrupt:
-        _stderr("drlm: interrupted; the episode goes on durably (`drlm resume ID` to follow it)")
-        code = 130
-    # temporalio can crash at interpreter exit after all work is done (sdk-python#300).
-    sys.stdout.flush()
-    sys.stderr.flush()
+        code = _interrupted()
+    except BrokenPipeError:
+        code = EXIT_OK  # `drlm list | head`: the reader has what it wanted
+    except Exception as exc:  # noqa: BLE001 - every error ends as one line and an exit code
+        code = _report(exc)
+    _exit(code)
+
+
+def _report(exc: Exception) -> int:
+    """One line on stderr, and the exit code: 2 for what the user can fix in the command or
+    the settings (nothing was started), 1 for a failure of the environment."""
+    policy = sys.modules.get("workflows.termination")
+    rpc = sys.modules.get("temporalio.service")
+    if isinstance(exc, ServerUnavailable):
+        _stderr(f"drlm: {exc}")
+        return EXIT_FAILED
+    if isinstance(exc, DurableRLMError | ValidationError) or (policy and isinstance(exc, policy.PolicyError)):
+        _stderr(f"drlm: {_explain(exc)}")
+        return EXIT_USAGE
+    if isinstance(exc, LookupError):
+        _stderr(f"drlm: {exc.args[0] if type(exc) is KeyError and exc.args else exc}")
+        return EXIT_USAGE
+    if rpc is not None and isinstance(exc, rpc.RPCError):
+        _stderr(f"drlm: Temporal error: {exc}")
+        return EXIT_FAILED
+    raise exc
+
+
+def _interrupted() -> int:
+    if not _FOLLOWING:
+        _stderr("drlm: interrupted")
+        return EXIT_INTERRUPTED
+    episode = _FOLLOWING[-1]
+    _stderr(
+        f"drlm: interrupted; episode {episode} goes on (its history keeps every step).\n"
+        f"  follow it:   drlm watch {episode}\n"
+        f"  work on it:  drlm resume {episode}   (without TEMPORAL_ADDRESS no worker runs it until then)\n"
+        f"  stop it:     drlm cancel {episode}"
+    )
+    return EXIT_INTERRUPTED
+
+
+def _exit(code: int) -> None:
+    """Flush and leave: temporalio can crash at interpreter exit after all work is done
+    (sdk-python#300); a closed stdout (`| head`) is not an error."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):
+            with contextlib.suppress(OSError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
     os._exit(code)
 
 

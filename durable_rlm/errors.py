@@ -36,3 +36,11 @@ class EpisodeFailed(DurableRLMError):
     def __init__(self, end: EpisodeEnd) -> None:
         super().__init__(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
         self.end = end
+
+
+class ServerUnavailable(DurableRLMError):
+    """Temporal cannot be reached: the message names the address and the setting."""
+
+
+class EpisodeIdInUse(DurableRLMError, ValueError):
+    """An episode id names one episode for good: a second start with it is refused."""

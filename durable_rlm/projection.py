@@ -18,6 +18,7 @@ from temporalio.service import RPCError
 from activities.audit import upsert_episode
 from durable_rlm import schema
 from durable_rlm.episodes import closing_error
+from durable_rlm.settings import Settings
 from workflows import names
 from workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
 
@@ -101,3 +102,36 @@ async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
 def _clear(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         conn.execute(schema.episodes.delete())
+
+
+async def cache_closed_timelines(settings: Settings, address: str, limit: int = 500) -> int:
+    """Store the timelines of ended episodes not stored yet (newest first, at most `limit`):
+    the shared server runs this before it stops, so `drlm show` answers without it."""
+    from durable_rlm.codec import data_converter
+    from durable_rlm.readonly import ENDED, cached_ids, store_timeline
+    from durable_rlm.runtime import open_stores
+    from durable_rlm.timeline import episode_timeline
+
+    blobs, engine = open_stores(settings)
+    client = await Client.connect(
+        address,
+        namespace=settings.temporal_namespace,
+        data_converter=data_converter(blobs, settings.claim_check_threshold),
+    )
+    await reconcile_audit(client, engine)
+    known = await asyncio.to_thread(cached_ids, engine)
+    stored = 0
+    seen: set[str] = set()
+    query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus != "Running"'
+    async for execution in client.list_workflows(query):
+        if execution.id in known or execution.id in seen:
+            continue
+        seen.add(execution.id)
+        timeline = await episode_timeline(client, execution.id)
+        if timeline.status in ENDED:
+            description = await client.get_workflow_handle(execution.id).describe()
+            stored += await asyncio.to_thread(store_timeline, engine, timeline, description.run_id)
+        if len(seen) >= limit:
+            break
+    engine.dispose()
+    return stored

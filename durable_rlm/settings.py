@@ -1,50 +1,129 @@
-"""Runtime settings from the environment, validated once at start-up."""
+"""Runtime settings from the environment (pydantic-settings), validated once at start-up.
+
+Every setting has one environment variable; `drlm info` prints each store's location and
+which variable (or default) chose it. Stores live in one per-user directory by default, so
+the CLI, the Python API and `python worker.py` find the same data from any directory.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+import platformdirs
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
 from workflows import defaults
 
-__all__ = ["ConfigurationError", "Settings"]
+__all__ = ["ConfigurationError", "Settings", "default_data_dir"]
+
+SERVER_IDLE_S = 300.0  # how long the shared embedded server outlives its last client
 
 
-class Settings(BaseModel):
-    temporal_address: str | None = None
-    temporal_namespace: str = "default"
-    task_queue: str = "drlm-episodes"
-    data_dir: Path = Path(".drlm")
-    database_url: str | None = None
-    blob_store: str = Field(default="sql", description="'sql' or a directory path")
-    claim_check_threshold: int = Field(default=4096, ge=256)
-    sandbox_memory_mb: int = Field(default=defaults.SANDBOX_MEMORY_MB, ge=64)
-    sandbox_idle_s: float = Field(default=defaults.SANDBOX_IDLE_S, gt=0)
-    sandbox_start: Literal["fork", "spawn"] = Field(
-        default="fork", description="fork sandboxes from a template process, or spawn each afresh"
+def default_data_dir() -> Path:
+    """The user's data directory (e.g. ~/.local/share/drlm): one per user, not per cwd."""
+    return Path(platformdirs.user_data_dir("drlm", appauthor=False))
+
+
+def _env(field: str, variable: str, default: Any, **kwargs: Any) -> Any:
+    return Field(default, validation_alias=AliasChoices(field, variable), **kwargs)
+
+
+# Settings.from_env(mapping) reads only the mapping (tests, embedding); Settings() reads
+# os.environ like any pydantic-settings class.
+_MAPPING_ONLY: ContextVar[bool] = ContextVar("drlm_settings_mapping_only", default=False)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, env_ignore_empty=True)
+
+    temporal_address: str | None = _env("temporal_address", "TEMPORAL_ADDRESS", None)
+    temporal_namespace: str = _env("temporal_namespace", "TEMPORAL_NAMESPACE", "default")
+    task_queue: str = _env("task_queue", "DRLM_TASK_QUEUE", "drlm-episodes")
+    data_dir: Path = _env(
+        "data_dir", "DRLM_DATA_DIR", None, description="default: the user data dir (platformdirs)"
     )
-    sandbox_budget_mb: int | None = Field(
-        default=None, ge=64, description="evict idle sandboxes (rebuilt from the log) above this total"
+    database_url: str | None = _env("database_url", "DRLM_DATABASE_URL", None)
+    blob_store: str = _env("blob_store", "DRLM_BLOB_STORE", "sql", description="'sql' or a directory path")
+    claim_check_threshold: int = _env("claim_check_threshold", "DRLM_CLAIM_CHECK_THRESHOLD", 4096, ge=256)
+    sandbox_memory_mb: int = _env(
+        "sandbox_memory_mb", "DRLM_SANDBOX_MEMORY_MB", defaults.SANDBOX_MEMORY_MB, ge=64
     )
-    capacity: int = Field(
-        default=defaults.WORKER_CAPACITY,
+    sandbox_idle_s: float = _env("sandbox_idle_s", "DRLM_SANDBOX_IDLE_S", defaults.SANDBOX_IDLE_S, gt=0)
+    sandbox_start: Literal["fork", "spawn"] = _env(
+        "sandbox_start",
+        "DRLM_SANDBOX_START",
+        "fork",
+        description="fork sandboxes from a template process, or spawn each afresh",
+    )
+    sandbox_budget_mb: int | None = _env(
+        "sandbox_budget_mb",
+        "DRLM_SANDBOX_BUDGET_MB",
+        None,
+        ge=64,
+        description="evict idle sandboxes (rebuilt from the log) above this total",
+    )
+    capacity: int = _env(
+        "capacity",
+        "DRLM_CAPACITY",
+        defaults.WORKER_CAPACITY,
         ge=1,
         le=100_000,
         description="live episodes one worker serves: its workflow cache and local-step slots",
     )
-    activity_slots: int = Field(
-        default=defaults.ACTIVITY_SLOTS, ge=1, le=100_000, description="model calls and tools in flight"
+    activity_slots: int = _env(
+        "activity_slots",
+        "DRLM_ACTIVITY_SLOTS",
+        defaults.ACTIVITY_SLOTS,
+        ge=1,
+        le=100_000,
+        description="model calls and tools in flight",
     )
-    snapshot_key: str | None = Field(
-        default=None, repr=False, description="signs REPL snapshots; default: a key file in data_dir"
+    snapshot_key: str | None = _env(
+        "snapshot_key",
+        "DRLM_SNAPSHOT_KEY",
+        None,
+        repr=False,
+        description="signs REPL snapshots; default: a key file in data_dir",
     )
-    tracing: str = "off"
-    policy_modules: str = Field(default="", description="comma-separated modules registering policies")
-    tool_modules: str = Field(default="", description="comma-separated modules registering custom tools")
+    server_idle_s: float = _env(
+        "server_idle_s",
+        "DRLM_SERVER_IDLE_S",
+        SERVER_IDLE_S,
+        ge=0,
+        description="the shared embedded server stops this long after its last client left",
+    )
+    tracing: str = _env("tracing", "DRLM_TRACING", "off")
+    policy_modules: str = _env(
+        "policy_modules",
+        "DRLM_POLICY_MODULES",
+        "",
+        description="comma-separated modules registering policies",
+    )
+    tool_modules: str = _env(
+        "tool_modules",
+        "DRLM_TOOL_MODULES",
+        "",
+        description="comma-separated modules registering custom tools",
+    )
+
+    _environ: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,) if _MAPPING_ONLY.get() else (init_settings, env_settings)
 
     @field_validator("tracing")
     @classmethod
@@ -53,33 +132,49 @@ class Settings(BaseModel):
             raise ValueError("DRLM_TRACING must be off, console or otlp")
         return value
 
+    @field_validator("data_dir", mode="before")
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Settings:
+    def _data_dir(cls, value: Any) -> Path:
+        return default_data_dir() if value in (None, "") else Path(os.path.expanduser(str(value)))
+
+    def model_post_init(self, context: Any) -> None:
+        if not self._environ:
+            self._environ = {} if _MAPPING_ONLY.get() else dict(os.environ)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Settings from `environ` (default os.environ); a bad value is a ConfigurationError
+        naming the variable."""
         env = dict(os.environ if environ is None else environ)
-        mapping = {
-            "TEMPORAL_ADDRESS": "temporal_address",
-            "TEMPORAL_NAMESPACE": "temporal_namespace",
-            "DRLM_TASK_QUEUE": "task_queue",
-            "DRLM_DATA_DIR": "data_dir",
-            "DRLM_DATABASE_URL": "database_url",
-            "DRLM_BLOB_STORE": "blob_store",
-            "DRLM_CLAIM_CHECK_THRESHOLD": "claim_check_threshold",
-            "DRLM_SANDBOX_MEMORY_MB": "sandbox_memory_mb",
-            "DRLM_SANDBOX_IDLE_S": "sandbox_idle_s",
-            "DRLM_SANDBOX_BUDGET_MB": "sandbox_budget_mb",
-            "DRLM_SANDBOX_START": "sandbox_start",
-            "DRLM_CAPACITY": "capacity",
-            "DRLM_ACTIVITY_SLOTS": "activity_slots",
-            "DRLM_TRACING": "tracing",
-            "DRLM_SNAPSHOT_KEY": "snapshot_key",
-            "DRLM_POLICY_MODULES": "policy_modules",
-            "DRLM_TOOL_MODULES": "tool_modules",
-        }
-        values = {field: env[name] for name, field in mapping.items() if env.get(name)}
+        values = {variable: env[variable] for variable in cls.variables().values() if env.get(variable)}
+        token = _MAPPING_ONLY.set(True)
         try:
-            return cls(**values)
-        except ValueError as exc:
-            raise ConfigurationError(f"invalid configuration: {exc}") from exc
+            settings = cls(**values)
+        except ValidationError as exc:
+            raise ConfigurationError(f"invalid configuration: {_explain(exc)}") from exc
+        finally:
+            _MAPPING_ONLY.reset(token)
+        settings._environ = env
+        return settings
+
+    @classmethod
+    def variables(cls) -> dict[str, str]:
+        """field -> its environment variable."""
+        out = {}
+        for name, info in cls.model_fields.items():
+            alias = info.validation_alias
+            assert isinstance(alias, AliasChoices)
+            out[name] = str(alias.choices[-1])
+        return out
+
+    def origin(self, field: str) -> str:
+        """Which setting chose a field's value: its variable, the caller, or the default."""
+        variable = self.variables()[field]
+        if self._environ.get(variable):
+            return variable
+        if field in self.model_fields_set:
+            return "set by the caller"
+        return f"default ({variable} unset)"
 
     @property
     def policy_module_names(self) -> tuple[str, ...]:
@@ -102,3 +197,75 @@ class Settings(BaseModel):
     @property
     def temporal_db_file(self) -> Path:
         return (self.data_dir / "temporal.sqlite").resolve()
+
+    def describe_stores(self) -> dict[str, tuple[str, str]]:
+        """Each store's location and the setting that chose it (for `drlm info`, and for
+        errors that must say where a process looked)."""
+
+        def chosen(field: str, otherwise: str) -> str:
+            origin = self.origin(field)
+            return otherwise if origin.startswith("default") else origin
+
+        data_dir = chosen("data_dir", "default: the user data directory (set DRLM_DATA_DIR to move it)")
+        in_data_dir = f"DRLM_DATABASE_URL unset: in the data directory, {data_dir}"
+        database_url = safe_url(self.effective_database_url)
+        return {
+            "data directory": (str(self.data_dir.resolve()), data_dir),
+            "temporal": (
+                f"{self.temporal_address} (namespace {self.temporal_namespace})"
+                if self.temporal_address
+                else f"embedded dev server on {self.temporal_db_file}",
+                chosen(
+                    "temporal_address", "TEMPORAL_ADDRESS unset: the embedded server of the data directory"
+                ),
+            ),
+            "SQL store": (database_url, chosen("database_url", in_data_dir)),
+            "blob store": (
+                f"table 'blobs' of {database_url}"
+                if self.blob_store == "sql"
+                else str(Path(self.blob_store).resolve()),
+                chosen("blob_store", "DRLM_BLOB_STORE unset: in the SQL store"),
+            ),
+        }
+
+    def prepare_data_dir(self) -> Path:
+        """The data directory, created private (0700) with its SQLite files 0600: it holds
+        contexts, prompts and answers."""
+        return private_dir(self.data_dir)
+
+
+def safe_url(url: str) -> str:
+    """A database URL fit to print: its password hidden."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a URL: print nothing of it
+        return "(an unparsable DRLM_DATABASE_URL)"
+
+
+def private_dir(path: Path) -> Path:
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(path, 0o700)
+    return path
+
+
+def private_file(path: Path) -> Path:
+    """Create `path` empty with mode 0600 unless it exists (SQLite gives its -wal and -shm
+    files the mode of the database file)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:
+        pass
+    return path
+
+
+def _explain(exc: ValidationError) -> str:
+    variables = Settings.variables()
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else "value"
+        name = variables.get(field, field)
+        problems.append(f"{name}: {error['msg']} (got {error.get('input')!r})")
+    return "; ".join(problems)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -28,24 +30,51 @@ def create_engine(url: str) -> sa.Engine:
     return sa.create_engine(url, pool_pre_ping=True)
 
 
-def alembic_config(engine: sa.Engine) -> Config:
+def alembic_config(engine: sa.Engine) -> Any:
+    from alembic.config import Config  # imported when migrating: readers start faster
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
     return config
 
 
+MIGRATION_LOCK_KEY = 0x64726C6D  # "drlm": PostgreSQL advisory lock held while migrating
+
+
 def migrate(engine: sa.Engine, revision: str = "head") -> None:
-    with engine.begin() as connection:
+    """Upgrade the schema; processes starting at once (two `drlm run`, a worker) take turns
+    instead of racing to create the same tables."""
+    with _migration_lock(engine), engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
         config = alembic_config(engine)
         config.attributes["connection"] = connection
+        from alembic import command
+
         command.upgrade(config, revision)
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: sa.Engine) -> Iterator[None]:
+    database = engine.url.database if engine.url.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.migrate.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def downgrade(engine: sa.Engine, revision: str = "base") -> None:
     with engine.begin() as connection:
         config = alembic_config(engine)
         config.attributes["connection"] = connection
+        from alembic import command
+
         command.downgrade(config, revision)
 
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
-from temporalio.api.common.v1 import Payload
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client
 
 from workflows import names
 from workflows.fallback import ExecutionResult
@@ -33,6 +30,10 @@ from workflows.models import (
     SubQueryInput,
     SubQueryReply,
 )
+
+if TYPE_CHECKING:  # reading a history needs temporalio; rendering a stored timeline does not
+    from temporalio.api.common.v1 import Payload
+    from temporalio.client import Client
 
 
 class SubCall(BaseModel):
@@ -112,6 +113,8 @@ async def _decode(client: Client, payloads: Any, hint: type) -> Any:
 
 async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
     """The episode's timeline; with `children`, each child episode's timeline under its cell."""
+    from temporalio.api.enums.v1 import EventType
+
     runs = [run async for run in client.list_workflows(f'WorkflowId = "{episode_id}"')]
     runs.sort(key=lambda r: r.start_time)
     if not runs:

@@ -45,6 +45,11 @@ from workflows.models import (
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Nothing a test starts may touch the user's own data directory, and a shared embedded
+# server a test started (durable_rlm/server.py) stops soon after its last client.
+os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-tests-")
+os.environ["DRLM_SERVER_IDLE_S"] = "2"
+
 # Property tests: thorough by default; HYPOTHESIS_PROFILE=mutation keeps mutation runs quick.
 settings.register_profile(
     "default", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow]

