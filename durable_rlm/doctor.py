@@ -98,6 +98,17 @@ def platform_checks(settings: Settings) -> list[Check]:
             else f"client of {settings.temporal_address} (namespace {settings.temporal_namespace})",
         )
     )
+    location, chosen_by = settings.describe_stores()["data directory"]
+    mode = settings.data_dir.stat().st_mode & 0o777 if settings.data_dir.is_dir() else None
+    checks.append(
+        Check(
+            "stores",
+            "data directory",
+            "warn" if mode is not None and mode & 0o077 else "ok",
+            f"{location} ({chosen_by})"
+            + ("" if mode is None else f", mode {mode:o}" + (": others can read it" if mode & 0o077 else "")),
+        )
+    )
     try:
         engine = open_store(settings.effective_database_url)
         engine.dispose()

@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     )
 
     _environ: dict[str, str] = PrivateAttr(default_factory=dict)
+    _given: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**values)
+        self._given = frozenset(values)  # field names the caller passed (from_env passes variables)
 
     @classmethod
     def settings_customise_sources(
@@ -170,10 +175,10 @@ class Settings(BaseSettings):
     def origin(self, field: str) -> str:
         """Which setting chose a field's value: its variable, the caller, or the default."""
         variable = self.variables()[field]
+        if field in self._given:
+            return "set by the caller"
         if self._environ.get(variable):
             return variable
-        if field in self.model_fields_set:
-            return "set by the caller"
         return f"default ({variable} unset)"
 
     @property

@@ -3,6 +3,7 @@ example runs as written."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -160,12 +161,15 @@ async def test_two_completions_at_once_share_the_embedded_server(tmp_path: Path,
         90,
     )
     assert (first.answer, second.answer) == ("2", "3")
-    from durable_rlm import runtime
-
-    assert not any(key[1] == tmp_path.resolve() for key in runtime._IN_PROCESS)  # the last one out stopped it
+    # One server for both (one state file), and no lease left once both are done.
+    assert json.loads((tmp_path / "server" / "state.json").read_text())["db_file"] == str(
+        tmp_path.resolve() / "temporal.sqlite"
+    )
+    assert list((tmp_path / "server" / "leases").iterdir()) == []
 
 
 def test_tools_given_as_functions(tmp_path: Path) -> None:
+    import tests.tool_plugins  # noqa: F401 - registers lookup_price: the clash below needs it
     from durable_rlm.tools import tool as register
 
     @register(name="priced", timeout_s=5)

@@ -313,3 +313,13 @@ def test_a_duplicate_id_is_refused(tmp_path: Path, scripted) -> None:
     assert again.stderr.strip() == (
         "drlm: episode id 'twice' is already used: choose another id, or see it with `drlm show twice`"
     )
+
+
+def test_an_unreachable_cluster_is_one_line_exit_1(tmp_path: Path) -> None:
+    out = drlm(tmp_path, tmp_path, "watch", "x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}")
+    assert out.returncode == 1
+    assert (
+        out.stderr.startswith("drlm: cannot reach Temporal at 127.0.0.1:")
+        and "(TEMPORAL_ADDRESS)" in out.stderr
+    )
+    assert out.stderr.count("\n") == 1

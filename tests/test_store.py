@@ -151,8 +151,10 @@ async def test_codec_moves_only_large_payloads_to_the_store(tmp_path: Path) -> N
 
 
 def test_bad_settings_are_rejected_with_the_variable_name() -> None:
-    with pytest.raises(ConfigurationError, match="claim_check_threshold"):
+    with pytest.raises(ConfigurationError, match="DRLM_CLAIM_CHECK_THRESHOLD: .*integer.*'ten'"):
         Settings.from_env({"DRLM_CLAIM_CHECK_THRESHOLD": "ten"})
+    with pytest.raises(ConfigurationError, match="DRLM_SERVER_IDLE_S"):
+        Settings.from_env({"DRLM_SERVER_IDLE_S": "-1"})
     with pytest.raises(ConfigurationError, match="DRLM_TRACING"):
         Settings.from_env({"DRLM_TRACING": "loud"})
 
@@ -162,6 +164,19 @@ def test_settings_default_to_the_embedded_server_and_sqlite(tmp_path: Path) -> N
     assert settings.embedded
     assert settings.effective_database_url == f"sqlite:///{tmp_path.resolve() / 'drlm.sqlite'}"
     assert not Settings.from_env({"TEMPORAL_ADDRESS": "localhost:7233"}).embedded
+
+
+def test_the_default_data_dir_is_the_users_whatever_the_directory(tmp_path: Path) -> None:
+    import platformdirs
+
+    settings = Settings.from_env({})  # from_env(mapping) reads the mapping only
+    assert settings.data_dir == Path(platformdirs.user_data_dir("drlm", appauthor=False))
+    assert settings.origin("data_dir") == "default (DRLM_DATA_DIR unset)"
+    chosen = Settings.from_env({"DRLM_DATA_DIR": str(tmp_path), "DRLM_DATABASE_URL": "postgresql://u:pw@h/db"})
+    stores = chosen.describe_stores()
+    assert stores["data directory"] == (str(tmp_path.resolve()), "DRLM_DATA_DIR")
+    assert stores["SQL store"] == ("postgresql://u:***@h/db", "DRLM_DATABASE_URL")  # no password printed
+    assert Settings(data_dir=tmp_path).origin("data_dir") == "set by the caller"
 
 
 async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobStore, client) -> None:
@@ -175,9 +190,9 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     }
     settings = Settings.from_env(env)
     assert (settings.capacity, settings.activity_slots, settings.sandbox_budget_mb) == (20, 30, 256)
-    with pytest.raises(ConfigurationError, match="sandbox_start"):
+    with pytest.raises(ConfigurationError, match="DRLM_SANDBOX_START"):
         Settings.from_env({"DRLM_SANDBOX_START": "clone"})
-    with pytest.raises(ConfigurationError, match="capacity"):
+    with pytest.raises(ConfigurationError, match="DRLM_CAPACITY"):
         Settings.from_env({"DRLM_CAPACITY": "0"})
     workers, repl = build_workers(
         client,
