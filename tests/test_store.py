@@ -172,7 +172,9 @@ def test_the_default_data_dir_is_the_users_whatever_the_directory(tmp_path: Path
     settings = Settings.from_env({})  # from_env(mapping) reads the mapping only
     assert settings.data_dir == Path(platformdirs.user_data_dir("drlm", appauthor=False))
     assert settings.origin("data_dir") == "default (DRLM_DATA_DIR unset)"
-    chosen = Settings.from_env({"DRLM_DATA_DIR": str(tmp_path), "DRLM_DATABASE_URL": "postgresql://u:pw@h/db"})
+    chosen = Settings.from_env(
+        {"DRLM_DATA_DIR": str(tmp_path), "DRLM_DATABASE_URL": "postgresql://u:pw@h/db"}
+    )
     stores = chosen.describe_stores()
     assert stores["data directory"] == (str(tmp_path.resolve()), "DRLM_DATA_DIR")
     assert stores["SQL store"] == ("postgresql://u:***@h/db", "DRLM_DATABASE_URL")  # no password printed
