@@ -28,8 +28,8 @@ from workflows import defaults
 # SQL store and answer in a fraction of a second, without temporalio or model clients.
 if TYPE_CHECKING:
     from durable_rlm.api import DurableRLM
+    from durable_rlm.connection import Services
     from durable_rlm.episodes import CancelOutcome, EpisodeEnd
-    from durable_rlm.runtime import Services
 
 EXIT_OK = 0  # the model (or a policy that found one) answered
 EXIT_FAILED = 1  # a model error, a failed or timed-out episode
@@ -440,7 +440,7 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
 async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
     """Read the history (through the server), and keep the timeline if the episode ended."""
     from durable_rlm import readonly
-    from durable_rlm.runtime import connect
+    from durable_rlm.connection import connect
     from durable_rlm.timeline import episode_timeline
 
     async with connect(settings) as services:
@@ -453,8 +453,8 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
 
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
     """Follow without working on it: any number of watchers, from anywhere."""
+    from durable_rlm.connection import connect
     from durable_rlm.episodes import follow
-    from durable_rlm.runtime import connect
     from workflows.models import EpisodeResult
 
     async with connect(settings) as services:
@@ -499,8 +499,8 @@ def _info(settings: Settings, args: argparse.Namespace) -> int:
 async def _reward(settings: Settings, args: argparse.Namespace) -> int:
     from temporalio.client import WorkflowUpdateFailedError
 
+    from durable_rlm.connection import connect
     from durable_rlm.episodes import send_reward
-    from durable_rlm.runtime import connect
 
     async with connect(settings) as services:
         try:
@@ -570,8 +570,8 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm import readonly
 
     if args.refresh:
+        from durable_rlm.connection import connect
         from durable_rlm.projection import reconcile_audit
-        from durable_rlm.runtime import connect
 
         async with connect(settings) as services:
             assert services.engine is not None
@@ -609,8 +609,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
 
         return await run_doctor(settings)
     if args.command == "audit-rebuild":
+        from durable_rlm.connection import connect
         from durable_rlm.projection import rebuild_audit
-        from durable_rlm.runtime import connect
 
         async with connect(settings) as services:
             count = await rebuild_audit(services.client, services.engine)

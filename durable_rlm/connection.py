@@ -1,0 +1,80 @@
+"""Connecting a process to Temporal and the stores, with no worker: what the CLI's readers
+(`show --refresh`, `watch`, `list --refresh`, `reward`) need, without importing the model
+clients and activities a worker needs (durable_rlm/runtime.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from temporalio.client import Client
+
+from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
+from durable_rlm.codec import data_converter
+from durable_rlm.errors import ServerUnavailable
+from durable_rlm.server import shared_server
+from durable_rlm.settings import Settings, private_file
+from durable_rlm.store import open_store
+from durable_rlm.telemetry import client_interceptors
+
+
+@dataclass
+class Services:
+    """What a process needs to talk to Temporal and the stores."""
+
+    settings: Settings
+    blobs: BlobStore
+    engine: sa.Engine | None
+    client: Client
+
+
+def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
+    """The SQL store, and the blob store: its `blobs` table, or a directory."""
+    if not settings.database_url:
+        private_file(settings.prepare_data_dir() / "drlm.sqlite")
+    engine = open_store(settings.effective_database_url)
+    where, chosen_by = settings.describe_stores()["blob store"]
+    hint = f"{where} ({chosen_by})"
+    if settings.blob_store == "sql":
+        return BlobStore(SqlBackend(engine), where=hint), engine
+    return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint), engine
+
+
+@contextlib.asynccontextmanager
+async def connect(settings: Settings) -> AsyncIterator[Services]:
+    """Connect to TEMPORAL_ADDRESS, or to the data directory's shared embedded server
+    (started if needed, kept while this block runs: durable_rlm/server.py)."""
+    blobs, engine = open_stores(settings)
+    converter = data_converter(blobs, settings.claim_check_threshold)
+    interceptors = client_interceptors(settings.tracing)
+    if settings.temporal_address:
+        client = await connect_client(settings.temporal_address, settings, converter, interceptors)
+        yield Services(settings, blobs, engine, client)
+        return
+    async with shared_server(settings) as address:
+        client = await connect_client(address, settings, converter, interceptors)
+        yield Services(settings, blobs, engine, client)
+
+
+async def connect_client(address: str, settings: Settings, converter: Any, interceptors: Any) -> Client:
+    try:
+        return await Client.connect(
+            address,
+            namespace=settings.temporal_namespace,
+            data_converter=converter,
+            interceptors=interceptors,
+        )
+    except Exception as exc:  # noqa: BLE001 - the SDK raises RuntimeError for every cause
+        raise ServerUnavailable(
+            f"cannot reach Temporal at {address} ({settings.origin('temporal_address')}): "
+            f"{first_line(exc)}; is the server up?"
+        ) from None
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:limit]
