@@ -10,6 +10,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import chains
 from activities.llm import ModelActivities
+from activities.model_errors import compact_failures
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names, prompts
 from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt
@@ -24,6 +25,10 @@ class ExtractionActivities:
 
     @activity.defn(name=names.EXTRACT_FALLBACK)
     async def extract_fallback(self, request: ExtractionInput) -> ExtractionReply:
+        with compact_failures():  # a failure the server can keep whole (activities/model_errors.py)
+            return await self._extract_fallback(request)
+
+    async def _extract_fallback(self, request: ExtractionInput) -> ExtractionReply:
         messages = await asyncio.to_thread(chains.read_conversation, self.blobs, request.conversation)
         history = await asyncio.to_thread(self.history, messages, request.log_head)
         history = history[-request.max_history :]

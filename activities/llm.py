@@ -2,12 +2,15 @@
 client for Anthropic's Messages API (ModelSettings.provider picks).
 
 Client-side retries are off: Temporal retries, so each attempt is visible in history; how
-provider errors map to retries is in activities/model_errors.py.
+provider errors map to retries is in activities/model_errors.py. Calls go through the
+clients' raw-response API, so a reply that is not a completion is quoted, not a bare
+JSONDecodeError.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import time
 from collections.abc import Awaitable, Mapping
@@ -20,7 +23,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
-from activities.model_errors import classify
+from activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
 from workflows.models import (
@@ -62,6 +65,14 @@ class Completion:
     mean_logprob: float | None = None
 
 
+def body_text(raw: Any) -> str:
+    """The body of a raw client response, as far as it was read."""
+    try:
+        return str(raw.http_response.text)
+    except Exception:  # noqa: BLE001 - only quoted in an error message
+        return ""
+
+
 def mean_logprob(choice: Any) -> float | None:
     """Mean token log-probability of a choice, when the provider returned logprobs."""
     tokens = getattr(getattr(choice, "logprobs", None), "content", None) or []
@@ -91,8 +102,8 @@ class ModelActivities:
             if base_url is None:
                 raise ApplicationError(
                     f"no API key for {settings.provider} model {settings.model!r}: set "
-                    f"{settings.api_key_env} in the worker's environment",
-                    type=names.MODEL_REQUEST_REJECTED,
+                    f"{settings.api_key_env} (or --api-key) in the worker's environment",
+                    type=names.MODEL_AUTH_FAILED,
                     non_retryable=True,
                 )
             key = "EMPTY"  # local servers often need no key
@@ -123,28 +134,47 @@ class ModelActivities:
         if settings.logprobs:
             kwargs["logprobs"] = True
         started = time.monotonic()
-        try:
-            response = await with_heartbeats(
-                client.chat.completions.create(
-                    model=settings.model,
-                    messages=[m.model_dump() for m in messages],  # type: ignore[misc]
-                    **kwargs,
-                )
-            )
-        except openai.OpenAIError as exc:
-            raise classify(exc, settings, base_url) from exc
+        response, raw = await self._send(
+            settings,
+            base_url,
+            client.chat.completions.with_raw_response.create(
+                model=settings.model,
+                messages=[m.model_dump() for m in messages],  # type: ignore[misc]
+                **kwargs,
+            ),
+        )
         elapsed = time.monotonic() - started
-        if not getattr(response, "choices", None):
-            raise ApplicationError(
-                f"model {settings.model!r} at {base_url} returned no choices",
-                type=names.MODEL_UNAVAILABLE,
-            )
-        choice = response.choices[0]
+        if isinstance(response, str):  # a content type other than JSON: the client hands back text
+            raise bad_reply(settings, base_url, "a body that is not JSON", response)
+        choices = getattr(response, "choices", None)
+        message = getattr(choices[0], "message", None) if choices else None
+        if message is None:
+            what = "a chat completion without choices" if not choices else "a choice without a message"
+            raise bad_reply(settings, base_url, what, body_text(raw))
+        choice = choices[0]
         usage = TokenUsage(
             prompt_tokens=getattr(response.usage, "prompt_tokens", 0) or 0,
             completion_tokens=getattr(response.usage, "completion_tokens", 0) or 0,
         )
-        return Completion(choice.message.content or "", usage, elapsed, mean_logprob(choice))
+        return Completion(message.content or "", usage, elapsed, mean_logprob(choice))
+
+    async def _send(self, settings: ModelSettings, base_url: str, request: Awaitable[Any]) -> tuple[Any, Any]:
+        """The parsed reply and the raw response (to quote a body that is not a reply).
+        Client errors become the ApplicationError Temporal should retry or not, `from None`:
+        their chain is too long for the server to keep (activities/model_errors.py)."""
+        try:
+            raw = await with_heartbeats(request)
+        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
+            raise classify(exc, settings, base_url) from None
+        try:
+            parsed = raw.parse()
+            if inspect.isawaitable(parsed):  # anthropic's async raw responses parse asynchronously
+                parsed = await parsed
+        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
+            raise classify(exc, settings, base_url) from None
+        except ValueError:  # JSONDecodeError: declared JSON, but it is not
+            raise bad_reply(settings, base_url, "a body that is not JSON", body_text(raw)) from None
+        return parsed, raw
 
     async def _complete_anthropic(self, settings: ModelSettings, messages: list[Message]) -> Completion:
         """The Messages API: the system prompt is a field of its own, turns alternate (ours
@@ -177,14 +207,18 @@ class ModelActivities:
         if extra:
             kwargs["extra_body"] = extra
         started = time.monotonic()
-        try:
-            response = await with_heartbeats(
-                client.messages.create(model=settings.model, messages=turns, **kwargs)  # type: ignore[arg-type]
-            )
-        except anthropic.AnthropicError as exc:
-            raise classify(exc, settings, base_url) from exc
+        response, raw = await self._send(
+            settings,
+            base_url,
+            client.messages.with_raw_response.create(model=settings.model, messages=turns, **kwargs),  # type: ignore[arg-type]
+        )
         elapsed = time.monotonic() - started
-        text = "".join(getattr(block, "text", "") for block in response.content or [])
+        if isinstance(response, str):
+            raise bad_reply(settings, base_url, "a body that is not JSON", response)
+        content = getattr(response, "content", None)
+        if content is None:  # an empty list is an empty reply; no list at all is not a message
+            raise bad_reply(settings, base_url, "a message without content", body_text(raw))
+        text = "".join(getattr(block, "text", "") or "" for block in content)
         usage = TokenUsage(
             prompt_tokens=getattr(response.usage, "input_tokens", 0) or 0,
             completion_tokens=getattr(response.usage, "output_tokens", 0) or 0,
@@ -193,6 +227,10 @@ class ModelActivities:
 
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:
+        with compact_failures():
+            return await self._root_completion(request)
+
+    async def _root_completion(self, request: RootCompletionInput) -> RootCompletion:
         head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
         sent = resent_view(messages, request.resent_message_chars)
         done = await self.complete(request.model, sent)
@@ -210,13 +248,18 @@ class ModelActivities:
 
     @activity.defn(name=names.SUB_QUERY)
     async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
-        done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
+        with compact_failures():
+            done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
         return SubQueryReply(text=done.text, usage=done.usage, model_time_s=done.elapsed)
 
     @activity.defn(name=names.COMPACT_CONVERSATION)
     async def compact_conversation(self, request: CompactionInput) -> CompactionReply:
         """Replace the middle of the conversation by a summary the model writes; the system
         prompt, the task and the latest turns stay verbatim. Recorded as its own step."""
+        with compact_failures():
+            return await self._compact_conversation(request)
+
+    async def _compact_conversation(self, request: CompactionInput) -> CompactionReply:
         messages = await asyncio.to_thread(chains.read_conversation, self.blobs, request.conversation)
         head, middle, tail = split_for_compaction(messages, request.keep_messages)
         if not middle:

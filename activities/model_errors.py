@@ -1,25 +1,42 @@
 """Provider errors, mapped to what Temporal should retry: 429, 5xx (Anthropic's 529
-included), timeouts and connection failures are retryable, honouring `retry-after`; a
-request the provider rejects (400/401/403/404/422) is not, and says why; a prompt over the
-context window is its own type, so the workflow can compact and try again.
+included), timeouts, connection failures and replies that are not a completion (not JSON,
+no choices) are retryable, honouring `retry-after`; a request the provider rejects
+(400/404/422) is not, and says why; a rejected key (401/403) is its own type, so the
+workflow can wait for a fixed key instead of ending; a prompt over the context window is
+its own type, so the workflow can compact and try again.
+
+Every failure leaves an activity short and without its chain of causes: the server keeps
+at most 4 KB of an activity's failure (message, stack traces and causes together) and
+replaces a larger one by "Failure exceeds size limit.", losing what went wrong. An httpx
+connection error alone chains four exceptions and ~7 KB of stack traces.
 """
 
 from __future__ import annotations
 
 import email.utils
 import re
+import socket
+import ssl
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from types import TracebackType
 from typing import Any
 
 import anthropic
 import openai
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, FailureError
 
 from workflows import names
 from workflows.models import ModelSettings
+from workflows.parsing import shorten_middle
 
-_NOT_RETRYABLE_STATUS = {400, 401, 403, 404, 413, 422}
+_NOT_RETRYABLE_STATUS = {400, 404, 413, 422}
+_AUTH_STATUS = {401, 403}
+# Bounds that keep a failure far under the server's 4 KB (its warning starts at 2 KB): the
+# whole message, what the provider said in it, and the head of a body that is not a reply.
+MESSAGE_CHARS = 1_000
+DETAIL_CHARS = 300
+BODY_CHARS = 200
 # How providers say "the prompt does not fit": OpenAI's code, and the wording of OpenAI,
 # vLLM, llama.cpp, Anthropic and others.
 _OVERFLOW_CODES = {"context_length_exceeded", "string_above_max_length"}
@@ -83,24 +100,73 @@ def is_context_overflow(exc: Any) -> bool:
     return _error_code(exc) in _OVERFLOW_CODES or bool(_OVERFLOW_TEXT.search(_provider_message(exc)))
 
 
+def clip(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """At most `limit` characters, head and tail kept: the cause comes first in our messages."""
+    return shorten_middle(text, limit)
+
+
+def auth_failed(settings: ModelSettings, base_url: str | None, problem: str) -> ApplicationError:
+    """A key the provider refuses, or none: not retried, since only a fixed key helps; the
+    workflow waits for one (names.MODEL_AUTH_FAILED) instead of ending the episode."""
+    where = f"model {settings.model!r}" + (f" at {base_url}" if base_url else "")
+    return ApplicationError(
+        clip(f"authentication failed for {where}: {problem}"),
+        type=names.MODEL_AUTH_FAILED,
+        non_retryable=True,
+    )
+
+
+def bad_reply(settings: ModelSettings, base_url: str, what: str, body: str) -> ApplicationError:
+    """HTTP 200 with something that is not a completion (a proxy's HTML page, a truncated
+    body, JSON without choices): a provider fault, retried like a 5xx."""
+    head = body[:BODY_CHARS] + ("..." if len(body) > BODY_CHARS else "")
+    quoted = f": {head!r}" if body else " (an empty body)"
+    return ApplicationError(
+        f"model {settings.model!r} at {base_url} returned {what}{quoted}", type=names.MODEL_BAD_REPLY
+    )
+
+
+def connection_cause(exc: BaseException) -> str:
+    """What really failed under a client's "Connection error.": the chain's innermost cause."""
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for error in chain:
+        if isinstance(error, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(error, socket.gaierror):
+            return f"the host name does not resolve ({error})"
+        if isinstance(error, ssl.SSLError):
+            return f"TLS failed ({error})"
+    innermost = next((e for e in reversed(chain) if str(e)), exc)
+    return clip(f"{type(innermost).__name__}: {innermost}", DETAIL_CHARS)
+
+
 def classify(exc: Exception, settings: ModelSettings, base_url: str) -> ApplicationError:
-    """Turn a client exception into the error Temporal should (or should not) retry."""
+    """Turn a client exception into the error Temporal should (or should not) retry, its
+    message cause first and bounded. Raise it `from None`: the chain would not fit."""
     where = f"model {settings.model!r} at {base_url}"
     if isinstance(exc, StatusError):
         status = exc.status_code
-        detail = _provider_message(exc)
+        detail = clip(_provider_message(exc), DETAIL_CHARS)
         if is_context_overflow(exc):
             return ApplicationError(
                 f"{where} rejected the request: it exceeds the model's context window: {detail}",
                 type=names.MODEL_CONTEXT_OVERFLOW,
                 non_retryable=True,
             )
+        if status in _AUTH_STATUS:
+            env = settings.api_key_env
+            hint = (
+                f"check {env} or --api-key of the worker"
+                if status == 401
+                else f"the key in {env} may not use this model or endpoint"
+            )
+            return auth_failed(settings, base_url, f"HTTP {status}: {detail} ({hint})")
         if status in _NOT_RETRYABLE_STATUS:
-            hint = {
-                401: "check the API key given to the worker",
-                403: "the key may not use this model",
-                404: "unknown model or wrong base URL",
-            }.get(status, "the request was rejected")
+            hint = {404: "unknown model or wrong base URL"}.get(status, "the request was rejected")
             return ApplicationError(
                 f"{where} rejected the request: HTTP {status} ({hint}): {detail}",
                 type=names.MODEL_REQUEST_REJECTED,
@@ -113,8 +179,52 @@ def classify(exc: Exception, settings: ModelSettings, base_url: str) -> Applicat
         )
     if isinstance(exc, TimeoutErrors):
         return ApplicationError(
-            f"{where} timed out after {settings.request_timeout_s:g} s", type=names.MODEL_UNAVAILABLE
+            f"{where} timed out after {settings.request_timeout_s:g} s (request_timeout_s)",
+            type=names.MODEL_UNAVAILABLE,
         )
     if isinstance(exc, ConnectionErrors):
-        return ApplicationError(f"cannot reach {where}: {exc}", type=names.MODEL_UNAVAILABLE)
-    return ApplicationError(f"{where}: {type(exc).__name__}: {exc}", type=names.MODEL_UNAVAILABLE)
+        return ApplicationError(
+            f"cannot reach {where}: {connection_cause(exc)}", type=names.MODEL_UNAVAILABLE
+        )
+    return ApplicationError(clip(f"{where}: {type(exc).__name__}: {exc}"), type=names.MODEL_UNAVAILABLE)
+
+
+class compact_failures:  # noqa: N801 - used as a context manager, like contextlib's
+    """`with compact_failures():` (or `async with`) around an activity's body: whatever it
+    raises leaves as one ApplicationError with a bounded message, its type, retry flags and
+    details kept, and no chain of causes. Cancellation passes through untouched."""
+
+    def __enter__(self) -> compact_failures:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if exc is None or not isinstance(exc, Exception):
+            return False  # asyncio's CancelledError is a BaseException: an activity cancelled
+        if isinstance(exc, ApplicationError):
+            chained = exc.__cause__ is not None or (
+                exc.__context__ is not None and not exc.__suppress_context__
+            )
+            if len(exc.message) <= MESSAGE_CHARS and not chained:
+                return False
+            raise ApplicationError(
+                clip(exc.message),
+                *exc.details,
+                type=exc.type,
+                non_retryable=exc.non_retryable,
+                next_retry_delay=exc.next_retry_delay,
+                category=exc.category,
+            ) from None
+        if isinstance(exc, FailureError):
+            return False  # Temporal's own (a cancellation): its shape matters to the SDK
+        # As the SDK would convert it (type = class name, retryable), minus the chain.
+        raise ApplicationError(clip(f"{type(exc).__name__}: {exc}"), type=type(exc).__name__) from None
+
+    async def __aenter__(self) -> compact_failures:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        return self.__exit__(kind, exc, tb)

@@ -43,6 +43,7 @@ from activities.chains import (
     RecreateCell,
     SnapshotTaken,
 )
+from activities.model_errors import compact_failures
 from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
 from activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from activities.sandbox_processes import (
@@ -321,7 +322,7 @@ class ReplActivities:
     @activity.defn(name=names.REPL_EXECUTE)
     async def execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
         echo = StepEcho(cell_index=request.cell_index, iteration=request.iteration, code=request.code)
-        async with echoed(echo) as step:
+        async with compact_failures(), echoed(echo) as step:
             return step(await self._execute_cell(request))
 
     async def _execute_cell(self, request: ExecuteCellInput) -> CellOutcome:
@@ -347,7 +348,7 @@ class ReplActivities:
 
     @activity.defn(name=names.REPL_RESUME)
     async def resume_cell(self, request: ResumeCellInput) -> CellOutcome:
-        async with echoed(StepEcho(cell_index=request.cell_index)) as step:
+        async with compact_failures(), echoed(StepEcho(cell_index=request.cell_index)) as step:
             return step(await self._resume_cell(request))
 
     async def _resume_cell(self, request: ResumeCellInput) -> CellOutcome:
@@ -399,7 +400,7 @@ class ReplActivities:
     @activity.defn(name=names.REPL_READ_VARIABLE)
     async def read_variable(self, request: ReadVariableInput) -> VariableValue:
         await count_local_start(self.blobs)
-        async with self._lock(request.sandbox.episode_id), heartbeating():
+        async with compact_failures(), self._lock(request.sandbox.episode_id), heartbeating():
             box, _, _ = await self._ensure(request.sandbox, resuming=False)
             await box.send({"op": "read_var", "name": request.name})
             reply = await box.receive(request.sandbox.cell_timeout_s + defaults.HARD_KILL_GRACE_S)

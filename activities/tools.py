@@ -4,7 +4,8 @@ A tool that raises fails the attempt (retried as the tool declared; the last err
 the cell as a ToolError), and so does a worker that does not have the tool (another worker
 may); arguments that do not fit its signature or a result that is not a JSON value are not
 retried. Sync tools run on a pool of their own: a hung one holds one of its threads, never
-the threads the worker needs for the blob store and the codec.
+the threads the worker needs for the blob store and the codec. Failures carry a bounded
+message and no chain of causes (the server keeps 4 KB of an activity's failure).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.model_errors import clip
 from durable_rlm.tools import registered
 from workflows import defaults, names
 from workflows.models import ToolCallInput, ToolReply
@@ -27,7 +29,7 @@ TOOL_THREADS = ThreadPoolExecutor(max_workers=defaults.TOOL_THREADS, thread_name
 
 
 def _bad_call(message: str) -> ApplicationError:
-    return ApplicationError(message, type=names.TOOL_BAD_CALL, non_retryable=True)
+    return ApplicationError(clip(message), type=names.TOOL_BAD_CALL, non_retryable=True)
 
 
 @activity.defn(name=names.RUN_TOOL)
@@ -45,7 +47,7 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             raise TypeError("arguments must be a list and a mapping")
         bound = inspect.signature(entry.fn).bind(*args, **kwargs)
     except (ValueError, KeyError, TypeError) as exc:
-        raise _bad_call(f"{request.tool}: {exc}") from exc
+        raise _bad_call(f"{request.tool}: {exc}") from None
     try:
         if entry.is_async:
             value: Any = await entry.fn(*bound.args, **bound.kwargs)
@@ -53,8 +55,8 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             call_it = functools.partial(entry.fn, *bound.args, **bound.kwargs)
             value = await asyncio.get_running_loop().run_in_executor(TOOL_THREADS, call_it)
     except Exception as exc:  # noqa: BLE001 - whatever the tool raises goes back to the cell
-        raise ApplicationError(f"{type(exc).__name__}: {exc}", type=names.TOOL_FAILED) from exc
+        raise ApplicationError(clip(f"{type(exc).__name__}: {exc}"), type=names.TOOL_FAILED) from None
     try:
         return ToolReply(result=json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
-        raise _bad_call(f"{request.tool} returned a value that is not JSON: {exc}") from exc
+        raise _bad_call(f"{request.tool} returned a value that is not JSON: {exc}") from None

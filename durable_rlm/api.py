@@ -9,7 +9,9 @@
 With no TEMPORAL_ADDRESS it starts the same embedded server and in-process worker as the
 CLI (which is built on this class); with one it is a client only and `python worker.py`
 does the work. `completion` blocks, `acompletion` awaits, and `start` (inside `async with
-rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, `reward()`.
+rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, `reward()`,
+`retry_credentials()` (a refused key pauses an episode: `result()` raises EpisodeFailed
+with status "paused" and what to fix).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from pydantic import ValidationError
 
 from durable_rlm.episodes import (
     CancelOutcome,
+    CredentialsOutcome,
     EpisodeEnd,
     cancel_episode,
+    follow,
+    retry_credentials,
     send_reward,
     start_episode,
     store_context,
-    wait_end,
 )
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.runtime import Services, import_policy_modules, session
@@ -311,8 +315,9 @@ class Episode:
         return str(self.handle.id)
 
     async def end(self) -> EpisodeEnd:
-        """How it ended, whatever way (a result, or the failure without one)."""
-        return await wait_end(self.handle)
+        """How it ended, whatever way (a result, or the failure without one), or status
+        "paused" when a model call waits for a fixed key (then `retry_credentials()`)."""
+        return await follow(self.handle)
 
     async def result(self) -> EpisodeResult:
         end = await self.end()
@@ -328,6 +333,12 @@ class Episode:
 
     async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
         return await send_reward(self.services.client, self.id, value, note)
+
+    async def retry_credentials(self) -> CredentialsOutcome:
+        """After a pause on a refused key: the calls that waited run again, with the key
+        the worker has now (an embedded worker reads this process's environment when no
+        `api_key` was given)."""
+        return await retry_credentials(self.services.client, self.id)
 
 
 def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
@@ -31,6 +31,7 @@ from workflows.models import (
     CancelReceipt,
     CancelRequest,
     ContextRef,
+    CredentialsReceipt,
     EpisodeProgress,
     EpisodeRequest,
     EpisodeResult,
@@ -88,10 +89,12 @@ async def start_episode(
 
 class EpisodeEnd(BaseModel):
     """How an episode ended, whatever way: a result, or the failure, cancellation,
-    termination or timeout that ended it without one."""
+    termination or timeout that ended it without one. Or, status "paused", how it stopped
+    without ending: a model call waits for a fixed key (`error` says which and what to do;
+    `retry_credentials` goes on once the worker has it)."""
 
     episode_id: str
-    status: EpisodeStatus
+    status: EpisodeStatus | Literal["paused"]
     result: EpisodeResult | None = None
     error: str | None = None
 
@@ -177,18 +180,24 @@ async def follow(
     waiting_every_s: float = WAITING_EVERY_S,
 ) -> EpisodeEnd:
     """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
-    how long the current step has been waiting (a hung model shows, it is not silence)."""
+    how long the current step has been waiting (a hung model shows, it is not silence).
+    Returns early, status "paused", when the episode waits for a fixed key: it would wait
+    for nothing else, until its deadline."""
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
     last_waiting = 0.0
     try:
         while not result_task.done():
             await asyncio.wait({result_task}, timeout=poll_s)
-            if result_task.done() or on_progress is None:
+            if result_task.done():
                 continue
             try:
                 progress: EpisodeProgress = await handle.query("progress", result_type=EpisodeProgress)
             except RPCError:
+                continue
+            if progress.paused is not None and not progress.finished:
+                return EpisodeEnd(episode_id=handle.id, status="paused", error=progress.paused)
+            if on_progress is None:
                 continue
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
@@ -218,6 +227,49 @@ async def send_reward(
     handle = client.get_workflow_handle(episode_id)
     return await handle.execute_update(
         "reward", RewardUpdate(value=value, note=note), result_type=RewardReceipt
+    )
+
+
+class CredentialsOutcome(BaseModel):
+    """What `retry_credentials` did: how many paused model calls run again, or why none."""
+
+    episode_id: str
+    accepted: bool
+    waiting_calls: int = 0
+    message: str
+
+
+async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutcome:
+    """Tell an episode that the worker's key was fixed: every model call paused on a
+    refused key runs again (with the credentials of the worker that runs it). When nothing
+    waits, nothing changes (not accepted, and no history is written), so `drlm resume` may
+    always send it. A worker must be running: this is a Temporal update, answered once
+    applied."""
+    handle = client.get_workflow_handle(episode_id)
+    try:
+        description = await handle.describe()
+    except RPCError as exc:
+        raise LookupError(f"no episode with id {episode_id!r}") from exc
+    status = description.status
+    if status is not None and status != WorkflowExecutionStatus.RUNNING:
+        return CredentialsOutcome(
+            episode_id=episode_id,
+            accepted=False,
+            message=f"episode {episode_id} has already ended ({status.name.lower()}); nothing to retry",
+        )
+    try:
+        receipt = await handle.execute_update(names.RETRY_CREDENTIALS, result_type=CredentialsReceipt)
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
+        return CredentialsOutcome(
+            episode_id=episode_id, accepted=False, message=f"episode {episode_id}: {cause}"
+        )
+    waiting = receipt.waiting_calls
+    return CredentialsOutcome(
+        episode_id=episode_id,
+        accepted=True,
+        waiting_calls=waiting,
+        message=f"episode {episode_id}: {waiting} paused model call(s) run again with the worker's key",
     )
 
 

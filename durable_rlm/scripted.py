@@ -27,6 +27,10 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
     error: str | None = None
     logprobs: list[float] | None = None  # per-token, returned when the request asks
+    # Sent as it is instead of a chat completion: a proxy's HTML page, truncated JSON, a
+    # JSON object without choices. `status` and `headers` still apply.
+    raw: str | None = None
+    content_type: str = "application/json"
 
 
 @dataclass
@@ -167,10 +171,16 @@ class ScriptedModelServer:
                 # ACKs add ~40 ms to every keep-alive request and pollute timings.
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def _send(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-                data = json.dumps(body).encode()
+            def _send(
+                self,
+                status: int,
+                body: dict[str, Any] | str,
+                headers: dict[str, str] | None = None,
+                content_type: str = "application/json",
+            ) -> None:
+                data = (body if isinstance(body, str) else json.dumps(body)).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 for key, value in (headers or {}).items():
                     self.send_header(key, value)
@@ -266,6 +276,11 @@ class ScriptedModelServer:
                     reply = Reply(text=reply)
                 if reply.delay_s:
                     time.sleep(reply.delay_s)
+                if reply.raw is not None:
+                    self._send(reply.status, reply.raw, reply.headers, reply.content_type)
+                    with server._lock:
+                        server.completed += 1
+                    return None
                 if reply.status != 200:
                     return self._error(reply.status, reply.error or "scripted failure", reply.headers)
                 prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)

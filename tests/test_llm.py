@@ -72,15 +72,22 @@ async def test_server_errors_are_retryable(models: ModelActivities, scripted, st
     assert "upstream trouble" in str(info.value)
 
 
-@pytest.mark.parametrize(("status", "hint"), [(400, "rejected"), (401, "API key"), (404, "unknown model")])
+@pytest.mark.parametrize(
+    ("status", "hint", "kind"),
+    [
+        (400, "rejected", names.MODEL_REQUEST_REJECTED),
+        (401, "OPENAI_API_KEY", names.MODEL_AUTH_FAILED),  # the episode waits for a fixed key
+        (404, "unknown model", names.MODEL_REQUEST_REJECTED),
+    ],
+)
 async def test_client_errors_are_not_retried_and_say_why(
-    models: ModelActivities, scripted, status: int, hint: str
+    models: ModelActivities, scripted, status: int, hint: str, kind: str
 ) -> None:
     server = scripted(lambda r: Reply(status=status, error="provider says no"))
     with pytest.raises(ApplicationError) as info:
         await models.complete(settings(server), USER)
     assert info.value.non_retryable
-    assert info.value.type == names.MODEL_REQUEST_REJECTED
+    assert info.value.type == kind
     assert hint in str(info.value) and "provider says no" in str(info.value)
 
 

@@ -98,7 +98,8 @@ async def test_anthropic_errors_map_like_openai_ones(models: ModelActivities, sc
 
     with pytest.raises(ApplicationError) as info:
         await ModelActivities(models.blobs, {"ANTHROPIC_API_KEY": "wrong"}).complete(claude(limited), CHAT)
-    assert info.value.non_retryable and "HTTP 401 (check the API key" in str(info.value)
+    assert info.value.non_retryable and info.value.type == names.MODEL_AUTH_FAILED
+    assert "HTTP 401: invalid x-api-key (check ANTHROPIC_API_KEY" in str(info.value)
 
 
 async def test_a_missing_key_names_the_variable(models: ModelActivities, monkeypatch) -> None:

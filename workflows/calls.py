@@ -40,7 +40,14 @@ from workflows.models import (
     ToolCallInput,
     ToolReply,
 )
-from workflows.retries import describe_failure, ending_of, is_timeout, model_step_options, raise_if_cancelled
+from workflows.retries import (
+    describe_failure,
+    ending_of,
+    is_timeout,
+    model_step_options,
+    raise_if_cancelled,
+    waits_for_credentials,
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class CallSite:
     cell_index: int
     stop_on_cancel: bool = True  # False only when replaying histories from before that fix
     stopping: Callable[[], bool] = lambda: False  # the episode is being cancelled
+    # Waits until a client says the key was fixed (the episode's pause); None: no pausing.
+    wait_for_credentials: Callable[[str], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,26 +83,32 @@ class Route:
 async def sub_model_call(
     site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget | None = None
 ) -> CallResult:
-    try:
-        reply = await workflow.execute_activity(
-            names.SUB_QUERY,
-            SubQueryInput(
-                episode_id=workflow.info().workflow_id,
-                iteration=site.iteration,
-                cell_index=site.cell_index,
-                call_index=call.call_index,
-                model=model,
-                prompt=call.prompt,
-            ),
-            result_type=SubQueryReply,
-            summary=f"{call.kind} {site.cell_index}.{call.call_index}",
-            **model_step_options(model, site.request.durability),
-        )
-    except ActivityError as err:
-        if site.stop_on_cancel:
-            raise_if_cancelled(err)
-        return CallResult(ok=False, text=describe_failure(err))
-    return CallResult(ok=True, text=reply.text, usage=reply.usage, model_time_s=reply.model_time_s)
+    """One sub-model call. A refused key does not answer the cell with an error (the model
+    would spend iterations on it): the call waits, its cell suspended, for a fixed key."""
+    while True:
+        try:
+            reply = await workflow.execute_activity(
+                names.SUB_QUERY,
+                SubQueryInput(
+                    episode_id=workflow.info().workflow_id,
+                    iteration=site.iteration,
+                    cell_index=site.cell_index,
+                    call_index=call.call_index,
+                    model=model,
+                    prompt=call.prompt,
+                ),
+                result_type=SubQueryReply,
+                summary=f"{call.kind} {site.cell_index}.{call.call_index}",
+                **model_step_options(model, site.request.durability),
+            )
+        except ActivityError as err:
+            if site.stop_on_cancel:
+                raise_if_cancelled(err)
+            if site.wait_for_credentials is not None and waits_for_credentials(err):
+                await site.wait_for_credentials(describe_failure(err))
+                continue
+            return CallResult(ok=False, text=describe_failure(err))
+        return CallResult(ok=True, text=reply.text, usage=reply.usage, model_time_s=reply.model_time_s)
 
 
 def child_id(parent_id: str, cell_index: int, call_index: int) -> str:

@@ -10,11 +10,17 @@
 Deterministic: every model call, REPL step and store write is an activity; time comes
 from workflow.now() and randomness from workflow.random(). Histories recorded before the
 `honest-endings` patch replay with the rules they ran under (workflows/legacy.py).
+
+A model call whose key the provider refuses (401/403) pauses instead of ending the episode:
+progress says so, and a `retry_credentials` update (sent once the worker has a fixed key)
+runs the same call again. The durable timer and cancellation still end a paused episode.
 """
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -49,6 +55,7 @@ with workflow.unsafe.imports_passed_through():
         CancelRequest,
         CompactionInput,
         CompactionReply,
+        CredentialsReceipt,
         EpisodeCarry,
         EpisodeProgress,
         EpisodeRequest,
@@ -69,6 +76,7 @@ with workflow.unsafe.imports_passed_through():
         is_context_overflow,
         model_step_options,
         raise_if_cancelled,
+        waits_for_credentials,
     )
     from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
     from workflows.termination import (
@@ -81,6 +89,7 @@ with workflow.unsafe.imports_passed_through():
     )
 
 _AUDIT_RETRY = RetryPolicy(maximum_attempts=defaults.AUDIT_ATTEMPTS)
+T = TypeVar("T")
 
 
 @workflow.defn(name=names.WORKFLOW)
@@ -102,6 +111,12 @@ class EpisodeWorkflow:
         self._stopping = False  # the loop is being cancelled: a request, the timer, Temporal
         self._closing = False  # the loop is over: a cancel request would change nothing
         self._depth = 0
+        # Model calls paused on a refused key: each waits for a retry_credentials update
+        # sent after it paused (the count of updates so far is the epoch).
+        self._credentials_epoch = 0
+        self._paused_calls = 0
+        self._paused: str | None = None
+        self._phase_before_pause = ""
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -126,6 +141,7 @@ class EpisodeWorkflow:
             stop_on_cancel=self._honest,
             stopping=lambda: self._stopping,
             local=local,
+            wait_for_credentials=self._wait_for_credentials,
         )
 
         try:
@@ -182,6 +198,22 @@ class EpisodeWorkflow:
         if self._cancel is not None:
             raise ValueError("the episode is already being cancelled")
 
+    @workflow.update(name=names.RETRY_CREDENTIALS)
+    def retry_credentials(self) -> CredentialsReceipt:
+        """The worker's key was fixed: every model call paused on a refused key runs again."""
+        waiting = self._paused_calls
+        self._credentials_epoch += 1
+        self._paused = None  # a progress query right after this update sees it resumed
+        return CredentialsReceipt(episode_id=workflow.info().workflow_id, waiting_calls=waiting)
+
+    @retry_credentials.validator
+    def _retry_allowed(self) -> None:
+        """Refused (and so not written to history) unless a call waits for a key."""
+        if self._finished or self._closing:
+            raise ValueError("the episode has already ended or is closing; nothing to retry")
+        if self._paused_calls == 0:
+            raise ValueError("it is not waiting for credentials; nothing to retry")
+
     @workflow.query(name="progress")
     def progress(self) -> EpisodeProgress:
         s = self._s
@@ -194,6 +226,7 @@ class EpisodeWorkflow:
             last_output=self._last_output,
             finished=self._finished,
             phase_started=self._phase_started,
+            paused=self._paused,
         )
 
     # --- the episode: the loop raced against the durable timer ------------------------------
@@ -340,19 +373,21 @@ class EpisodeWorkflow:
         s = self._state
         model = request.root_model
         self._set_phase("waiting for the root model")
-        reply = await workflow.execute_activity(
-            names.ROOT_COMPLETION,
-            RootCompletionInput(
-                episode_id=workflow.info().workflow_id,
-                iteration=s.iteration,
-                model=model,
-                conversation=s.conversation,
-                append=s.pending,
-                resent_message_chars=request.limits.resent_message_chars,
-            ),
-            result_type=RootCompletion,
-            summary=f"root model, iteration {s.iteration}",
-            **model_step_options(model, request.durability),
+        reply = await self._with_credentials(
+            lambda: workflow.execute_activity(
+                names.ROOT_COMPLETION,
+                RootCompletionInput(
+                    episode_id=workflow.info().workflow_id,
+                    iteration=s.iteration,
+                    model=model,
+                    conversation=s.conversation,
+                    append=s.pending,
+                    resent_message_chars=request.limits.resent_message_chars,
+                ),
+                result_type=RootCompletion,
+                summary=f"root model, iteration {s.iteration}",
+                **model_step_options(model, request.durability),
+            )
         )
         s.conversation, s.pending = reply.conversation, []
         s.charge(reply.usage, reply.model_time_s)
@@ -369,20 +404,22 @@ class EpisodeWorkflow:
         model = request.root_model
         self._set_phase(f"compacting the conversation ({why})")
         try:
-            reply = await workflow.execute_activity(
-                names.COMPACT_CONVERSATION,
-                CompactionInput(
-                    episode_id=workflow.info().workflow_id,
-                    iteration=s.iteration,
-                    model=model,
-                    conversation=s.conversation,
-                    keep_messages=keep,
-                    input_chars=summary_input_chars(request.limits, model),
-                    reason=why,
-                ),
-                result_type=CompactionReply,
-                summary=f"compaction ({why})",
-                **model_step_options(model, request.durability),
+            reply = await self._with_credentials(
+                lambda: workflow.execute_activity(
+                    names.COMPACT_CONVERSATION,
+                    CompactionInput(
+                        episode_id=workflow.info().workflow_id,
+                        iteration=s.iteration,
+                        model=model,
+                        conversation=s.conversation,
+                        keep_messages=keep,
+                        input_chars=summary_input_chars(request.limits, model),
+                        reason=why,
+                    ),
+                    result_type=CompactionReply,
+                    summary=f"compaction ({why})",
+                    **model_step_options(model, request.durability),
+                )
             )
         except ActivityError as err:
             raise_if_cancelled(err)
@@ -395,6 +432,36 @@ class EpisodeWorkflow:
         s.last_prompt_tokens = reply.conversation_chars // defaults.CHARS_PER_TOKEN
         s.last_reply_tokens = 0
         return None
+
+    async def _with_credentials(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a model step; if the provider refuses the key, wait for a fixed one and run
+        the same step again (its input is unchanged: nothing was charged or appended)."""
+        while True:
+            try:
+                return await call()
+            except ActivityError as err:
+                if not waits_for_credentials(err):
+                    raise
+                await self._wait_for_credentials(describe_failure(err))
+
+    async def _wait_for_credentials(self, problem: str) -> None:
+        """Pause until a retry_credentials update arrives: no model call, no iteration, no
+        budget is spent meanwhile. The timer and a cancel still end the episode (they
+        cancel the loop, and with it this wait)."""
+        epoch = self._credentials_epoch
+        if self._paused_calls == 0:
+            self._phase_before_pause = self._phase
+        self._paused_calls += 1
+        self._paused = f"{problem}. Fix it, then run `drlm resume {workflow.info().workflow_id}`"
+        self._set_phase(f"paused: {self._paused}")
+        try:
+            await workflow.wait_condition(lambda: self._credentials_epoch > epoch)
+        finally:  # plain state only: on eviction this runs outside the workflow's event loop
+            self._paused_calls -= 1
+            if self._paused_calls == 0:
+                self._paused = None
+        if self._paused_calls == 0:
+            self._set_phase(self._phase_before_pause)
 
     # --- act --------------------------------------------------------------------------------
 

@@ -432,6 +432,9 @@ class EpisodeProgress(StrictModel):
     last_output: str = ""
     finished: bool = False
     phase_started: datetime | None = None
+    # Set while a model call waits for a fixed key (the provider refused it): what failed
+    # and what to do. The episode goes on after a `retry_credentials` update.
+    paused: str | None = None
 
 
 # --- model activities ---------------------------------------------------------------------
@@ -703,6 +706,13 @@ class CancelReceipt(StrictModel):
     episode_id: str
     iteration: int
     extract: bool
+
+
+class CredentialsReceipt(StrictModel):
+    """What a `retry_credentials` update released: the model calls that waited for a key."""
+
+    episode_id: str
+    waiting_calls: int
 
 
 # --- audit ------------------------------------------------------------------------------------

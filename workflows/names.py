@@ -45,6 +45,8 @@ SANDBOX_FAILURE = "SandboxFailure"
 INVALID_REQUEST = "InvalidEpisodeRequest"
 POLICY_FAILURE = "TerminationPolicyFailure"
 MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
+MODEL_AUTH_FAILED = "ModelAuthFailed"  # 401/403 or no key: not retried; the episode waits for a fix
+MODEL_BAD_REPLY = "ModelBadReply"  # HTTP 200 that is not a completion (not JSON, no choices): retried
 TOOL_NOT_REGISTERED = "ToolNotRegistered"
 TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
@@ -56,3 +58,7 @@ PATCH_HONEST_ENDINGS = "honest-endings"
 PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of the wave in flight
 PATCH_LOCAL_REPL = "local-repl"  # REPL steps run as local activities on the workflow's worker
 PATCH_SNAPSHOTS = "repl-snapshots"  # REPL steps are asked to snapshot the namespace
+PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call until retry_credentials
+
+# The update a client sends once the worker has a fixed key: paused model calls try again.
+RETRY_CREDENTIALS = "retry_credentials"

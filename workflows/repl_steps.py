@@ -10,7 +10,7 @@ rebuilds a clean REPL from the cells that did finish (the lost one is not in its
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -67,6 +67,7 @@ class ReplSteps:
         stop_on_cancel: bool = True,
         stopping: Callable[[], bool] = lambda: False,
         local: bool = False,
+        wait_for_credentials: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.request = request
         self.local = local  # steps run as local activities (histories from before: remote)
@@ -74,6 +75,7 @@ class ReplSteps:
         self.set_phase = set_phase
         self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
         self.stopping = stopping  # the episode is being cancelled (by request, timer or Temporal)
+        self.wait_for_credentials = wait_for_credentials  # a sub-call's refused key pauses it
 
     def _sandbox(self) -> SandboxRef:
         return SandboxRef(
@@ -255,7 +257,9 @@ class ReplSteps:
         """Answer a suspended cell's calls by their kind's route: model calls in parallel
         waves, the children of one batch all at once, each with its share of the budget."""
         request = self.request
-        site = CallSite(request, iteration, cell_index, self.stop_on_cancel, self.stopping)
+        site = CallSite(
+            request, iteration, cell_index, self.stop_on_cancel, self.stopping, self.wait_for_credentials
+        )
         routes = [route_for(call.kind, request) for call in requests]
         children = [route for route in routes if route is not None and route.kind == "child"]
         cap = request.limits.max_children_per_batch

@@ -6,6 +6,7 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
@@ -75,6 +76,13 @@ def error_type(err: BaseException) -> str | None:
 
 def is_context_overflow(err: ActivityError) -> bool:
     return error_type(err) == names.MODEL_CONTEXT_OVERFLOW
+
+
+def waits_for_credentials(err: BaseException) -> bool:
+    """A model call the provider refused for its key: it waits for a fixed one instead of
+    failing. Asked only on such a failure, so histories from before the patch (where a 401
+    was a plain rejection) replay as they ran."""
+    return error_type(err) == names.MODEL_AUTH_FAILED and workflow.patched(names.PATCH_CREDENTIAL_PAUSE)
 
 
 def describe_failure(err: BaseException) -> str:
