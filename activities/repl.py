@@ -316,6 +316,11 @@ class ReplActivities:
         self.snapshot_key = snapshot_key or os.urandom(32)
         # Snapshots of evicted sandboxes, off the log: episode -> (log head, snapshot).
         self._parked: dict[str, tuple[str | None, SnapshotTaken]] = {}
+        # This host's sandboxes live in a home of their own, so a worker that finds it dead
+        # (SIGKILLed) can remove them; the dead ones are reaped now and then every reap_idle.
+        self.home = SandboxHome(self.sandbox_root)
+        self.home.ensure()
+        self.reap_dead_sandboxes()
 
     # --- activities -----------------------------------------------------------------------
 
