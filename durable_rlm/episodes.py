@@ -19,10 +19,12 @@ from temporalio.client import (
     WorkflowHandle,
     WorkflowUpdateFailedError,
 )
-from temporalio.exceptions import ApplicationError
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
+from durable_rlm.errors import EpisodeIdInUse
 from durable_rlm.settings import ConfigurationError
 from workflows import names
 from workflows.ending import CANCELLED, TIMED_OUT
@@ -52,13 +54,24 @@ def store_context(blobs: BlobStore, value: Any) -> ContextRef:
     )
 
 
-def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
-    if not path.is_file():
+def read_context_text(path: Path) -> str:
+    """A context file's text, or a one-line error saying what is wrong with the file."""
+    if path.is_dir():
+        raise ConfigurationError(f"context file {path} is a directory")
+    if not path.exists():
         raise ConfigurationError(f"context file not found: {path}")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigurationError(f"context file is not UTF-8 text: {path} ({exc})") from exc
+        raise ConfigurationError(
+            f"context file is not UTF-8 text: {path} ({exc.reason} at byte {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read context file {path}: {exc.strerror or exc}") from None
+
+
+def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
+    text = read_context_text(path)
     if path.suffix.lower() == ".json":
         try:
             return store_context(blobs, json.loads(text))
@@ -76,15 +89,23 @@ async def start_episode(
 ) -> WorkflowHandle[Any, EpisodeResult]:
     """Start an episode; a bad policy or reward function is rejected here, before any call."""
     episode_policy(request)
-    return await client.start_workflow(
-        names.WORKFLOW,
-        request,
-        id=episode_id or new_episode_id(),
-        task_queue=task_queue,
-        result_type=EpisodeResult,
-        task_timeout=timedelta(seconds=request.durability.task_timeout_s),
-        request_eager_start=True,  # taken only when this client's process runs a worker
-    )
+    chosen = episode_id or new_episode_id()
+    try:
+        return await client.start_workflow(
+            names.WORKFLOW,
+            request,
+            id=chosen,
+            task_queue=task_queue,
+            result_type=EpisodeResult,
+            task_timeout=timedelta(seconds=request.durability.task_timeout_s),
+            request_eager_start=True,  # taken only when this client's process runs a worker
+            # An id names one episode for good: its history, audit row and timeline.
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        )
+    except WorkflowAlreadyStartedError:
+        raise EpisodeIdInUse(
+            f"episode id {chosen!r} is already used: choose another id, or see it with `drlm show {chosen}`"
+        ) from None
 
 
 class EpisodeEnd(BaseModel):
