@@ -117,8 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="where data lives, which setting chose it, and the server")
     info.add_argument("--json", action="store_true")
 
-    resume = sub.add_parser("resume", help="wait for an episode, working on it if embedded")
+    resume = sub.add_parser(
+        "resume", help="follow an episode, working on it if embedded; retries calls paused on a refused key"
+    )
     resume.add_argument("episode_id")
+    resume.add_argument("--api-key", help="the fixed key (embedded mode only; never stored in history)")
     resume.add_argument("--json", action="store_true")
     resume.add_argument("--accept-extracted", action="store_true")
 
@@ -459,7 +462,7 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
 
     async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await handle.describe()  # an unknown id is an error now, not a wait
+        await _existing(handle)
         _FOLLOWING.append(args.episode_id)
         end = await follow(handle, None if args.json else _stderr)
     return _print_end(end, args.json, args.accept_extracted)
@@ -515,16 +518,46 @@ async def _reward(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.episodes import follow
-    from durable_rlm.runtime import session
+    """Work on an episode (embedded) and follow it; an episode paused on a refused key runs
+    its paused calls again, with this worker's key (`--api-key`, or the environment)."""
+    from durable_rlm.connection import connect
+    from durable_rlm.episodes import follow, retry_credentials
+    from durable_rlm.runtime import running_workers
     from workflows.models import EpisodeResult
 
-    async with session(settings) as services:
+    if args.api_key and not settings.embedded:
+        raise ConfigurationError(
+            "--api-key only works with the embedded worker; with TEMPORAL_ADDRESS set, give the key "
+            "to the workers (restart them), then run `drlm resume` again"
+        )
+    async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await handle.describe()
+        await _existing(handle)
+        credentials = {}
+        if args.api_key:
+            from durable_rlm.projection import first_request
+
+            request = await first_request(services.client, args.episode_id)
+            credentials = {request.root_model.api_key_env: args.api_key}
         _FOLLOWING.append(args.episode_id)
-        end = await follow(handle, None if args.json else _stderr)
-        return _print_end(end, args.json, args.accept_extracted)
+        async with running_workers(services, credentials) if settings.embedded else contextlib.nullcontext():
+            outcome = await retry_credentials(services.client, args.episode_id)
+            if outcome.accepted and not args.json:
+                _stderr(outcome.message)
+            end = await follow(handle, None if args.json else _stderr)
+            return _print_end(end, args.json, args.accept_extracted)
+
+
+async def _existing(handle: Any) -> None:
+    """An unknown id is a usage error now, not a wait or a Temporal error."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    try:
+        await handle.describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise LookupError(f"no episode with id {handle.id!r}") from None
+        raise
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:

@@ -33,7 +33,8 @@ _STATUS: dict[WorkflowExecutionStatus, EpisodeStatus] = {
 }
 
 
-async def _request(client: Client, episode_id: str, first_run_id: str | None) -> EpisodeRequest:
+async def first_request(client: Client, episode_id: str, first_run_id: str | None = None) -> EpisodeRequest:
+    """The request an episode was started with (its first run's input)."""
     history = await client.get_workflow_handle(episode_id, run_id=first_run_id).fetch_history()
     started = history.events[0].workflow_execution_started_event_attributes
     (request,) = await client.data_converter.decode(list(started.input.payloads)[:1], [EpisodeRequest])
@@ -45,7 +46,7 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
     description = await handle.describe()
     status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
-    request = await _request(client, episode_id, first_run_id)
+    request = await first_request(client, episode_id, first_run_id)
     result = await handle.result() if status == "completed" else None
     if result is not None:
         status = result.status  # cancelled on request: the workflow completed with a result

@@ -323,3 +323,26 @@ def test_an_unreachable_cluster_is_one_line_exit_1(tmp_path: Path) -> None:
         and "(TEMPORAL_ADDRESS)" in out.stderr
     )
     assert out.stderr.count("\n") == 1
+
+
+def test_a_wrong_key_pauses_the_run_and_resume_with_the_right_one_finishes_it(
+    tmp_path: Path, scripted
+) -> None:
+    server = scripted(root_and_sub(turns("keyed")), api_key="sk-right")
+    (tmp_path / "ctx.txt").write_text("a b c")
+    ran = drlm(
+        tmp_path, tmp_path, "run", "t", "--context", "ctx.txt", "--base-url", server.base_url, "--model", "m",
+        "--id", "keyed", "--api-key", "sk-wrong",
+    )  # fmt: skip
+    assert ran.returncode == 6, ran.stderr
+    paused = [line for line in ran.stderr.splitlines() if line.startswith("episode keyed paused:")]
+    assert paused and "authentication failed" in paused[0] and "drlm resume keyed" in paused[0], ran.stderr
+    assert "OPENAI_API_KEY" in paused[0]
+    # Still wrong: it pauses again, nothing is lost.
+    again = drlm(tmp_path, tmp_path, "resume", "keyed", "--api-key", "sk-also-wrong")
+    assert again.returncode == 6, again.stderr
+    resumed = drlm(tmp_path, tmp_path, "resume", "keyed", "--json", OPENAI_API_KEY="sk-right")
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads(resumed.stdout)
+    assert result["answer"] == "keyed: 3"
+    assert result["iterations"] == 3  # the refused calls cost no iteration
