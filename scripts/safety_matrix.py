@@ -29,6 +29,8 @@ FIRST = [
     "tests/test_replay.py",
     "tests/test_episode.py",
     "tests/test_answers.py",
+    "tests/test_hygiene.py",
+    "tests/test_everyday.py",
 ]
 
 
@@ -111,6 +113,20 @@ MECHANISMS = [
         "if snapshot.episode != ref.episode_id and snapshot.episode not in ref.lineage:",
         "if False:",
         "a rebuild loads another episode's snapshot",
+    ),
+    Mechanism(
+        "sandbox reaping",
+        "activities/sandbox_reaper.py",
+        "            done = _reap_one(root, entry, here, grace_s)",
+        "            done = None",
+        "dead workers' sandbox homes are never reaped",
+    ),
+    Mechanism(
+        "shared server leases",
+        "durable_rlm/server.py",
+        "            if holder_alive:",
+        "            if False:",
+        "the supervisor counts no client's lease",
     ),
 ]
 

@@ -22,7 +22,7 @@ from durable_rlm.codec import ENCODING, ClaimCheckCodec
 from durable_rlm.runtime import free_port
 from durable_rlm.schema import metadata
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.store import create_engine, downgrade, migrate
+from durable_rlm.store import create_engine, downgrade, migrate, open_store
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -239,3 +239,27 @@ def test_a_step_stores_its_blobs_in_one_write(engine: sa.Engine, tmp_path: Path)
         fresh = BlobStore(store.backend)  # nothing from the first store's cache
         assert [fresh.get(d) for d in digests] == blobs
         assert store.put_many([]) == []
+
+
+def test_processes_opening_a_new_store_at_once_take_turns_migrating(tmp_path: Path) -> None:
+    """Two `drlm run` (or a run and a worker) starting together on a new data directory:
+    both must find a migrated store, neither may fail on 'table blobs already exists'."""
+    import subprocess
+    import sys
+    import time
+
+    url = f"sqlite:///{tmp_path / 'new.sqlite'}"
+    start_at = time.time() + 3  # every process imported and waiting: they migrate together
+    code = (
+        "import time; from durable_rlm.store import open_store; "
+        f"time.sleep(max(0, {start_at} - time.time())); open_store({url!r}).dispose()"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True) for _ in range(6)
+    ]
+    errors = [p.communicate(timeout=120)[1] for p in processes]
+    assert [p.returncode for p in processes] == [0] * 6, errors
+    engine = open_store(url)
+    with engine.connect() as conn:
+        tables = set(sa.inspect(conn).get_table_names())
+    assert {"blobs", "episodes", "episode_timelines"} <= tables
