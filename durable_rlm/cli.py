@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true")
     watch.add_argument("--accept-extracted", action="store_true")
 
+    ui = sub.add_parser("ui", help="the Temporal Web UI's address: of the episode list, or of one episode")
+    ui.add_argument("episode_id", nargs="?")
+    ui.add_argument("--open", action="store_true", help="open it in the browser too")
+    ui.add_argument(
+        "--keep", action="store_true", help="keep the embedded server (and its UI) up until Ctrl-C"
+    )
+
     info = sub.add_parser("info", help="where data lives, which setting chose it, and the server")
     info.add_argument("--json", action="store_true")
 
@@ -365,7 +372,7 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
     from durable_rlm.episodes import follow
 
     rlm = _rlm(args, settings)
-    await rlm.open(work=not args.no_wait)
+    services = await rlm.open(work=not args.no_wait)
     try:
         episode = await rlm.start(context, args.task, getattr(args, "id", None))
         handle = episode.handle
@@ -375,6 +382,9 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
         _FOLLOWING.append(handle.id)
         if not args.json:
             _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
+            url = services.episode_url(handle.id, handle.first_execution_run_id)
+            if url:
+                _stderr(f"watch it in the Temporal UI: {url}")
         end = await follow(handle, None if args.json else _stderr)
         return _print_end(end, args.json, args.accept_extracted)
     finally:
@@ -468,21 +478,54 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
     return _print_end(end, args.json, args.accept_extracted)
 
 
+async def _ui(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.connection import connect
+
+    async with connect(settings) as services:
+        if services.ui is None:
+            raise ConfigurationError(
+                "no Web UI here: DRLM_UI is off"
+                if settings.embedded
+                else "no Web UI address for this cluster: set DRLM_UI_ADDRESS (the compose stack's is "
+                "http://localhost:8080)"
+            )
+        if args.episode_id:
+            handle = services.client.get_workflow_handle(args.episode_id)
+            await _existing(handle)
+            url = services.episode_url(args.episode_id, (await handle.describe()).run_id)
+        else:
+            url = f"{services.ui.rstrip('/')}/namespaces/{settings.temporal_namespace}/workflows"
+        print(url, flush=True)
+        if args.open:
+            import webbrowser
+
+            webbrowser.open(url)
+        if args.keep and settings.embedded:
+            _stderr("keeping the embedded server and its UI up; Ctrl-C to let it go")
+            await asyncio.Event().wait()
+    return EXIT_OK
+
+
 def _info(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.server import running_address
+    from durable_rlm.server import running_state
 
     stores = settings.describe_stores()
     if settings.embedded:
-        address = running_address(settings)
+        state = running_state(settings)
         server = (
-            f"{address} (shared by every client of the data directory)"
-            if address
+            f"{state['address']} (shared by every client of the data directory)"
+            if state
             else "not running (starts on first use)"
         )
-        stores["server"] = (
-            server,
-            f"stops {settings.server_idle_s:g} s after its last client (DRLM_SERVER_IDLE_S)",
-        )
+        idle = f"stops {settings.server_idle_s:g} s after its last client (DRLM_SERVER_IDLE_S)"
+        stores["server"] = (server, idle)
+        if not settings.ui:
+            stores["web UI"] = ("off", "DRLM_UI")
+        else:
+            where = (state or {}).get("ui") or f"port {settings.ui_port} (or a free one) once the server runs"
+            stores["web UI"] = (where, settings.origin("ui_port"))
+    elif settings.ui_address:
+        stores["web UI"] = (settings.ui_address, "DRLM_UI_ADDRESS")
     stores["task queue"] = (settings.task_queue, settings.origin("task_queue"))
     if args.json:
         print(json.dumps({name: {"value": value, "chosen_by": why} for name, (value, why) in stores.items()}))
@@ -650,6 +693,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         print(f"audit store rebuilt from history: {count} episode(s)")
         return EXIT_OK
     commands = {
+        "ui": _ui,
         "show": _show,
         "watch": _watch,
         "resume": _resume,

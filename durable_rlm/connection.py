@@ -30,6 +30,17 @@ class Services:
     blobs: BlobStore
     engine: sa.Engine | None
     client: Client
+    ui: str | None = None  # the Temporal Web UI's base URL, when there is one
+
+    def episode_url(self, episode_id: str, run_id: str | None = None) -> str | None:
+        """The UI page of an episode (of its run, when given)."""
+        if self.ui is None:
+            return None
+        from urllib.parse import quote
+
+        namespace = quote(self.settings.temporal_namespace, safe="")
+        page = f"{self.ui.rstrip('/')}/namespaces/{namespace}/workflows/{quote(episode_id, safe='')}"
+        return f"{page}/{run_id}/history" if run_id else page
 
 
 def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
@@ -53,11 +64,11 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
     interceptors = client_interceptors(settings.tracing)
     if settings.temporal_address:
         client = await connect_client(settings.temporal_address, settings, converter, interceptors)
-        yield Services(settings, blobs, engine, client)
+        yield Services(settings, blobs, engine, client, settings.ui_address)
         return
-    async with shared_server(settings) as address:
-        client = await connect_client(address, settings, converter, interceptors)
-        yield Services(settings, blobs, engine, client)
+    async with shared_server(settings) as lease:
+        client = await connect_client(lease.address, settings, converter, interceptors)
+        yield Services(settings, blobs, engine, client, lease.ui)
 
 
 async def connect_client(address: str, settings: Settings, converter: Any, interceptors: Any) -> Client:

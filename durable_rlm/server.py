@@ -112,17 +112,33 @@ class EmbeddedServer:
         extra_args: tuple[str, ...] = (),
         tuned: bool = True,
         die_with_parent: bool = False,
+        ui_port: int | None = None,
+        codec_endpoint: str | None = None,
     ) -> None:
         self.db_file = Path(db_file)
         self.namespace = namespace
         self.port = port or free_port()
         self.extra_args = (*SERVER_TUNING, *extra_args) if tuned else extra_args
         self.die_with_parent = die_with_parent
+        self.ui_port = ui_port  # None: headless
+        self.codec_endpoint = codec_endpoint
         self.process: asyncio.subprocess.Process | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def ui_url(self) -> str | None:
+        return None if self.ui_port is None else f"http://127.0.0.1:{self.ui_port}"
+
+    def _ui_args(self) -> tuple[str, ...]:
+        if self.ui_port is None:
+            return ("--headless",)
+        args = ("--ui-port", str(self.ui_port), "--ui-ip", "127.0.0.1", "--ui-disable-news-fetch")
+        if self.codec_endpoint:
+            args += ("--ui-codec-endpoint", self.codec_endpoint)
+        return args
 
     async def start(self) -> str:
         self.db_file.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +148,7 @@ class EmbeddedServer:
                 temporal_binary(),
                 "server",
                 "start-dev",
-                "--headless",
+                *self._ui_args(),
                 "--ip",
                 "127.0.0.1",
                 "--port",
@@ -175,6 +191,16 @@ class EmbeddedServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def ui_port(wanted: int) -> int:
+    """The wanted UI port if it is free here, else a free one (another server, another user)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", wanted))
+            return wanted
+        except OSError:
+            return free_port()
 
 
 def free_port() -> int:
@@ -291,14 +317,19 @@ def _try_lock(path: Path) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def running_address(settings: Settings) -> str | None:
-    """The shared server's address if its supervisor lives (no connection is made, no lease
+def running_state(settings: Settings) -> dict | None:
+    """The shared server's state if its supervisor lives (no connection is made, no lease
     taken): for readers that use the server only when it is up anyway."""
     files = ServerFiles(settings.data_dir / "server")
     state = files.read_state()
     if state is None or not alive(int(state.get("pid", 0)), state.get("started")):
         return None
-    return str(state["address"])
+    return state
+
+
+def running_address(settings: Settings) -> str | None:
+    state = running_state(settings)
+    return None if state is None else str(state["address"])
 
 
 # --- clients ------------------------------------------------------------------------------
@@ -307,20 +338,21 @@ def running_address(settings: Settings) -> str | None:
 class Lease:
     """A client's hold on the shared server: the server lives while the file does."""
 
-    def __init__(self, path: Path, address: str) -> None:
+    def __init__(self, path: Path, address: str, ui: str | None = None) -> None:
         self.path = path
         self.address = address
+        self.ui = ui  # the Web UI's base URL, when the server serves it
 
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
 
 
 @contextlib.asynccontextmanager
-async def shared_server(settings: Settings) -> AsyncIterator[str]:
+async def shared_server(settings: Settings) -> AsyncIterator[Lease]:
     """The data directory's server for the duration of the block (started if needed)."""
     lease = await acquire(settings)
     try:
-        yield lease.address
+        yield lease
     finally:
         lease.release()
 
@@ -332,22 +364,22 @@ async def acquire(settings: Settings) -> Lease:
         # Waiting in a thread keeps this event loop running (another client may be starting it).
         await asyncio.to_thread(fcntl.flock, handle, fcntl.LOCK_EX)
         try:
-            address = await _live_or_started(files, settings)
+            state = await _live_or_started(files, settings)
             me = os.getpid()
             path = files.leases / f"{me}-{start_time(me)}-{uuid.uuid4().hex[:8]}"
             private_file(path)
-            return Lease(path, address)
+            return Lease(path, str(state["address"]), state.get("ui"))
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-async def _live_or_started(files: ServerFiles, settings: Settings) -> str:
+async def _live_or_started(files: ServerFiles, settings: Settings) -> dict:
     state = files.read_state()
     if state is not None:
         if alive(int(state.get("pid", 0)), state.get("started")) and await answers(
             state["address"], settings.temporal_namespace
         ):
-            return str(state["address"])
+            return state
         await _stop_orphan(state, settings)
         files.state.unlink(missing_ok=True)
     return await _start_supervisor(files, settings)
@@ -382,7 +414,7 @@ def _supervisor_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-async def _start_supervisor(files: ServerFiles, settings: Settings) -> str:
+async def _start_supervisor(files: ServerFiles, settings: Settings) -> dict:
     private_file(files.log)
     with open(files.log, "ab") as out:
         process = subprocess.Popen(
@@ -399,7 +431,7 @@ async def _start_supervisor(files: ServerFiles, settings: Settings) -> str:
     while time.monotonic() < deadline:
         state = files.read_state()
         if state is not None and state.get("pid") == process.pid:
-            return str(state["address"])
+            return state
         if process.poll() is not None:
             raise ConfigurationError(
                 f"the embedded Temporal server did not start (exit {process.returncode}); see {files.log}"
@@ -416,7 +448,12 @@ async def _start_supervisor(files: ServerFiles, settings: Settings) -> str:
 
 async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
     files = ServerFiles.of(settings)
-    server = EmbeddedServer(settings.temporal_db_file, settings.temporal_namespace, die_with_parent=True)
+    server = EmbeddedServer(
+        settings.temporal_db_file,
+        settings.temporal_namespace,
+        die_with_parent=True,
+        ui_port=ui_port(settings.ui_port) if settings.ui else None,
+    )
     address = await server.start()
     assert server.process is not None
     me = os.getpid()
@@ -428,6 +465,7 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
             "server_pid": server.process.pid,
             "server_started": start_time(server.process.pid),
             "db_file": str(settings.temporal_db_file),
+            "ui": server.ui_url,
         }
     )
     log.info("serving %s for %s", address, settings.data_dir)

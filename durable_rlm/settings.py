@@ -98,6 +98,16 @@ class Settings(BaseSettings):
         ge=0,
         description="the shared embedded server stops this long after its last client left",
     )
+    ui: bool = _env("ui", "DRLM_UI", True, description="serve the Temporal Web UI from the embedded server")
+    ui_port: int = _env(
+        "ui_port", "DRLM_UI_PORT", 8233, ge=1, le=65535, description="its port (a free one if taken)"
+    )
+    ui_address: str | None = _env(
+        "ui_address", "DRLM_UI_ADDRESS", None, description="the UI of a cluster, e.g. http://localhost:8080"
+    )
+    codec_token: str | None = _env(
+        "codec_token", "DRLM_CODEC_TOKEN", None, repr=False, description="bearer token of `drlm codec-server`"
+    )
     tracing: str = _env("tracing", "DRLM_TRACING", "off")
     policy_modules: str = _env(
         "policy_modules",
