@@ -121,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the embedded server (and its UI) up until Ctrl-C"
     )
 
+    codec = sub.add_parser(
+        "codec-server",
+        help="serve Temporal's remote codec protocol for a Web UI (claim-checked payloads as their content)",
+    )
+    codec.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    codec.add_argument("--port", type=int, default=8234)
+    codec.add_argument(
+        "--origin",
+        action="append",
+        help="a Web UI origin allowed to call it (repeatable; default DRLM_UI_ADDRESS, or the embedded UI's)",
+    )
+
     info = sub.add_parser("info", help="where data lives, which setting chose it, and the server")
     info.add_argument("--json", action="store_true")
 
@@ -506,6 +518,36 @@ async def _ui(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _codec_server(settings: Settings, args: argparse.Namespace) -> int:
+    """For a cluster's UI (or any other): decode with this machine's stores; a bearer token
+    (DRLM_CODEC_TOKEN) is required when set."""
+    from durable_rlm.codec_server import CodecServer, ui_origins
+    from durable_rlm.connection import open_stores
+
+    origins = args.origin or (
+        [settings.ui_address] if settings.ui_address else list(ui_origins(settings.ui_port))
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.codec_token:
+        raise ConfigurationError(
+            f"the codec server would listen on {args.host} without a token: set DRLM_CODEC_TOKEN"
+        )
+    blobs, _ = open_stores(settings)
+    server = CodecServer(
+        blobs,
+        host=args.host,
+        port=args.port,
+        origins=origins,
+        token=settings.codec_token,
+        threshold=settings.claim_check_threshold,
+    )
+    _stderr(f"codec server on {server.url} for {', '.join(origins)}; point the UI's codec endpoint at it")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
 def _info(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.server import running_state
 
@@ -680,6 +722,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _demo(settings, args)
     if args.command == "info":
         return _info(settings, args)
+    if args.command == "codec-server":
+        return _codec_server(settings, args)
     if args.command == "doctor":
         from durable_rlm.doctor import run_doctor
 

@@ -58,7 +58,53 @@ def decode_payloads(
     a JSON placeholder naming the digest and the store. Other payloads pass unchanged.
 
     Never raises for a payload's content: one bad reference must not hide a whole event."""
-    return [_decode_guarded(payload, blobs, limit) for payload in payloads]
+    return [_with_contexts(_decode_guarded(payload, blobs, limit), blobs) for payload in payloads]
+
+
+CONTEXT_PREVIEW = 4_000  # characters of an episode's context shown beside its reference
+
+
+def _with_contexts(payload: Payload, blobs: BlobStore) -> Payload:
+    """A request names its context by digest (`{"digest": "sha256:…", "kind": "text", ...}`):
+    for a reader, put the start of the context beside it (`"preview"`)."""
+    if payload.metadata.get("encoding") != JSON_PLAIN or b'"kind"' not in payload.data:
+        return payload
+    if len(payload.data) > DISPLAY_LIMIT or b'"sha256:' not in payload.data:
+        return payload
+    try:
+        value = json.loads(payload.data)
+    except ValueError:
+        return payload
+    if not _add_previews(value, blobs, budget=[8]):
+        return payload
+    out = Payload()
+    out.CopyFrom(payload)
+    out.data = json.dumps(value, ensure_ascii=False).encode("utf-8")
+    return out
+
+
+def _add_previews(value: Any, blobs: BlobStore, budget: list[int], depth: int = 0) -> bool:
+    """Walk (bounded: depth 8, at most `budget` contexts) and add previews in place."""
+    if depth > 8 or budget[0] <= 0:
+        return False
+    changed = False
+    if isinstance(value, dict):
+        digest = value.get("digest")
+        if isinstance(digest, str) and digest.startswith("sha256:") and value.get("kind") in ("text", "json"):
+            budget[0] -= 1
+            try:
+                text = blobs.get_text(digest)
+                cut = len(text) - CONTEXT_PREVIEW
+                value["preview"] = text[:CONTEXT_PREVIEW] + (f"… [{cut} more characters]" if cut > 0 else "")
+            except Exception as exc:  # noqa: BLE001 - a missing context must not hide the event
+                value["preview"] = f"[context {digest} unreadable: {str(exc).splitlines()[0][:200]}]"
+            return True
+        for item in value.values():
+            changed = _add_previews(item, blobs, budget, depth + 1) or changed
+    elif isinstance(value, list):
+        for item in value[:100]:
+            changed = _add_previews(item, blobs, budget, depth + 1) or changed
+    return changed
 
 
 def _decode_guarded(payload: Payload, blobs: BlobStore, limit: int | None) -> Payload:

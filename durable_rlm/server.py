@@ -36,6 +36,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from durable_rlm.settings import ConfigurationError, Settings, private_dir, private_file
 
@@ -448,12 +449,32 @@ async def _start_supervisor(files: ServerFiles, settings: Settings) -> dict:
 
 async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
     files = ServerFiles.of(settings)
+    ui = ui_port(settings.ui_port) if settings.ui else None
+    codec = _codec_server(settings, ui) if ui is not None else None
     server = EmbeddedServer(
         settings.temporal_db_file,
         settings.temporal_namespace,
         die_with_parent=True,
-        ui_port=ui_port(settings.ui_port) if settings.ui else None,
+        ui_port=ui,
+        codec_endpoint=codec.url if codec is not None else None,
     )
+    try:
+        return await _serve(settings, files, server, poll_s)
+    finally:
+        if codec is not None:
+            codec.stop()
+
+
+def _codec_server(settings: Settings, ui: int) -> Any:
+    """The UI's codec endpoint: claim-checked payloads and contexts shown as their content."""
+    from durable_rlm.codec_server import CodecServer, ui_origins
+    from durable_rlm.connection import open_stores
+
+    blobs, _ = open_stores(settings)
+    return CodecServer(blobs, origins=ui_origins(ui), threshold=settings.claim_check_threshold).start()
+
+
+async def _serve(settings: Settings, files: ServerFiles, server: EmbeddedServer, poll_s: float) -> int:
     address = await server.start()
     assert server.process is not None
     me = os.getpid()
@@ -466,6 +487,7 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
             "server_started": start_time(server.process.pid),
             "db_file": str(settings.temporal_db_file),
             "ui": server.ui_url,
+            "codec": server.codec_endpoint,
         }
     )
     log.info("serving %s for %s", address, settings.data_dir)

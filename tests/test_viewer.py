@@ -1,0 +1,69 @@
+"""The episode viewer: the Temporal Web UI of the embedded server, read by a real browser.
+
+Headless Chromium (Debian's `chromium`; `.ci/run` installs it) loads an episode's page from
+the UI the shared server serves, and the page must show the task, a cell's code and the
+answer as text: claim-checked payloads are decoded by the codec server the supervisor runs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from durable_rlm.api import DurableRLM
+from durable_rlm.runtime import free_port
+from durable_rlm.scripted import root_and_sub
+from durable_rlm.settings import Settings
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BIG_CONTEXT = "\n".join(
+    f"row {i}: {'ERROR' if i % 7 == 0 else 'ok'} in service-{i % 5}" for i in range(2_000)
+)
+CODE = "errors = [line for line in context.splitlines() if 'ERROR' in line]\nprint(len(errors))"
+TURNS = [f"```repl\n{CODE}\n```", "FINAL(the log holds 286 ERROR rows)"]
+
+
+def browser() -> str:
+    if CHROMIUM is None:
+        if os.environ.get("DRLM_REQUIRE_BROWSER"):
+            pytest.fail("chromium is not installed (apt-get install chromium)")
+        pytest.skip("chromium is not installed (apt-get install chromium; CI requires it)")
+    return CHROMIUM
+
+
+def dump_dom(url: str, budget_ms: int = 15_000) -> str:
+    out = subprocess.run(
+        [
+            browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            f"--virtual-time-budget={budget_ms}", "--dump-dom", url,
+        ],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+async def test_an_episode_page_shows_its_task_code_and_answer(tmp_path: Path, scripted) -> None:
+    browser()
+    server = scripted(root_and_sub(TURNS))
+    settings = Settings(data_dir=tmp_path, ui_port=free_port(), server_idle_s=30)
+    rlm = DurableRLM("scripted", base_url=server.base_url, settings=settings)
+    services = await rlm.open()
+    try:
+        episode = await rlm.start(BIG_CONTEXT, "How many ERROR rows are in the log?", "viewer-1")
+        result = await episode.result()
+        assert result.answer == "the log holds 286 ERROR rows"
+        url = services.episode_url("viewer-1", episode.handle.first_execution_run_id)
+        assert url is not None and url.startswith(f"http://127.0.0.1:{settings.ui_port}/")
+        page = dump_dom(url)
+    finally:
+        await rlm.close()
+    assert "How many ERROR rows are in the log?" in page
+    assert "the log holds 286 ERROR rows" in page
+    assert "errors = [line for line in context.splitlines()" in page
+    # The 90 KB context was claim-checked: the page shows its text, not only its digest.
+    assert "row 7: ERROR in service-2" in page
