@@ -51,14 +51,22 @@ def ui_origins(port: int = UI_PORT) -> tuple[str, ...]:
 
 
 def decode_payloads(
-    payloads: Sequence[Payload], blobs: BlobStore, limit: int | None = DISPLAY_LIMIT
+    payloads: Sequence[Payload], blobs: BlobStore, limit: int | None = DISPLAY_LIMIT, previews: bool = True
 ) -> list[Payload]:
     """Payloads as a reader should see them: claim-check references replaced by their
     content, content over `limit` bytes shortened (None: whole), unreadable blobs replaced by
     a JSON placeholder naming the digest and the store. Other payloads pass unchanged.
 
     Never raises for a payload's content: one bad reference must not hide a whole event."""
-    return [_with_contexts(_decode_guarded(payload, blobs, limit), blobs) for payload in payloads]
+    decoded = [_decode_guarded(payload, blobs, limit) for payload in payloads]
+    return [_with_contexts(payload, blobs) for payload in decoded] if previews else decoded
+
+
+def unreadable(payload: Payload) -> str | None:
+    """The placeholder's text, if `decode_payloads` could not read this payload."""
+    if payload.metadata.get("drlm-error") != b"true":
+        return None
+    return str(json.loads(payload.data))
 
 
 CONTEXT_PREVIEW = 4_000  # characters of an episode's context shown beside its reference

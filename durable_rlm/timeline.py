@@ -6,6 +6,7 @@ are decoded with the project's converter, so claim-checked payloads come back wh
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import TYPE_CHECKING, Any
@@ -104,11 +105,22 @@ _RESULTS: dict[str, type] = {
 
 
 async def _decode(client: Client, payloads: Any, hint: type) -> Any:
+    """One way to read a payload: the codec server's (durable_rlm/codec_server.py), whole,
+    then the converter's JSON. A blob the store lacks is an error naming the store."""
     items: list[Payload] = list(payloads.payloads) if payloads else []
     if not items:
         return None
-    values = await client.data_converter.decode(items[:1], [hint])
-    return values[0]
+    codec = client.data_converter.payload_codec
+    blobs = getattr(codec, "blobs", None)
+    if blobs is None:
+        return (await client.data_converter.decode(items[:1], [hint]))[0]
+    from durable_rlm.codec_server import decode_payloads, unreadable
+
+    (item,) = await asyncio.to_thread(decode_payloads, items[:1], blobs, None, False)
+    problem = unreadable(item)
+    if problem is not None:
+        raise LookupError(problem)
+    return client.data_converter.payload_converter.from_payloads([item], [hint])[0]
 
 
 async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
