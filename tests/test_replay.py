@@ -154,8 +154,17 @@ def test_a_history_with_repl_snapshots_is_stored() -> None:
     ]
     assert sum('"snapshot":{"digest"' in r for r in results) == 1
     for path in HISTORIES:
-        if path.stem != "snapshots":
+        if path.stem not in ("snapshots", *UI_METADATA):  # those were recorded later
             assert not _has_patch_marker(path.name, names.PATCH_SNAPSHOTS), path.stem
+
+
+UI_METADATA = ["ui_metadata", "ui_metadata_child"]  # recorded by python -m tests.test_ui_metadata
+
+
+def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
+    # The memo and search-attribute upserts are commands: only histories recorded since have them.
+    for path in HISTORIES:
+        assert _has_patch_marker(path.name, names.PATCH_UI_METADATA) == (path.stem in UI_METADATA), path.stem
 
 
 def test_a_history_with_custom_tools_is_stored() -> None:

@@ -24,7 +24,7 @@ from temporalio.exceptions import (
 )
 from temporalio.workflow import ParentClosePolicy
 
-from workflows import defaults, names, prompts
+from workflows import defaults, metadata, names, prompts
 from workflows.budget import ChildBudget
 from workflows.models import (
     ChildEpisode,
@@ -98,7 +98,9 @@ async def sub_model_call(
                     prompt=call.prompt,
                 ),
                 result_type=SubQueryReply,
-                summary=f"{call.kind} {site.cell_index}.{call.call_index}",
+                summary=metadata.call_summary(
+                    call.kind, site.cell_index, call.call_index, call.prompt, call.model
+                ),
                 **model_step_options(model, site.request.durability),
             )
         except ActivityError as err:
@@ -157,7 +159,15 @@ async def child_episode(
     """Run a child episode to its end; its answer, or an `Error: ...` text, is the reply."""
     assert budget is not None
     request = child_request(site, call, model, budget)
-    episode_id = child_id(workflow.info().workflow_id, site.cell_index, call.call_index)
+    parent_id = workflow.info().workflow_id
+    episode_id = child_id(parent_id, site.cell_index, call.call_index)
+    memo: dict[str, object] = {"parent": parent_id, "depth": request.depth}
+    search = None
+    if workflow.patched(names.PATCH_UI_METADATA):
+        # The child's task is the generic child wording: its prompt says what it is about.
+        memo["prompt"] = metadata.shorten(call.prompt, metadata.TASK_CHARS)
+        if metadata.uses_search_attributes(workflow.info().typed_search_attributes):
+            search = metadata.start_search_attributes(call.prompt, model.model)
     summary = ChildEpisode(
         episode_id=episode_id,
         depth=request.depth,
@@ -174,8 +184,12 @@ async def child_episode(
             result_type=EpisodeResult,
             parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             task_timeout=timedelta(seconds=request.durability.task_timeout_s),
-            memo={"parent": workflow.info().workflow_id, "depth": request.depth},
-            static_summary=f"rlm_query {site.cell_index}.{call.call_index} (depth {request.depth})",
+            memo=memo,
+            search_attributes=search,
+            static_summary=metadata.call_summary(call.kind, site.cell_index, call.call_index, call.prompt),
+            static_details=metadata.child_details(
+                request.depth, model.model, parent_id, site.cell_index, call.call_index, len(call.prompt)
+            ),
         )
     except Exception as err:  # noqa: BLE001 - whatever stops a child is an Error: for the cell
         # Its spend is unknown: charge the whole share, so the tree still cannot pass its limits.

@@ -14,6 +14,11 @@ from workflow.now() and randomness from workflow.random(). Histories recorded be
 A model call whose key the provider refuses (401/403) pauses instead of ending the episode:
 progress says so, and a `retry_credentials` update (sent once the worker has a fixed key)
 runs the same call again. The durable timer and cancellation still end a paused episode.
+
+For the Temporal UI (workflows/metadata.py) every step carries a summary, the episode a
+memo, and, if it was started with them, search attributes (status, model, iterations,
+tokens, how it ended), upserted on a pause, a resume and the end: not every iteration, so
+history keeps its size per iteration.
 """
 
 import asyncio
@@ -27,7 +32,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import defaults, legacy, names, prompts
+    from workflows import defaults, legacy, metadata, names, prompts
     from workflows.budget import root_call_limit, tokens_left
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
@@ -117,6 +122,7 @@ class EpisodeWorkflow:
         self._paused_calls = 0
         self._paused: str | None = None
         self._phase_before_pause = ""
+        self._search = False  # upsert the UI's search attributes (started with them, patched)
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -131,6 +137,9 @@ class EpisodeWorkflow:
         if request.carry is not None:
             self._policy.set_state(request.carry.policy_state)
         self._depth = request.depth
+        if workflow.patched(names.PATCH_UI_METADATA):
+            workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
+            self._search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
         local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
@@ -159,6 +168,7 @@ class EpisodeWorkflow:
         result = self._result(ending)
         self._finished = True
         self._set_phase(f"ended: {result.ended_by}")
+        self._show_progress(result.status, result.ended_by, result.answer_source)
         await self._repl.close()
         await self._audit(request, result.status, result)
         return result
@@ -362,15 +372,18 @@ class EpisodeWorkflow:
         if failed is not None:
             return failed
         try:
-            return await self._root_completion(request)
+            return await self._root_completion(request, after_compaction=True)
         except ActivityError as err:
             raise_if_cancelled(err)
             if is_context_overflow(err):
                 return LimitReached(FallbackReason(kind="context_overflow", value=s.compactions, limit=0))
             return model_error_ending(describe_failure(err))
 
-    async def _root_completion(self, request: EpisodeRequest) -> RootCompletion:
+    async def _root_completion(
+        self, request: EpisodeRequest, after_compaction: bool = False
+    ) -> RootCompletion:
         s = self._state
+        again = " (after compaction)" if after_compaction else ""
         model = request.root_model
         self._set_phase("waiting for the root model")
         reply = await self._with_credentials(
@@ -385,7 +398,7 @@ class EpisodeWorkflow:
                     resent_message_chars=request.limits.resent_message_chars,
                 ),
                 result_type=RootCompletion,
-                summary=f"root model, iteration {s.iteration}",
+                summary=f"root call {s.iteration}{again}",
                 **model_step_options(model, request.durability),
             )
         )
@@ -417,7 +430,7 @@ class EpisodeWorkflow:
                         reason=why,
                     ),
                     result_type=CompactionReply,
-                    summary=f"compaction ({why})",
+                    summary=f"compaction: {why}",
                     **model_step_options(model, request.durability),
                 )
             )
@@ -451,6 +464,7 @@ class EpisodeWorkflow:
         epoch = self._credentials_epoch
         if self._paused_calls == 0:
             self._phase_before_pause = self._phase
+            self._show_progress("paused")
         self._paused_calls += 1
         self._paused = f"{problem}. Fix it, then run `drlm resume {workflow.info().workflow_id}`"
         self._set_phase(f"paused: {self._paused}")
@@ -462,6 +476,7 @@ class EpisodeWorkflow:
                 self._paused = None
         if self._paused_calls == 0:
             self._set_phase(self._phase_before_pause)
+            self._show_progress("running")
 
     # --- act --------------------------------------------------------------------------------
 
@@ -593,7 +608,7 @@ class EpisodeWorkflow:
                     reason=reason,
                 ),
                 result_type=ExtractionReply,
-                summary=f"fallback extraction ({reason.kind})",
+                summary=f"extraction after {reason.kind}",
                 **model_step_options(model, request.durability),
             )
         except ActivityError as err:
@@ -643,6 +658,7 @@ class EpisodeWorkflow:
         """An episode that ends without a result still closes its sandbox and its audit row."""
         self._finished = True
         self._set_phase(f"ended: {status}")
+        self._show_progress(status)
         if self._repl is not None:
             await self._repl.close()
         await self._audit(request, status, error=error)
@@ -684,6 +700,16 @@ class EpisodeWorkflow:
     def _set_phase(self, phase: str) -> None:
         self._phase = phase
         self._phase_started = workflow.now()
+        # The UI's "current details": served by a query, so it costs no history.
+        workflow.set_current_details(metadata.current_details(self._s.iteration if self._s else 0, phase))
+
+    def _show_progress(self, status: str, ended_by: str | None = None, source: str | None = None) -> None:
+        """Keep the UI's list of episodes current, where the namespace has the attributes."""
+        if not self._search or self._s is None:
+            return
+        s = self._s
+        updates = metadata.progress_updates(status, s.iteration, s.usage.total_tokens, ended_by, source)
+        workflow.upsert_search_attributes(updates)
 
     def _elapsed(self, request: EpisodeRequest) -> timedelta:
         started = self._state.deadline - request.limits.max_duration

@@ -59,6 +59,8 @@ PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of t
 PATCH_LOCAL_REPL = "local-repl"  # REPL steps run as local activities on the workflow's worker
 PATCH_SNAPSHOTS = "repl-snapshots"  # REPL steps are asked to snapshot the namespace
 PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call until retry_credentials
+# The memo and search attributes the Temporal UI lists (workflows/metadata.py): commands of their own.
+PATCH_UI_METADATA = "ui-metadata"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

@@ -19,7 +19,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
-from workflows import defaults, names
+from workflows import defaults, metadata, names
 from workflows.budget import ChildBudget, child_budgets, sub_call_refusal
 from workflows.calls import CallResult, CallSite, Route, route_for
 from workflows.models import (
@@ -107,7 +107,7 @@ class ReplSteps:
                     sandbox=self._sandbox(), iteration=iteration, cell_index=cell_index, code=code
                 ),
                 CellOutcome,
-                f"cell {cell_index}",
+                metadata.cell_summary(cell_index, code),
             )
             rebuild = outcome.rebuild
             while outcome.status == "suspended":
@@ -118,7 +118,7 @@ class ReplSteps:
                     names.REPL_RESUME,
                     ResumeCellInput(sandbox=self._sandbox(), cell_index=cell_index, answers=answers),
                     CellOutcome,
-                    f"cell {cell_index} resumed",
+                    f"cell {cell_index} resumed with {len(answers)} answer(s)",
                 )
                 rebuild = outcome.rebuild or rebuild
         except STEP_FAILURES as err:
@@ -150,7 +150,7 @@ class ReplSteps:
                 names.REPL_READ_VARIABLE,
                 ReadVariableInput(sandbox=self._sandbox(), name=name),
                 VariableValue,
-                f"read {name}",
+                f"read variable {metadata.shorten(name, metadata.NAME_CHARS)}",
             )
         except STEP_FAILURES as err:
             if self.stop_on_cancel:
@@ -168,6 +168,7 @@ class ReplSteps:
                     result_type=bool,
                     start_to_close_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
                     retry_policy=RetryPolicy(maximum_attempts=1),
+                    summary="close the sandbox",
                 )
             except STEP_FAILURES:
                 pass  # idle reaping covers a sandbox that would not close
@@ -184,6 +185,7 @@ class ReplSteps:
                 schedule_to_start_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
                 start_to_close_timeout=timedelta(seconds=3 * defaults.CLOSE_SANDBOX_TIMEOUT_S),
                 retry_policy=RetryPolicy(maximum_attempts=1),
+                summary="close the sandbox",
             )
         except STEP_FAILURES:
             pass  # the worker is gone, and its sandbox with it; idle reaping covers the rest
