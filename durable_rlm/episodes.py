@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+import weakref
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -26,7 +27,7 @@ from temporalio.service import RPCError
 from durable_rlm.blobs import BlobStore
 from durable_rlm.errors import EpisodeIdInUse
 from durable_rlm.settings import ConfigurationError
-from workflows import names
+from workflows import metadata, names
 from workflows.ending import CANCELLED, TIMED_OUT
 from workflows.episode import episode_policy
 from workflows.models import (
@@ -80,6 +81,28 @@ def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
     return store_context(blobs, text)
 
 
+# client -> whether its namespace has our attributes (asked once per client)
+_REGISTERED: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
+
+
+async def has_search_attributes(client: Client) -> bool:
+    """Whether the namespace registered the episode list's search attributes (the embedded
+    server does; a cluster may not): an episode started with unknown ones is refused."""
+    known = _REGISTERED.get(client)
+    if known is None:
+        from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+        try:
+            listed = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=client.namespace)
+            )
+            known = all(name in listed.custom_attributes for name, _ in metadata.SEARCH_ATTRIBUTES)
+        except RPCError:
+            known = False  # not allowed to ask: start without them
+        _REGISTERED[client] = known
+    return known
+
+
 def new_episode_id() -> str:
     return f"ep-{uuid.uuid4().hex[:12]}"
 
@@ -90,12 +113,19 @@ async def start_episode(
     """Start an episode; a bad policy or reward function is rejected here, before any call."""
     episode_policy(request)
     chosen = episode_id or new_episode_id()
+    attributes = (
+        metadata.start_search_attributes(request.task, request.root_model.model)
+        if await has_search_attributes(client)
+        else None
+    )
     try:
         return await client.start_workflow(
             names.WORKFLOW,
             request,
             id=chosen,
             task_queue=task_queue,
+            search_attributes=attributes,
+            static_summary=metadata.shorten(request.task),
             result_type=EpisodeResult,
             task_timeout=timedelta(seconds=request.durability.task_timeout_s),
             request_eager_start=True,  # taken only when this client's process runs a worker

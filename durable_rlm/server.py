@@ -451,9 +451,15 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
     files = ServerFiles.of(settings)
     ui = ui_port(settings.ui_port) if settings.ui else None
     codec = _codec_server(settings, ui) if ui is not None else None
+    from workflows.metadata import SEARCH_ATTRIBUTES
+
+    registered = tuple(
+        a for name, kind in SEARCH_ATTRIBUTES for a in ("--search-attribute", f"{name}={kind}")
+    )
     server = EmbeddedServer(
         settings.temporal_db_file,
         settings.temporal_namespace,
+        extra_args=registered,  # the UI's episode list filters on them
         die_with_parent=True,
         ui_port=ui,
         codec_endpoint=codec.url if codec is not None else None,

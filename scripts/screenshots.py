@@ -1,7 +1,7 @@
 """Screenshots of the episode viewer for the README: an episode's page and the episode list,
 as headless Chromium renders them from the embedded server's Temporal Web UI.
 
-    .venv/bin/python scripts/screenshots.py        # writes docs/ui-episode.png, docs/ui-list.png
+    .venv/bin/python scripts/screenshots.py        # docs/ui-episode.png, ui-timeline.png, ui-list.png
 
 The episode runs against the scripted model (the README's demo), so the pictures are the
 same on every machine.
@@ -56,6 +56,7 @@ async def main() -> None:
             assert url is not None and services.ui is not None
             DOCS.mkdir(exist_ok=True)
             shoot(url, DOCS / "ui-episode.png")
+            shoot(url.removesuffix("/history") + "/timeline", DOCS / "ui-timeline.png")
             shoot(f"{services.ui}/namespaces/default/workflows", DOCS / "ui-list.png", "1400,500")
         finally:
             await rlm.close()

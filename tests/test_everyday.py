@@ -43,7 +43,7 @@ def environ(home: Path, **extra: str) -> dict[str, str]:
     """A user's environment: no DRLM_DATA_DIR, so the per-user default (platformdirs, under
     XDG_DATA_HOME) decides where data lives, whatever the current directory."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
-    env.update(XDG_DATA_HOME=str(home / "xdg"), DRLM_SERVER_IDLE_S="2", **extra)
+    env.update({"XDG_DATA_HOME": str(home / "xdg"), "DRLM_SERVER_IDLE_S": "2", **extra})
     return env
 
 

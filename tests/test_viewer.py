@@ -60,10 +60,42 @@ async def test_an_episode_page_shows_its_task_code_and_answer(tmp_path: Path, sc
         url = services.episode_url("viewer-1", episode.handle.first_execution_run_id)
         assert url is not None and url.startswith(f"http://127.0.0.1:{settings.ui_port}/")
         page = dump_dom(url)
+        listed = [e.id async for e in services.client.list_workflows('DrlmStatus = "completed"')]
+        assert "viewer-1" in listed  # the episode list filters on the registered attributes
     finally:
         await rlm.close()
     assert "How many ERROR rows are in the log?" in page
     assert "the log holds 286 ERROR rows" in page
-    assert "errors = [line for line in context.splitlines()" in page
+    # Each step's row reads like the episode (activity summaries).
+    assert "root call 1" in page and "root call 2" in page
+    assert "cell 1: `errors = [line for line in context.splitlines()" in page
     # The 90 KB context was claim-checked: the page shows its text, not only its digest.
     assert "row 7: ERROR in service-2" in page
+
+
+def test_drlm_run_and_drlm_ui_print_the_pages(tmp_path: Path, scripted) -> None:
+    """No browser needed: the addresses, and the UI answering at them."""
+    import urllib.request
+
+    from tests.test_everyday import drlm
+
+    server = scripted(root_and_sub(["FINAL(shown)"]))
+    port = str(free_port())
+    ran = drlm(
+        tmp_path, tmp_path, "run", "t", "--base-url", server.base_url, "--model", "m", "--id", "paged",
+        DRLM_UI_PORT=port, DRLM_SERVER_IDLE_S="20",
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr
+    line = next(x for x in ran.stderr.splitlines() if x.startswith("watch it in the Temporal UI: "))
+    page = line.removeprefix("watch it in the Temporal UI: ")
+    assert page.startswith(f"http://127.0.0.1:{port}/namespaces/default/workflows/paged/")
+    listing = drlm(tmp_path, tmp_path, "ui", DRLM_UI_PORT=port)
+    assert listing.stdout.strip() == f"http://127.0.0.1:{port}/namespaces/default/workflows"
+    one = drlm(tmp_path, tmp_path, "ui", "paged", DRLM_UI_PORT=port)
+    assert one.stdout.strip() == page
+    with urllib.request.urlopen(page, timeout=30) as answer:  # the UI serves the page
+        assert answer.status == 200
+    off = drlm(tmp_path / "off", tmp_path, "ui", DRLM_UI="0")
+    assert (off.returncode, off.stderr.strip()) == (2, "drlm: no Web UI here: DRLM_UI is off")
+    unknown = drlm(tmp_path, tmp_path, "ui", "nope", DRLM_UI_PORT=port)
+    assert (unknown.returncode, unknown.stderr.strip()) == (2, "drlm: no episode with id 'nope'")
