@@ -154,6 +154,8 @@ def run_suite(tree: Path) -> tuple[bool, str, float]:
         if str(p.relative_to(tree)) not in FIRST
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
+    # Subprocesses (`drlm`, worker.py) import the copy too, not the editable install's tree.
+    env["PYTHONPATH"] = str(tree)
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *FIRST, *rest],
