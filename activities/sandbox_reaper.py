@@ -66,10 +66,16 @@ def proc_stat(pid: int) -> ProcStat | None:
         return None
 
 
-def running(pid: int, start: int) -> bool:
-    """Is `pid` still the process that started at `start`? A zombie has ended."""
+def running(pid: int, start: int | None) -> bool:
+    """Is `pid` still the process that started at `start` (any, when None)? A zombie has
+    ended. (The shared server's leases are judged this way too: durable_rlm/server.py.)"""
     found = proc_stat(pid)
-    return found is not None and found.start == start and found.state not in ("Z", "X")
+    return found is not None and found.state not in ("Z", "X") and (start is None or found.start == start)
+
+
+def start_time(pid: int) -> int | None:
+    found = proc_stat(pid)
+    return None if found is None else found.start
 
 
 def sandbox_of(pid: int, start: int, owner_pid: int | None) -> bool:

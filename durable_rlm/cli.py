@@ -479,12 +479,12 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
     """Follow without working on it: any number of watchers, from anywhere."""
     from durable_rlm.connection import connect
-    from durable_rlm.episodes import follow
+    from durable_rlm.episodes import describe_episode, follow
     from workflows.models import EpisodeResult
 
     async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await _existing(handle)
+        await describe_episode(handle)  # an unknown id is a usage error now, not a wait
         _FOLLOWING.append(args.episode_id)
         end = await follow(handle, None if args.json else _stderr)
     return _print_end(end, args.json, args.accept_extracted)
@@ -492,6 +492,7 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _ui(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.connection import connect
+    from durable_rlm.episodes import describe_episode
 
     async with connect(settings) as services:
         if services.ui is None:
@@ -503,8 +504,7 @@ async def _ui(settings: Settings, args: argparse.Namespace) -> int:
             )
         if args.episode_id:
             handle = services.client.get_workflow_handle(args.episode_id)
-            await _existing(handle)
-            url = services.episode_url(args.episode_id, (await handle.describe()).run_id)
+            url = services.episode_url(args.episode_id, (await describe_episode(handle)).run_id)
         else:
             url = f"{services.ui.rstrip('/')}/namespaces/{settings.temporal_namespace}/workflows"
         print(url, flush=True)
@@ -606,7 +606,7 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
     """Work on an episode (embedded) and follow it; an episode paused on a refused key runs
     its paused calls again, with this worker's key (`--api-key`, or the environment)."""
     from durable_rlm.connection import connect
-    from durable_rlm.episodes import follow, retry_credentials
+    from durable_rlm.episodes import describe_episode, follow, retry_credentials
     from durable_rlm.runtime import running_workers
     from workflows.models import EpisodeResult
 
@@ -617,7 +617,7 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
         )
     async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await _existing(handle)
+        await describe_episode(handle)  # an unknown id is a usage error now, not a wait
         credentials = {}
         if args.api_key:
             from durable_rlm.projection import first_request
@@ -631,18 +631,6 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
                 _stderr(outcome.message)
             end = await follow(handle, None if args.json else _stderr)
             return _print_end(end, args.json, args.accept_extracted)
-
-
-async def _existing(handle: Any) -> None:
-    """An unknown id is a usage error now, not a wait or a Temporal error."""
-    from temporalio.service import RPCError, RPCStatusCode
-
-    try:
-        await handle.describe()
-    except RPCError as exc:
-        if exc.status == RPCStatusCode.NOT_FOUND:
-            raise LookupError(f"no episode with id {handle.id!r}") from None
-        raise
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:

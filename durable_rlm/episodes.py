@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import (
     Client,
+    WorkflowExecutionDescription,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -22,7 +23,7 @@ from temporalio.client import (
 )
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from durable_rlm.blobs import BlobStore
 from durable_rlm.errors import EpisodeIdInUse
@@ -296,25 +297,11 @@ async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutco
     waits, nothing changes (not accepted, and no history is written), so `drlm resume` may
     always send it. A worker must be running: this is a Temporal update, answered once
     applied."""
-    handle = client.get_workflow_handle(episode_id)
-    try:
-        description = await handle.describe()
-    except RPCError as exc:
-        raise LookupError(f"no episode with id {episode_id!r}") from exc
-    status = description.status
-    if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return CredentialsOutcome(
-            episode_id=episode_id,
-            accepted=False,
-            message=f"episode {episode_id} has already ended ({status.name.lower()}); nothing to retry",
-        )
-    try:
-        receipt = await handle.execute_update(names.RETRY_CREDENTIALS, result_type=CredentialsReceipt)
-    except WorkflowUpdateFailedError as exc:
-        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
-        return CredentialsOutcome(
-            episode_id=episode_id, accepted=False, message=f"episode {episode_id}: {cause}"
-        )
+    receipt, refused = await _update_running(
+        client, episode_id, names.RETRY_CREDENTIALS, None, CredentialsReceipt, "nothing to retry"
+    )
+    if refused is not None:
+        return CredentialsOutcome(episode_id=episode_id, accepted=False, message=refused)
     waiting = receipt.waiting_calls
     return CredentialsOutcome(
         episode_id=episode_id,
@@ -322,6 +309,33 @@ async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutco
         waiting_calls=waiting,
         message=f"episode {episode_id}: {waiting} paused model call(s) run again with the worker's key",
     )
+
+
+async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:
+    """The episode's description; an id the server does not know is a LookupError."""
+    try:
+        return await handle.describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise LookupError(f"no episode with id {handle.id!r}") from None
+        raise
+
+
+async def _update_running(
+    client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
+) -> tuple[Any, str | None]:
+    """Send an update to a running episode: (its receipt, None), or (None, why not: it has
+    ended, or the workflow refused the update)."""
+    handle = client.get_workflow_handle(episode_id)
+    status = (await describe_episode(handle)).status
+    if status is not None and status != WorkflowExecutionStatus.RUNNING:
+        return None, f"episode {episode_id} has already ended ({status.name.lower()}); {unchanged}"
+    try:
+        args = [] if arg is None else [arg]
+        return await handle.execute_update(update, args=args, result_type=result_type), None
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
+        return None, f"episode {episode_id}: {cause}"
 
 
 class CancelOutcome(BaseModel):
@@ -339,25 +353,12 @@ async def cancel_episode(
     """Cancel an episode and every descendant. With `extract`, it first runs fallback
     extraction, so the result holds what was found so far. An episode that already ended
     is left as it is, and the outcome says so."""
-    handle = client.get_workflow_handle(episode_id)
-    try:
-        description = await handle.describe()
-    except RPCError as exc:
-        raise LookupError(f"no episode with id {episode_id!r}") from exc
-    status = description.status
-    if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return CancelOutcome(
-            episode_id=episode_id,
-            accepted=False,
-            message=f"episode {episode_id} has already ended ({status.name.lower()}); nothing was changed",
-        )
-    try:
-        receipt = await handle.execute_update(
-            "cancel", CancelRequest(extract=extract, reason=reason), result_type=CancelReceipt
-        )
-    except WorkflowUpdateFailedError as exc:
-        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
-        return CancelOutcome(episode_id=episode_id, accepted=False, message=f"episode {episode_id}: {cause}")
+    receipt, refused = await _update_running(
+        client, episode_id, "cancel", CancelRequest(extract=extract, reason=reason), CancelReceipt,
+        "nothing was changed",
+    )  # fmt: skip
+    if refused is not None:
+        return CancelOutcome(episode_id=episode_id, accepted=False, message=refused)
     what = "extracting what was found, then ending" if extract else "ending"
     return CancelOutcome(
         episode_id=episode_id,

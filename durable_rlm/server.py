@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# A live process told from a reused pid (pid + start time): the sandbox reaper's one way.
+from activities.sandbox_reaper import running, start_time
 from durable_rlm.settings import ConfigurationError, Settings, private_dir, private_file
 
 log = logging.getLogger(__name__)
@@ -222,29 +224,6 @@ async def answers(address: str, namespace: str, timeout_s: float = 5.0) -> bool:
         return False
 
 
-# --- processes --------------------------------------------------------------------------
-
-
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (None when it is gone): with the
-    pid, it names one process even after the pid is reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-    fields = stat.rsplit(")", 1)[-1].split()
-    try:
-        return int(fields[19])  # field 22 of stat
-    except (IndexError, ValueError):
-        return None
-
-
-def alive(pid: int, started: int | None) -> bool:
-    now = start_time(pid)
-    return now is not None and (started is None or now == started)
-
-
 # --- files --------------------------------------------------------------------------------
 
 
@@ -293,7 +272,7 @@ class ServerFiles:
         for lease in self.leases.iterdir():
             try:
                 pid_text, started_text, _ = lease.name.split("-", 2)
-                holder_alive = alive(int(pid_text), int(started_text))
+                holder_alive = running(int(pid_text), int(started_text))
             except ValueError:
                 holder_alive = False
             if holder_alive:
@@ -323,7 +302,7 @@ def running_state(settings: Settings) -> dict | None:
     taken): for readers that use the server only when it is up anyway."""
     files = ServerFiles(settings.data_dir / "server")
     state = files.read_state()
-    if state is None or not alive(int(state.get("pid", 0)), state.get("started")):
+    if state is None or not running(int(state.get("pid", 0)), state.get("started")):
         return None
     return state
 
@@ -377,7 +356,7 @@ async def acquire(settings: Settings) -> Lease:
 async def _live_or_started(files: ServerFiles, settings: Settings) -> dict:
     state = files.read_state()
     if state is not None:
-        if alive(int(state.get("pid", 0)), state.get("started")) and await answers(
+        if running(int(state.get("pid", 0)), state.get("started")) and await answers(
             state["address"], settings.temporal_namespace
         ):
             return state
@@ -390,13 +369,13 @@ async def _stop_orphan(state: dict, settings: Settings) -> None:
     """A server whose supervisor died without taking it along (it cannot: it dies with its
     supervisor) must not share the SQLite file with a new one: end it if it is ours."""
     pid = int(state.get("server_pid", 0))
-    if pid and alive(pid, state.get("server_started")):
+    if pid and running(pid, state.get("server_started")):
         with contextlib.suppress(OSError):
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             if str(settings.temporal_db_file) in cmdline:
                 os.kill(pid, signal.SIGTERM)
                 for _ in range(100):
-                    if not alive(pid, state.get("server_started")):
+                    if not running(pid, state.get("server_started")):
                         break
                     await asyncio.sleep(0.1)
 

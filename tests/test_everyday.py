@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from activities.sandbox_reaper import running
 from durable_rlm.runtime import EmbeddedServer, free_port, open_stores
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.server import alive
 from durable_rlm.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def wait_server_gone(home: Path, timeout_s: float = 30) -> None:
     state = server_state(home)
     while time.monotonic() < deadline:
         current = server_state(home)
-        if current is None and (state is None or not alive(state["pid"], state["started"])):
+        if current is None and (state is None or not running(state["pid"], state["started"])):
             return
         time.sleep(0.2)
     raise AssertionError(f"the shared server is still up: {server_state(home)}")
