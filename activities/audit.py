@@ -7,6 +7,7 @@ import asyncio
 
 import sqlalchemy as sa
 from temporalio import activity
+from temporalio.worker import Interceptor
 
 from durable_rlm import schema
 from workflows import names
@@ -55,3 +56,10 @@ def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
         ).rowcount
         if not updated:
             conn.execute(table.insert().values(episode_id=record.episode_id, **values))
+
+
+class AuditInterceptor(Interceptor):
+    """Writes each completed step's audit rows (NOT FINISHED: being built, issue 9)."""
+
+    def __init__(self, engine: sa.Engine | None) -> None:
+        self.engine = engine

@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("audit-rebuild", help="rebuild the SQL audit projection from the histories")
 
+    export = sub.add_parser("export", help="write an episode as an rlms trajectory log or as JSON")
+    export.add_argument("episode_id")
+    export.add_argument("--format", choices=("rlms", "json"), default="rlms")
+    export.add_argument("-o", "--output", help="write to this file (default: standard output)")
+
     listing = sub.add_parser("list", help="episodes in the audit store")
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument(
@@ -669,6 +674,12 @@ async def _cancelled(services: Services, args: argparse.Namespace, outcome: Canc
     return EXIT_OK if code == EXIT_CANCELLED else code
 
 
+async def _export(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.export import export_command
+
+    return await export_command(settings, args.episode_id, args.format, args.output)
+
+
 async def _list(settings: Settings, args: argparse.Namespace) -> int:
     """From the audit store alone (no server). Rows of episodes that ended without writing
     theirs (terminated, timed out) are settled by every worker each minute, by the shared
@@ -732,6 +743,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         "reward": _reward,
         "cancel": _cancel,
         "list": _list,
+        "export": _export,
     }
     return await commands[args.command](settings, args)
 

@@ -17,7 +17,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.audit import AuditActivities
+from activities.audit import AuditActivities, AuditInterceptor
 from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
@@ -40,6 +40,7 @@ from durable_rlm.server import (  # noqa: F401 - re-exported: tests and benchmar
 )
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.snapshot_key import snapshot_key as load_snapshot_key
+from durable_rlm.telemetry import worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from workflows import defaults
 from workflows.episode import EpisodeWorkflow
@@ -127,6 +128,8 @@ def build_workers(
     )
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
+    # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
+    interceptors = [AuditInterceptor(engine), *worker_interceptors()]
     extraction = ExtractionActivities(models, blobs)
     repl_activities = [repl.execute_cell, repl.resume_cell, repl.read_variable, repl.close_sandbox]
     shared = Worker(
@@ -143,6 +146,7 @@ def build_workers(
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
+        interceptors=interceptors,
         max_concurrent_activities=activity_slots,
         # Every live episode stays cached: an evicted one replays its history, and its REPL
         # (local steps) is rebuilt; each may run one local REPL step at a time.
@@ -156,7 +160,13 @@ def build_workers(
         default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     # REPL steps of episodes from before local steps come back here, to their sandbox.
-    own = Worker(client, task_queue=worker_queue, activities=repl_activities, max_concurrent_activities=64)
+    own = Worker(
+        client,
+        task_queue=worker_queue,
+        activities=repl_activities,
+        interceptors=interceptors,
+        max_concurrent_activities=64,
+    )
     return [shared, own], repl
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from temporalio.client import Interceptor
+from temporalio.worker import Interceptor as WorkerInterceptor
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
@@ -35,3 +36,9 @@ def client_interceptors(kind: str, exporter: SpanExporter | None = None) -> list
     else:
         provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     return [TracingInterceptor(tracer=provider.get_tracer("durable-rlm"))]
+
+
+def worker_interceptors() -> list[WorkerInterceptor]:
+    """Interceptors every worker runs: spans and metrics per model call and REPL cell.
+    NOT FINISHED: being built (issue 9, OpenTelemetry)."""
+    return []
