@@ -152,9 +152,10 @@ class ModelActivities:
             what = "a chat completion without choices" if not choices else "a choice without a message"
             raise bad_reply(settings, base_url, what, body_text(raw))
         choice = choices[0]
-        usage = TokenUsage(
-            prompt_tokens=getattr(response.usage, "prompt_tokens", 0) or 0,
-            completion_tokens=getattr(response.usage, "completion_tokens", 0) or 0,
+        usage = TokenUsage.priced(
+            getattr(response.usage, "prompt_tokens", 0) or 0,
+            getattr(response.usage, "completion_tokens", 0) or 0,
+            settings.price,
         )
         return Completion(message.content or "", usage, elapsed, mean_logprob(choice))
 
@@ -219,9 +220,10 @@ class ModelActivities:
         if content is None:  # an empty list is an empty reply; no list at all is not a message
             raise bad_reply(settings, base_url, "a message without content", body_text(raw))
         text = "".join(getattr(block, "text", "") or "" for block in content)
-        usage = TokenUsage(
-            prompt_tokens=getattr(response.usage, "input_tokens", 0) or 0,
-            completion_tokens=getattr(response.usage, "output_tokens", 0) or 0,
+        usage = TokenUsage.priced(
+            getattr(response.usage, "input_tokens", 0) or 0,
+            getattr(response.usage, "output_tokens", 0) or 0,
+            settings.price,
         )
         return Completion(text, usage, elapsed)
 

@@ -36,6 +36,7 @@ from durable_rlm.episodes import (
     store_context,
 )
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
+from durable_rlm.prices import PriceTable
 from durable_rlm.runtime import Services, import_policy_modules, session
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.tools import (
@@ -153,8 +154,9 @@ class DurableRLM:
                 "max_attempts": max_attempts,
                 "logprobs": logprobs,
             }
-            root = model_settings(model, base, sampling, provider)
-            shared = root.model_dump(exclude={"model"})
+            prices = PriceTable.load(self.settings)
+            root = prices.priced(model_settings(model, base, sampling, provider))
+            shared = root.model_dump(exclude={"model", "price"})
             sub = None
             if sub_model or sub_sampling is not None or sub_base_url is not None:
                 # Given its own sampling, the sub-model does not inherit the root's.
@@ -164,11 +166,12 @@ class DurableRLM:
                 sub = model_settings(sub_model or model, sub_data, sub_sampling)
                 if sub_base_url is not None and sub.base_url != sub_base_url:
                     sub = ModelSettings(**(sub.model_dump() | {"base_url": sub_base_url}))
+                sub = prices.priced(sub)
             self.template = EpisodeRequest(
                 task="template",
                 root_model=root,
                 sub_model=sub,
-                other_models=[model_settings(name, shared) for name in other_models],
+                other_models=[prices.priced(model_settings(name, shared)) for name in other_models],
                 max_depth=max_depth,
                 limits=EpisodeLimits.model_validate(limits or {}),
                 code_fences=list(code_fences),

@@ -251,6 +251,11 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-tokens", type=int, help="tokens of the episode tree")
     parser.add_argument(
+        "--max-cost-usd",
+        type=float,
+        help="USD of the episode tree, from the price table (DRLM_PRICES_FILE adds models)",
+    )
+    parser.add_argument(
         "--max-children",
         type=int,
         default=defaults.MAX_CHILDREN_PER_BATCH,
@@ -291,6 +296,7 @@ def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
         "context_window_tokens": getattr(args, "context_window", None),
         "max_model_calls": getattr(args, "max_model_calls", None),
         "max_tokens": getattr(args, "max_tokens", None),
+        "max_cost_usd": getattr(args, "max_cost_usd", None),
         "max_children_per_batch": getattr(args, "max_children", defaults.MAX_CHILDREN_PER_BATCH),
     }
     return DurableRLM(

@@ -109,6 +109,13 @@ class Settings(BaseSettings):
         "codec_token", "DRLM_CODEC_TOKEN", None, repr=False, description="bearer token of `drlm codec-server`"
     )
     tracing: str = _env("tracing", "DRLM_TRACING", "off")
+    prices_file: Path | None = _env(
+        "prices_file",
+        "DRLM_PRICES_FILE",
+        None,
+        description="a JSON price table (USD per million tokens) over the shipped one; "
+        "default: prices.json in the data directory, if there is one",
+    )
     policy_modules: str = _env(
         "policy_modules",
         "DRLM_POLICY_MODULES",

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from workflows import defaults
 from workflows.fallback import FallbackReason
-from workflows.models import EpisodeCarry, EpisodeRequest
+from workflows.models import COST_DIGITS, EpisodeCarry, EpisodeRequest
 
 MIN_CHILD_CALLS_WITH_EXTRACTION = 2
 """A child that may have to extract needs one call to work and one held back to extract."""
@@ -46,17 +46,71 @@ def tokens_left(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
     return None if limit is None else limit - tokens_spent(state)
 
 
-def root_call_limit(request: EpisodeRequest, state: EpisodeCarry, calls: int = 1) -> FallbackReason | None:
-    """Whether the next root step (`calls` model calls) would pass the episode's budgets."""
+def cost_spent(state: EpisodeCarry) -> float:
+    return round((state.usage.cost_usd or 0.0) + state.unaccounted_cost_usd, COST_DIGITS)
+
+
+def cost_left(request: EpisodeRequest, state: EpisodeCarry) -> float | None:
+    limit = request.limits.max_cost_usd
+    return None if limit is None else round(limit - cost_spent(state), COST_DIGITS)
+
+
+@dataclass(frozen=True)
+class CallEstimate:
+    """What one root-sized call (the next root call, or an extraction) is expected to spend:
+    the last request's prompt plus its reply and the turns queued since, and a reply as
+    long as the model's max_tokens (or the last reply, at least REPLY_TOKENS_RESERVED)."""
+
+    tokens: int
+    cost_usd: float
+
+    @classmethod
+    def of(cls, request: EpisodeRequest, state: EpisodeCarry) -> CallEstimate:
+        model = request.root_model
+        queued = sum(len(m.content) for m in state.pending) // defaults.CHARS_PER_TOKEN
+        prompt = state.last_prompt_tokens + state.last_reply_tokens + queued
+        reply = model.max_tokens or max(state.last_reply_tokens, defaults.REPLY_TOKENS_RESERVED)
+        cost = model.price.cost(prompt, reply) if model.price is not None else 0.0
+        return cls(tokens=prompt + reply, cost_usd=cost)
+
+
+def root_call_limit(
+    request: EpisodeRequest, state: EpisodeCarry, calls: int = 1, reserve: bool = False
+) -> FallbackReason | None:
+    """Whether the next root step (`calls` model calls) would pass the episode's budgets.
+    With `reserve` (patch budget-reserve) the token and cost budgets must also cover the
+    step's estimate and one extraction, so a budget ends the loop while extraction can run."""
     limits = request.limits
     room = model_calls_room(request, state)
     if room is not None and room < calls:
         return FallbackReason(
             kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls or 0
         )
+    need = CallEstimate.of(request, state) if reserve else CallEstimate(0, 0.0)
+    extraction = 1 if request.fallback_extraction else 0
     left = tokens_left(request, state)
-    if left is not None and left <= 0:
+    if left is not None and (left <= 0 or left < need.tokens * (calls + extraction)):
         return FallbackReason(kind="max_tokens", value=tokens_spent(state), limit=limits.max_tokens or 0)
+    money = cost_left(request, state)
+    if money is not None and (money <= 0 or money < need.cost_usd * (calls + extraction)):
+        return FallbackReason(kind="max_cost_usd", value=cost_spent(state), limit=limits.max_cost_usd or 0)
+    return None
+
+
+def extraction_refusal(request: EpisodeRequest, state: EpisodeCarry, reserve: bool = False) -> str | None:
+    """Why no extraction call may be made once a limit is hit, or None when it may."""
+    need = CallEstimate.of(request, state) if reserve else CallEstimate(1, 0.0)
+    left = tokens_left(request, state)
+    if left is not None and left < need.tokens:
+        if left <= 0:
+            return "the token budget is spent, so no extraction call was made"
+        return f"the token budget cannot pay for an extraction call ({left} left, ~{need.tokens} needed)"
+    money = cost_left(request, state)
+    if money is not None and (money <= 0 or money < need.cost_usd):
+        return f"the cost budget cannot pay for an extraction call (${max(money, 0):.4f} left)"
+    calls = request.limits.max_model_calls
+    if calls is not None and state.model_calls >= calls:
+        return "the model-call budget is spent, so no extraction call was made"
     return None
 
 
@@ -70,6 +124,9 @@ def sub_call_refusal(request: EpisodeRequest, state: EpisodeCarry) -> str | None
     left = tokens_left(request, state)
     if left is not None and left <= 0:
         return f"max_tokens ({limits.max_tokens}) spent: the call was not made"
+    money = cost_left(request, state)
+    if money is not None and money <= 0:
+        return f"max_cost_usd ({limits.max_cost_usd}) spent: the call was not made"
     return None
 
 
@@ -78,6 +135,7 @@ class ChildBudget:
     model_calls: int
     tokens: int | None
     deadline: datetime
+    cost_usd: float | None = None
 
 
 def child_budgets(
@@ -95,9 +153,13 @@ def child_budgets(
     tokens = None if left is None else left // children
     if tokens is not None and tokens < 1:
         return f"budget exhausted: the token budget ({request.limits.max_tokens}) is spent"
+    money = cost_left(request, state)
+    cost = None if money is None else round(money / children, COST_DIGITS)
+    if cost is not None and cost <= 0:
+        return f"budget exhausted: the cost budget (${request.limits.max_cost_usd}) is spent"
     if state.deadline <= now:
         return "budget exhausted: the episode's deadline has passed"
     slack = min((state.deadline - now) / 10, timedelta(seconds=defaults.CHILD_DEADLINE_SLACK_S))
     # A little before the parent's: a child that runs out of time extracts its answer before
     # the parent's own timer cancels it.
-    return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline - slack)
+    return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline - slack, cost_usd=cost)

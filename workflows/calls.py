@@ -69,6 +69,7 @@ class CallResult:
     model_time_s: float = 0.0
     child: ChildEpisode | None = None  # set when a child episode ran (its spend is in it)
     unaccounted_tokens: int = 0  # tokens of descendants whose spend is unknown (their share)
+    unaccounted_cost_usd: float = 0.0  # likewise, their cost share
 
 
 Start = Callable[[CallSite, SubCallRequest, ModelSettings, ChildBudget | None], Awaitable[CallResult]]
@@ -129,6 +130,7 @@ def child_request(
             "max_llm_calls": min(parent.limits.max_llm_calls, budget.model_calls),
             "max_model_calls": budget.model_calls,
             "max_tokens": budget.tokens,
+            "max_cost_usd": budget.cost_usd,
         }
     )
     return EpisodeRequest(
@@ -209,6 +211,7 @@ async def child_episode(
             text=f"child episode {episode_id} {ended}: {problem}",
             child=charged,
             unaccounted_tokens=budget.tokens or 0,
+            unaccounted_cost_usd=budget.cost_usd or 0.0,
         )
     answered = result.answer is not None
     summary = summary.model_copy(
@@ -236,6 +239,7 @@ async def child_episode(
         model_time_s=result.model_time_s,
         child=summary,
         unaccounted_tokens=unaccounted,
+        unaccounted_cost_usd=result.unaccounted_cost_usd,
     )
 
 

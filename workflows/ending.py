@@ -64,6 +64,7 @@ LIMIT_ENDED_BY: dict[str, EndReason] = {
     "cancelled": "cancelled",
     "max_model_calls": "max_model_calls",
     "max_tokens": "max_tokens",
+    "max_cost_usd": "max_cost_usd",
 }
 
 

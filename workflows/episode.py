@@ -33,7 +33,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, legacy, metadata, names, prompts
-    from workflows.budget import root_call_limit, tokens_left
+    from workflows.budget import extraction_refusal, root_call_limit
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
         CANCELLED,
@@ -123,6 +123,7 @@ class EpisodeWorkflow:
         self._paused: str | None = None
         self._phase_before_pause = ""
         self._search = False  # upsert the UI's search attributes (started with them, patched)
+        self._reserve = False  # token and cost budgets keep room for an extraction (patched)
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -137,6 +138,9 @@ class EpisodeWorkflow:
         if request.carry is not None:
             self._policy.set_state(request.carry.policy_state)
         self._depth = request.depth
+        limits = request.limits
+        if limits.max_tokens is not None or limits.max_cost_usd is not None:
+            self._reserve = workflow.patched(names.PATCH_BUDGET_RESERVE)
         if workflow.patched(names.PATCH_UI_METADATA):
             workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
             self._search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
@@ -321,7 +325,7 @@ class EpisodeWorkflow:
                 ExecutionState(iterations=s.iteration, llm_calls=s.sub_calls, elapsed=self._elapsed(request))
             )
             if reason is None:
-                reason = root_call_limit(request, s)
+                reason = root_call_limit(request, s, reserve=self._reserve)
             if reason is not None:
                 if self._honest:
                     return LimitReached(reason)
@@ -351,7 +355,7 @@ class EpisodeWorkflow:
         """The root model's next reply. A context overflow compacts and retries once."""
         s = self._state
         if self._honest and needs_compaction(s, s.pending, request.limits, request.root_model):
-            over = root_call_limit(request, s, calls=2)
+            over = root_call_limit(request, s, calls=2, reserve=self._reserve)
             if over is not None:
                 return LimitReached(over)
             share = f"{request.limits.compact_at:.0%}"
@@ -365,7 +369,7 @@ class EpisodeWorkflow:
                 raise_if_cancelled(err)
             if not (self._honest and is_context_overflow(err)):
                 return model_error_ending(describe_failure(err))
-        over = root_call_limit(request, s, calls=2)
+        over = root_call_limit(request, s, calls=2, reserve=self._reserve)
         if over is not None:
             return LimitReached(over)
         failed = await self._compact(request, "the model said the request exceeds its context window", keep=0)
@@ -584,14 +588,9 @@ class EpisodeWorkflow:
             return Ending(LIMIT_ENDED_BY[reason.kind], None, "none", str(reason), None)
         if not request.fallback_extraction:
             return unextracted_ending(reason, "fallback extraction is disabled")
-        tokens = tokens_left(request, s)
-        if tokens is not None and tokens <= 0:
-            return unextracted_ending(reason, "the token budget is spent, so no extraction call was made")
-        calls = request.limits.max_model_calls
-        if calls is not None and s.model_calls >= calls:
-            return unextracted_ending(
-                reason, "the model-call budget is spent, so no extraction call was made"
-            )
+        refusal = extraction_refusal(request, s, reserve=self._reserve)
+        if refusal is not None:
+            return unextracted_ending(reason, refusal)
         fields = request.output_fields or ANSWER_FIELDS
         model = request.root_model
         self._set_phase(f"extracting ({reason})")
@@ -652,6 +651,7 @@ class EpisodeWorkflow:
             tree_episodes=s.tree_episodes,
             children=s.children,
             unaccounted_tokens=s.unaccounted_tokens,
+            unaccounted_cost_usd=s.unaccounted_cost_usd,
         )
 
     async def _close(self, request: EpisodeRequest, status: EpisodeStatus, error: str) -> None:

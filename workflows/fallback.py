@@ -373,6 +373,7 @@ class FallbackReason(BaseModel):
         "cancelled",
         "max_model_calls",
         "max_tokens",
+        "max_cost_usd",
     ]
     value: float
     limit: float
@@ -385,6 +386,8 @@ class FallbackReason(BaseModel):
             return f"model-call budget spent ({self.value:g}/{self.limit:g}, one kept for extraction)"
         if self.kind == "max_tokens":
             return f"token budget spent ({self.value:g}/{self.limit:g} tokens)"
+        if self.kind == "max_cost_usd":
+            return f"cost budget spent (${self.value:.4f} of ${self.limit:.4f})"
         if self.kind == "max_iterations":
             return f"max iterations reached ({self.value:g}/{self.limit:g})"
         if self.kind == "max_llm_calls":

@@ -27,6 +27,23 @@ Provider = Literal["openai", "anthropic"]
 API_KEY_ENV: dict[str, str] = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 
 
+class ModelPrice(StrictModel):
+    """List price of a model in USD per million tokens (durable_rlm/prices.py looks it up)."""
+
+    input_usd_per_mtok: float = Field(ge=0)
+    output_usd_per_mtok: float = Field(ge=0)
+
+    def cost(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return round(
+            (prompt_tokens * self.input_usd_per_mtok + completion_tokens * self.output_usd_per_mtok) / 1e6,
+            COST_DIGITS,
+        )
+
+
+COST_DIGITS = 9
+"""USD costs are rounded to a billionth of a dollar, so sums are the same wherever made."""
+
+
 class ModelSettings(StrictModel):
     """Where a model lives. Never holds a secret: only the name of the worker's env var.
 
@@ -49,6 +66,9 @@ class ModelSettings(StrictModel):
     request_timeout_s: float = Field(default=defaults.REQUEST_TIMEOUT_S, gt=0)
     max_attempts: int = Field(default=defaults.MODEL_ATTEMPTS, ge=1)
     logprobs: bool = Field(default=False, description="ask for token logprobs (a confidence source)")
+    price: ModelPrice | None = Field(
+        default=None, description="set from the price table when the request is made; None: cost unknown"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -105,6 +125,12 @@ class EpisodeLimits(StrictModel):
         default=None,
         ge=1,
         description="tokens of the episode and its children; no call starts once they are spent",
+    )
+    max_cost_usd: float | None = Field(
+        default=None,
+        gt=0,
+        description="USD of the episode and its children, from the price table; every model "
+        "the episode can call needs a price",
     )
     max_children_per_batch: int = Field(
         default=defaults.MAX_CHILDREN_PER_BATCH, ge=1, le=defaults.MAX_CHILDREN_PER_BATCH_CEILING
@@ -304,6 +330,19 @@ class EpisodeRequest(StrictModel):
         return self.depth + 1 < self.max_depth
 
     @model_validator(mode="after")
+    def _cost_limit_priced(self) -> EpisodeRequest:
+        if self.limits.max_cost_usd is None:
+            return self
+        models = (self.root_model, self.effective_sub_model, *self.other_models)
+        unpriced = [m.model for m in models if m.price is None]
+        if unpriced:
+            raise ValueError(
+                f"max_cost_usd needs a price for every model the episode can call; none for "
+                f"{', '.join(dict.fromkeys(unpriced))} (add it to a price file: DRLM_PRICES_FILE)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _depth_within_max(self) -> EpisodeRequest:
         if self.depth >= self.max_depth:
             raise ValueError(f"depth {self.depth} must be below max_depth {self.max_depth}")
@@ -337,6 +376,7 @@ EndReason = Literal[
     "cancelled",
     "max_model_calls",
     "max_tokens",
+    "max_cost_usd",
 ]
 
 AnswerSource = Literal["model", "policy", "extraction", "none"]
@@ -347,15 +387,26 @@ policy (answer_policy names it), fallback extraction (see confidence), or nobody
 class TokenUsage(StrictModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cost_usd: float | None = Field(
+        default=0.0, description="USD from the model's price; None once any call's price is unknown"
+    )
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    @classmethod
+    def priced(cls, prompt_tokens: int, completion_tokens: int, price: ModelPrice | None) -> TokenUsage:
+        """A call's usage and its cost: null for a model without a price, never a guess."""
+        cost = None if price is None else price.cost(prompt_tokens, completion_tokens)
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost)
+
     def add(self, other: TokenUsage) -> TokenUsage:
+        known = self.cost_usd is not None and other.cost_usd is not None
         return TokenUsage(
             prompt_tokens=self.prompt_tokens + other.prompt_tokens,
             completion_tokens=self.completion_tokens + other.completion_tokens,
+            cost_usd=round(self.cost_usd + other.cost_usd, COST_DIGITS) if known else None,  # type: ignore[operator]
         )
 
 
@@ -413,6 +464,9 @@ class EpisodeResult(StrictModel):
     children: list[ChildEpisode] = Field(default_factory=list, description="direct children")
     unaccounted_tokens: int = Field(
         default=0, description="token shares charged for descendants whose spend is unknown"
+    )
+    unaccounted_cost_usd: float = Field(
+        default=0.0, description="cost shares charged for descendants whose spend is unknown"
     )
 
     @property
@@ -689,6 +743,15 @@ class RewardUpdate(StrictModel):
         return value
 
 
+class RewardRecord(StrictModel):
+    """A reward as the audit store records it: which iteration it came during."""
+
+    number: int = Field(description="1 for the episode's first reward")
+    iteration: int
+    value: float
+    note: str | None = None
+
+
 class RewardReceipt(StrictModel):
     accepted: int
     pending: float
@@ -768,6 +831,12 @@ class EpisodeCarry(StrictModel):
     tree_episodes: int = 1
     unaccounted_tokens: int = Field(
         default=0, description="token shares of children that ended without telling their spend"
+    )
+    unaccounted_cost_usd: float = Field(
+        default=0.0, description="cost shares of children that ended without telling their spend"
+    )
+    rewards: list[RewardRecord] = Field(
+        default_factory=list, description="the latest rewards received (for the audit's events)"
     )
 
     def charge(self, usage: TokenUsage, model_time_s: float, calls: int = 1) -> None:

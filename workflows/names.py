@@ -61,6 +61,8 @@ PATCH_SNAPSHOTS = "repl-snapshots"  # REPL steps are asked to snapshot the names
 PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call until retry_credentials
 # The memo and search attributes the Temporal UI lists (workflows/metadata.py): commands of their own.
 PATCH_UI_METADATA = "ui-metadata"
+# Token and cost budgets end the loop while they can still pay for an extraction (budget.py).
+PATCH_BUDGET_RESERVE = "budget-reserve"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

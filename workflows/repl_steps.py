@@ -23,6 +23,7 @@ from workflows import defaults, metadata, names
 from workflows.budget import ChildBudget, child_budgets, sub_call_refusal
 from workflows.calls import CallResult, CallSite, Route, route_for
 from workflows.models import (
+    COST_DIGITS,
     CallAnswer,
     CellOutcome,
     CloseSandboxInput,
@@ -357,5 +358,8 @@ class ReplSteps:
         if done.child is not None:
             state.charge_child(done.child, done.usage, done.model_time_s)
             state.unaccounted_tokens += done.unaccounted_tokens
+            state.unaccounted_cost_usd = round(
+                state.unaccounted_cost_usd + done.unaccounted_cost_usd, COST_DIGITS
+            )
         else:
             state.charge(done.usage, done.model_time_s, calls=0)  # counted when started
