@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -55,11 +56,16 @@ async def count_local_start(blobs: BlobStore, limit: int = defaults.REPL_ATTEMPT
 @contextlib.asynccontextmanager
 async def echoed(echo: StepEcho) -> AsyncIterator[Callable[[CellOutcome], CellOutcome]]:
     """A local step repeats its input in what it returns, and in the details of a failure
-    (history holds a local activity's result, not its input)."""
+    (history holds a local activity's result, not its input). Every step also says when it
+    ran, for the audit store's cell durations."""
     local = activity.in_activity() and activity.info().is_local
+    started = datetime.now(UTC)
 
     def attach(outcome: CellOutcome) -> CellOutcome:
-        return outcome.model_copy(update={"step": echo}) if local else outcome
+        update: dict[str, object] = {"started_at": started, "ended_at": datetime.now(UTC)}
+        if local:
+            update["step"] = echo
+        return outcome.model_copy(update=update)
 
     try:
         yield attach

@@ -1,42 +1,218 @@
-"""Writes the SQL projection of episodes. History stays the source of truth; this table can
-be dropped and rebuilt, so writes are idempotent upserts keyed by episode id."""
+"""Writes the SQL audit projection (DESIGN invariant 6) as an episode goes.
+
+History stays the source of truth. Each completed step's rows come from one function of
+the step's input and result (`rows_of_step`), which `drlm audit-rebuild` applies to the
+same inputs and results read back from history, so live and rebuilt tables are equal.
+Every row has a key derived from the step (episode, iteration, cell, call), so a retried
+step rewrites its rows instead of adding any. A write that fails or takes longer than
+WRITE_TIMEOUT_S is logged and dropped: the audit never blocks or fails an episode (a
+rebuild restores what was dropped).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
 
 import sqlalchemy as sa
 from temporalio import activity
-from temporalio.worker import Interceptor
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ExecuteActivityInput,
+    Interceptor,
+)
 
 from durable_rlm import schema
 from workflows import names
-from workflows.models import AuditEpisodeInput
+from workflows.models import (
+    AuditEpisodeInput,
+    CellOutcome,
+    CompactionReply,
+    ExecuteCellInput,
+    ExtractionReply,
+    ModelSettings,
+    ResumeCellInput,
+    RootCompletion,
+    RootCompletionInput,
+    SubQueryInput,
+    SubQueryReply,
+    TokenUsage,
+)
+
+log = logging.getLogger(__name__)
+
+WRITE_TIMEOUT_S = 2.0
+"""Longest a step waits for its audit rows; past it the step goes on and the rows are dropped."""
+
+TEXT_CHARS = 100_000
+"""Longest text a row keeps (prompts, responses, output); the blob store has every byte."""
 
 
-class AuditActivities:
-    def __init__(self, engine: sa.Engine | None) -> None:
-        self.engine = engine
+@dataclass(frozen=True)
+class Row:
+    table: sa.Table
+    values: dict[str, Any]
+    merge: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = field(default=None)
 
-    @activity.defn(name=names.AUDIT_EPISODE)
-    async def audit_episode(self, record: AuditEpisodeInput) -> None:
-        if self.engine is not None:
-            await asyncio.to_thread(upsert_episode, self.engine, record)
+    @property
+    def key(self) -> dict[str, Any]:
+        return {c.name: self.values[c.name] for c in self.table.primary_key.columns}
 
 
-def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
-    """Insert or update one episode's row: the same write for the activity and a rebuild."""
-    values: dict[str, object] = {
+def rows_of_step(episode_id: str, activity_type: str, arg: Any, result: Any) -> list[Row]:
+    """The audit rows of one completed step: live (the interceptor) and rebuilt (history)."""
+    if activity_type == names.ROOT_COMPLETION:
+        return _root_rows(episode_id, arg, result)
+    if activity_type == names.SUB_QUERY:
+        call = f"sub:{arg.cell_index}.{arg.call_index}"
+        return [
+            _call_row(episode_id, call, "sub", arg.model, result, result.text, arg.iteration, arg, arg.prompt)
+        ]
+    if activity_type == names.COMPACT_CONVERSATION and result.removed_messages:
+        why = "overflow" if arg.keep_messages == 0 else "window"
+        call = f"compact:{arg.iteration}:{why}"
+        return [_call_row(episode_id, call, "compaction", arg.model, result, result.summary, arg.iteration)]
+    if activity_type == names.EXTRACT_FALLBACK and result.error is None:
+        return [_call_row(episode_id, "extract", "extraction", arg.model, result, result.text)]
+    if activity_type in (names.REPL_EXECUTE, names.REPL_RESUME):
+        return _cell_rows(episode_id, activity_type, arg, result)
+    if activity_type == names.AUDIT_EPISODE:
+        return episode_rows(arg)
+    return []
+
+
+def _root_rows(episode_id: str, arg: RootCompletionInput, reply: RootCompletion) -> list[Row]:
+    iteration = Row(
+        schema.iterations,
+        {
+            "episode_id": episode_id,
+            "iteration": arg.iteration,
+            "response": _clip(reply.text),
+            "prompt_tokens": reply.usage.prompt_tokens,
+            "completion_tokens": reply.usage.completion_tokens,
+            "cost_usd": reply.usage.cost_usd,
+            "model_time_s": reply.model_time_s,
+            "started_at": reply.started_at,
+        },
+    )
+    call = _call_row(episode_id, f"root:{arg.iteration}", "root", arg.model, reply, reply.text, arg.iteration)
+    return [iteration, call]
+
+
+def _call_row(
+    episode_id: str,
+    call_id: str,
+    role: str,
+    model: ModelSettings,
+    reply: RootCompletion | SubQueryReply | CompactionReply | ExtractionReply,
+    text: str,
+    iteration: int | None = None,
+    site: SubQueryInput | None = None,
+    prompt: str | None = None,
+) -> Row:
+    usage: TokenUsage = reply.usage
+    return Row(
+        schema.model_calls,
+        {
+            "episode_id": episode_id,
+            "call_id": call_id,
+            "role": role,
+            "iteration": iteration,
+            "cell_index": site.cell_index if site else None,
+            "call_index": site.call_index if site else None,
+            "provider": model.provider,
+            "model": model.model,
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cost_usd": usage.cost_usd,
+            "latency_s": reply.model_time_s,
+            "prompt_digest": reply.prompt_digest,
+            "response_digest": digest(text),
+            "prompt": None if prompt is None else _clip(prompt),
+            "response": _clip(text),
+            "started_at": reply.started_at,
+        },
+    )
+
+
+def _cell_rows(
+    episode_id: str, activity_type: str, arg: ExecuteCellInput | ResumeCellInput | None, outcome: CellOutcome
+) -> list[Row]:
+    """A cell's row grows step by step: the first step gives its code, the last its output.
+    A local step's input is not in history, so its echo (in the result) names the cell."""
+    echo = outcome.step
+    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]
+    values: dict[str, Any] = {
+        "episode_id": episode_id,
+        "cell_index": cell_index,
+        "status": "completed" if outcome.status == "completed" else "running",
+        "sub_calls": max((r.call_index + 1 for r in outcome.requests), default=0),
+        "rebuilt": outcome.rebuilt,
+    }
+    if activity_type == names.REPL_EXECUTE:
+        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]
+        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]
+        values["started_at"] = outcome.started_at
+    if outcome.status == "completed":
+        values.update(
+            stdout=_clip(outcome.stdout),
+            stderr=_clip(outcome.stderr),
+            error=outcome.error,
+            ended_at=outcome.ended_at,
+        )
+    rows = [Row(schema.cells, values, merge=_merge_cell)]
+    for number, note in enumerate(outcome.divergences):
+        rows.append(_event(episode_id, f"divergence:{cell_index}:{number}", "replay_divergence", detail=note))
+    if outcome.rebuild is not None:
+        report = outcome.rebuild
+        detail = f"{report.cells_rerun} cell(s) re-run" + (
+            f" after the snapshot of cell {report.from_snapshot}" if report.from_snapshot is not None else ""
+        )
+        rows.append(
+            _event(episode_id, f"rebuilt:{cell_index}", "repl_rebuilt", value=report.seconds, detail=detail)
+        )
+    return rows
+
+
+def _merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    merged = {**old, **new}
+    merged["sub_calls"] = max(old.get("sub_calls") or 0, new["sub_calls"])
+    merged["rebuilt"] = bool(old.get("rebuilt")) or new["rebuilt"]
+    start, end = merged.get("started_at"), merged.get("ended_at")
+    if start is not None and end is not None:
+        merged["duration_s"] = round((_aware(end) - _aware(start)).total_seconds(), 6)
+    return merged
+
+
+def episode_rows(record: AuditEpisodeInput) -> list[Row]:
+    """The episode's row (written when it starts and when it ends) and its events."""
+    values: dict[str, Any] = {
+        "episode_id": record.episode_id,
         "run_id": record.run_id,
         "task": record.task[:10_000],
         "root_model": record.root_model,
         "status": record.status,
         "error": record.error,
         "stop_reason": record.error,
-        "updated_at": sa.func.now(),
+        "sub_model": record.sub_model,
+        "parent_id": record.parent_id,
+        "depth": record.depth,
+        "limits": record.limits,
     }
-    if record.result is not None:
-        result = record.result
+    if record.started_at is not None:
+        values["started_at"] = record.started_at
+    if record.ended_at is not None:
+        values["ended_at"] = record.ended_at
+    events = [_event(record.episode_id, e.key, e.kind, e.iteration, e.value, e.detail) for e in record.events]
+    result = record.result
+    if result is not None:
+        variant = result.execution.variant if result.execution is not None else None
+        reason = getattr(variant, "reason", None)
         values.update(
             ended_by=result.ended_by,
             answer=result.answer,
@@ -45,21 +221,145 @@ def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
             stop_reason=result.stop_reason,
             iterations=result.iterations,
             model_calls=result.model_calls,
+            sub_calls=result.sub_calls,
             prompt_tokens=result.usage.prompt_tokens,
             completion_tokens=result.usage.completion_tokens,
+            cost_usd=result.usage.cost_usd,
+            model_time_s=result.model_time_s,
+            tree_episodes=result.tree_episodes,
             error=result.error,
+            execution_variant=variant.kind if variant is not None else None,
+            fallback_reason=reason.kind if reason is not None and not isinstance(reason, str) else None,
         )
-    table = schema.episodes
+        if result.termination is not None:
+            t = result.termination
+            events.append(
+                _event(
+                    record.episode_id,
+                    "termination",
+                    "termination",
+                    t.step + 1,
+                    detail=f"{t.policy}: {t.reason}",
+                )
+            )
+        if reason is not None and not isinstance(reason, str):
+            events.append(
+                _event(
+                    record.episode_id, "fallback", "fallback", result.iterations, reason.value, str(reason)
+                )
+            )
+        events.append(
+            _event(
+                record.episode_id,
+                "ended",
+                "ended",
+                result.iterations,
+                detail=f"{result.ended_by}: {result.stop_reason}",
+            )
+        )
+    elif record.status != "running":
+        events.append(_event(record.episode_id, "ended", "ended", detail=f"{record.status}: {record.error}"))
+    return [Row(schema.episodes, values, merge=_merge_episode), *events]
+
+
+def _merge_episode(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    return {**old, **new, "updated_at": sa.func.now()}
+
+
+def _event(
+    episode_id: str,
+    key: str,
+    kind: str,
+    iteration: int | None = None,
+    value: float | None = None,
+    detail: str | None = None,
+) -> Row:
+    return Row(
+        schema.events,
+        {
+            "episode_id": episode_id,
+            "event_key": key,
+            "kind": kind,
+            "iteration": iteration,
+            "value": value,
+            "detail": None if detail is None else _clip(detail),
+        },
+    )
+
+
+def write_rows(engine: sa.Engine, rows: Sequence[Row]) -> None:
+    """Upsert the rows in one transaction: a row's key finds the row a retry wrote before."""
     with engine.begin() as conn:
-        updated = conn.execute(
-            table.update().where(table.c.episode_id == record.episode_id).values(**values)
-        ).rowcount
-        if not updated:
-            conn.execute(table.insert().values(episode_id=record.episode_id, **values))
+        for row in rows:
+            table = row.table
+            where = sa.and_(*(table.c[name] == value for name, value in row.key.items()))
+            values = row.values
+            if row.merge is not None:
+                old = conn.execute(sa.select(table).where(where)).mappings().first()
+                values = row.merge(dict(old) if old is not None else {}, values)
+            updated = conn.execute(table.update().where(where).values(**values)).rowcount
+            if not updated:
+                conn.execute(table.insert().values(**{**row.key, **values}))
+
+
+def digest(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _clip(text: str) -> str:
+    return (
+        text
+        if len(text) <= TEXT_CHARS
+        else text[:TEXT_CHARS] + f"\n[... {len(text) - TEXT_CHARS} more chars]"
+    )
+
+
+def _aware(moment: datetime) -> datetime:
+    """SQLite hands datetimes back naive (in UTC); the results' are aware."""
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+class AuditActivities:
+    def __init__(self, engine: sa.Engine | None) -> None:
+        self.engine = engine
+
+    @activity.defn(name=names.AUDIT_EPISODE)
+    async def audit_episode(self, record: AuditEpisodeInput) -> None:
+        """The episode's own row: retried by its activity's policy, unlike the step rows."""
+        if self.engine is not None:
+            await asyncio.to_thread(write_rows, self.engine, episode_rows(record))
 
 
 class AuditInterceptor(Interceptor):
-    """Writes each completed step's audit rows (NOT FINISHED: being built, issue 9)."""
+    """Writes each completed step's rows on the worker that ran it (REPL steps that run as
+    local activities included): the audit store follows the episode step by step."""
 
     def __init__(self, engine: sa.Engine | None) -> None:
         self.engine = engine
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _AuditInbound(next, self.engine) if self.engine is not None else next
+
+
+class _AuditInbound(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, engine: sa.Engine) -> None:
+        super().__init__(next)
+        self.engine = engine
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        result = await super().execute_activity(input)
+        info = activity.info()
+        if info.activity_type == names.AUDIT_EPISODE or not input.args:
+            return result
+        try:
+            rows = rows_of_step(info.workflow_id or "", info.activity_type, input.args[0], result)
+            if rows:
+                await asyncio.wait_for(asyncio.to_thread(write_rows, self.engine, rows), WRITE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the audit never fails a step; a rebuild restores it
+            log.warning("audit rows of %s in %s not written: %r", info.activity_type, info.workflow_id, exc)
+        return result
+
+
+def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:
+    """The episode's row and events alone (reconciling an episode that ended unaudited)."""
+    write_rows(engine, episode_rows(record))

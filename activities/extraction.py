@@ -62,6 +62,7 @@ class ExtractionActivities:
             model_time_s=done.elapsed,
             history=history,
             prompt_chars=len(prompt),
+            **done.facts.model_dump(),
         )
 
     def history(self, messages: list[Message], log_head: str | None) -> list[REPLHistoryEntry]:

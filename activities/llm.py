@@ -10,11 +10,15 @@ JSONDecodeError.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import inspect
+import json
 import os
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import anthropic
@@ -27,6 +31,7 @@ from activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
 from workflows.models import (
+    CallFacts,
     CompactionInput,
     CompactionReply,
     Message,
@@ -63,6 +68,14 @@ class Completion:
     usage: TokenUsage
     elapsed: float
     mean_logprob: float | None = None
+    facts: CallFacts = dataclasses.field(default_factory=CallFacts)
+
+
+def call_facts(messages: list[Message]) -> CallFacts:
+    """When the call started and a digest of what it sent (the audit's prompt digest)."""
+    sent = json.dumps([m.model_dump() for m in messages], sort_keys=True, ensure_ascii=False)
+    digest = "sha256:" + hashlib.sha256(sent.encode()).hexdigest()
+    return CallFacts(started_at=datetime.now(UTC), prompt_digest=digest)
 
 
 def body_text(raw: Any) -> str:
@@ -116,8 +129,14 @@ class ModelActivities:
         return client
 
     async def complete(self, settings: ModelSettings, messages: list[Message]) -> Completion:
+        facts = call_facts(messages)
         if settings.provider == "anthropic":
-            return await self._complete_anthropic(settings, messages)
+            done = await self._complete_anthropic(settings, messages)
+        else:
+            done = await self._complete_openai(settings, messages)
+        return dataclasses.replace(done, facts=facts)
+
+    async def _complete_openai(self, settings: ModelSettings, messages: list[Message]) -> Completion:
         client = self._client(settings)
         base_url = str(client.base_url)
         kwargs: dict[str, Any] = {}
@@ -246,13 +265,16 @@ class ModelActivities:
             model_time_s=done.elapsed,
             mean_logprob=done.mean_logprob,
             sent_chars=sum(len(m.content) for m in sent),
+            **done.facts.model_dump(),
         )
 
     @activity.defn(name=names.SUB_QUERY)
     async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
         with compact_failures():
             done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
-        return SubQueryReply(text=done.text, usage=done.usage, model_time_s=done.elapsed)
+        return SubQueryReply(
+            text=done.text, usage=done.usage, model_time_s=done.elapsed, **done.facts.model_dump()
+        )
 
     @activity.defn(name=names.COMPACT_CONVERSATION)
     async def compact_conversation(self, request: CompactionInput) -> CompactionReply:
@@ -286,6 +308,7 @@ class ModelActivities:
             kept_messages=len(kept),
             usage=done.usage,
             model_time_s=done.elapsed,
+            **done.facts.model_dump(),
         )
 
     async def _summarise(self, model: ModelSettings, middle: list[Message], input_chars: int) -> Completion:

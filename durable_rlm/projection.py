@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from activities.audit import upsert_episode
+from activities.audit import rows_of_step, upsert_episode, write_rows
 from durable_rlm import schema
 from durable_rlm.episodes import closing_error
 from durable_rlm.settings import Settings
@@ -63,7 +63,9 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
 
 
 async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) -> int:
-    """Write one row per episode from its histories; with `drop`, start from an empty table."""
+    """Write every audit table from histories (and the blob store) alone: each completed
+    step through the function the workers used live, then, for an episode that ended
+    without writing its row (terminated, timed out), the row `reconcile_audit` writes."""
     if drop:
         await asyncio.to_thread(_clear, engine)
     first_runs: dict[str, WorkflowExecution] = {}
@@ -71,10 +73,19 @@ async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) ->
         known = first_runs.get(execution.id)
         if known is None or execution.start_time < known.start_time:
             first_runs[execution.id] = execution
-    for episode_id, first in first_runs.items():
-        record = await record_of(client, episode_id, first.run_id)
-        await asyncio.to_thread(upsert_episode, engine, record)
+    for episode_id in sorted(first_runs):
+        await rebuild_episode(client, engine, episode_id)
+    await reconcile_audit(client, engine)
     return len(first_runs)
+
+
+async def rebuild_episode(client: Client, engine: sa.Engine, episode_id: str) -> None:
+    from durable_rlm.history import completed_steps
+
+    async for step in completed_steps(client, episode_id):
+        rows = rows_of_step(episode_id, step.activity, step.arg, step.result)
+        if rows:
+            await asyncio.to_thread(write_rows, engine, rows)
 
 
 async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
@@ -102,7 +113,8 @@ async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
 
 def _clear(engine: sa.Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(schema.episodes.delete())
+        for table in schema.AUDIT_TABLES:
+            conn.execute(table.delete())
 
 
 async def cache_closed_timelines(settings: Settings, address: str, limit: int = 500) -> int:

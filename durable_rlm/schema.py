@@ -37,7 +37,90 @@ episodes = sa.Table(
     sa.Column("answer_source", sa.String(20)),
     sa.Column("confidence", sa.Float),
     sa.Column("stop_reason", sa.Text),
+    # Since 0004: the request, the tree, timings and cost.
+    sa.Column("parent_id", sa.String(200), index=True),
+    sa.Column("depth", sa.Integer),
+    sa.Column("sub_model", sa.String(200)),
+    sa.Column("limits", sa.Text),  # the request's limits, JSON
+    sa.Column("execution_variant", sa.String(20)),  # submitted / extracted / stopped / failed
+    sa.Column("fallback_reason", sa.String(40)),
+    sa.Column("started_at", sa.DateTime(timezone=True)),
+    sa.Column("ended_at", sa.DateTime(timezone=True)),
+    sa.Column("sub_calls", sa.Integer),
+    sa.Column("cost_usd", sa.Float),  # null: a call's price was unknown
+    sa.Column("model_time_s", sa.Float),
+    sa.Column("tree_episodes", sa.Integer),
 )
+
+# Call granularity (0004): written by each step's activity as it completes, keyed so a
+# retried step writes its row again rather than a second one.
+iterations = sa.Table(
+    "audit_iterations",
+    metadata,
+    sa.Column("episode_id", sa.String(200), primary_key=True),
+    sa.Column("iteration", sa.Integer, primary_key=True),
+    sa.Column("response", sa.Text, nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("cost_usd", sa.Float),
+    sa.Column("model_time_s", sa.Float, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True)),
+)
+
+model_calls = sa.Table(
+    "audit_model_calls",
+    metadata,
+    sa.Column("episode_id", sa.String(200), primary_key=True),
+    sa.Column("call_id", sa.String(80), primary_key=True),  # root:3, sub:5.2, compact:3:window, extract
+    sa.Column("role", sa.String(20), nullable=False),  # root / sub / compaction / extraction
+    sa.Column("iteration", sa.Integer),
+    sa.Column("cell_index", sa.Integer),
+    sa.Column("call_index", sa.Integer),
+    sa.Column("provider", sa.String(20), nullable=False),
+    sa.Column("model", sa.String(200), nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("cost_usd", sa.Float),
+    sa.Column("latency_s", sa.Float, nullable=False),
+    sa.Column("prompt_digest", sa.String(80)),
+    sa.Column("response_digest", sa.String(80), nullable=False),
+    sa.Column("prompt", sa.Text),  # sub-calls: the prompt the cell sent (root prompts: see prompt_digest)
+    sa.Column("response", sa.Text, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True)),
+)
+
+cells = sa.Table(
+    "audit_cells",
+    metadata,
+    sa.Column("episode_id", sa.String(200), primary_key=True),
+    sa.Column("cell_index", sa.Integer, primary_key=True),
+    sa.Column("iteration", sa.Integer),
+    sa.Column("code", sa.Text),
+    sa.Column("status", sa.String(20), nullable=False),  # running / completed
+    sa.Column("stdout", sa.Text),
+    sa.Column("stderr", sa.Text),
+    sa.Column("error", sa.Text),
+    sa.Column("sub_calls", sa.Integer, nullable=False),
+    sa.Column("rebuilt", sa.Boolean, nullable=False),
+    sa.Column("started_at", sa.DateTime(timezone=True)),
+    sa.Column("ended_at", sa.DateTime(timezone=True)),
+    sa.Column("duration_s", sa.Float),
+)
+
+events = sa.Table(
+    "audit_events",
+    metadata,
+    sa.Column("episode_id", sa.String(200), primary_key=True),
+    sa.Column("event_key", sa.String(80), primary_key=True),
+    # termination / fallback / ended / reward / cancel_requested / replay_divergence / repl_rebuilt
+    sa.Column("kind", sa.String(40), nullable=False, index=True),
+    sa.Column("iteration", sa.Integer),
+    sa.Column("value", sa.Float),
+    sa.Column("detail", sa.Text),
+)
+
+AUDIT_TABLES = (episodes, iterations, model_calls, cells, events)
+"""The projection: what `drlm audit-rebuild` writes from histories alone."""
 
 # Timelines of ended episodes (a projection too): `drlm show` reads them without a server.
 episode_timelines = sa.Table(
@@ -50,4 +133,4 @@ episode_timelines = sa.Table(
     sa.Column("cached_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0003"  # alembic head; a test checks they agree
+SCHEMA_REVISION = "0004"  # alembic head; a test checks they agree

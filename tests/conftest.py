@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
@@ -23,7 +24,7 @@ from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
 from durable_rlm.episodes import store_context
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.runtime import EmbeddedServer, Services, free_port, running_workers
 from durable_rlm.scripted import Script, ScriptedModelServer
 from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
@@ -286,3 +287,66 @@ async def host(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActi
     repl = ReplActivities(blob_store, "queue-a", sandboxes, memory_mb=1024)
     yield repl
     await repl.close_all()
+
+
+# --- a throwaway PostgreSQL 15 cluster ---------------------------------------------------
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1, started and removed by the test."""
+    if not (PG_BIN / "initdb").exists():
+        pytest.skip("PostgreSQL 15 server binaries are not installed")
+    pytest.importorskip("psycopg")
+    root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
+    data, sock = root / "data", root / "sock"
+    data.mkdir()
+    sock.mkdir()
+    as_postgres: list[str] = []
+    if os.geteuid() == 0:
+        shutil.chown(root, "postgres")
+        for d in (data, sock):
+            shutil.chown(d, "postgres")
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+    port = free_port()
+    subprocess.run(
+        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
+        check=True,
+        capture_output=True,
+    )
+    subprocess.run(
+        [
+            *as_postgres,
+            str(PG_BIN / "pg_ctl"),
+            "-D",
+            str(data),
+            "-l",
+            str(root / "log"),
+            "-w",
+            "-o",
+            f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}",
+            "start",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    url = f"postgresql+psycopg://drlm@127.0.0.1:{port}/postgres"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with sa.create_engine(url).connect():
+                    break
+            except sa.exc.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        yield url
+    finally:
+        subprocess.run(
+            [*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+            capture_output=True,
+        )
+        shutil.rmtree(root, ignore_errors=True)

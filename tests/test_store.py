@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -19,70 +17,11 @@ from temporalio.api.common.v1 import Payload
 
 from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
 from durable_rlm.codec import ENCODING, ClaimCheckCodec
-from durable_rlm.runtime import free_port
 from durable_rlm.schema import metadata
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store import create_engine, downgrade, migrate, open_store
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
-
-
-@pytest.fixture(scope="module")
-def postgres_url() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on 127.0.0.1, started and removed by the test."""
-    if not (PG_BIN / "initdb").exists():
-        pytest.skip("PostgreSQL 15 server binaries are not installed")
-    pytest.importorskip("psycopg")
-    root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
-    data, sock = root / "data", root / "sock"
-    data.mkdir()
-    sock.mkdir()
-    as_postgres: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        for d in (data, sock):
-            shutil.chown(d, "postgres")
-        as_postgres = ["runuser", "-u", "postgres", "--"]
-    port = free_port()
-    subprocess.run(
-        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        [
-            *as_postgres,
-            str(PG_BIN / "pg_ctl"),
-            "-D",
-            str(data),
-            "-l",
-            str(root / "log"),
-            "-w",
-            "-o",
-            f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    url = f"postgresql+psycopg://drlm@127.0.0.1:{port}/postgres"
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with sa.create_engine(url).connect():
-                    break
-            except sa.exc.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        yield url
-    finally:
-        subprocess.run(
-            [*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
-            capture_output=True,
-        )
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -244,9 +183,7 @@ def test_a_step_stores_its_blobs_in_one_write(engine: sa.Engine, tmp_path: Path)
 def test_processes_opening_a_new_store_at_once_take_turns_migrating(tmp_path: Path) -> None:
     """Two `drlm run` (or a run and a worker) starting together on a new data directory:
     both must find a migrated store, neither may fail on 'table blobs already exists'."""
-    import subprocess
     import sys
-    import time
 
     url = f"sqlite:///{tmp_path / 'new.sqlite'}"
     start_at = time.time() + 3  # every process imported and waiting: they migrate together

@@ -232,3 +232,6 @@ REPL steps being local, rebuilds its sandbox on whichever worker picks it up."""
 ACTIVITY_SLOTS = 512
 """Model calls and tool calls in flight on one worker. A model call is async: waiting on the
 provider holds a slot, not a thread."""
+
+AUDITED_REWARDS = 200
+"""Rewards an episode keeps for the audit store's events (the latest; history has them all)."""

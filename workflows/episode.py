@@ -56,6 +56,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.models import (
         AuditEpisodeInput,
+        AuditEvent,
         CancelReceipt,
         CancelRequest,
         CompactionInput,
@@ -69,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         ExtractionInput,
         ExtractionReply,
         RewardReceipt,
+        RewardRecord,
         RewardUpdate,
         RootCompletion,
         RootCompletionInput,
@@ -112,6 +114,7 @@ class EpisodeWorkflow:
         # Rewards may arrive before the run method has set up its state.
         self._reward_inbox = 0.0
         self._rewards_received = 0
+        self._reward_log: list[RewardRecord] = []  # the latest rewards, for the audit's events
         self._cancel: CancelRequest | None = None
         self._stopping = False  # the loop is being cancelled: a request, the timer, Temporal
         self._closing = False  # the loop is over: a cancel request would change nothing
@@ -146,6 +149,7 @@ class EpisodeWorkflow:
             self._search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
+        self._reward_log[:0] = self._s.rewards
         local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
         self._repl = ReplSteps(
             request,
@@ -182,6 +186,15 @@ class EpisodeWorkflow:
         """A reward from an evaluator or a person; the next policy decision reads it."""
         self._reward_inbox += update.value
         self._rewards_received += 1
+        self._reward_log.append(
+            RewardRecord(
+                number=self._rewards_received,
+                iteration=self._s.iteration if self._s else 0,
+                value=update.value,
+                note=update.note,
+            )
+        )
+        del self._reward_log[: -defaults.AUDITED_REWARDS]
         if update.note:
             workflow.logger.info("reward %s: %s", update.value, update.note)
         return RewardReceipt(
@@ -332,6 +345,7 @@ class EpisodeWorkflow:
                 return await self._extract(request, reason)  # as old histories did it
             if workflow.info().is_continue_as_new_suggested() and self._cancel is None:
                 s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
+                s.rewards = self._reward_log[-defaults.AUDITED_REWARDS :]
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
             s.iteration += 1
@@ -671,6 +685,7 @@ class EpisodeWorkflow:
         error: str | None = None,
     ) -> None:
         info = workflow.info()
+        running = status == "running"
         try:
             await workflow.execute_activity(
                 names.AUDIT_EPISODE,
@@ -682,6 +697,13 @@ class EpisodeWorkflow:
                     status=status,
                     result=result,
                     error=error,
+                    sub_model=request.effective_sub_model.model,
+                    parent_id=request.parent.episode_id if request.parent else None,
+                    depth=request.depth,
+                    limits=request.limits.model_dump_json(exclude_none=True),
+                    started_at=info.start_time if running else None,
+                    ended_at=None if running else workflow.now(),
+                    events=[] if running else self._audit_events(),
                 ),
                 start_to_close_timeout=timedelta(seconds=30),
                 retry_policy=_AUDIT_RETRY,
@@ -689,6 +711,26 @@ class EpisodeWorkflow:
             )
         except ActivityError:
             workflow.logger.warning("audit store write failed; history remains the record")
+
+    def _audit_events(self) -> list[AuditEvent]:
+        """What the workflow received that no step's result holds: rewards, a cancel request."""
+        events = [
+            AuditEvent(
+                key=f"reward:{r.number}", kind="reward", iteration=r.iteration, value=r.value, detail=r.note
+            )
+            for r in self._reward_log
+        ]
+        if self._cancel is not None:
+            events.append(
+                AuditEvent(
+                    key="cancel",
+                    kind="cancel_requested",
+                    iteration=self._s.iteration if self._s else 0,
+                    value=1.0 if self._cancel.extract else 0.0,
+                    detail=self._cancel.reason,
+                )
+            )
+        return events
 
     # --- small helpers ----------------------------------------------------------------------
 

@@ -499,6 +499,14 @@ class Message(StrictModel):
     content: str
 
 
+class CallFacts(StrictModel):
+    """What the audit store records of a model call beyond its text and usage; measured by
+    the activity, so history holds it and a rebuilt audit store reads the same."""
+
+    started_at: datetime | None = None
+    prompt_digest: str | None = Field(default=None, description="sha256 of the messages sent")
+
+
 class RootCompletionInput(StrictModel):
     """One root-model turn. The conversation is a hash chain in the blob store: history
     carries its head digest and only this turn's new messages, never the whole transcript."""
@@ -511,7 +519,7 @@ class RootCompletionInput(StrictModel):
     resent_message_chars: int = defaults.RESENT_MESSAGE_CHARS
 
 
-class RootCompletion(StrictModel):
+class RootCompletion(CallFacts):
     text: str
     conversation: str
     usage: TokenUsage
@@ -532,7 +540,7 @@ class CompactionInput(StrictModel):
     reason: str = ""
 
 
-class CompactionReply(StrictModel):
+class CompactionReply(CallFacts):
     conversation: str
     conversation_chars: int
     summary: str
@@ -551,7 +559,7 @@ class SubQueryInput(StrictModel):
     prompt: str
 
 
-class SubQueryReply(StrictModel):
+class SubQueryReply(CallFacts):
     text: str
     usage: TokenUsage
     model_time_s: float
@@ -688,6 +696,8 @@ class CellOutcome(StrictModel):
     )
     snapshot: SnapshotRef | None = Field(default=None, description="taken after this cell")
     rebuild: RebuildReport | None = None
+    started_at: datetime | None = Field(default=None, description="when this step began (audit)")
+    ended_at: datetime | None = None
 
     @property
     def ok(self) -> bool:
@@ -717,7 +727,7 @@ class ExtractionInput(StrictModel):
     max_history: int = defaults.EXTRACTION_HISTORY_ENTRIES
 
 
-class ExtractionReply(StrictModel):
+class ExtractionReply(CallFacts):
     text: str
     usage: TokenUsage
     model_time_s: float
@@ -784,6 +794,16 @@ class CredentialsReceipt(StrictModel):
 EpisodeStatus = Literal["running", "completed", "failed", "cancelled", "terminated", "timed_out"]
 
 
+class AuditEvent(StrictModel):
+    """Something the workflow decided or received that the audit store lists as an event."""
+
+    key: str = Field(description="unique within the episode: a rewritten event replaces itself")
+    kind: str
+    iteration: int | None = None
+    value: float | None = None
+    detail: str | None = None
+
+
 class AuditEpisodeInput(StrictModel):
     episode_id: str
     run_id: str
@@ -792,6 +812,14 @@ class AuditEpisodeInput(StrictModel):
     status: EpisodeStatus
     result: EpisodeResult | None = None
     error: str | None = None
+    # Since the call-granular audit store (all default, so older histories still decode):
+    sub_model: str | None = None
+    parent_id: str | None = None
+    depth: int = 0
+    limits: str | None = Field(default=None, description="the request's limits, JSON")
+    started_at: datetime | None = Field(default=None, description="set when the episode starts")
+    ended_at: datetime | None = Field(default=None, description="set when it ends")
+    events: list[AuditEvent] = Field(default_factory=list)
 
 
 # --- workflow state ----------------------------------------------------------------------------
