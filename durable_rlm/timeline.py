@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -19,9 +20,11 @@ from workflows.models import (
     CellOutcome,
     CompactionInput,
     CompactionReply,
+    ContextRef,
     EpisodeRequest,
     EpisodeResult,
     ExecuteCellInput,
+    Message,
     RebuildReport,
     ResumeCellInput,
     RootCompletion,
@@ -30,6 +33,7 @@ from workflows.models import (
     StepEcho,
     SubQueryInput,
     SubQueryReply,
+    TokenUsage,
 )
 
 if TYPE_CHECKING:  # reading a history needs temporalio; rendering a stored timeline does not
@@ -42,6 +46,9 @@ class SubCall(BaseModel):
     prompt: str
     reply: str | None = None
     error: str | None = None
+    model: str = ""
+    usage: TokenUsage | None = None
+    model_time_s: float = 0.0
 
 
 class ChildView(BaseModel):
@@ -50,6 +57,7 @@ class ChildView(BaseModel):
     episode_id: str
     call_index: int
     model: str
+    context: ContextRef | None = Field(default=None, description="the prompt, stored as its context")
     timeline: Timeline | None = None
 
 
@@ -64,6 +72,10 @@ class CellView(BaseModel):
     snapshot: SnapshotRef | None = Field(default=None, description="the REPL snapshot taken after it")
     sub_calls: list[SubCall] = Field(default_factory=list)
     children: list[ChildView] = Field(default_factory=list)
+    answer: str | None = Field(default=None, description="the answer the cell gave (FINAL...), if any")
+    variables: dict[str, str] = Field(default_factory=dict, description="bounded summary after it")
+    started_at: datetime | None = Field(default=None, description="its first step was scheduled")
+    ended_at: datetime | None = Field(default=None, description="its last step completed")
 
 
 class IterationView(BaseModel):
@@ -72,6 +84,20 @@ class IterationView(BaseModel):
     model_error: str | None = None
     compactions: list[str] = Field(default_factory=list, description="summaries written before the call")
     cells: list[CellView] = Field(default_factory=list)
+    # What the root model was sent: the conversation chain (a head in the blob store) plus
+    # the messages this turn added, shortened as `resent_message_chars` says; heads, not
+    # transcripts, so a stored timeline stays linear in the episode's length.
+    conversation: str | None = None
+    append: list[Message] = Field(default_factory=list)
+    resent_message_chars: int | None = None
+    prompt: list[Message] | None = Field(
+        default=None, description="the messages sent, when a reader resolved the chain (export)"
+    )
+    model: str = ""
+    usage: TokenUsage | None = None
+    model_time_s: float = 0.0
+    started_at: datetime | None = Field(default=None, description="its first model step was scheduled")
+    ended_at: datetime | None = Field(default=None, description="its last step completed")
 
 
 class Timeline(BaseModel):
@@ -83,6 +109,9 @@ class Timeline(BaseModel):
     result: EpisodeResult | None = None
     failure: str | None = None
     depth: int = 0
+    request: EpisodeRequest | None = Field(default=None, description="as the first run received it")
+    started_at: datetime | None = None
+    ended_at: datetime | None = None
 
 
 ChildView.model_rebuild()
@@ -124,14 +153,21 @@ async def _decode(client: Client, payloads: Any, hint: type) -> Any:
 
 
 async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
-    """The episode's timeline; with `children`, each child episode's timeline under its cell."""
+    """The episode's timeline; with `children`, each child episode's timeline under its cell.
+    Times are the history's event times (the server's clock), so they need no worker's."""
     from temporalio.api.enums.v1 import EventType
 
     runs = [run async for run in client.list_workflows(f'WorkflowId = "{episode_id}"')]
     runs.sort(key=lambda r: r.start_time)
     if not runs:
         raise LookupError(f"no episode with id {episode_id!r}")
-    timeline = Timeline(episode_id=episode_id, status=runs[-1].status.name.lower(), runs=len(runs))
+    timeline = Timeline(
+        episode_id=episode_id,
+        status=runs[-1].status.name.lower(),
+        runs=len(runs),
+        started_at=runs[0].start_time,
+        ended_at=runs[-1].close_time,
+    )
     iterations: dict[int, IterationView] = {}
     cells: dict[int, CellView] = {}
 
@@ -141,12 +177,16 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     for run in runs:
         history = await client.get_workflow_handle(episode_id, run_id=run.run_id).fetch_history()
         scheduled: dict[int, tuple[str, Any]] = {}
+        task_started: datetime | None = None  # a local step starts within the task that runs it
         for event in history.events:
             kind = event.event_type
-            if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
+            when = event.event_time.ToDatetime(tzinfo=UTC)
+            if kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
+                task_started = when
+            elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
                 attrs = event.workflow_execution_started_event_attributes
                 request = await _decode(client, attrs.input, EpisodeRequest)
-                timeline.task, timeline.depth = request.task, request.depth
+                timeline.task, timeline.depth, timeline.request = request.task, request.depth, request
             elif kind == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
                 attrs = event.start_child_workflow_execution_initiated_event_attributes
                 child = await _decode(client, attrs.input, EpisodeRequest)
@@ -156,6 +196,7 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                             episode_id=attrs.workflow_id,
                             call_index=child.parent.call_index,
                             model=child.root_model.model,
+                            context=child.context,
                         )
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
@@ -164,13 +205,21 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 hint = _INPUTS.get(activity)
                 arg = await _decode(client, attrs.input, hint) if hint else None
                 scheduled[event.event_id] = (activity, arg)
-                if activity == names.REPL_EXECUTE:
-                    cell = CellView(cell_index=arg.cell_index, code=arg.code)
+                if activity == names.ROOT_COMPLETION:
+                    it = iteration(arg.iteration)
+                    it.conversation, it.append = arg.conversation, arg.append
+                    it.resent_message_chars, it.model = arg.resent_message_chars, arg.model.model
+                    it.started_at = it.started_at or when
+                elif activity == names.COMPACT_CONVERSATION:
+                    it = iteration(arg.iteration)
+                    it.started_at = it.started_at or when
+                elif activity == names.REPL_EXECUTE:
+                    cell = CellView(cell_index=arg.cell_index, code=arg.code, started_at=when)
                     cells[arg.cell_index] = cell
                     iteration(arg.iteration).cells.append(cell)
                 elif activity == names.SUB_QUERY and arg.cell_index in cells:
                     cells[arg.cell_index].sub_calls.append(
-                        SubCall(call_index=arg.call_index, prompt=arg.prompt)
+                        SubCall(call_index=arg.call_index, prompt=arg.prompt, model=arg.model.model)
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
                 attrs = event.activity_task_completed_event_attributes
@@ -179,27 +228,33 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 if hint is None:
                     continue
                 value = await _decode(client, attrs.result, hint)
-                _apply_result(activity, arg, value, iteration, cells)
+                _apply_result(activity, arg, value, iteration, cells, when)
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
                 attrs = event.activity_task_failed_event_attributes
                 activity, arg = scheduled.get(attrs.scheduled_event_id, ("", None))
                 message = attrs.failure.message
                 if activity == names.ROOT_COMPLETION:
                     iteration(arg.iteration).model_error = message
+                    iteration(arg.iteration).ended_at = when
                 elif activity in (names.REPL_EXECUTE, names.REPL_RESUME) and arg.cell_index in cells:
                     cells[arg.cell_index].error = f"attempt failed: {message}"
+                    cells[arg.cell_index].ended_at = when
                 elif activity == names.SUB_QUERY and arg.cell_index in cells:
                     for call in cells[arg.cell_index].sub_calls:
                         if call.call_index == arg.call_index:
                             call.error = message
             elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
-                await _local_step(client, event.marker_recorded_event_attributes, iteration, cells)
+                attrs = event.marker_recorded_event_attributes
+                await _local_step(client, attrs, iteration, cells, task_started or when, when)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
                 attrs = event.workflow_execution_completed_event_attributes
                 timeline.result = await _decode(client, attrs.result, EpisodeResult)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
                 timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
     timeline.iterations = [iterations[k] for k in sorted(iterations)]
+    for it in timeline.iterations:
+        ends = [t for t in (it.ended_at, *(c.ended_at for c in it.cells)) if t is not None]
+        it.ended_at = max(ends, default=None)
     if children:
         for cell in cells.values():
             for child in cell.children:
@@ -211,13 +266,22 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
 LOCAL_ACTIVITY_MARKER = "core_local_activity"
 
 
-async def _local_step(client: Client, attrs: Any, iteration: Any, cells: dict[int, CellView]) -> None:
+async def _local_step(
+    client: Client,
+    attrs: Any,
+    iteration: Any,
+    cells: dict[int, CellView],
+    started: datetime,
+    recorded: datetime,
+) -> None:
     """A local REPL step: its result (or failure) repeats the cell it ran (`StepEcho`)."""
     if attrs.marker_name != LOCAL_ACTIVITY_MARKER or "data" not in attrs.details:
         return
-    activity = json.loads(attrs.details["data"].payloads[0].data).get("activity_type", "")
+    data = json.loads(attrs.details["data"].payloads[0].data)
+    activity = data.get("activity_type", "")
     if activity not in (names.REPL_EXECUTE, names.REPL_RESUME):
         return
+    ended = _marker_time(data.get("complete_time")) or recorded
     if "result" in attrs.details:
         outcome: CellOutcome = await _decode(client, attrs.details["result"], CellOutcome)
         echo, failure = outcome.step, None
@@ -232,18 +296,34 @@ async def _local_step(client: Client, attrs: Any, iteration: Any, cells: dict[in
     if echo is None:
         return
     if activity == names.REPL_EXECUTE and echo.cell_index not in cells:
-        cell = cells[echo.cell_index] = CellView(cell_index=echo.cell_index, code=echo.code or "")
+        cell = cells[echo.cell_index] = CellView(
+            cell_index=echo.cell_index, code=echo.code or "", started_at=started
+        )
         iteration(echo.iteration or 0).cells.append(cell)
     if failure is not None:
         if echo.cell_index in cells:
             cells[echo.cell_index].error = f"step failed: {failure}"
+            cells[echo.cell_index].ended_at = ended
         return
-    _apply_result(activity, echo, outcome, iteration, cells)
+    _apply_result(activity, echo, outcome, iteration, cells, ended)
 
 
-def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: dict[int, CellView]) -> None:
+def _marker_time(value: Any) -> datetime | None:
+    """A time in a local activity's marker data (protobuf JSON: an RFC 3339 string)."""
+    if not isinstance(value, str):
+        return None
+    with contextlib.suppress(ValueError):
+        return datetime.fromisoformat(value).astimezone(UTC)
+    return None
+
+
+def _apply_result(
+    activity: str, arg: Any, value: Any, iteration: Any, cells: dict[int, CellView], when: datetime
+) -> None:
     if activity == names.ROOT_COMPLETION:
-        iteration(arg.iteration).response = value.text
+        it = iteration(arg.iteration)
+        it.response, it.usage, it.model_time_s = value.text, value.usage, value.model_time_s
+        it.ended_at = when
     elif activity == names.COMPACT_CONVERSATION and value.removed_messages:
         iteration(arg.iteration).compactions.append(
             f"{value.removed_messages} message(s) summarised ({arg.reason}): {value.summary}"
@@ -251,11 +331,14 @@ def _apply_result(activity: str, arg: Any, value: Any, iteration: Any, cells: di
     elif activity == names.SUB_QUERY and arg.cell_index in cells:
         for call in cells[arg.cell_index].sub_calls:
             if call.call_index == arg.call_index:
-                call.reply = value.text
+                call.reply, call.usage, call.model_time_s = value.text, value.usage, value.model_time_s
     elif activity in (names.REPL_EXECUTE, names.REPL_RESUME):
         cell = cells.get(arg.cell_index)
+        if cell is not None:
+            cell.ended_at = when
         if cell is not None and value.status == "completed":
             cell.stdout, cell.stderr, cell.error = value.stdout, value.stderr, value.error
+            cell.answer, cell.variables = value.answer, value.variables
             cell.rebuilt = cell.rebuilt or value.rebuilt
             cell.rebuild = cell.rebuild or value.rebuild
             cell.snapshot = value.snapshot or cell.snapshot
