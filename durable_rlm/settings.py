@@ -108,7 +108,12 @@ class Settings(BaseSettings):
     codec_token: str | None = _env(
         "codec_token", "DRLM_CODEC_TOKEN", None, repr=False, description="bearer token of `drlm codec-server`"
     )
-    tracing: str = _env("tracing", "DRLM_TRACING", "off")
+    tracing: str = _env(
+        "tracing",
+        "DRLM_TRACING",
+        "off",
+        description="traces and metrics: off, console or otlp; OTEL_{TRACES,METRICS}_EXPORTER override",
+    )
     prices_file: Path | None = _env(
         "prices_file",
         "DRLM_PRICES_FILE",

@@ -1,44 +1,464 @@
-"""Tracing: off by default; console spans for a look, OTLP for a collector.
+"""Telemetry: OpenTelemetry traces and metrics, exported nowhere unless asked.
 
 Temporal's TracingInterceptor on the client is also the workers' (they inherit the client's
 interceptors), so one setting traces starting, running, and every activity of an episode.
+The worker interceptor here adds what only the activity sees: a GenAI "chat" span and
+metrics per model call, a span per REPL step, and an episode's outcome. All of it is
+emitted where an attempt executes, never in workflow code: a workflow replayed on another
+worker does not execute its completed calls again, so it emits nothing twice.
+
+Where it goes: OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER (otlp, console, none) choose
+per signal; unset, DRLM_TRACING (off, console, otlp) chooses for both. The OTLP exporters
+read the standard OTEL_EXPORTER_OTLP_* variables (endpoint, headers, protocol). Console
+output goes to stderr: stdout carries the answer (`drlm run --json`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+import logging
+import os
+import sys
+import time
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
+from opentelemetry import context as otel_context
+from opentelemetry import metrics, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from temporalio import activity
 from temporalio.client import Interceptor
+from temporalio.exceptions import ApplicationError
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput
 from temporalio.worker import Interceptor as WorkerInterceptor
 
+from durable_rlm.errors import ConfigurationError
+from workflows import names
+
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace.export import SpanExporter
-
-
-def client_interceptors(kind: str, exporter: SpanExporter | None = None) -> list[Interceptor]:
-    """Interceptors for DRLM_TRACING=kind; `exporter` overrides where spans go (tests)."""
-    if kind == "off" and exporter is None:
-        return []
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+log = logging.getLogger(__name__)
+
+SCOPE = "durable-rlm"
+KINDS = ("off", "console", "otlp")
+_ERROR_CHARS = 1000  # a cell's traceback can be long; a span attribute need not be
+
+# Model-call activities and the role each plays in an episode (the drlm.role attribute).
+MODEL_ROLES = {
+    names.ROOT_COMPLETION: "root",
+    names.SUB_QUERY: "sub",
+    names.COMPACT_CONVERSATION: "compaction",
+    names.EXTRACT_FALLBACK: "extraction",
+}
+CELL_STEPS = {names.REPL_EXECUTE: "execute", names.REPL_RESUME: "resume"}
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """This process's providers; None: that signal is not exported and costs nothing."""
+
+    tracer_provider: TracerProvider | None = None
+    meter_provider: MeterProvider | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracer_provider is not None or self.meter_provider is not None
+
+    def shutdown(self) -> None:
+        """Flush and stop both providers (tests; a process's exit does this by itself)."""
+        for provider in (self.tracer_provider, self.meter_provider):
+            if provider is not None:
+                provider.shutdown()
+
+
+_current: tuple[Hashable, Telemetry] = (("off", (), (), ()), Telemetry())
+
+
+def current() -> Telemetry:
+    return _current[1]
+
+
+def configure(
+    kind: str = "off",
+    environ: Mapping[str, str] | None = None,
+    *,
+    span_exporter: SpanExporter | None = None,
+    metric_reader: MetricReader | None = None,
+) -> Telemetry:
+    """Set up this process's telemetry, which worker_interceptors() then uses.
+
+    `span_exporter` / `metric_reader` replace the configured exporters (tests). The same
+    settings twice keep the same providers: reconnecting starts no second export thread.
+    """
+    global _current
+    if kind not in KINDS:
+        raise ConfigurationError(f"DRLM_TRACING must be one of {', '.join(KINDS)}, not {kind!r}")
+    env = os.environ if environ is None else environ
+    off = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
+    traces = () if off else _exporter_names(env, "OTEL_TRACES_EXPORTER", kind)
+    meters = () if off else _exporter_names(env, "OTEL_METRICS_EXPORTER", kind)
+    injected = span_exporter is not None or metric_reader is not None
+    key: Hashable = object() if injected else (kind, traces, meters, _otlp_protocols(env, traces, meters))
+    if key == _current[0]:
+        return _current[1]
+    telemetry = Telemetry(
+        _tracer_provider(traces, span_exporter, env),
+        _meter_provider(meters, metric_reader, env),
+    )
+    _current = (key, telemetry)
+    return telemetry
+
+
+def client_interceptors(
+    kind: str,
+    exporter: SpanExporter | None = None,
+    *,
+    metric_reader: MetricReader | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[Interceptor]:
+    """Interceptors for a client whose DRLM_TRACING is `kind` (workers inherit them); sets up
+    the process's telemetry on the way (configure()). `exporter` overrides where spans go."""
+    telemetry = configure(kind, environ, span_exporter=exporter, metric_reader=metric_reader)
+    if telemetry.tracer_provider is None:
+        return []
     from temporalio.contrib.opentelemetry import TracingInterceptor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": "durable-rlm"}))
-    if exporter is not None:
-        provider.add_span_processor(SimpleSpanProcessor(exporter))
-    elif kind == "otlp":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        except ImportError as exc:
-            raise RuntimeError("DRLM_TRACING=otlp needs opentelemetry-exporter-otlp installed") from exc
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    else:
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    return [TracingInterceptor(tracer=provider.get_tracer("durable-rlm"))]
+    return [TracingInterceptor(tracer=telemetry.tracer_provider.get_tracer(SCOPE))]
 
 
 def worker_interceptors() -> list[WorkerInterceptor]:
-    """Interceptors every worker runs: spans and metrics per model call and REPL cell.
-    NOT FINISHED: being built (issue 9, OpenTelemetry)."""
-    return []
+    """Interceptors every worker runs: spans and metrics per model call and REPL step.
+    None when nothing is exported, so telemetry that is off costs nothing."""
+    telemetry = current()
+    return [StepTelemetry(telemetry)] if telemetry.enabled else []
+
+
+# --- exporters ------------------------------------------------------------------------------
+
+
+def _exporter_names(env: Mapping[str, str], variable: str, kind: str) -> tuple[str, ...]:
+    raw = env.get(variable, "").strip()
+    if not raw:
+        return () if kind == "off" else (kind,)
+    chosen = tuple(dict.fromkeys(name.strip().lower() for name in raw.split(",") if name.strip()))
+    if unknown := [name for name in chosen if name not in ("otlp", "console", "none")]:
+        raise ConfigurationError(f"{variable}={raw!r}: {unknown[0]!r} is not otlp, console or none")
+    return tuple(name for name in chosen if name != "none")
+
+
+def _otlp_protocols(
+    env: Mapping[str, str], traces: tuple[str, ...], meters: tuple[str, ...]
+) -> tuple[str, ...]:
+    return tuple(
+        _otlp_protocol(env, signal)
+        for signal, chosen in (("TRACES", traces), ("METRICS", meters))
+        if "otlp" in chosen
+    )
+
+
+def _otlp_protocol(env: Mapping[str, str], signal: str) -> str:
+    # grpc is the Python SDK's default (the `otlp` entry point of opentelemetry-exporter-otlp).
+    return (
+        env.get(f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc"
+    ).strip()
+
+
+def _otlp_exporter(env: Mapping[str, str], signal: str, module: str, cls: str) -> Any:
+    protocol = _otlp_protocol(env, signal)
+    flavour = {"grpc": "grpc", "http/protobuf": "http"}.get(protocol)
+    if flavour is None:
+        raise ConfigurationError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+    package = f"opentelemetry-exporter-otlp-proto-{flavour}"
+    try:
+        exporter = getattr(
+            importlib.import_module(f"opentelemetry.exporter.otlp.proto.{flavour}.{module}"), cls
+        )
+    except ImportError as exc:
+        raise RuntimeError(
+            f"OTLP export over {protocol} needs the {package} package (pip install {package})"
+        ) from exc
+    return exporter()  # endpoint, headers, timeout: from the OTEL_EXPORTER_OTLP_* variables
+
+
+def _resource(env: Mapping[str, str]) -> Resource:
+    from opentelemetry.sdk.resources import Resource
+
+    named = env.get("OTEL_SERVICE_NAME") or "service.name=" in env.get("OTEL_RESOURCE_ATTRIBUTES", "")
+    return Resource.create({} if named else {"service.name": SCOPE})
+
+
+def _tracer_provider(
+    chosen: tuple[str, ...], exporter: SpanExporter | None, env: Mapping[str, str]
+) -> TracerProvider | None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+
+    if exporter is not None:
+        processors = [SimpleSpanProcessor(exporter)]
+    else:
+        processors = [
+            BatchSpanProcessor(
+                ConsoleSpanExporter(out=sys.stderr)
+                if name == "console"
+                else _otlp_exporter(env, "TRACES", "trace_exporter", "OTLPSpanExporter")
+            )
+            for name in chosen
+        ]
+    if not processors:
+        return None
+    provider = TracerProvider(resource=_resource(env))
+    for processor in processors:
+        provider.add_span_processor(processor)
+    return provider
+
+
+def _meter_provider(
+    chosen: tuple[str, ...], reader: MetricReader | None, env: Mapping[str, str]
+) -> MeterProvider | None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+
+    def exporter(name: str) -> MetricExporter:
+        if name == "console":
+            return ConsoleMetricExporter(out=sys.stderr)
+        return _otlp_exporter(env, "METRICS", "metric_exporter", "OTLPMetricExporter")
+
+    readers = [reader] if reader is not None else [PeriodicExportingMetricReader(exporter(n)) for n in chosen]
+    return MeterProvider(metric_readers=readers, resource=_resource(env)) if readers else None
+
+
+# --- the worker interceptor -----------------------------------------------------------------
+
+
+class _Instruments:
+    """Every instrument once per interceptor; names follow OTel's GenAI conventions where
+    one exists (gen_ai.client.operation.duration), the rest are drlm.*."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.model_calls = meter.create_counter(
+            "drlm.model.calls", unit="{call}", description="model calls executed, each attempt once"
+        )
+        self.tokens = meter.create_counter(
+            "drlm.model.tokens", unit="{token}", description="tokens of model calls, by gen_ai.token.type"
+        )
+        self.cost = meter.create_counter(
+            "drlm.model.cost", unit="USD", description="cost of the model calls whose price is known"
+        )
+        self.call_duration = meter.create_histogram(
+            "gen_ai.client.operation.duration", unit="s", description="wall time of a model-call attempt"
+        )
+        self.cell_duration = meter.create_histogram(
+            "drlm.cell.duration", unit="s", description="wall time of a REPL step (execute or resume)"
+        )
+        self.episodes = meter.create_counter(
+            "drlm.episodes", unit="{episode}", description="episodes ended, by drlm.status and drlm.ended_by"
+        )
+        self.iterations = meter.create_histogram(
+            "drlm.episode.iterations", unit="{iteration}", description="iterations of an ended episode"
+        )
+
+
+class StepTelemetry(WorkerInterceptor):
+    """Spans and metrics of model calls, REPL steps and episode endings, per executed
+    attempt. Best effort: a telemetry failure is logged, never the activity's failure."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        tracers = telemetry.tracer_provider or trace.NoOpTracerProvider()
+        meters = telemetry.meter_provider or metrics.NoOpMeterProvider()
+        self.tracer = tracers.get_tracer(SCOPE)
+        self.instruments = _Instruments(meters.get_meter(SCOPE))
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _StepInbound(next, self)
+
+
+class _StepInbound(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, root: StepTelemetry) -> None:
+        super().__init__(next)
+        self.root = root
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        observed = _observe(self.root, input)
+        if observed is None:
+            return await super().execute_activity(input)
+        try:
+            result = await super().execute_activity(input)
+        except BaseException as exc:  # cancellation too: the attempt's span still ends
+            observed.end(None, exc)
+            raise
+        observed.end(result, None)
+        return result
+
+
+def _observe(root: StepTelemetry, input: ExecuteActivityInput) -> _Observed | None:
+    try:
+        info = activity.info()
+        request = input.args[0] if input.args else None
+        if info.activity_type in MODEL_ROLES:
+            return _ModelCall(root, info, request)
+        if info.activity_type in CELL_STEPS:
+            return _CellStep(root, info, request)
+        if info.activity_type == names.AUDIT_EPISODE:
+            _count_episode(root, info, request)
+    except Exception:  # noqa: BLE001 - telemetry is best effort
+        _failed()
+    return None
+
+
+class _Observed:
+    """One attempt's span, made current while it runs (a client library's own spans, if
+    instrumented, nest under it); `end` records its result and never raises."""
+
+    def __init__(self, root: StepTelemetry, name: str, kind: SpanKind, attributes: dict[str, Any]) -> None:
+        self.root = root
+        self.started = time.perf_counter()
+        self.span = root.tracer.start_span(name, kind=kind, attributes=attributes)
+        recording = self.span.is_recording()  # else keep the current span current
+        self.token = otel_context.attach(trace.set_span_in_context(self.span)) if recording else None
+
+    def end(self, result: Any, error: BaseException | None) -> None:
+        try:
+            if error is not None:
+                self.span.set_status(Status(StatusCode.ERROR, _clip(str(error))))
+                self.span.set_attribute("error.type", _error_type(error))
+            self.record(result, error, time.perf_counter() - self.started)
+        except Exception:  # noqa: BLE001 - telemetry is best effort
+            _failed()
+        finally:
+            try:
+                if self.token is not None:
+                    otel_context.detach(self.token)
+                self.span.end()
+            except Exception:  # noqa: BLE001
+                _failed()
+
+    def record(self, result: Any, error: BaseException | None, elapsed_s: float) -> None:
+        raise NotImplementedError
+
+
+class _ModelCall(_Observed):
+    """A span per the GenAI semantic conventions: "chat {model}", kind CLIENT, gen_ai.*."""
+
+    def __init__(self, root: StepTelemetry, info: activity.Info, request: Any) -> None:
+        settings = getattr(request, "model", None)
+        model = str(getattr(settings, "model", "unknown"))
+        self.labels: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": str(getattr(settings, "provider", "openai")),
+            "gen_ai.request.model": model,
+            "drlm.role": MODEL_ROLES[info.activity_type],
+        }
+        attributes = {**self.labels, "drlm.attempt": info.attempt}
+        _put(attributes, "drlm.episode_id", getattr(request, "episode_id", None) or info.workflow_id)
+        _put(attributes, "drlm.iteration", getattr(request, "iteration", None))
+        _put(attributes, "drlm.cell_index", getattr(request, "cell_index", None))
+        _put(attributes, "drlm.call_index", getattr(request, "call_index", None))
+        for key in ("temperature", "max_tokens", "top_p"):
+            _put(attributes, f"gen_ai.request.{key}", getattr(settings, key, None))
+        if base_url := getattr(settings, "base_url", None):
+            url = urlsplit(base_url)
+            _put(attributes, "server.address", url.hostname)
+            _put(attributes, "server.port", url.port)
+        super().__init__(root, f"chat {model}", SpanKind.CLIENT, attributes)
+
+    def record(self, result: Any, error: BaseException | None, elapsed_s: float) -> None:
+        meter = self.root.instruments
+        labels = dict(self.labels)
+        if error is not None:
+            labels["error.type"] = _error_type(error)
+        meter.model_calls.add(1, labels)
+        meter.call_duration.record(elapsed_s, labels)
+        usage = getattr(result, "usage", None)
+        if usage is None:
+            return
+        tokens = {"input": usage.prompt_tokens, "output": usage.completion_tokens}
+        self.span.set_attribute("gen_ai.usage.input_tokens", tokens["input"])
+        self.span.set_attribute("gen_ai.usage.output_tokens", tokens["output"])
+        for direction, count in tokens.items():
+            meter.tokens.add(count, {**labels, "gen_ai.token.type": direction})
+        if (model_time_s := getattr(result, "model_time_s", None)) is not None:
+            self.span.set_attribute("drlm.model_time_s", model_time_s)
+        if (cost := getattr(usage, "cost_usd", None)) is not None:
+            self.span.set_attribute("drlm.cost_usd", cost)
+            meter.cost.add(cost, labels)
+
+
+class _CellStep(_Observed):
+    """A REPL step: running a cell, or resuming it with its model calls' answers."""
+
+    def __init__(self, root: StepTelemetry, info: activity.Info, request: Any) -> None:
+        self.step = CELL_STEPS[info.activity_type]
+        self.local = info.is_local
+        sandbox = getattr(request, "sandbox", None)
+        attributes: dict[str, Any] = {"drlm.cell.step": self.step, "drlm.cell.local": self.local}
+        _put(attributes, "drlm.episode_id", getattr(sandbox, "episode_id", None) or info.workflow_id)
+        _put(attributes, "drlm.iteration", getattr(request, "iteration", None))
+        _put(attributes, "drlm.cell_index", getattr(request, "cell_index", None))
+        attributes["drlm.attempt"] = info.attempt
+        super().__init__(root, f"repl {self.step}", SpanKind.INTERNAL, attributes)
+
+    def record(self, result: Any, error: BaseException | None, elapsed_s: float) -> None:
+        status = "failed" if error is not None else str(getattr(result, "status", "unknown"))
+        self.span.set_attribute("drlm.cell.status", status)
+        if result is not None:
+            _put_on(self.span, "drlm.cell.error", _clip(getattr(result, "error", None)))
+            _put_on(self.span, "drlm.cell.sub_calls", len(getattr(result, "requests", None) or ()))
+            _put_on(self.span, "drlm.cell.rebuilt", getattr(result, "rebuilt", None))
+        self.root.instruments.cell_duration.record(
+            elapsed_s,
+            {"drlm.cell.step": self.step, "drlm.cell.status": status, "drlm.cell.local": self.local},
+        )
+
+
+def _count_episode(root: StepTelemetry, info: activity.Info, record: Any) -> None:
+    """Counted when the first attempt of its final audit write starts: a failing write's
+    retries never count an episode twice."""
+    status = getattr(record, "status", None)
+    if status in (None, "running") or info.attempt != 1:
+        return
+    result = getattr(record, "result", None)
+    labels = {"drlm.status": str(status)}
+    _put(labels, "drlm.ended_by", getattr(result, "ended_by", None))
+    root.instruments.episodes.add(1, labels)
+    if (iterations := getattr(result, "iterations", None)) is not None:
+        root.instruments.iterations.record(iterations, labels)
+
+
+# --- small helpers --------------------------------------------------------------------------
+
+
+def _put(attributes: dict[str, Any], key: str, value: Any) -> None:
+    if value is not None:
+        attributes[key] = value
+
+
+def _put_on(span: trace.Span, key: str, value: Any) -> None:
+    if value is not None:
+        span.set_attribute(key, value)
+
+
+def _clip(text: str | None) -> str | None:
+    return None if text is None else text[:_ERROR_CHARS]
+
+
+def _error_type(error: BaseException) -> str:
+    if isinstance(error, ApplicationError) and error.type:
+        return error.type  # the names the retry policies key on (workflows/names.py)
+    return type(error).__qualname__
+
+
+_warned = False
+
+
+def _failed() -> None:
+    """Log a telemetry failure: the first with a warning, the rest quietly."""
+    global _warned
+    log.log(logging.DEBUG if _warned else logging.WARNING, "telemetry failed (ignored)", exc_info=True)
+    _warned = True
