@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("episode_id")
     watch.add_argument("--json", action="store_true")
     watch.add_argument("--accept-extracted", action="store_true")
+    watch.add_argument(
+        "--plain",
+        action="store_true",
+        help="progress as lines, not the live view (the default when stderr is not a terminal)",
+    )
 
     ui = sub.add_parser("ui", help="the Temporal Web UI's address: of the episode list, or of one episode")
     ui.add_argument("episode_id", nargs="?")
@@ -497,8 +502,23 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
         await describe_episode(handle)  # an unknown id is a usage error now, not a wait
         _FOLLOWING.append(args.episode_id)
-        end = await follow(handle, None if args.json else _stderr)
+        if args.json or args.plain or not sys.stderr.isatty():
+            end = await follow(handle, None if args.json else _stderr)
+        else:
+            end = await _follow_live(handle)
     return _print_end(end, args.json, args.accept_extracted)
+
+
+async def _follow_live(handle: Any) -> Any:
+    """The rich live view on stderr until the episode ends; its last frame stays."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from durable_rlm.episodes import follow
+    from durable_rlm.live import frame
+
+    with Live(console=Console(stderr=True), refresh_per_second=4, transient=False) as live:
+        return await follow(handle, on_state=lambda progress: live.update(frame(handle.id, progress)))
 
 
 async def _ui(settings: Settings, args: argparse.Namespace) -> int:

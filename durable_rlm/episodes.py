@@ -230,6 +230,7 @@ async def follow(
     on_progress: Callable[[str], None] | None = None,
     poll_s: float = 0.3,
     waiting_every_s: float = WAITING_EVERY_S,
+    on_state: Callable[[EpisodeProgress], None] | None = None,
 ) -> EpisodeEnd:
     """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
     how long the current step has been waiting (a hung model shows, it is not silence).
@@ -247,6 +248,8 @@ async def follow(
                 progress: EpisodeProgress = await handle.query("progress", result_type=EpisodeProgress)
             except RPCError:
                 continue
+            if on_state is not None:
+                on_state(progress)  # every answer: the live view redraws its bars
             if progress.paused is not None and not progress.finished:
                 return EpisodeEnd(episode_id=handle.id, status="paused", error=progress.paused)
             if on_progress is None:

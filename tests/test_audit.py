@@ -118,12 +118,16 @@ async def test_the_rebuilt_audit_store_equals_the_live_one(audit_url: str, tmp_p
                 request = request_for(priced)
                 request = request.model_copy(
                     update={
-                        "root_model": request.root_model.model_copy(update={"price": PRICE, "max_tokens": 50}),
+                        "root_model": request.root_model.model_copy(
+                            update={"price": PRICE, "max_tokens": 50}
+                        ),
                         "limits": EpisodeLimits(max_iterations=8, max_cost_usd=0.3, cell_timeout_s=10),
                     }
                 )
                 costly = await run_episode(client, request, queue, ids["costly"])
-                assert costly.ended_by == "max_cost_usd" and costly.answer_source == "extraction", costly.usage
+                assert costly.ended_by == "max_cost_usd" and costly.answer_source == "extraction", (
+                    costly.usage
+                )
                 assert costly.usage.cost_usd is not None and costly.usage.cost_usd <= 0.3
 
                 slow = scripted(root_and_sub([Reply("```repl\ny = 2\n```", delay_s=30)]))

@@ -210,13 +210,29 @@ async def test_a_child_whose_budget_is_spent_returns_an_error(client, scripted, 
     assert all("Error: budget exhausted" in text for text in mid_outputs)
 
 
-async def test_token_budget_starts_no_call_once_spent(client, scripted, worker) -> None:
+async def test_token_budget_starts_no_call_it_cannot_pay(client, scripted, worker) -> None:
     server = scripted(by_model({"root-m": ["```repl\nx = 1\n```"]}))
     limits = EpisodeLimits(max_iterations=6, max_tokens=1, cell_timeout_s=10)
     result = await run_episode(client, tree_request(server, "answer", [], limits=limits), worker.task_queue)
     assert result.ended_by == "max_tokens"
-    assert len(server.requests) == 1 and server.extraction_requests() == []
+    # The first call alone is estimated past one token: no call, and no extraction either.
+    assert server.requests == [] and server.extraction_requests() == []
     assert "no extraction call was made" in result.stop_reason
+
+
+async def test_a_token_budget_ends_the_loop_while_it_can_still_pay_for_extraction(
+    client, scripted, worker
+) -> None:
+    server = scripted(by_model({"root-m": ["```repl\nx = 1\n```"]}, extract='{"answer": "1"}'))
+    limits = EpisodeLimits(max_iterations=20, max_tokens=6_000, cell_timeout_s=10)
+    request = tree_request(server, "answer", [], limits=limits)
+    request = request.model_copy(
+        update={"root_model": request.root_model.model_copy(update={"max_tokens": 50})}
+    )
+    result = await run_episode(client, request, worker.task_queue)
+    assert (result.ended_by, result.answer_source, result.answer) == ("max_tokens", "extraction", "1")
+    assert 1 < result.iterations < 20
+    assert result.usage.total_tokens <= 6_000  # the extraction was paid from what was kept back
 
 
 async def test_bad_calls_are_errors_in_the_cell_and_the_parent_goes_on(client, scripted, worker) -> None:

@@ -104,10 +104,16 @@ def extraction_refusal(request: EpisodeRequest, state: EpisodeCarry, reserve: bo
     if left is not None and left < need.tokens:
         if left <= 0:
             return "the token budget is spent, so no extraction call was made"
-        return f"the token budget cannot pay for an extraction call ({left} left, ~{need.tokens} needed)"
+        return (
+            f"the token budget cannot pay for an extraction call ({left} left, ~{need.tokens} "
+            "needed), so no extraction call was made"
+        )
     money = cost_left(request, state)
     if money is not None and (money <= 0 or money < need.cost_usd):
-        return f"the cost budget cannot pay for an extraction call (${max(money, 0):.4f} left)"
+        return (
+            f"the cost budget cannot pay for an extraction call (${max(money, 0):.4f} left), "
+            "so no extraction call was made"
+        )
     calls = request.limits.max_model_calls
     if calls is not None and state.model_calls >= calls:
         return "the model-call budget is spent, so no extraction call was made"

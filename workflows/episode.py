@@ -103,6 +103,7 @@ T = TypeVar("T")
 class EpisodeWorkflow:
     def __init__(self) -> None:
         self._s: EpisodeCarry | None = None
+        self._request: EpisodeRequest | None = None
         self._repl: ReplSteps | None = None
         self._policy: TerminationPolicy | None = None
         self._honest = True
@@ -131,6 +132,7 @@ class EpisodeWorkflow:
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
         self._honest = workflow.patched(names.PATCH_HONEST_ENDINGS)
+        self._request = request
         try:
             self._policy = episode_policy(request)
         except PolicyError as exc:
@@ -254,6 +256,11 @@ class EpisodeWorkflow:
             finished=self._finished,
             phase_started=self._phase_started,
             paused=self._paused,
+            tokens=s.usage.total_tokens + s.unaccounted_tokens if s else 0,
+            cost_usd=s.usage.cost_usd if s else 0.0,
+            limits=self._request.limits if self._request else None,
+            started_at=s.deadline - self._request.limits.max_duration if s and self._request else None,
+            root_model=self._request.root_model.model if self._request else None,
         )
 
     # --- the episode: the loop raced against the durable timer ------------------------------

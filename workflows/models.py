@@ -489,6 +489,12 @@ class EpisodeProgress(StrictModel):
     # Set while a model call waits for a fixed key (the provider refused it): what failed
     # and what to do. The episode goes on after a `retry_credentials` update.
     paused: str | None = None
+    # Since `drlm watch` draws budgets (a query's answer is not in history: no patch needed).
+    tokens: int = 0
+    cost_usd: float | None = 0.0
+    limits: EpisodeLimits | None = None
+    started_at: datetime | None = None
+    root_model: str | None = None
 
 
 # --- model activities ---------------------------------------------------------------------
