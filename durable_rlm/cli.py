@@ -172,14 +172,35 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("rlms", "json"), default="rlms")
     export.add_argument("-o", "--output", help="write to this file (default: standard output)")
 
-    listing = sub.add_parser("list", help="episodes in the audit store")
+    listing = sub.add_parser("list", help="episodes in the audit store, newest first")
     listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument(
+        "--status", choices=("running", "completed", "failed", "cancelled", "terminated", "timed_out")
+    )
+    listing.add_argument("--model", help="episodes whose root or sub-model is this one")
+    listing.add_argument(
+        "--since", type=_moment, help="started at or after: 2026-11-24, 2026-11-24T10:00, 24h, 7d"
+    )
+    listing.add_argument("--until", type=_moment, help="started before (same forms)")
+    listing.add_argument("--min-cost", type=float, help="USD; episodes of unknown cost are left out")
+    listing.add_argument("--max-cost", type=float, help="USD")
+    listing.add_argument("--roots", action="store_true", help="leave child episodes out")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
     listing.add_argument(
         "--refresh",
         action="store_true",
         help="first settle rows of episodes that ended without writing theirs",
     )
     return parser
+
+
+def _moment(text: str) -> Any:
+    from durable_rlm.readonly import parse_moment
+
+    try:
+        return parse_moment(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -371,11 +392,11 @@ def _print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) -
     if result is None:
         _stderr(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
         return exit_code(end, accept_extracted)
-    from durable_rlm.timeline import describe_execution
+    from durable_rlm.timeline import cost_text, describe_execution
 
     _stderr(
         f"ended by {result.ended_by} after {result.iterations} iteration(s), "
-        f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens"
+        f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens, {cost_text(result.usage)}"
     )
     _stderr(f"stop reason: {result.stop_reason}")
     source = result.answer_source + (f" ({result.answer_policy})" if result.answer_policy else "")
@@ -720,10 +741,23 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
             assert services.engine is not None
             await reconcile_audit(services.client, services.engine)
     engine = readonly.open_existing(settings)
-    rows = [] if engine is None else readonly.episode_rows(engine, args.limit)
-    for row in rows:
-        answer = (row.answer or "").replace("\n", " ")[:60]
-        print(f"{row.episode_id}  {row.status:<9} {row.ended_by or '-':<14} {row.task[:40]!r}  {answer}")
+    where = readonly.EpisodeFilter(
+        status=args.status,
+        model=args.model,
+        since=args.since,
+        until=args.until,
+        min_cost=args.min_cost,
+        max_cost=args.max_cost,
+        roots_only=args.roots,
+    )
+    rows = [] if engine is None else readonly.episode_rows(engine, args.limit, where)
+    if args.json:
+        for row in rows:
+            print(json.dumps(dict(row._mapping), default=str))
+        return EXIT_OK
+    from durable_rlm.listing import episode_table, print_table
+
+    print_table(episode_table(rows))
     return EXIT_OK
 
 

@@ -8,7 +8,8 @@ once its episode ended, when its history can no longer change.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,10 +66,60 @@ def cached_ids(engine: sa.Engine) -> set[str]:
         return set(conn.execute(sa.select(schema.episode_timelines.c.episode_id)).scalars())
 
 
-def episode_rows(engine: sa.Engine, limit: int) -> Sequence[sa.Row]:
+@dataclass(frozen=True)
+class EpisodeFilter:
+    """What `drlm list` narrows the audit store's episodes to; None: any."""
+
+    status: str | None = None
+    model: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    min_cost: float | None = None
+    max_cost: float | None = None
+    roots_only: bool = False
+
+    def clauses(self, table: sa.Table) -> list[Any]:
+        clauses: list[Any] = []
+        if self.status is not None:
+            clauses.append(table.c.status == self.status)
+        if self.model is not None:
+            clauses.append(sa.or_(table.c.root_model == self.model, table.c.sub_model == self.model))
+        started = sa.func.coalesce(table.c.started_at, table.c.updated_at)
+        if self.since is not None:
+            clauses.append(started >= self.since)
+        if self.until is not None:
+            clauses.append(started < self.until)
+        if self.min_cost is not None:
+            clauses.append(table.c.cost_usd >= self.min_cost)
+        if self.max_cost is not None:
+            clauses.append(table.c.cost_usd <= self.max_cost)
+        if self.roots_only:
+            clauses.append(table.c.parent_id.is_(None))
+        return clauses
+
+
+def episode_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = None) -> Sequence[sa.Row]:
+    """The newest episodes first (an episode without a start time: by its last write)."""
     table = schema.episodes
+    query = sa.select(table).where(*(where or EpisodeFilter()).clauses(table))
+    started = sa.func.coalesce(table.c.started_at, table.c.updated_at)
     try:
         with engine.connect() as conn:
-            return conn.execute(sa.select(table).order_by(table.c.updated_at.desc()).limit(limit)).all()
+            return conn.execute(query.order_by(started.desc()).limit(limit)).all()
     except sa.exc.DatabaseError:
         return []
+
+
+def parse_moment(text: str, now: datetime | None = None) -> datetime:
+    """An ISO date or time (UTC unless it says), or an age: 30m, 24h, 7d, 2w."""
+    units = {"m": 60, "h": 3_600, "d": 86_400, "w": 604_800}
+    text = text.strip()
+    if text[:-1].isdigit() and text[-1:] in units:
+        return (now or datetime.now(UTC)) - timedelta(seconds=int(text[:-1]) * units[text[-1]])
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is neither a date or time (2026-11-24T10:00) nor an age (24h, 7d)"
+        ) from None
+    return (moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)).astimezone(UTC)

@@ -393,7 +393,7 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         r = timeline.result
         lines.append(
             f"\nEnded by {r.ended_by} after {r.iterations} iteration(s), {r.model_calls} model "
-            f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens"
+            f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens, {cost_text(r.usage)}"
         )
         if r.children:
             lines.append(
@@ -434,6 +434,11 @@ def _render_child(child: ChildView, width: int) -> str:
         f"{r.model_calls} model call(s), {r.usage.total_tokens} tokens, {r.tree_episodes} episode(s)"
     )
     return summary + "\n" + _indent(render(timeline, width))
+
+
+def cost_text(usage: TokenUsage) -> str:
+    """An episode's cost as a person reads it; unknown when a model had no price."""
+    return "cost unknown (a model has no price)" if usage.cost_usd is None else f"${usage.cost_usd:.4f}"
 
 
 def describe_execution(execution: ExecutionResult) -> str:

@@ -257,7 +257,8 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
     assert report["stop_reason"] == "Cancelled: changed my mind"
     assert server.requests == []
     listed = drlm(tmp_path, "list")
-    assert f"{episode_id}  cancelled cancelled" in listed.stdout
+    row = next(line.split() for line in listed.stdout.splitlines() if line.startswith(episode_id))
+    assert row[:3] == [episode_id, "cancelled", "cancelled"]
 
     again = drlm(tmp_path, "cancel", episode_id, "--extract")
     assert again.returncode == 0, again.stderr
