@@ -154,17 +154,29 @@ def test_a_history_with_repl_snapshots_is_stored() -> None:
     ]
     assert sum('"snapshot":{"digest"' in r for r in results) == 1
     for path in HISTORIES:
-        if path.stem not in ("snapshots", *UI_METADATA):  # those were recorded later
+        if path.stem not in ("snapshots", *UI_METADATA, *LATER):  # those were recorded later
             assert not _has_patch_marker(path.name, names.PATCH_SNAPSHOTS), path.stem
 
 
 UI_METADATA = ["ui_metadata", "ui_metadata_child"]  # recorded by python -m tests.test_ui_metadata
+LATER = ["cost_budget"]  # recorded after the ui-metadata patch: they carry its marker too
 
 
 def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
     # The memo and search-attribute upserts are commands: only histories recorded since have them.
     for path in HISTORIES:
-        assert _has_patch_marker(path.name, names.PATCH_UI_METADATA) == (path.stem in UI_METADATA), path.stem
+        recorded_since = path.stem in (*UI_METADATA, *LATER)
+        assert _has_patch_marker(path.name, names.PATCH_UI_METADATA) == recorded_since, path.stem
+
+
+def test_a_history_of_an_episode_ended_by_its_cost_budget_is_stored() -> None:
+    # Token and cost budgets keep room for the extraction behind the budget-reserve patch;
+    # episodes without such a budget never ask for it, so no other history has the marker.
+    for path in HISTORIES:
+        marked = _has_patch_marker(path.name, names.PATCH_BUDGET_RESERVE)
+        assert marked == (path.stem == "cost_budget"), path.stem
+    assert names.EXTRACT_FALLBACK in _activity_types("cost_budget.json")
+    assert "WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in "".join(_event_types("cost_budget.json"))
 
 
 def test_a_history_with_custom_tools_is_stored() -> None:

@@ -30,6 +30,7 @@ from workflows.models import (
     EpisodeLimits,
     EpisodeRequest,
     EpisodeResult,
+    ModelPrice,
     ModelSettings,
     RewardSpec,
     RewardUpdate,
@@ -326,6 +327,30 @@ async def record_snapshots(client: Client, blobs: BlobStore, only: set[str]) -> 
         (HERE / "snapshots.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_budgets(client: Client, only: set[str]) -> None:
+    """A priced model under max_cost_usd: the loop ends while an extraction can still be paid
+    (patch budget-reserve), with a reward received on the way (the audit's events)."""
+    if "cost_budget" not in only:
+        return
+    script = root_and_sub(["```repl\nx = 1\n```"], extract=lambda p: '{"answer": "1"}')
+    with ScriptedModelServer(script) as server:
+        price = ModelPrice(input_usd_per_mtok=100.0, output_usd_per_mtok=200.0)
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url, max_tokens=50, price=price),
+            limits=EpisodeLimits(max_iterations=8, max_cost_usd=0.2),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="cost_budget", task_queue="record", result_type=EpisodeResult
+        )
+        await handle.execute_update("reward", RewardUpdate(value=0.5, note="on the way"))
+        result = await handle.result()
+        assert result.ended_by == "max_cost_usd" and result.answer_source == "extraction", result
+        print("cost_budget", result)
+        (HERE / "cost_budget.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -359,6 +384,7 @@ async def record(only: set[str]) -> None:
             await record_tools(client, only)
             await record_local_steps(client, blobs, work, only)
             await record_snapshots(client, blobs, only)
+            await record_budgets(client, only)
 
 
 if __name__ == "__main__":
