@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -166,21 +167,33 @@ def _cell_rows(
             ended_at=outcome.ended_at,
         )
     rows = [Row(schema.cells, values, merge=_merge_cell)]
+    # A cell's steps each end on their own cell-log node: events of two steps keep apart.
+    step = outcome.log_head.removeprefix("sha256:")[:12]
     for number, note in enumerate(outcome.divergences):
-        rows.append(_event(episode_id, f"divergence:{cell_index}:{number}", "replay_divergence", detail=note))
+        key = f"divergence:{cell_index}:{step}:{number}"
+        rows.append(_event(episode_id, key, "replay_divergence", detail=note))
     if outcome.rebuild is not None:
         report = outcome.rebuild
         detail = f"{report.cells_rerun} cell(s) re-run" + (
             f" after the snapshot of cell {report.from_snapshot}" if report.from_snapshot is not None else ""
         )
         rows.append(
-            _event(episode_id, f"rebuilt:{cell_index}", "repl_rebuilt", value=report.seconds, detail=detail)
+            _event(
+                episode_id,
+                f"rebuilt:{cell_index}:{step}",
+                "repl_rebuilt",
+                value=report.seconds,
+                detail=detail,
+            )
         )
     return rows
 
 
 def _merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     merged = {**old, **new}
+    # Order-free: steps of one cell may be written by two workers (a step lost, run again).
+    if old.get("status") == "completed":
+        merged.update({k: old[k] for k in ("status", "stdout", "stderr", "error", "ended_at")})
     merged["sub_calls"] = max(old.get("sub_calls") or 0, new["sub_calls"])
     merged["rebuilt"] = bool(old.get("rebuilt")) or new["rebuilt"]
     start, end = merged.get("started_at"), merged.get("ended_at")
@@ -319,32 +332,65 @@ def _aware(moment: datetime) -> datetime:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
-class AuditActivities:
+class AuditWriter:
+    """Writes rows through one thread of its own, in the order they were handed over: a slow
+    store never takes the threads blob and sandbox work need, and an earlier write of a row
+    cannot land after a later one. Past MAX_QUEUED waiting writes, rows are refused."""
+
     def __init__(self, engine: sa.Engine | None) -> None:
         self.engine = engine
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drlm-audit")
+        self.queued = 0
+
+    async def write(self, rows: list[Row], timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        """Raises on a store error, TimeoutError past `timeout_s` (the write still happens
+        later, in order), RuntimeError when too many writes already wait."""
+        if self.engine is None or not rows:
+            return
+        if self.queued >= MAX_QUEUED:
+            raise RuntimeError(f"{self.queued} audit writes already wait for the store")
+        self.queued += 1
+        future = asyncio.get_running_loop().run_in_executor(self.executor, write_rows, self.engine, rows)
+        future.add_done_callback(self._done)
+        await asyncio.wait_for(asyncio.shield(future), timeout_s)
+
+    def _done(self, future: asyncio.Future[None]) -> None:
+        self.queued -= 1
+        if not future.cancelled() and future.exception() is not None:
+            log.warning("audit rows not written: %r", future.exception())
+
+
+MAX_QUEUED = 64
+
+
+class AuditActivities:
+    def __init__(self, engine: sa.Engine | None) -> None:
+        self.writer = AuditWriter(engine)
 
     @activity.defn(name=names.AUDIT_EPISODE)
     async def audit_episode(self, record: AuditEpisodeInput) -> None:
         """The episode's own row: retried by its activity's policy, unlike the step rows."""
-        if self.engine is not None:
-            await asyncio.to_thread(write_rows, self.engine, episode_rows(record))
+        await self.writer.write(episode_rows(record), EPISODE_WRITE_TIMEOUT_S)
+
+
+EPISODE_WRITE_TIMEOUT_S = 5.0
 
 
 class AuditInterceptor(Interceptor):
     """Writes each completed step's rows on the worker that ran it (REPL steps that run as
     local activities included): the audit store follows the episode step by step."""
 
-    def __init__(self, engine: sa.Engine | None) -> None:
-        self.engine = engine
+    def __init__(self, writer: AuditWriter) -> None:
+        self.writer = writer
 
     def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        return _AuditInbound(next, self.engine) if self.engine is not None else next
+        return _AuditInbound(next, self.writer) if self.writer.engine is not None else next
 
 
 class _AuditInbound(ActivityInboundInterceptor):
-    def __init__(self, next: ActivityInboundInterceptor, engine: sa.Engine) -> None:
+    def __init__(self, next: ActivityInboundInterceptor, writer: AuditWriter) -> None:
         super().__init__(next)
-        self.engine = engine
+        self.writer = writer
 
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
         result = await super().execute_activity(input)
@@ -352,10 +398,12 @@ class _AuditInbound(ActivityInboundInterceptor):
         if info.activity_type == names.AUDIT_EPISODE or not input.args:
             return result
         try:
-            rows = rows_of_step(info.workflow_id or "", info.activity_type, input.args[0], result)
-            if rows:
-                await asyncio.wait_for(asyncio.to_thread(write_rows, self.engine, rows), WRITE_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - the audit never fails a step; a rebuild restores it
+            await self.writer.write(
+                rows_of_step(info.workflow_id or "", info.activity_type, input.args[0], result)
+            )
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001
+            # The step is done: its result goes back whatever became of its audit rows (a
+            # rebuild restores them), even if a cancel arrived while they were written.
             log.warning("audit rows of %s in %s not written: %r", info.activity_type, info.workflow_id, exc)
         return result
 

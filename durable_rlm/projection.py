@@ -51,6 +51,7 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     if result is not None:
         status = result.status  # cancelled on request: the workflow completed with a result
     latest = client.get_workflow_handle(episode_id, run_id=description.run_id)
+    first = await client.get_workflow_handle(episode_id, run_id=first_run_id).describe()
     return AuditEpisodeInput(
         episode_id=episode_id,
         run_id=description.run_id,
@@ -59,6 +60,12 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         status=status,
         result=result,
         error=await closing_error(latest, status),
+        sub_model=request.effective_sub_model.model,
+        parent_id=request.parent.episode_id if request.parent else None,
+        depth=request.depth,
+        limits=request.limits.model_dump_json(exclude_none=True),
+        started_at=first.start_time,
+        ended_at=description.close_time,
     )
 
 
@@ -82,10 +89,16 @@ async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) ->
 async def rebuild_episode(client: Client, engine: sa.Engine, episode_id: str) -> None:
     from durable_rlm.history import completed_steps
 
+    audited = False
     async for step in completed_steps(client, episode_id):
         rows = rows_of_step(episode_id, step.activity, step.arg, step.result)
+        audited = audited or step.activity == names.AUDIT_EPISODE
         if rows:
             await asyncio.to_thread(write_rows, engine, rows)
+    if not audited:
+        # Every audit write of the episode failed (a store that was down): its row comes
+        # from the history itself, as for an episode that ended without writing it.
+        await asyncio.to_thread(upsert_episode, engine, await record_of(client, episode_id))
 
 
 async def reconcile_audit(client: Client, engine: sa.Engine) -> int:

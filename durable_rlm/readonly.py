@@ -78,6 +78,14 @@ class EpisodeFilter:
     max_cost: float | None = None
     roots_only: bool = False
 
+    @property
+    def needs_new_columns(self) -> bool:
+        """Whether it filters on columns the audit store has had only since revision 0004."""
+        return (
+            any(v is not None for v in (self.model, self.since, self.until, self.min_cost, self.max_cost))
+            or self.roots_only
+        )
+
     def clauses(self, table: sa.Table) -> list[Any]:
         clauses: list[Any] = []
         if self.status is not None:
@@ -101,13 +109,27 @@ class EpisodeFilter:
 def episode_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = None) -> Sequence[sa.Row]:
     """The newest episodes first (an episode without a start time: by its last write)."""
     table = schema.episodes
-    query = sa.select(table).where(*(where or EpisodeFilter()).clauses(table))
-    started = sa.func.coalesce(table.c.started_at, table.c.updated_at)
     try:
-        with engine.connect() as conn:
-            return conn.execute(query.order_by(started.desc()).limit(limit)).all()
+        present = {column["name"] for column in sa.inspect(engine).get_columns(table.name)}
     except sa.exc.DatabaseError:
-        return []
+        present = set()
+    if not present:
+        return []  # no audit table yet: nothing has run against this store
+    missing = [c.name for c in table.columns if c.name not in present]
+    if missing:
+        # A store from before the latest migration (it migrates when a worker or a run
+        # opens it): list what it has; a filter on a column it lacks is a clear error.
+        if where is not None and where.needs_new_columns:
+            raise LookupError(
+                f"the audit store has an older schema (no {', '.join(missing[:3])}, ...) for these "
+                "filters: `drlm list --refresh` migrates it"
+            )
+    columns = [c if c.name in present else sa.null().label(c.name) for c in table.columns]
+    updated = table.c.updated_at
+    started = sa.func.coalesce(table.c.started_at, updated) if "started_at" in present else updated
+    query = sa.select(*columns).where(*(where or EpisodeFilter()).clauses(table)).order_by(started.desc())
+    with engine.connect() as conn:
+        return conn.execute(query.limit(limit)).all()
 
 
 def parse_moment(text: str, now: datetime | None = None) -> datetime:

@@ -129,7 +129,7 @@ def build_workers(
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
-    interceptors = [AuditInterceptor(engine), *worker_interceptors()]
+    interceptors = [AuditInterceptor(audit.writer), *worker_interceptors()]
     extraction = ExtractionActivities(models, blobs)
     repl_activities = [repl.execute_cell, repl.resume_cell, repl.read_variable, repl.close_sandbox]
     shared = Worker(

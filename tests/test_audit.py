@@ -164,3 +164,37 @@ async def test_the_rebuilt_audit_store_equals_the_live_one(audit_url: str, tmp_p
     kinds = {(r["episode_id"], r["kind"]) for r in live["audit_events"]}
     assert (ids["costly"], "fallback") in kinds and (ids["ended"], "ended") in kinds
     engine.dispose()
+
+
+@pytest.mark.chaos
+async def test_a_locked_audit_store_delays_no_episode_and_a_rebuild_restores_it(
+    tmp_path: Path, blobs, scripted
+) -> None:
+    import sqlite3
+    import time
+
+    audit = tmp_path / "locked.sqlite"
+    engine = create_engine(f"sqlite:///{audit}")
+    migrate(engine)
+    async with EmbeddedServer(tmp_path / "temporal.sqlite") as address:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        queue = f"locked-{uuid.uuid4().hex[:6]}"
+        server = scripted(root_and_sub(["```repl\nx = llm_query('a')\n```", "FINAL_VAR(x)"], str.upper))
+        holder = sqlite3.connect(audit, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")  # every audit write now waits for the lock
+        try:
+            async with workers_for(client, (blobs, engine), tmp_path, queue):
+                started = time.monotonic()
+                result = await run_episode(client, request_for(server), queue, "locked-episode")
+                took = time.monotonic() - started
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert result.answer == "A"
+        # Four steps wait 2 s each at most, the closing row 10 s at most: not the store's 30 s.
+        assert took < 40, took  # the store's own wait is 30 s a write, and a row has 5 attempts
+        await rebuild_audit(client, engine)
+        rows = table_rows(engine)
+    assert [r["status"] for r in rows["episodes"]] == ["completed"]
+    assert [r["call_id"] for r in rows["audit_model_calls"]] == ["root:1", "root:2", "sub:1.0"]
+    engine.dispose()

@@ -198,3 +198,25 @@ FROM episodes e JOIN audit_model_calls c ON c.episode_id = e.episode_id
 WHERE e.cost_usd > 2 AND e.started_at >= datetime('now', '-7 days')
 ORDER BY e.episode_id, c.started_at
 """
+
+
+def test_list_reads_a_store_from_before_the_audit_columns(tmp_path: Path) -> None:
+    from durable_rlm.store import create_engine, migrate
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    engine = create_engine(url)
+    migrate(engine, "0003")  # a user's store, not migrated since
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO episodes (episode_id, run_id, task, root_model, status, updated_at) "
+                "VALUES ('old-one', 'r', 'an old task', 'gpt-4o', 'completed', CURRENT_TIMESTAMP)"
+            )
+        )
+    engine.dispose()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DRLM_", "TEMPORAL_"))}
+    env.update(DRLM_DATABASE_URL=url, DRLM_DATA_DIR=str(tmp_path), COLUMNS="200")
+    listed = subprocess.run([DRLM, "list"], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "old-one" in listed.stdout, listed
+    filtered = subprocess.run([DRLM, "list", "--min-cost", "1"], env=env, capture_output=True, text=True)
+    assert filtered.returncode == 2 and "drlm list --refresh" in filtered.stderr, filtered

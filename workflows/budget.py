@@ -59,7 +59,7 @@ def cost_left(request: EpisodeRequest, state: EpisodeCarry) -> float | None:
 class CallEstimate:
     """What one root-sized call (the next root call, or an extraction) is expected to spend:
     the last request's prompt plus its reply and the turns queued since, and a reply as
-    long as the model's max_tokens (or the last reply, at least REPLY_TOKENS_RESERVED)."""
+    long as the model's max_tokens (else as the last reply, or REPLY_TOKENS_ESTIMATE)."""
 
     tokens: int
     cost_usd: float
@@ -69,7 +69,7 @@ class CallEstimate:
         model = request.root_model
         queued = sum(len(m.content) for m in state.pending) // defaults.CHARS_PER_TOKEN
         prompt = state.last_prompt_tokens + state.last_reply_tokens + queued
-        reply = model.max_tokens or max(state.last_reply_tokens, defaults.REPLY_TOKENS_RESERVED)
+        reply = model.max_tokens or state.last_reply_tokens or defaults.REPLY_TOKENS_ESTIMATE
         cost = model.price.cost(prompt, reply) if model.price is not None else 0.0
         return cls(tokens=prompt + reply, cost_usd=cost)
 
@@ -145,9 +145,10 @@ class ChildBudget:
 
 
 def child_budgets(
-    request: EpisodeRequest, state: EpisodeCarry, children: int, now: datetime
+    request: EpisodeRequest, state: EpisodeCarry, children: int, now: datetime, reserve: bool = False
 ) -> ChildBudget | str:
-    """Each of `children` children's share of what is left, or why none can start."""
+    """Each of `children` children's share of what is left, or why none can start. With
+    `reserve`, what the parent's next root call and its extraction need is kept back first."""
     calls = calls_left(request, state) // children
     needed = MIN_CHILD_CALLS_WITH_EXTRACTION if request.fallback_extraction else 1
     if calls < needed:
@@ -155,14 +156,16 @@ def child_budgets(
             f"budget exhausted: {max(calls_left(request, state), 0)} model call(s) left for "
             f"{children} child episode(s), each needs at least {needed}"
         )
+    need = CallEstimate.of(request, state) if reserve else CallEstimate(0, 0.0)
+    kept = 1 + (1 if request.fallback_extraction else 0)
     left = tokens_left(request, state)
-    tokens = None if left is None else left // children
+    tokens = None if left is None else (left - need.tokens * kept) // children
     if tokens is not None and tokens < 1:
-        return f"budget exhausted: the token budget ({request.limits.max_tokens}) is spent"
+        return f"budget exhausted: no tokens of max_tokens ({request.limits.max_tokens}) left for children"
     money = cost_left(request, state)
-    cost = None if money is None else round(money / children, COST_DIGITS)
+    cost = None if money is None else round((money - need.cost_usd * kept) / children, COST_DIGITS)
     if cost is not None and cost <= 0:
-        return f"budget exhausted: the cost budget (${request.limits.max_cost_usd}) is spent"
+        return f"budget exhausted: nothing of max_cost_usd ({request.limits.max_cost_usd}) left for children"
     if state.deadline <= now:
         return "budget exhausted: the episode's deadline has passed"
     slack = min((state.deadline - now) / 10, timedelta(seconds=defaults.CHILD_DEADLINE_SLACK_S))

@@ -145,6 +145,10 @@ it no snapshot is taken (a rebuild re-runs the cells, which re-create the files)
 AUDIT_ATTEMPTS = 5
 """The audit store is a projection: a few retries, then history alone is the record."""
 
+AUDIT_CLOSE_S = 10.0
+"""Longest an ending episode waits for its audit row (all attempts): a store that is down
+delays an episode's end by this much, and `drlm audit-rebuild` writes the row later."""
+
 CLOSE_SANDBOX_TIMEOUT_S = 10.0
 """Waiting for the worker that holds the sandbox at the end; idle reaping covers the rest."""
 
@@ -235,3 +239,7 @@ provider holds a slot, not a thread."""
 
 AUDITED_REWARDS = 200
 """Rewards an episode keeps for the audit store's events (the latest; history has them all)."""
+
+REPLY_TOKENS_ESTIMATE = 1_000
+"""A root reply's size before the model has replied once (the model's max_tokens unset):
+what a token or cost budget expects the next call and an extraction to need."""

@@ -33,7 +33,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, legacy, metadata, names, prompts
-    from workflows.budget import extraction_refusal, root_call_limit
+    from workflows.budget import cost_spent, extraction_refusal, root_call_limit
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
         CANCELLED,
@@ -128,6 +128,8 @@ class EpisodeWorkflow:
         self._phase_before_pause = ""
         self._search = False  # upsert the UI's search attributes (started with them, patched)
         self._reserve = False  # token and cost budgets keep room for an extraction (patched)
+        self._audit_aside = False  # the opening audit runs beside the loop, the closing one bounded
+        self._opening_audit: asyncio.Future[None] | None = None
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -149,6 +151,9 @@ class EpisodeWorkflow:
         if workflow.patched(names.PATCH_UI_METADATA):
             workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
             self._search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
+        # Rewards that arrived before this point were numbered from 1: they follow the carried ones.
+        for early in self._reward_log:
+            early.number += self._s.rewards_received
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
         self._reward_log[:0] = self._s.rewards
@@ -161,10 +166,15 @@ class EpisodeWorkflow:
             stopping=lambda: self._stopping,
             local=local,
             wait_for_credentials=self._wait_for_credentials,
+            reserve=self._reserve,
         )
 
         try:
-            if request.carry is None:
+            self._audit_aside = workflow.patched(names.PATCH_AUDIT_ASIDE)
+            if request.carry is None and self._audit_aside:
+                # The episode's row is written beside the loop: a slow store delays nothing.
+                self._opening_audit = asyncio.ensure_future(self._audit(request, "running"))
+            elif request.carry is None:
                 await self._audit(request, "running")
             ending = await self._episode(request)
         except asyncio.CancelledError:
@@ -257,7 +267,7 @@ class EpisodeWorkflow:
             phase_started=self._phase_started,
             paused=self._paused,
             tokens=s.usage.total_tokens + s.unaccounted_tokens if s else 0,
-            cost_usd=s.usage.cost_usd if s else 0.0,
+            cost_usd=(None if s.usage.cost_usd is None else cost_spent(s)) if s else 0.0,
             limits=self._request.limits if self._request else None,
             started_at=s.deadline - self._request.limits.max_duration if s and self._request else None,
             root_model=self._request.root_model.model if self._request else None,
@@ -693,6 +703,16 @@ class EpisodeWorkflow:
     ) -> None:
         info = workflow.info()
         running = status == "running"
+        opening = self._opening_audit
+        if not running and opening is not None and not opening.done():
+            opening.cancel()  # the closing row holds all the opening one would
+            with contextlib.suppress(asyncio.CancelledError):
+                await opening
+        timeouts: dict[str, object] = (
+            {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
+            if self._audit_aside
+            else {"start_to_close_timeout": timedelta(seconds=30)}
+        )
         try:
             await workflow.execute_activity(
                 names.AUDIT_EPISODE,
@@ -708,13 +728,13 @@ class EpisodeWorkflow:
                     parent_id=request.parent.episode_id if request.parent else None,
                     depth=request.depth,
                     limits=request.limits.model_dump_json(exclude_none=True),
-                    started_at=info.start_time if running else None,
+                    started_at=info.workflow_start_time,  # the first run's: the episode's start
                     ended_at=None if running else workflow.now(),
                     events=[] if running else self._audit_events(),
                 ),
-                start_to_close_timeout=timedelta(seconds=30),
                 retry_policy=_AUDIT_RETRY,
                 summary=f"audit: {status}",
+                **timeouts,  # type: ignore[arg-type]
             )
         except ActivityError:
             workflow.logger.warning("audit store write failed; history remains the record")

@@ -823,7 +823,7 @@ class AuditEpisodeInput(StrictModel):
     parent_id: str | None = None
     depth: int = 0
     limits: str | None = Field(default=None, description="the request's limits, JSON")
-    started_at: datetime | None = Field(default=None, description="set when the episode starts")
+    started_at: datetime | None = Field(default=None, description="when the episode's first run started")
     ended_at: datetime | None = Field(default=None, description="set when it ends")
     events: list[AuditEvent] = Field(default_factory=list)
 

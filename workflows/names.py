@@ -63,6 +63,8 @@ PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call unt
 PATCH_UI_METADATA = "ui-metadata"
 # Token and cost budgets end the loop while they can still pay for an extraction (budget.py).
 PATCH_BUDGET_RESERVE = "budget-reserve"
+# The opening audit row is written beside the loop; the closing one within AUDIT_CLOSE_S.
+PATCH_AUDIT_ASIDE = "audit-aside"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

@@ -69,8 +69,10 @@ class ReplSteps:
         stopping: Callable[[], bool] = lambda: False,
         local: bool = False,
         wait_for_credentials: Callable[[str], Awaitable[None]] | None = None,
+        reserve: bool = False,
     ) -> None:
         self.request = request
+        self.reserve = reserve  # children's shares leave the parent its next call and extraction
         self.local = local  # steps run as local activities (histories from before: remote)
         self.state = state
         self.set_phase = set_phase
@@ -272,7 +274,7 @@ class ReplSteps:
             wave = list(zip(requests[start : start + width], routes[start : start + width], strict=True))
             budget = None
             if children:
-                share = child_budgets(request, self.state, len(children), workflow.now())
+                share = child_budgets(request, self.state, len(children), workflow.now(), self.reserve)
                 if len(children) > cap:
                     share = (
                         f"{len(children)} child episodes in one batch; at most {cap} "
