@@ -159,7 +159,7 @@ def test_a_history_with_repl_snapshots_is_stored() -> None:
 
 
 UI_METADATA = ["ui_metadata", "ui_metadata_child"]  # recorded by python -m tests.test_ui_metadata
-LATER = ["cost_budget"]  # recorded after the ui-metadata patch: they carry its marker too
+LATER = ["cost_budget", "audit_aside"]  # recorded after the ui-metadata patch: they carry its marker too
 
 
 def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
@@ -167,6 +167,16 @@ def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
     for path in HISTORIES:
         recorded_since = path.stem in (*UI_METADATA, *LATER)
         assert _has_patch_marker(path.name, names.PATCH_UI_METADATA) == recorded_since, path.stem
+
+
+def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
+    # Since audit-aside the opening audit is scheduled with the first root call, in one task.
+    for path in HISTORIES:
+        assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == (path.stem == "audit_aside"), (
+            path.stem
+        )
+    types = _activity_types("audit_aside.json")
+    assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
 
 
 def test_a_history_of_an_episode_ended_by_its_cost_budget_is_stored() -> None:

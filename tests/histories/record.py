@@ -351,6 +351,24 @@ async def record_budgets(client: Client, only: set[str]) -> None:
         (HERE / "cost_budget.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_audit_aside(client: Client, only: set[str]) -> None:
+    """The opening audit written beside the loop, the closing one bounded (audit-aside)."""
+    if "audit_aside" not in only:
+        return
+    turns = ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"]
+    with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            seed=1,
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="audit_aside", task_queue="record", result_type=EpisodeResult
+        )
+        print("audit_aside", await handle.result())
+        (HERE / "audit_aside.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -385,6 +403,7 @@ async def record(only: set[str]) -> None:
             await record_local_steps(client, blobs, work, only)
             await record_snapshots(client, blobs, only)
             await record_budgets(client, only)
+            await record_audit_aside(client, only)
 
 
 if __name__ == "__main__":
