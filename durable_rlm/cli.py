@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--refresh",
         action="store_true",
-        help="first settle rows of episodes that ended without writing theirs",
+        help="first migrate the store and settle rows of episodes that ended without writing theirs",
     )
     return parser
 
