@@ -755,6 +755,9 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         for row in rows:
             print(json.dumps(dict(row._mapping), default=str))
         return EXIT_OK
+    if not rows:
+        _stderr("no episodes" + (" match these filters" if where.active else " in the audit store yet"))
+        return EXIT_OK
     from durable_rlm.listing import episode_table, print_table
 
     print_table(episode_table(rows))

@@ -79,6 +79,10 @@ class EpisodeFilter:
     roots_only: bool = False
 
     @property
+    def active(self) -> bool:
+        return self.status is not None or self.needs_new_columns
+
+    @property
     def needs_new_columns(self) -> bool:
         """Whether it filters on columns the audit store has had only since revision 0004."""
         return (

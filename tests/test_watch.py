@@ -164,6 +164,8 @@ def test_list_filters_by_status_model_time_and_cost(tmp_path: Path) -> None:
     lines = listed.stdout.splitlines()
     assert lines[0].split()[:4] == ["episode", "status", "ended", "by"]
     assert len(lines) == 2 and lines[1].split()[:2] == ["dear-new", "failed"] and "2.5000" in lines[1]
+    none = subprocess.run([DRLM, "list", "--model", "nope"], env=env, capture_output=True, text=True)
+    assert (none.returncode, none.stdout, none.stderr) == (0, "", "no episodes match these filters\n")
     bad = subprocess.run([DRLM, "list", "--since", "yesterday"], env=env, capture_output=True, text=True)
     assert bad.returncode == 2 and "neither a date or time" in bad.stderr
     engine.dispose()
