@@ -28,6 +28,8 @@ from workflows.models import (
     RootCompletionInput,
     SubQueryInput,
     SubQueryReply,
+    ToolCallInput,
+    ToolReply,
 )
 
 if TYPE_CHECKING:
@@ -41,6 +43,7 @@ INPUTS: dict[str, type] = {
     names.REPL_EXECUTE: ExecuteCellInput,
     names.REPL_RESUME: ResumeCellInput,
     names.AUDIT_EPISODE: AuditEpisodeInput,
+    names.RUN_TOOL: ToolCallInput,
 }
 RESULTS: dict[str, type | None] = {
     names.ROOT_COMPLETION: RootCompletion,
@@ -50,6 +53,7 @@ RESULTS: dict[str, type | None] = {
     names.REPL_EXECUTE: CellOutcome,
     names.REPL_RESUME: CellOutcome,
     names.AUDIT_EPISODE: None,
+    names.RUN_TOOL: ToolReply,
 }
 
 

@@ -45,6 +45,10 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     """The row of an episode as its latest run says, whatever way it ended."""
     handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
     description = await handle.describe()
+    if first_run_id is None:
+        from durable_rlm.history import episode_runs
+
+        first_run_id = (await episode_runs(client, episode_id))[0].run_id
     status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
     request = await first_request(client, episode_id, first_run_id)
     result = await handle.result() if status == "completed" else None

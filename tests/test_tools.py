@@ -27,13 +27,27 @@ PRICE_TURNS = [
 
 
 async def test_an_answer_that_needs_a_sync_and_an_async_tool(
-    client, scripted, worker, tmp_path: Path, monkeypatch
+    client, scripted, worker, store, tmp_path: Path, monkeypatch
 ) -> None:
+    import sqlalchemy as sa
+
+    from durable_rlm import schema
+
     log = tmp_path / "calls.jsonl"
     monkeypatch.setenv("DRLM_TEST_TOOL_LOG", str(log))
     server = scripted(root_and_sub(PRICE_TURNS))
     request = request_for(server, tools=tool_specs(TOOLS))
-    result = await run_episode(client, request, worker.task_queue)
+    episode_id = f"tools-{uuid.uuid4().hex[:6]}"
+    result = await run_episode(client, request, worker.task_queue, episode_id)
+    events = schema.events
+    with store[1].connect() as conn:
+        audited = conn.execute(
+            sa.select(events.c.event_key, events.c.detail)
+            .where(events.c.episode_id == episode_id, events.c.kind == "tool_call")
+            .order_by(events.c.event_key)
+        ).all()
+    assert [key for key, _ in audited] == ["tool:1.0", "tool:1.1"]  # the audit lists each tool call
+    assert audited[0][1].startswith("lookup_price(") and audited[0][1].endswith("-> 12.5")
 
     assert result.answer == "13.75"
     assert result.tool_calls == 2 and result.sub_calls == 0
