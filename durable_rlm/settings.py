@@ -114,6 +114,12 @@ class Settings(BaseSettings):
         "off",
         description="traces and metrics: off, console or otlp; OTEL_{TRACES,METRICS}_EXPORTER override",
     )
+    metrics_address: str | None = _env(
+        "metrics_address",
+        "DRLM_METRICS_ADDRESS",
+        None,
+        description="host:port of a Prometheus endpoint for the SDK's and our metrics; unset: none",
+    )
     prices_file: Path | None = _env(
         "prices_file",
         "DRLM_PRICES_FILE",
