@@ -138,6 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Web UI origin allowed to call it (repeatable; default DRLM_UI_ADDRESS, or the embedded UI's)",
     )
 
+    config = sub.add_parser(
+        "config", help="every effective setting, its variable and who chose it (secrets masked)"
+    )
+    config.add_argument("--json", action="store_true")
     info = sub.add_parser("info", help="where data lives, which setting chose it, and the server")
     info.add_argument("--json", action="store_true")
 
@@ -600,6 +604,23 @@ def _codec_server(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _config(settings: Settings, args: argparse.Namespace) -> int:
+    rows = settings.effective()
+    if args.json:
+        print(json.dumps({name: {"value": v, "variable": var, "chosen_by": o} for name, v, var, o in rows}))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="drlm config")
+    for column in ("setting", "variable", "value", "chosen by"):
+        table.add_column(column, overflow="fold")
+    for name, value, variable, origin in rows:
+        table.add_row(name, variable, "-" if value is None else str(value), origin)
+    Console().print(table)
+    return EXIT_OK
+
+
 def _info(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.server import running_state
 
@@ -784,6 +805,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _demo(settings, args)
     if args.command == "info":
         return _info(settings, args)
+    if args.command == "config":
+        return _config(settings, args)
     if args.command == "codec-server":
         return _codec_server(settings, args)
     if args.command == "doctor":

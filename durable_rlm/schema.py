@@ -133,4 +133,14 @@ episode_timelines = sa.Table(
     sa.Column("cached_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0004"  # alembic head; a test checks they agree
+# What every process using this store must agree on (0005): where the blobs live.
+store_facts = sa.Table(
+    "store_facts",
+    metadata,
+    sa.Column("name", sa.String(80), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+    sa.Column("recorded_by", sa.Text, nullable=False),
+    sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+)
+
+SCHEMA_REVISION = "0005"  # alembic head; a test checks they agree

@@ -22,6 +22,9 @@ from workflows import defaults
 
 __all__ = ["ConfigurationError", "Settings", "default_data_dir"]
 
+SECRET_FIELDS = frozenset({"codec_token"})
+"""Settings `drlm config` never prints (the database URL's password is hidden too)."""
+
 SERVER_IDLE_S = 300.0  # how long the shared embedded server outlives its last client
 
 
@@ -142,6 +145,7 @@ class Settings(BaseSettings):
 
     _environ: dict[str, str] = PrivateAttr(default_factory=dict)
     _given: frozenset[str] = PrivateAttr(default=frozenset())
+    _from_file: dict[str, str] = PrivateAttr(default_factory=dict)
 
     def __init__(self, **values: Any) -> None:
         super().__init__(**values)
@@ -176,18 +180,26 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """Settings from `environ` (default os.environ); a bad value is a ConfigurationError
-        naming the variable."""
+        """Settings from `environ` (default os.environ) over the TOML config file (DRLM_CONFIG,
+        or drlm.toml in the user config directory if there is one); a bad value is a
+        ConfigurationError naming the variable or the file."""
         env = dict(os.environ if environ is None else environ)
+        config = config_file(env)
+        from_file = read_config(config) if config is not None else {}
         values = {variable: env[variable] for variable in cls.variables().values() if env.get(variable)}
+        chosen = {field for field, variable in cls.variables().items() if variable in values}
+        values |= {field: value for field, value in from_file.items() if field not in chosen}
         token = _MAPPING_ONLY.set(True)
         try:
             settings = cls(**values)
         except ValidationError as exc:
-            raise ConfigurationError(f"invalid configuration: {_explain(exc)}") from exc
+            in_file = {field: str(config) for field in from_file if field not in chosen}
+            raise ConfigurationError(f"invalid configuration: {_explain(exc, in_file)}") from exc
         finally:
             _MAPPING_ONLY.reset(token)
         settings._environ = env
+        settings._given = frozenset()
+        settings._from_file = {field: str(config) for field in from_file if field not in chosen}
         return settings
 
     @classmethod
@@ -207,7 +219,24 @@ class Settings(BaseSettings):
             return "set by the caller"
         if self._environ.get(variable):
             return variable
+        if field in self._from_file:
+            return f"config file {self._from_file[field]}"
         return f"default ({variable} unset)"
+
+    def effective(self) -> list[tuple[str, Any, str, str]]:
+        """Every setting as (field, value, variable, origin), secrets masked: `drlm config`."""
+        rows = []
+        for field, variable in self.variables().items():
+            value = getattr(self, field)
+            if field in SECRET_FIELDS and value:
+                value = "***"
+            elif field == "database_url" and value:
+                value = safe_url(value)
+            elif isinstance(value, Path):
+                value = str(value)
+            origin = self.origin(field)
+            rows.append((field, value, variable, "default" if origin.startswith("default") else origin))
+        return rows
 
     @property
     def policy_module_names(self) -> tuple[str, ...]:
@@ -267,6 +296,39 @@ class Settings(BaseSettings):
         return private_dir(self.data_dir)
 
 
+def config_file(env: Mapping[str, str]) -> Path | None:
+    """DRLM_CONFIG, or drlm.toml in the user config directory when it exists."""
+    named = env.get("DRLM_CONFIG")
+    if named:
+        path = Path(os.path.expanduser(named))
+        if not path.is_file():
+            raise ConfigurationError(f"DRLM_CONFIG: no config file at {path}")
+        return path
+    default = Path(platformdirs.user_config_dir("drlm", appauthor=False)) / "drlm.toml"
+    return default if default.is_file() else None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A TOML file of settings by field name (`task_queue = "q"`) or by variable
+    (`DRLM_TASK_QUEUE = "q"`), flat or under a `[drlm]` table; unknown keys are errors."""
+    import tomllib
+
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigurationError(f"config file {path}: {exc}") from None
+    data = data.get("drlm", data) if isinstance(data.get("drlm"), dict) else data
+    by_variable = {variable: field for field, variable in Settings.variables().items()}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        field = key if key in Settings.model_fields else by_variable.get(key)
+        if field is None:
+            known = ", ".join(sorted(Settings.model_fields))
+            raise ConfigurationError(f"config file {path}: unknown setting {key!r} (known: {known})")
+        values[field] = value
+    return values
+
+
 def safe_url(url: str) -> str:
     """A database URL fit to print: its password hidden."""
     from sqlalchemy.engine import make_url
@@ -294,11 +356,14 @@ def private_file(path: Path) -> Path:
     return path
 
 
-def _explain(exc: ValidationError) -> str:
+def _explain(exc: ValidationError, in_file: Mapping[str, str] | None = None) -> str:
+    """Each problem named by what set it: its variable, or its key in the config file."""
     variables = Settings.variables()
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else "value"
         name = variables.get(field, field)
+        if in_file and field in in_file:
+            name = f"{field} in {in_file[field]}"
         problems.append(f"{name}: {error['msg']} (got {error.get('input')!r})")
     return "; ".join(problems)

@@ -10,6 +10,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from durable_rlm.errors import ConfigurationError
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
 
@@ -85,3 +87,38 @@ def open_store(url: str) -> sa.Engine:
     engine = create_engine(url)
     migrate(engine)
     return engine
+
+
+class StoreMismatch(ConfigurationError):
+    """This process would keep blobs somewhere the store's other processes do not look."""
+
+
+def agree_on_blob_store(engine: sa.Engine, blob_store: str) -> None:
+    """Refuse a process whose blob store differs from the one the SQL store has recorded:
+    episodes it started would hold digests of blobs no other worker can read (stranded).
+    The first process to use a store records its choice."""
+    import os
+    import socket
+
+    from durable_rlm import schema
+
+    table = schema.store_facts
+    here = "sql" if blob_store == "sql" else f"directory {Path(blob_store).resolve()}"
+    who = f"{socket.gethostname()} pid {os.getpid()}"
+    with engine.begin() as conn:
+        known = conn.execute(sa.select(table).where(table.c.name == "blob_store")).mappings().first()
+        if known is None:
+            try:
+                with conn.begin_nested():
+                    conn.execute(table.insert().values(name="blob_store", value=here, recorded_by=who))
+                return
+            except sa.exc.IntegrityError:  # another process recorded it first: compare with that
+                known = conn.execute(sa.select(table).where(table.c.name == "blob_store")).mappings().one()
+    if known["value"] != here:
+        where = "the SQL store's blobs table" if known["value"] == "sql" else known["value"]
+        mine = "the SQL store's blobs table" if here == "sql" else here
+        raise StoreMismatch(
+            f"this store's blobs live in {where} (recorded by {known['recorded_by']}), but this "
+            f"process would keep them in {mine} (DRLM_BLOB_STORE): episodes it started would "
+            "hold blobs no other worker can read. Use the same DRLM_BLOB_STORE everywhere"
+        )

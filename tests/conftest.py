@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # server a test started (durable_rlm/server.py) stops soon after its last client.
 os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-tests-")
 os.environ["DRLM_SERVER_IDLE_S"] = "2"
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="drlm-tests-config-")  # no user drlm.toml
 
 # Property tests: thorough by default; HYPOTHESIS_PROFILE=mutation keeps mutation runs quick.
 settings.register_profile(

@@ -1,0 +1,83 @@
+"""Settings from a TOML file under the environment, `drlm config`, and stores that every
+process of a deployment must agree on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.store import StoreMismatch, agree_on_blob_store, open_store
+
+DRLM = str(Path(sys.executable).with_name("drlm"))
+
+
+def test_a_config_file_sets_what_the_environment_does_not(tmp_path: Path) -> None:
+    config = tmp_path / "drlm.toml"
+    config.write_text('[drlm]\ntask_queue = "from-file"\nDRLM_CAPACITY = 7\nclaim_check_threshold = 1024\n')
+    settings = Settings.from_env({"DRLM_CONFIG": str(config), "DRLM_CAPACITY": "9"})
+    assert (settings.task_queue, settings.capacity, settings.claim_check_threshold) == ("from-file", 9, 1024)
+    assert settings.origin("task_queue") == f"config file {config}"
+    assert settings.origin("capacity") == "DRLM_CAPACITY"  # the environment wins over the file
+    assert settings.origin("temporal_namespace").startswith("default")
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("task_queu = 'x'", "unknown setting 'task_queu'"),
+        ("capacity = 0", "capacity"),
+        ("capacity = [", "config file"),
+    ],
+)
+def test_a_bad_config_file_is_a_clear_error(tmp_path: Path, text: str, problem: str) -> None:
+    config = tmp_path / "drlm.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigurationError, match=problem) as raised:
+        Settings.from_env({"DRLM_CONFIG": str(config)})
+    assert str(config) in str(raised.value)
+
+
+def test_a_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="DRLM_CONFIG: no config file"):
+        Settings.from_env({"DRLM_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_drlm_config_prints_every_setting_with_secrets_masked(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DRLM_", "TEMPORAL_"))}
+    env.update(
+        DRLM_DATA_DIR=str(tmp_path),
+        DRLM_CODEC_TOKEN="s3cret-token",
+        DRLM_DATABASE_URL="postgresql+psycopg://drlm:hunter2@db:5432/drlm",
+    )
+    out = subprocess.run([DRLM, "config", "--json"], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "s3cret-token" not in out.stdout and "hunter2" not in out.stdout
+    shown = json.loads(out.stdout)
+    assert set(shown) == set(Settings.model_fields)
+    assert shown["codec_token"] == {
+        "value": "***",
+        "variable": "DRLM_CODEC_TOKEN",
+        "chosen_by": "DRLM_CODEC_TOKEN",
+    }
+    assert shown["database_url"]["value"] == "postgresql+psycopg://drlm:***@db:5432/drlm"
+    assert shown["task_queue"]["chosen_by"] == "default"
+
+
+def test_a_process_whose_blob_store_differs_from_the_stores_is_refused(tmp_path: Path) -> None:
+    engine = open_store(f"sqlite:///{tmp_path / 'shared.sqlite'}")
+    agree_on_blob_store(engine, "sql")  # the first process records its choice
+    agree_on_blob_store(engine, "sql")  # the same choice: fine
+    with pytest.raises(StoreMismatch, match="would keep them in directory .*Use the same DRLM_BLOB_STORE"):
+        agree_on_blob_store(engine, str(tmp_path / "blobs"))
+    other = open_store(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    agree_on_blob_store(other, str(tmp_path / "blobs"))
+    with pytest.raises(StoreMismatch, match="this store's blobs live in directory"):
+        agree_on_blob_store(other, "sql")
+    engine.dispose()
+    other.dispose()
