@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
@@ -22,7 +22,7 @@ from workflows import defaults
 
 __all__ = ["ConfigurationError", "Settings", "default_data_dir"]
 
-SECRET_FIELDS = frozenset({"codec_token"})
+SECRET_FIELDS = frozenset({"codec_token", "temporal_api_key"})
 """Settings `drlm config` never prints (the database URL's password is hidden too)."""
 
 SERVER_IDLE_S = 300.0  # how long the shared embedded server outlives its last client
@@ -47,6 +47,22 @@ class Settings(BaseSettings):
 
     temporal_address: str | None = _env("temporal_address", "TEMPORAL_ADDRESS", None)
     temporal_namespace: str = _env("temporal_namespace", "TEMPORAL_NAMESPACE", "default")
+    temporal_tls_cert: Path | None = _env(
+        "temporal_tls_cert", "TEMPORAL_TLS_CERT", None, description="client certificate (PEM) for mTLS"
+    )
+    temporal_tls_key: Path | None = _env(
+        "temporal_tls_key", "TEMPORAL_TLS_KEY", None, description="its private key (PEM)"
+    )
+    temporal_tls_ca: Path | None = _env(
+        "temporal_tls_ca", "TEMPORAL_TLS_CA", None, description="the server's CA (PEM); default: system roots"
+    )
+    temporal_api_key: str | None = _env(
+        "temporal_api_key",
+        "TEMPORAL_API_KEY",
+        None,
+        repr=False,
+        description="Temporal Cloud API key (TLS on)",
+    )
     task_queue: str = _env("task_queue", "DRLM_TASK_QUEUE", "drlm-episodes")
     data_dir: Path = _env(
         "data_dir", "DRLM_DATA_DIR", None, description="default: the user data dir (platformdirs)"
@@ -161,6 +177,29 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,) if _MAPPING_ONLY.get() else (init_settings, env_settings)
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.temporal_tls_cert is None) != (self.temporal_tls_key is None):
+            raise ValueError("TEMPORAL_TLS_CERT and TEMPORAL_TLS_KEY go together: set both or neither")
+        for name in ("temporal_tls_cert", "temporal_tls_key", "temporal_tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"{self.variables()[name]}: no file at {path}")
+        return self
+
+    def temporal_tls(self) -> Any:
+        """The client's TLS settings: mTLS from the certificate and key, plain TLS for an API
+        key (Temporal Cloud), else None (a local server)."""
+        if self.temporal_tls_cert is None and self.temporal_api_key is None and self.temporal_tls_ca is None:
+            return None
+        from temporalio.service import TLSConfig
+
+        return TLSConfig(
+            client_cert=self.temporal_tls_cert.read_bytes() if self.temporal_tls_cert else None,
+            client_private_key=self.temporal_tls_key.read_bytes() if self.temporal_tls_key else None,
+            server_root_ca_cert=self.temporal_tls_ca.read_bytes() if self.temporal_tls_ca else None,
+        )
 
     @field_validator("tracing")
     @classmethod
@@ -365,5 +404,9 @@ def _explain(exc: ValidationError, in_file: Mapping[str, str] | None = None) -> 
         name = variables.get(field, field)
         if in_file and field in in_file:
             name = f"{field} in {in_file[field]}"
-        problems.append(f"{name}: {error['msg']} (got {error.get('input')!r})")
+        if not error["loc"]:  # a rule over several settings: its message names them
+            problems.append(str(error["msg"]).removeprefix("Value error, "))
+            continue
+        got = "***" if field in SECRET_FIELDS else repr(error.get("input"))
+        problems.append(f"{name}: {error['msg']} (got {got})")
     return "; ".join(problems)

@@ -81,3 +81,20 @@ def test_a_process_whose_blob_store_differs_from_the_stores_is_refused(tmp_path:
         agree_on_blob_store(other, "sql")
     engine.dispose()
     other.dispose()
+
+
+def test_temporal_tls_and_api_key_settings_are_checked_and_never_printed(tmp_path: Path) -> None:
+    cert, key = tmp_path / "client.pem", tmp_path / "client.key"
+    cert.write_bytes(b"CERT")
+    key.write_bytes(b"KEY")
+    mtls = Settings.from_env({"TEMPORAL_TLS_CERT": str(cert), "TEMPORAL_TLS_KEY": str(key)}).temporal_tls()
+    assert (mtls.client_cert, mtls.client_private_key, mtls.server_root_ca_cert) == (b"CERT", b"KEY", None)
+    cloud = Settings.from_env({"TEMPORAL_API_KEY": "k-123"})
+    assert cloud.temporal_tls() is not None  # an API key needs TLS
+    assert Settings.from_env({}).temporal_tls() is None  # a local server: plain
+    with pytest.raises(ConfigurationError, match="go together") as half:
+        Settings.from_env({"TEMPORAL_TLS_CERT": str(cert), "TEMPORAL_API_KEY": "k-123"})
+    assert "k-123" not in str(half.value)
+    with pytest.raises(ConfigurationError, match="TEMPORAL_TLS_CA: no file at"):
+        Settings.from_env({"TEMPORAL_TLS_CA": str(tmp_path / "missing.pem")})
+    assert dict((f, v) for f, v, _, _ in cloud.effective())["temporal_api_key"] == "***"
