@@ -175,7 +175,10 @@ class LiveSandbox:
     async def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next frame; None when the process died or stayed silent past `timeout`."""
         try:
-            return await asyncio.wait_for(self.frames.get(), timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
+            # arrives as the frame does, and a cancelled step would go on running.
+            async with asyncio.timeout(timeout):
+                return await self.frames.get()
         except TimeoutError:
             return None
 

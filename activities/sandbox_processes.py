@@ -251,7 +251,8 @@ class ForkServer:
         host_end.setblocking(False)
         server = cls(process, host_end, log_path)
         try:
-            data = await asyncio.wait_for(loop.sock_recv(host_end, MAX_MESSAGE), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel (3.11)
+                data = await loop.sock_recv(host_end, MAX_MESSAGE)
             ready = decode(data) if data else None
             if ready is None or ready.get("op") != "ready":
                 raise ForkServerError(f"the template did not start: {server.stderr_tail() or 'no output'}")
@@ -295,7 +296,8 @@ class ForkServer:
             self._post(
                 {"op": "fork", "id": request_id, "directory": str(directory), "env": env}, [in_r, out_w, err]
             )
-            pid = await asyncio.wait_for(answer, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel (3.11)
+                pid = await answer
             reader = asyncio.StreamReader(limit=limit)
             read_transport, _ = await loop.connect_read_pipe(
                 lambda: asyncio.StreamReaderProtocol(reader), stdout_file
