@@ -786,7 +786,9 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
-    settings = Settings.from_env()
+    # The metrics endpoint is a worker's (python worker.py): CLI processes, many at once,
+    # would contend for its port.
+    settings = Settings.from_env().model_copy(update={"metrics_address": None})
     if args.command in ("run", "demo"):
         from durable_rlm.runtime import import_policy_modules
         from durable_rlm.tools import import_tool_modules

@@ -18,8 +18,8 @@ from durable_rlm.codec import data_converter
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.server import shared_server
 from durable_rlm.settings import Settings, private_file
-from durable_rlm.store import open_store
-from durable_rlm.telemetry import client_interceptors
+from durable_rlm.store import agree_on_blob_store, open_store
+from durable_rlm.telemetry import client_interceptors, metrics_runtime
 
 
 @dataclass
@@ -50,6 +50,7 @@ def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     engine = open_store(settings.effective_database_url)
     where, chosen_by = settings.describe_stores()["blob store"]
     hint = f"{where} ({chosen_by})"
+    agree_on_blob_store(engine, settings.blob_store)  # a stray local blob store strands episodes
     if settings.blob_store == "sql":
         return BlobStore(SqlBackend(engine), where=hint), engine
     return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint), engine
@@ -61,7 +62,8 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
     (started if needed, kept while this block runs: durable_rlm/server.py)."""
     blobs, engine = open_stores(settings)
     converter = data_converter(blobs, settings.claim_check_threshold)
-    interceptors = client_interceptors(settings.tracing)
+    # Also serves DRLM_METRICS_ADDRESS: a bad one fails here, before a server starts.
+    interceptors = client_interceptors(settings.tracing, metrics_address=settings.metrics_address)
     if settings.temporal_address:
         client = await connect_client(settings.temporal_address, settings, converter, interceptors)
         yield Services(settings, blobs, engine, client, settings.ui_address)
@@ -72,12 +74,15 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
 
 
 async def connect_client(address: str, settings: Settings, converter: Any, interceptors: Any) -> Client:
+    # The Runtime whose SDK metrics DRLM_METRICS_ADDRESS serves; workers inherit the client's.
+    runtime = metrics_runtime(settings.metrics_address)
     try:
         return await Client.connect(
             address,
             namespace=settings.temporal_namespace,
             data_converter=converter,
             interceptors=interceptors,
+            runtime=runtime,
         )
     except Exception as exc:  # noqa: BLE001 - the SDK raises RuntimeError for every cause
         raise ServerUnavailable(

@@ -11,17 +11,29 @@ Where it goes: OTEL_TRACES_EXPORTER and OTEL_METRICS_EXPORTER (otlp, console, no
 per signal; unset, DRLM_TRACING (off, console, otlp) chooses for both. The OTLP exporters
 read the standard OTEL_EXPORTER_OTLP_* variables (endpoint, headers, protocol). Console
 output goes to stderr: stdout carries the answer (`drlm run --json`).
+
+Prometheus: with DRLM_METRICS_ADDRESS (host:port), whatever DRLM_TRACING says, GET /metrics
+there serves the Temporal SDK's metrics followed by ours, so operators scrape one address.
+The SDK's come from its Runtime's own Prometheus exporter, which listens on a private
+loopback port and is read on each scrape; ours from an OpenTelemetry PrometheusMetricReader.
+A process has one such Runtime per address (a port binds once): every client that connects
+with it (connection.py) shares it, and workers inherit their client's.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import os
+import socket
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -31,6 +43,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from temporalio import activity
 from temporalio.client import Interceptor
 from temporalio.exceptions import ApplicationError
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput
 from temporalio.worker import Interceptor as WorkerInterceptor
 
@@ -43,6 +56,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +76,12 @@ CELL_STEPS = {names.REPL_EXECUTE: "execute", names.REPL_RESUME: "resume"}
 
 @dataclass(frozen=True)
 class Telemetry:
-    """This process's providers; None: that signal is not exported and costs nothing."""
+    """This process's providers; None: that signal is not exported and costs nothing.
+    `prometheus`: where our metrics wait for a scrape of DRLM_METRICS_ADDRESS."""
 
     tracer_provider: TracerProvider | None = None
     meter_provider: MeterProvider | None = None
+    prometheus: CollectorRegistry | None = None
 
     @property
     def enabled(self) -> bool:
@@ -78,7 +94,7 @@ class Telemetry:
                 provider.shutdown()
 
 
-_current: tuple[Hashable, Telemetry] = (("off", (), (), ()), Telemetry())
+_current: tuple[Hashable, Telemetry] = (("off", (), (), (), False), Telemetry())
 
 
 def current() -> Telemetry:
@@ -91,8 +107,10 @@ def configure(
     *,
     span_exporter: SpanExporter | None = None,
     metric_reader: MetricReader | None = None,
+    metrics_address: str | None = None,
 ) -> Telemetry:
-    """Set up this process's telemetry, which worker_interceptors() then uses.
+    """Set up this process's telemetry, which worker_interceptors() then uses, and the
+    Prometheus endpoint on `metrics_address` (DRLM_METRICS_ADDRESS) if given.
 
     `span_exporter` / `metric_reader` replace the configured exporters (tests). The same
     settings twice keep the same providers: reconnecting starts no second export thread.
@@ -104,13 +122,22 @@ def configure(
     off = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     traces = () if off else _exporter_names(env, "OTEL_TRACES_EXPORTER", kind)
     meters = () if off else _exporter_names(env, "OTEL_METRICS_EXPORTER", kind)
+    if metrics_address:
+        serve_metrics(metrics_address)  # first: a bad address is reported before anything starts
+    prometheus = bool(metrics_address) and not off
     injected = span_exporter is not None or metric_reader is not None
-    key: Hashable = object() if injected else (kind, traces, meters, _otlp_protocols(env, traces, meters))
+    key: Hashable = (
+        object() if injected else (kind, traces, meters, _otlp_protocols(env, traces, meters), prometheus)
+    )
     if key == _current[0]:
         return _current[1]
+    readers = [metric_reader] if metric_reader is not None else [_periodic_reader(n, env) for n in meters]
+    registry = None
+    if prometheus:
+        reader, registry = _prometheus_reader()
+        readers.append(reader)
     telemetry = Telemetry(
-        _tracer_provider(traces, span_exporter, env),
-        _meter_provider(meters, metric_reader, env),
+        _tracer_provider(traces, span_exporter, env), _meter_provider(readers, env), registry
     )
     _current = (key, telemetry)
     return telemetry
@@ -122,10 +149,13 @@ def client_interceptors(
     *,
     metric_reader: MetricReader | None = None,
     environ: Mapping[str, str] | None = None,
+    metrics_address: str | None = None,
 ) -> list[Interceptor]:
     """Interceptors for a client whose DRLM_TRACING is `kind` (workers inherit them); sets up
     the process's telemetry on the way (configure()). `exporter` overrides where spans go."""
-    telemetry = configure(kind, environ, span_exporter=exporter, metric_reader=metric_reader)
+    telemetry = configure(
+        kind, environ, span_exporter=exporter, metric_reader=metric_reader, metrics_address=metrics_address
+    )
     if telemetry.tracer_provider is None:
         return []
     from temporalio.contrib.opentelemetry import TracingInterceptor
@@ -219,19 +249,168 @@ def _tracer_provider(
     return provider
 
 
-def _meter_provider(
-    chosen: tuple[str, ...], reader: MetricReader | None, env: Mapping[str, str]
-) -> MeterProvider | None:
-    from opentelemetry.sdk.metrics import MeterProvider
+def _periodic_reader(name: str, env: Mapping[str, str]) -> MetricReader:
     from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
 
-    def exporter(name: str) -> MetricExporter:
-        if name == "console":
-            return ConsoleMetricExporter(out=sys.stderr)
-        return _otlp_exporter(env, "METRICS", "metric_exporter", "OTLPMetricExporter")
+    exporter: MetricExporter = (
+        ConsoleMetricExporter(out=sys.stderr)
+        if name == "console"
+        else _otlp_exporter(env, "METRICS", "metric_exporter", "OTLPMetricExporter")
+    )
+    return PeriodicExportingMetricReader(exporter)
 
-    readers = [reader] if reader is not None else [PeriodicExportingMetricReader(exporter(n)) for n in chosen]
+
+def _prometheus_reader() -> tuple[MetricReader, CollectorRegistry]:
+    """A reader that renders on demand into a registry of its own: a later configure() gets
+    a fresh one, and a scrape never shows a replaced provider's metrics twice."""
+    package = "opentelemetry-exporter-prometheus"
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import CollectorRegistry
+    except ImportError as exc:
+        raise RuntimeError(
+            f"DRLM_METRICS_ADDRESS needs the {package} package (pip install {package})"
+        ) from exc
+    registry = CollectorRegistry()
+    return PrometheusMetricReader(registry=registry), registry
+
+
+def _meter_provider(readers: list[MetricReader], env: Mapping[str, str]) -> MeterProvider | None:
+    from opentelemetry.sdk.metrics import MeterProvider
+
     return MeterProvider(metric_readers=readers, resource=_resource(env)) if readers else None
+
+
+# --- the Prometheus endpoint ----------------------------------------------------------------
+
+_SDK_SCRAPE_TIMEOUT_S = 5.0
+_TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"  # what both halves are written in
+_RUNTIME_ATTEMPTS = 3
+# The SDK's exporter is on loopback: an HTTP(S)_PROXY of the environment must not see it.
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class MetricsEndpoint:
+    """GET /metrics on DRLM_METRICS_ADDRESS, and the Temporal Runtime whose metrics it serves."""
+
+    def __init__(self, address: str) -> None:
+        self.requested = address
+        self.server = _bind(address)
+        try:
+            self.runtime, self.server.sdk_url = _sdk_runtime()
+        except BaseException:
+            self.server.server_close()
+            raise
+        threading.Thread(target=self.server.serve_forever, name="drlm-metrics", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        host = f"[{host}]" if ":" in str(host) else host
+        return f"http://{host}:{port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving (tests). The Runtime stays: the SDK has no way to stop one."""
+        with _endpoints_lock:
+            _endpoints.pop(self.requested, None)
+        self.server.shutdown()
+        self.server.server_close()
+
+
+_endpoints: dict[str, MetricsEndpoint] = {}
+_endpoints_lock = threading.Lock()
+
+
+def serve_metrics(address: str) -> MetricsEndpoint:
+    """This process's endpoint on `address`, started on first use."""
+    with _endpoints_lock:
+        if address not in _endpoints:
+            _endpoints[address] = MetricsEndpoint(address)
+        return _endpoints[address]
+
+
+def metrics_runtime(address: str | None) -> Runtime | None:
+    """The Temporal Runtime a client connects with: None (the SDK's default) without
+    DRLM_METRICS_ADDRESS, else the one whose metrics that address serves."""
+    return serve_metrics(address).runtime if address else None
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+    sdk_url = ""
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+def _bind(address: str) -> _MetricsServer:
+    problem = f"DRLM_METRICS_ADDRESS={address!r}"
+    try:
+        url = urlsplit(f"//{address.strip()}")
+        port = url.port
+    except ValueError:
+        port = None
+    if port is None or url.path or url.query or url.fragment or url.username is not None:
+        raise ConfigurationError(f"{problem} is not host:port (e.g. 127.0.0.1:9464)")
+    host = url.hostname or "0.0.0.0"  # ":9464": every interface, as Prometheus exporters read it
+    try:
+        return (_MetricsServer6 if ":" in host else _MetricsServer)((host, port), _Scrape)
+    except OSError as exc:
+        why = "the port is in use (by another worker?)" if exc.errno == errno.EADDRINUSE else exc.strerror
+        raise ConfigurationError(f"{problem}: cannot serve metrics there: {why or exc}") from None
+
+
+def _sdk_runtime() -> tuple[Runtime, str]:
+    """A Runtime whose Prometheus exporter listens on a loopback port of its own."""
+    from durable_rlm.server import free_port
+
+    attempts = _RUNTIME_ATTEMPTS
+    while True:
+        bind = f"127.0.0.1:{free_port()}"
+        config = TelemetryConfig(metrics=PrometheusConfig(bind_address=bind))
+        try:
+            return Runtime(telemetry=config), f"http://{bind}/metrics"
+        except Exception:
+            attempts -= 1  # another process took the free port before the Runtime bound it
+            if not attempts:
+                raise
+
+
+class _Scrape(BaseHTTPRequestHandler):
+    server: _MetricsServer
+
+    def do_GET(self) -> None:
+        if urlsplit(self.path).path != "/metrics":
+            self.send_error(404, "metrics are at /metrics")
+            return
+        body = _exposition(self.server.sdk_url)
+        self.send_response(200)
+        self.send_header("Content-Type", _TEXT_FORMAT)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silent: Prometheus scrapes every few seconds."""
+
+
+def _exposition(sdk_url: str) -> bytes:
+    """The SDK's metrics, then ours: one failing leaves the other served."""
+    parts: list[bytes] = []
+    try:
+        with _LOOPBACK.open(sdk_url, timeout=_SDK_SCRAPE_TIMEOUT_S) as response:
+            parts.append(response.read())
+    except Exception:  # noqa: BLE001 - telemetry is best effort
+        _failed()
+    if (registry := current().prometheus) is not None:
+        try:
+            from prometheus_client import generate_latest
+
+            parts.append(generate_latest(registry))
+        except Exception:  # noqa: BLE001
+            _failed()
+    return b"".join(part if part.endswith(b"\n") else part + b"\n" for part in parts if part)
 
 
 # --- the worker interceptor -----------------------------------------------------------------
