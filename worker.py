@@ -5,6 +5,10 @@ answers, so it can start before the server and outlive its restarts. Without it,
 the data directory's shared embedded server, the one `drlm run` uses, from any directory.
 Settings come from the environment (README, `drlm info`). Model credentials live only here,
 in the worker's environment; they never enter workflow history.
+
+SIGTERM (or SIGINT) drains it: it stops polling, lets the calls and REPL steps in flight
+finish for up to `defaults.DRAIN_GRACE_S`, closes its sandboxes, prints what it drained and
+exits 0; its episodes go on on other workers.
 """
 
 from __future__ import annotations
@@ -16,13 +20,17 @@ import signal
 import sys
 
 from durable_rlm.errors import ServerUnavailable
-from durable_rlm.runtime import connect, running_workers
+from durable_rlm.runtime import DrainReport, connect, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
+from workflows import defaults
 
 log = logging.getLogger("worker")
 
 FIRST_WAIT_S = 0.5
 LONGEST_WAIT_S = 10.0
+LEAVE_AFTER_GRACE_S = 3.0
+"""After the drain's grace: time for the calls the SDK cancels to report it (a cancelled
+HTTP request ends at once) and for the sandboxes to close."""
 
 
 async def wait_for_server(settings: Settings, stop: asyncio.Event) -> bool:
@@ -54,11 +62,37 @@ async def serve(settings: Settings) -> None:
         loop.add_signal_handler(signum, stop.set)
     if settings.temporal_address and not await wait_for_server(settings, stop):
         return
-    async with connect(settings) as services, running_workers(services) as repl:
+    grace = defaults.DRAIN_GRACE_S
+    drained: list[DrainReport] = []
+    async with (
+        connect(settings) as services,
+        running_workers(services, drain_grace_s=grace, on_drained=drained.append) as repl,
+    ):
         where = settings.temporal_address or f"the embedded server of {settings.data_dir}"
         log.info("worker polling %s (REPL queue %s) on %s", settings.task_queue, repl.worker_queue, where)
         print(f"worker ready: {settings.task_queue} / {repl.worker_queue}", flush=True)
         await stop.wait()
+        print(f"worker: draining (grace {grace:g} s; signal again to leave now)", file=sys.stderr, flush=True)
+        leave_by(loop, grace + LEAVE_AFTER_GRACE_S)
+    print(f"worker {drained[0].describe()}" if drained else "worker stopped", flush=True)
+
+
+def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+    """Exit at once when the drain outlasts `seconds` (a local REPL step still running: the
+    SDK never cancels one) or on a second signal, as after a crash: the episode's workflow
+    task times out and another worker re-runs the step, rebuilding the REPL from the log. No
+    sandbox is closed first, and the loop gets no further turn: a step that saw its sandbox
+    closed would log its cell as killed. The sandboxes die with this process (their
+    parent-death signal), and a live worker reaps their directory."""
+
+    def leave(why: str) -> None:
+        print(f"worker: {why}; leaving the work in flight to other workers", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+
+    loop.call_later(seconds, leave, f"drain not done after {seconds:g} s")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, leave, f"signal {signal.Signals(signum).name} while draining")
 
 
 def main() -> None:

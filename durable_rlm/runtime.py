@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import importlib
 import logging
 import tempfile
+import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -109,6 +112,7 @@ def build_workers(
     sandbox_budget_mb: int | None = None,
     sandbox_start: str = "fork",
     snapshot_key: bytes | None = None,
+    drain_grace_s: float = 0.0,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -148,6 +152,8 @@ def build_workers(
         workflow_runner=workflow_runner(policy_modules),
         interceptors=interceptors,
         max_concurrent_activities=activity_slots,
+        # Given at construction: the SDK hands it to its core worker (see `drain`).
+        graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
         # Every live episode stays cached: an evicted one replays its history, and its REPL
         # (local steps) is rebuilt; each may run one local REPL step at a time.
         max_cached_workflows=capacity,
@@ -166,14 +172,22 @@ def build_workers(
         activities=repl_activities,
         interceptors=interceptors,
         max_concurrent_activities=64,
+        graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
     )
     return [shared, own], repl
 
 
 @contextlib.asynccontextmanager
 async def running_workers(
-    services: Services, credentials: Mapping[str, str] | None = None
+    services: Services,
+    credentials: Mapping[str, str] | None = None,
+    *,
+    drain_grace_s: float = 0.0,
+    on_drained: Callable[[DrainReport], None] | None = None,
 ) -> AsyncIterator[ReplActivities]:
+    """This process's workers, polling until the block ends; then drained (`drain`), and
+    `on_drained` told what was. A grace of 0 (in-process workers) cancels calls in flight
+    at once: their episodes go on when a worker next runs."""
     settings = services.settings
     workers, repl = build_workers(
         services.client,
@@ -190,21 +204,98 @@ async def running_workers(
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
         snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
+        drain_grace_s=drain_grace_s,
     )
-    tasks = [asyncio.create_task(w.run()) for w in workers]
-    reaper = asyncio.create_task(_reap_forever(repl))
-    reconciler = asyncio.create_task(_reconcile_forever(services))
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
     try:
         yield repl
     finally:
-        reaper.cancel()
-        reconciler.cancel()
-        for worker in workers:
-            await worker.shutdown()
-        for task in tasks:
+        for chore in chores:  # no idle eviction may race the drain's own closing
+            chore.cancel()
+        for chore in chores:
             with contextlib.suppress(BaseException):
-                await task
-        await repl.close_all()
+                await chore
+        report = await drain(workers, runs, repl, drain_grace_s)
+        if on_drained is not None:
+            on_drained(report)
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """What a stopping worker did with the work it held (`python worker.py` prints it)."""
+
+    finished: tuple[str, ...]  # activities in flight when the drain began that finished in the grace
+    overran: tuple[str, ...]  # still running when the grace ran out (local REPL steps marked)
+    sandboxes: int  # live sandboxes closed
+    grace_s: float
+    seconds: float
+
+    def describe(self) -> str:
+        cancelled = [name for name in self.overran if not name.endswith(LOCAL_MARK)]
+        steps = [name.removesuffix(LOCAL_MARK) for name in self.overran if name.endswith(LOCAL_MARK)]
+        said = [f"{len(self.finished)} in flight finished{_listed(self.finished)}"]
+        if cancelled:
+            said.append(f"{len(cancelled)} cancelled after {self.grace_s:g} s{_listed(cancelled)}")
+        if steps:
+            said.append(f"{len(steps)} local step(s) ran past {self.grace_s:g} s{_listed(steps)}")
+        said.append(f"{self.sandboxes} sandbox{'es' if self.sandboxes != 1 else ''} closed")
+        return f"drained in {self.seconds:.1f} s: " + "; ".join(said)
+
+
+LOCAL_MARK = " (local)"
+
+
+async def drain(
+    workers: Sequence[Worker], runs: Sequence[asyncio.Task[None]], repl: ReplActivities, grace_s: float
+) -> DrainReport:
+    """Stop polling, let the work in flight finish, then close the sandboxes.
+
+    Every worker's shutdown starts at once, so none keeps polling while another drains. The
+    SDK gives the sticky queue back to the server, so an episode's next workflow task goes to
+    another worker, which replays it and rebuilds its REPL from the log. An activity still
+    running after `grace_s` is cancelled by the SDK: it fails, and its retry runs elsewhere.
+    A local REPL step runs inside a workflow task: the SDK never cancels it and waits for it
+    whatever the grace (`python worker.py` gives up after the grace, and exits as a crash
+    would: another worker re-runs the step from the log)."""
+    began = time.monotonic()
+    in_flight = _in_flight(workers)
+    stopping = asyncio.gather(*(w.shutdown() for w in workers))
+    await asyncio.wait([stopping], timeout=grace_s)
+    overran = _in_flight(workers) if not stopping.done() else {}
+    with contextlib.suppress(BaseException):  # a worker's fatal error was logged by the SDK
+        await stopping
+    for run in runs:
+        with contextlib.suppress(BaseException):
+            await run
+    sandboxes = len(repl.live_episodes())
+    await repl.close_all()
+    return DrainReport(
+        finished=tuple(name for token, name in in_flight.items() if token not in overran),
+        overran=tuple(overran.values()),
+        sandboxes=sandboxes,
+        grace_s=grace_s,
+        seconds=time.monotonic() - began,
+    )
+
+
+def _in_flight(workers: Sequence[Worker]) -> dict[bytes, str]:
+    """The activities running on these workers, by task token. The SDK has no public view
+    of them: read its own table, and report nothing if that ever moves."""
+    running: dict[bytes, str] = {}
+    for worker in workers:
+        table = getattr(getattr(worker, "_activity_worker", None), "_running_activities", None)
+        for token, activity in list(dict(table or {}).items()):
+            info = getattr(activity, "info", None)
+            name = str(getattr(info, "activity_type", "activity"))
+            running[token] = name + LOCAL_MARK if getattr(info, "is_local", False) else name
+    return running
+
+
+def _listed(names: Sequence[str]) -> str:
+    """Names with their counts, in parentheses: ` (drlm.root_completion, drlm.sub_query x3)`."""
+    counts = sorted(collections.Counter(names).items())
+    return f" ({', '.join(name if n == 1 else f'{name} x{n}' for name, n in counts)})" if counts else ""
 
 
 @contextlib.asynccontextmanager

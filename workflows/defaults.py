@@ -243,3 +243,10 @@ AUDITED_REWARDS = 200
 REPLY_TOKENS_ESTIMATE = 1_000
 """A root reply's size before the model has replied once (the model's max_tokens unset):
 what a token or cost budget expects the next call and an extraction to need."""
+
+DRAIN_GRACE_S = 25.0
+"""How long a stopping `python worker.py` (SIGTERM) lets the model calls and REPL steps in
+flight finish. Past it a call is cancelled (it fails, and is paid again on another worker)
+and a REPL step still running is left to be re-run elsewhere from the cell log. Under
+Kubernetes' default 30 s from SIGTERM to SIGKILL, with time left to close the sandboxes
+(docker compose's default is 10 s: give workers `stop_grace_period: 30s`)."""
