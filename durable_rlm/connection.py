@@ -76,6 +76,9 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
 async def connect_client(address: str, settings: Settings, converter: Any, interceptors: Any) -> Client:
     # The Runtime whose SDK metrics DRLM_METRICS_ADDRESS serves; workers inherit the client's.
     runtime = metrics_runtime(settings.metrics_address)
+    # A cluster's TLS and API key (Temporal Cloud); the embedded server is plain.
+    remote = address == settings.temporal_address
+    tls = settings.temporal_tls() if remote else None
     try:
         return await Client.connect(
             address,
@@ -83,6 +86,8 @@ async def connect_client(address: str, settings: Settings, converter: Any, inter
             data_converter=converter,
             interceptors=interceptors,
             runtime=runtime,
+            tls=tls if tls is not None else False,
+            api_key=settings.temporal_api_key if remote else None,
         )
     except Exception as exc:  # noqa: BLE001 - the SDK raises RuntimeError for every cause
         raise ServerUnavailable(

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from temporalio.converter import DataConverter
 
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store import StoreMismatch, agree_on_blob_store, open_store
@@ -98,3 +99,20 @@ def test_temporal_tls_and_api_key_settings_are_checked_and_never_printed(tmp_pat
     with pytest.raises(ConfigurationError, match="TEMPORAL_TLS_CA: no file at"):
         Settings.from_env({"TEMPORAL_TLS_CA": str(tmp_path / "missing.pem")})
     assert dict((f, v) for f, v, _, _ in cloud.effective())["temporal_api_key"] == "***"
+
+
+async def test_a_client_with_tls_settings_reaches_no_plain_server_and_says_where(tmp_path: Path) -> None:
+    """TLS settings are used for TEMPORAL_ADDRESS: against a plain server the handshake fails,
+    and the error names the address and the variable (no Temporal Cloud here to succeed)."""
+    from durable_rlm.connection import ServerUnavailable, connect_client
+    from durable_rlm.runtime import EmbeddedServer
+
+    async with EmbeddedServer(tmp_path / "t.sqlite") as address:
+        settings = Settings.from_env({"TEMPORAL_ADDRESS": address, "TEMPORAL_API_KEY": "k-123"})
+        with pytest.raises(
+            ServerUnavailable, match=f"cannot reach Temporal at {address} \\(TEMPORAL_ADDRESS\\)"
+        ):
+            await connect_client(address, settings, None, [])
+        plain = Settings.from_env({"TEMPORAL_ADDRESS": address})
+        client = await connect_client(address, plain, DataConverter.default, [])
+        assert client.namespace == "default"
