@@ -8,12 +8,12 @@ the result echoes its cell (`StepEcho`), so such steps come with `arg=None`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from durable_rlm.timeline import LOCAL_ACTIVITY_MARKER, _decode
 from workflows import names
 from workflows.models import (
     AuditEpisodeInput,
@@ -33,6 +33,7 @@ from workflows.models import (
 )
 
 if TYPE_CHECKING:
+    from temporalio.api.common.v1 import Payload
     from temporalio.client import Client
 
 INPUTS: dict[str, type] = {
@@ -55,6 +56,29 @@ RESULTS: dict[str, type | None] = {
     names.AUDIT_EPISODE: None,
     names.RUN_TOOL: ToolReply,
 }
+
+
+LOCAL_ACTIVITY_MARKER = "core_local_activity"
+"""The marker a local activity's result is recorded under."""
+
+
+async def decode(client: Client, payloads: Any, hint: type) -> Any:
+    """One way to read a payload: the codec server's (durable_rlm/codec_server.py), whole,
+    then the converter's JSON. A blob the store lacks is an error naming the store."""
+    items: list[Payload] = list(payloads.payloads) if payloads else []
+    if not items:
+        return None
+    codec = client.data_converter.payload_codec
+    blobs = getattr(codec, "blobs", None)
+    if blobs is None:
+        return (await client.data_converter.decode(items[:1], [hint]))[0]
+    from durable_rlm.codec_server import decode_payloads, unreadable
+
+    (item,) = await asyncio.to_thread(decode_payloads, items[:1], blobs, None, False)
+    problem = unreadable(item)
+    if problem is not None:
+        raise LookupError(problem)
+    return client.data_converter.payload_converter.from_payloads([item], [hint])[0]
 
 
 @dataclass(frozen=True)
@@ -89,7 +113,7 @@ async def completed_steps(client: Client, episode_id: str) -> AsyncIterator[Step
                 if activity in INPUTS:
                     scheduled[event.event_id] = (
                         activity,
-                        await _decode(client, attrs.input, INPUTS[activity]),
+                        await decode(client, attrs.input, INPUTS[activity]),
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
                 attrs = event.activity_task_completed_event_attributes
@@ -97,7 +121,7 @@ async def completed_steps(client: Client, episode_id: str) -> AsyncIterator[Step
                     continue
                 activity, arg = scheduled.pop(attrs.scheduled_event_id)
                 hint = RESULTS[activity]
-                result = await _decode(client, attrs.result, hint) if hint is not None else None
+                result = await decode(client, attrs.result, hint) if hint is not None else None
                 yield Step(run.run_id, activity, arg, result)
             elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
                 step = await _local_step(client, run.run_id, event.marker_recorded_event_attributes)
@@ -105,15 +129,17 @@ async def completed_steps(client: Client, episode_id: str) -> AsyncIterator[Step
                     yield step
 
 
+def repl_marker(attrs: Any) -> dict[str, Any] | None:
+    """The data of a local REPL step's marker (activity type, times), None for any other."""
+    if attrs.marker_name != LOCAL_ACTIVITY_MARKER or "data" not in attrs.details:
+        return None
+    data: dict[str, Any] = json.loads(attrs.details["data"].payloads[0].data)
+    return data if data.get("activity_type") in (names.REPL_EXECUTE, names.REPL_RESUME) else None
+
+
 async def _local_step(client: Client, run_id: str, attrs: Any) -> Step | None:
-    if (
-        attrs.marker_name != LOCAL_ACTIVITY_MARKER
-        or "data" not in attrs.details
-        or "result" not in attrs.details
-    ):
-        return None
-    activity = json.loads(attrs.details["data"].payloads[0].data).get("activity_type", "")
-    if activity not in (names.REPL_EXECUTE, names.REPL_RESUME):
-        return None
-    outcome = await _decode(client, attrs.details["result"], CellOutcome)
-    return Step(run_id, activity, None, outcome)
+    data = repl_marker(attrs)
+    if data is None or "result" not in attrs.details:
+        return None  # not a REPL step, or one that failed
+    outcome = await decode(client, attrs.details["result"], CellOutcome)
+    return Step(run_id, data["activity_type"], None, outcome)

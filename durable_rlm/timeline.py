@@ -6,7 +6,6 @@ are decoded with the project's converter, so claim-checked payloads come back wh
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from datetime import UTC, datetime
@@ -14,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
+from durable_rlm.history import decode, episode_runs, repl_marker
 from workflows import names
 from workflows.fallback import ExecutionResult
 from workflows.models import (
@@ -37,7 +37,6 @@ from workflows.models import (
 )
 
 if TYPE_CHECKING:  # reading a history needs temporalio; rendering a stored timeline does not
-    from temporalio.api.common.v1 import Payload
     from temporalio.client import Client
 
 
@@ -133,34 +132,12 @@ _RESULTS: dict[str, type] = {
 }
 
 
-async def _decode(client: Client, payloads: Any, hint: type) -> Any:
-    """One way to read a payload: the codec server's (durable_rlm/codec_server.py), whole,
-    then the converter's JSON. A blob the store lacks is an error naming the store."""
-    items: list[Payload] = list(payloads.payloads) if payloads else []
-    if not items:
-        return None
-    codec = client.data_converter.payload_codec
-    blobs = getattr(codec, "blobs", None)
-    if blobs is None:
-        return (await client.data_converter.decode(items[:1], [hint]))[0]
-    from durable_rlm.codec_server import decode_payloads, unreadable
-
-    (item,) = await asyncio.to_thread(decode_payloads, items[:1], blobs, None, False)
-    problem = unreadable(item)
-    if problem is not None:
-        raise LookupError(problem)
-    return client.data_converter.payload_converter.from_payloads([item], [hint])[0]
-
-
 async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
     """The episode's timeline; with `children`, each child episode's timeline under its cell.
     Times are the history's event times (the server's clock), so they need no worker's."""
     from temporalio.api.enums.v1 import EventType
 
-    runs = [run async for run in client.list_workflows(f'WorkflowId = "{episode_id}"')]
-    runs.sort(key=lambda r: r.start_time)
-    if not runs:
-        raise LookupError(f"no episode with id {episode_id!r}")
+    runs = await episode_runs(client, episode_id)
     timeline = Timeline(
         episode_id=episode_id,
         status=runs[-1].status.name.lower(),
@@ -185,11 +162,11 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 task_started = when
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
                 attrs = event.workflow_execution_started_event_attributes
-                request = await _decode(client, attrs.input, EpisodeRequest)
+                request = await decode(client, attrs.input, EpisodeRequest)
                 timeline.task, timeline.depth, timeline.request = request.task, request.depth, request
             elif kind == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
                 attrs = event.start_child_workflow_execution_initiated_event_attributes
-                child = await _decode(client, attrs.input, EpisodeRequest)
+                child = await decode(client, attrs.input, EpisodeRequest)
                 if child.parent is not None and child.parent.cell_index in cells:
                     cells[child.parent.cell_index].children.append(
                         ChildView(
@@ -203,7 +180,7 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 attrs = event.activity_task_scheduled_event_attributes
                 activity = attrs.activity_type.name
                 hint = _INPUTS.get(activity)
-                arg = await _decode(client, attrs.input, hint) if hint else None
+                arg = await decode(client, attrs.input, hint) if hint else None
                 scheduled[event.event_id] = (activity, arg)
                 if activity == names.ROOT_COMPLETION:
                     it = iteration(arg.iteration)
@@ -227,7 +204,7 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 hint = _RESULTS.get(activity)
                 if hint is None:
                     continue
-                value = await _decode(client, attrs.result, hint)
+                value = await decode(client, attrs.result, hint)
                 _apply_result(activity, arg, value, iteration, cells, when)
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
                 attrs = event.activity_task_failed_event_attributes
@@ -248,7 +225,7 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 await _local_step(client, attrs, iteration, cells, task_started or when, when)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
                 attrs = event.workflow_execution_completed_event_attributes
-                timeline.result = await _decode(client, attrs.result, EpisodeResult)
+                timeline.result = await decode(client, attrs.result, EpisodeResult)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
                 timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
     timeline.iterations = [iterations[k] for k in sorted(iterations)]
@@ -263,9 +240,6 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     return timeline
 
 
-LOCAL_ACTIVITY_MARKER = "core_local_activity"
-
-
 async def _local_step(
     client: Client,
     attrs: Any,
@@ -275,15 +249,13 @@ async def _local_step(
     recorded: datetime,
 ) -> None:
     """A local REPL step: its result (or failure) repeats the cell it ran (`StepEcho`)."""
-    if attrs.marker_name != LOCAL_ACTIVITY_MARKER or "data" not in attrs.details:
+    data = repl_marker(attrs)
+    if data is None:
         return
-    data = json.loads(attrs.details["data"].payloads[0].data)
-    activity = data.get("activity_type", "")
-    if activity not in (names.REPL_EXECUTE, names.REPL_RESUME):
-        return
+    activity = data["activity_type"]
     ended = _marker_time(data.get("complete_time")) or recorded
     if "result" in attrs.details:
-        outcome: CellOutcome = await _decode(client, attrs.details["result"], CellOutcome)
+        outcome: CellOutcome = await decode(client, attrs.details["result"], CellOutcome)
         echo, failure = outcome.step, None
     else:
         failure = attrs.failure.message
@@ -291,7 +263,7 @@ async def _local_step(
         cause = attrs.failure
         while cause is not None and echo is None:  # the echo may sit under a wrapping failure
             details = cause.application_failure_info.details
-            echo = await _decode(client, details, StepEcho) if details.payloads else None
+            echo = await decode(client, details, StepEcho) if details.payloads else None
             cause = cause.cause if cause.HasField("cause") else None
     if echo is None:
         return

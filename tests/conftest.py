@@ -90,6 +90,18 @@ async def client(temporal_address: str, blobs: BlobStore) -> Client:
 
 
 @pytest.fixture
+def no_telemetry_left_behind() -> Iterator[None]:
+    """Telemetry is per process: a test that configures it starts, and leaves, with none."""
+    from durable_rlm import telemetry
+
+    telemetry.configure("off", {})
+    yield
+    left = telemetry.current()
+    telemetry.configure("off", {})
+    left.shutdown()
+
+
+@pytest.fixture
 def scripted() -> Iterator[callable]:
     servers: list[ScriptedModelServer] = []
 

@@ -8,7 +8,6 @@ timed out or was cancelled, and the scripted server was asked each root turn onc
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import tempfile
 import time
@@ -21,6 +20,7 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
 from durable_rlm.episodes import start_episode
+from durable_rlm.history import repl_marker
 from durable_rlm.runtime import Services, running_workers
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
@@ -35,7 +35,6 @@ FAILED = {
     EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED,
     EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT,
 }
-LOCAL_ACTIVITY_MARKER = "core_local_activity"
 
 
 def attempts(events: list[HistoryEvent]) -> list[int]:
@@ -47,9 +46,9 @@ def attempts(events: list[HistoryEvent]) -> list[int]:
         if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
     ]
     for event in events:
-        marker = event.marker_recorded_event_attributes
-        if marker.marker_name == LOCAL_ACTIVITY_MARKER:
-            found.append(json.loads(marker.details["data"].payloads[0].data)["attempt"])
+        step = repl_marker(event.marker_recorded_event_attributes)
+        if step is not None:
+            found.append(step["attempt"])
     return found
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm import telemetry
 from durable_rlm.connection import connect
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.runtime import free_port, running_workers
@@ -27,14 +26,7 @@ from tests.conftest import request_for, run_episode
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})?\s+(?P<value>\S+)")
 
 
-@pytest.fixture(autouse=True)
-def no_telemetry_left_behind() -> Iterator[None]:
-    """Telemetry is per process: each test starts, and leaves, with none."""
-    configure("off", {})
-    yield
-    left = telemetry.current()
-    configure("off", {})
-    left.shutdown()
+pytestmark = pytest.mark.usefixtures("no_telemetry_left_behind")
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import sys
 import time
 import types
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -39,15 +38,7 @@ from tests.conftest import request_for, run_episode, workers_for
 from workflows import names
 from workflows.models import EpisodeResult, ModelSettings, SubQueryInput, SubQueryReply, TokenUsage
 
-
-@pytest.fixture(autouse=True)
-def no_telemetry_left_behind() -> Iterator[None]:
-    """Telemetry is per process: each test starts, and leaves, with none."""
-    configure("off", {})
-    yield
-    left = telemetry.current()
-    configure("off", {})
-    left.shutdown()
+pytestmark = pytest.mark.usefixtures("no_telemetry_left_behind")
 
 
 @dataclasses.dataclass
@@ -55,6 +46,12 @@ class Traced:
     client: Client
     spans: InMemorySpanExporter
     metrics: InMemoryMetricReader
+
+    async def episode(self, server: Any, store: Any, session_dir: Any) -> EpisodeResult:
+        """One episode through this client, on workers of a queue of its own."""
+        queue = f"traced-{uuid.uuid4().hex[:6]}"
+        async with workers_for(self.client, store, session_dir, queue):
+            return await run_episode(self.client, request_for(server), queue)
 
     def finished(self) -> list[ReadableSpan]:
         return list(self.spans.get_finished_spans())
@@ -247,9 +244,7 @@ async def test_an_episode_emits_spans_for_its_start_its_run_and_each_step(
     traced: Traced, store, session_dir, scripted
 ) -> None:
     server = scripted(root_and_sub(["```repl\nr = llm_query('x')\n```", "FINAL_VAR(r)"], str.upper))
-    queue = f"traced-{uuid.uuid4().hex[:6]}"
-    async with workers_for(traced.client, store, session_dir, queue):
-        result = await run_episode(traced.client, request_for(server), queue)
+    result = await traced.episode(server, store, session_dir)
     assert result.answer == "X"
     names_seen = [span.name for span in traced.finished()]
     for expected in (
@@ -273,9 +268,7 @@ async def test_each_model_call_is_a_genai_chat_span_under_its_activity(
     traced: Traced, store, session_dir, scripted
 ) -> None:
     server = scripted(root_and_sub(["```repl\nr = llm_query('x')\n```", "FINAL_VAR(r)"], str.upper))
-    queue = f"traced-{uuid.uuid4().hex[:6]}"
-    async with workers_for(traced.client, store, session_dir, queue):
-        result = await run_episode(traced.client, request_for(server), queue)
+    result = await traced.episode(server, store, session_dir)
     spans, chats = traced.finished(), traced.chats()
     assert sorted(s.attributes["drlm.role"] for s in chats) == ["root", "root", "sub"]
     for chat in chats:
@@ -307,9 +300,7 @@ async def test_each_repl_step_is_a_span_with_its_cell_status_and_error(
 ) -> None:
     turns = ["```repl\nr = llm_query('x')\n```", "```repl\n1 / 0\n```", "FINAL_VAR(r)"]
     server = scripted(root_and_sub(turns, str.upper))
-    queue = f"traced-{uuid.uuid4().hex[:6]}"
-    async with workers_for(traced.client, store, session_dir, queue):
-        result = await run_episode(traced.client, request_for(server), queue)
+    result = await traced.episode(server, store, session_dir)
     assert result.answer == "X"
     spans = traced.finished()
     steps = sorted((s for s in spans if s.name.startswith("repl ")), key=lambda s: s.start_time)

@@ -54,6 +54,17 @@ SCRIPTS = {
 }
 
 
+async def save_history(client: Client, name: str, request: EpisodeRequest) -> EpisodeResult:
+    """Run `request` as episode `name` on the recording queue and store its history."""
+    handle = await client.start_workflow(
+        names.WORKFLOW, request, id=name, task_queue="record", result_type=EpisodeResult
+    )
+    result = await handle.result()
+    print(name, result)
+    (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
+    return result
+
+
 async def record_reward_driven(client: Client, blobs: BlobStore) -> None:
     """reward_threshold decided by updates that arrive while the episode runs."""
     gates = [threading.Event() for _ in range(3)]
@@ -320,11 +331,7 @@ async def record_snapshots(client: Client, blobs: BlobStore, only: set[str]) -> 
             root_model=ModelSettings(model="scripted", base_url=server.base_url),
             seed=1,
         )
-        handle = await client.start_workflow(
-            names.WORKFLOW, request, id="snapshots", task_queue="record", result_type=EpisodeResult
-        )
-        print("snapshots", await handle.result())
-        (HERE / "snapshots.json").write_text((await handle.fetch_history()).to_json())
+        await save_history(client, "snapshots", request)
 
 
 async def record_budgets(client: Client, only: set[str]) -> None:
@@ -362,11 +369,7 @@ async def record_audit_aside(client: Client, only: set[str]) -> None:
             root_model=ModelSettings(model="scripted", base_url=server.base_url),
             seed=1,
         )
-        handle = await client.start_workflow(
-            names.WORKFLOW, request, id="audit_aside", task_queue="record", result_type=EpisodeResult
-        )
-        print("audit_aside", await handle.result())
-        (HERE / "audit_aside.json").write_text((await handle.fetch_history()).to_json())
+        await save_history(client, "audit_aside", request)
 
 
 async def record(only: set[str]) -> None:
