@@ -55,6 +55,7 @@ from activities.sandbox_processes import (
     uss_bytes,
 )
 from activities.sandbox_reaper import SandboxHome, reap_dead
+from activities.sandbox_slots import SandboxSlots, default_max_sandboxes
 from durable_rlm.blobs import BlobBatch, BlobStore, TypedBlobs, text_digest
 from workflows import defaults, names
 from workflows.models import (
@@ -289,6 +290,7 @@ class ReplActivities:
         sandbox_start: str = "fork",
         memory_budget_mb: int | None = None,
         snapshot_key: bytes | None = None,
+        max_sandboxes: int | None = None,
     ) -> None:
         if sandbox_start not in ("fork", "spawn"):
             raise ValueError(f"sandbox_start must be 'fork' or 'spawn', not {sandbox_start!r}")
@@ -306,6 +308,9 @@ class ReplActivities:
         self.memory_budget_mb = memory_budget_mb
         self.fork_warned = False
         self._live: dict[str, LiveSandbox] = {}
+        self.slots = SandboxSlots(
+            max_sandboxes or default_max_sandboxes(), lambda: len(self._live), self._evict_idle_one
+        )
         self._locks: dict[str, asyncio.Lock] = {}
         self._template: ForkServer | None = None
         self._template_lock = asyncio.Lock()
@@ -551,8 +556,10 @@ class ReplActivities:
         return self._locks.setdefault(episode_id, StepLock(self._after_step))
 
     def _after_step(self) -> None:
-        """A step finished: check the memory budget in the background (one pass at a time;
-        steps that finish during a pass ask for one more)."""
+        """A step finished: its sandbox may be evicted for a waiting step; check the memory
+        budget in the background (one pass at a time; steps that finish during a pass ask for
+        one more)."""
+        self.slots.freed()
         if self.memory_budget_mb is None:
             return
         if self._budget_task is not None and not self._budget_task.done():
@@ -622,6 +629,23 @@ class ReplActivities:
         if self._live.get(box.episode_id) is box:
             del self._live[box.episode_id]
         await box.kill()
+        self.slots.freed()
+
+    async def _evict_idle_one(self, sparing: str) -> bool:
+        """Make room for `sparing`'s sandbox: discard the least recently used idle one (a
+        sandbox whose cell waits on calls last: its rebuild re-runs that cell)."""
+        idle = [box for box in self._live.values() if box.episode_id != sparing]
+        for box in sorted(idle, key=lambda b: (b.cell_index is not None, b.last_used)):
+            # Unlocked now means `_evict` takes the lock at once: no step can slip in.
+            if not self._lock(box.episode_id).locked() and await self._evict(box, box.last_used):
+                log.info(
+                    "sandbox limit of %d reached: discarded episode %s's idle sandbox for %s",
+                    self.slots.limit,
+                    box.episode_id,
+                    sparing,
+                )
+                return True
+        return False
 
     def _requests(self, box: LiveSandbox, frame: dict[str, Any]) -> list[SubCallRequest]:
         kind = str(frame.get("kind") or "llm_query")
@@ -758,43 +782,44 @@ class ReplActivities:
             return box, None, []
         if box is not None:
             await self._discard(box)
-        started = time.monotonic()
-        parked = self._parked.pop(ref.episode_id, None)
-        box = await self._spawn(ref)
-        try:
-            box.policy = ref.snapshots
-            notes: list[str] = []
-            cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head, True)
-            snapshot: SnapshotTaken | None = None
-            if parked is not None and parked[0] == ref.log_head:
-                snapshot, cell_log = parked[1], chains.CellLog(cells=[])
-            elif cell_log.snapshot is not None:
-                snapshot = cell_log.snapshot
-                cell_log = chains.CellLog(cells=cell_log.cells[cell_log.snapshot_at :])
-            if snapshot is not None:
-                try:
-                    notes += await self._restore(box, ref, snapshot)
-                except SnapshotRefused as refused:
-                    log.warning("episode %s: %s; re-running its cells instead", ref.episode_id, refused)
-                    notes.append(
-                        f"The REPL's snapshot after cell {snapshot.cell} could not be used ({refused}); "
-                        "the REPL was rebuilt by re-running every cell instead, so values that came "
-                        "from the clock or OS randomness were drawn again."
-                    )
-                    await asyncio.shield(box.kill())
-                    box, snapshot = await self._spawn(ref), None
-                    box.policy = ref.snapshots
-                    cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head)
-            open_cell = cell_log.open_cell
-            replayed = cell_log.cells if resuming or open_cell is None else cell_log.cells[:-1]
-            divergences = await self._replay(box, ref, replayed)
-            box.log_head = ref.log_head
-            if open_cell is not None and not resuming:
-                await self._abandon_open_cell(box, open_cell.index)
-        except BaseException:
-            await asyncio.shield(box.kill())
-            raise
-        self._live[ref.episode_id] = box
+        async with self.slots.starting(ref.episode_id):
+            started = time.monotonic()  # the wait for a slot is not the rebuild's
+            parked = self._parked.pop(ref.episode_id, None)
+            box = await self._spawn(ref)
+            try:
+                box.policy = ref.snapshots
+                notes: list[str] = []
+                cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head, True)
+                snapshot: SnapshotTaken | None = None
+                if parked is not None and parked[0] == ref.log_head:
+                    snapshot, cell_log = parked[1], chains.CellLog(cells=[])
+                elif cell_log.snapshot is not None:
+                    snapshot = cell_log.snapshot
+                    cell_log = chains.CellLog(cells=cell_log.cells[cell_log.snapshot_at :])
+                if snapshot is not None:
+                    try:
+                        notes += await self._restore(box, ref, snapshot)
+                    except SnapshotRefused as refused:
+                        log.warning("episode %s: %s; re-running its cells instead", ref.episode_id, refused)
+                        notes.append(
+                            f"The REPL's snapshot after cell {snapshot.cell} could not be used ({refused}); "
+                            "the REPL was rebuilt by re-running every cell instead, so values that came "
+                            "from the clock or OS randomness were drawn again."
+                        )
+                        await asyncio.shield(box.kill())
+                        box, snapshot = await self._spawn(ref), None
+                        box.policy = ref.snapshots
+                        cell_log = await asyncio.to_thread(chains.read_cell_log, self.blobs, ref.log_head)
+                open_cell = cell_log.open_cell
+                replayed = cell_log.cells if resuming or open_cell is None else cell_log.cells[:-1]
+                divergences = await self._replay(box, ref, replayed)
+                box.log_head = ref.log_head
+                if open_cell is not None and not resuming:
+                    await self._abandon_open_cell(box, open_cell.index)
+            except BaseException:
+                await asyncio.shield(box.kill())
+                raise
+            self._live[ref.episode_id] = box
         if ref.log_head is None:
             return box, None, divergences
         kept = [c for c in replayed if c.status not in chains.SKIPPED_ON_REBUILD]

@@ -164,6 +164,19 @@ SANDBOX_IDLE_S = 1_800.0
 SANDBOX_STARTUP_S = 30.0
 """A sandbox that is not ready in this time failed to start."""
 
+SANDBOX_SLOT_MB = 64
+MIN_SANDBOXES = 4
+"""The default limit of live sandboxes per worker (DRLM_MAX_SANDBOXES): three quarters of
+its memory at this much each. A sandbox forked from the template holds ~3 MB of its own; the
+rest is room for its context and variables."""
+
+SANDBOX_SLOT_WAIT_S = 60.0
+"""A step waits this long for one of the worker's sandboxes (all running steps) before its
+attempt fails as busy and is retried: half the slack a step has beyond its cell's timeout."""
+
+WORKFLOW_TASK_SLOTS = 100
+"""Workflow tasks one worker runs at once (the SDK's own default)."""
+
 HARD_KILL_GRACE_S = 5.0
 """After a cell's timeout, how long its interrupt has before the process is killed."""
 

@@ -42,6 +42,7 @@ TOOL_KIND_PREFIX = "tool:"
 MODEL_REQUEST_REJECTED = "ModelRequestRejected"
 MODEL_UNAVAILABLE = "ModelUnavailable"
 SANDBOX_FAILURE = "SandboxFailure"
+SANDBOXES_BUSY = "SandboxesBusy"  # every sandbox of the worker ran a step for the whole wait
 INVALID_REQUEST = "InvalidEpisodeRequest"
 POLICY_FAILURE = "TerminationPolicyFailure"
 MODEL_CONTEXT_OVERFLOW = "ModelContextOverflow"
