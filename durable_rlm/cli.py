@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("audit-rebuild", help="rebuild the SQL audit projection from the histories")
 
+    deployment = sub.add_parser(
+        "deployment", help="the Worker Deployment's builds; make one current or ramp it (rolling upgrades)"
+    )
+    deployment.add_argument("action", nargs="?", choices=("show", "set-current", "ramp"), default="show")
+    deployment.add_argument("build_id", nargs="?", help="the build (set-current, ramp)")
+    deployment.add_argument("percent", nargs="?", type=float, help="of new episodes (ramp)")
+    deployment.add_argument("--name", help="the deployment (default: DRLM_DEPLOYMENT_NAME)")
+
     export = sub.add_parser("export", help="write an episode as an rlms trajectory log or as JSON")
     export.add_argument("episode_id")
     export.add_argument("--format", choices=("rlms", "json"), default="rlms")
@@ -657,6 +665,34 @@ def _info(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _deployment(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.connection import connect
+    from durable_rlm.deployment import describe_deployment, set_current, set_ramping
+
+    name = args.name or settings.deployment_name
+    if name is None:
+        raise ConfigurationError("which deployment? give --name or set DRLM_DEPLOYMENT_NAME")
+    if settings.embedded:
+        raise ConfigurationError(
+            "Worker Deployments are for a cluster: set TEMPORAL_ADDRESS (the embedded server's "
+            "workers are unversioned)"
+        )
+    if args.action != "show" and not args.build_id:
+        raise ConfigurationError(f"drlm deployment {args.action} needs a BUILD_ID")
+    if args.action == "ramp" and args.percent is None:
+        raise ConfigurationError("drlm deployment ramp needs a BUILD_ID and a PERCENT")
+    async with connect(settings) as services:
+        client = services.client
+        if args.action == "set-current":
+            previous = await set_current(client, name, args.build_id)
+            print(f"deployment {name}: {args.build_id} is current (was {previous or 'none'})")
+        elif args.action == "ramp":
+            await set_ramping(client, name, args.build_id, args.percent)
+            print(f"deployment {name}: {args.build_id} ramped to {args.percent:g}% of new episodes")
+        print((await describe_deployment(client, name)).describe())
+    return EXIT_OK
+
+
 async def _reward(settings: Settings, args: argparse.Namespace) -> int:
     from temporalio.client import WorkflowUpdateFailedError
 
@@ -832,6 +868,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         "cancel": _cancel,
         "list": _list,
         "export": _export,
+        "deployment": _deployment,
     }
     return await commands[args.command](settings, args)
 

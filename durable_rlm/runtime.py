@@ -17,13 +17,14 @@ from pathlib import Path
 
 import sqlalchemy as sa
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentConfig, WorkerTuner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities.audit import AuditActivities, AuditInterceptor
 from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
+from activities.sandbox_slots import WorkflowSlots
 from activities.tools import run_tool
 from durable_rlm.blobs import BlobStore
 from durable_rlm.connection import (  # noqa: F401 - re-exported: one import for the worker side
@@ -113,6 +114,8 @@ def build_workers(
     sandbox_start: str = "fork",
     snapshot_key: bytes | None = None,
     drain_grace_s: float = 0.0,
+    max_sandboxes: int | None = None,
+    deployment: WorkerDeploymentConfig | None = None,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -129,6 +132,7 @@ def build_workers(
         sandbox_start=sandbox_start,
         memory_budget_mb=sandbox_budget_mb,
         snapshot_key=snapshot_key,
+        max_sandboxes=max_sandboxes,
     )
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
@@ -151,13 +155,24 @@ def build_workers(
         ],
         workflow_runner=workflow_runner(policy_modules),
         interceptors=interceptors,
-        max_concurrent_activities=activity_slots,
+        # With a Worker Deployment, the server routes each episode to the deployment's
+        # current build (or keeps it on its own, pinned). The per-process REPL queue below
+        # stays unversioned: only this process polls it.
+        deployment_config=deployment,
+        # Workflow tasks of episodes new to this worker wait while its sandboxes are all
+        # running steps (activities/sandbox_slots.py); each live episode may run one local
+        # REPL step at a time.
+        tuner=WorkerTuner.create_composite(
+            workflow_supplier=WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots),
+            activity_supplier=FixedSizeSlotSupplier(activity_slots),
+            local_activity_supplier=FixedSizeSlotSupplier(capacity),
+            nexus_supplier=FixedSizeSlotSupplier(defaults.WORKFLOW_TASK_SLOTS),
+        ),
         # Given at construction: the SDK hands it to its core worker (see `drain`).
         graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
         # Every live episode stays cached: an evicted one replays its history, and its REPL
-        # (local steps) is rebuilt; each may run one local REPL step at a time.
+        # (local steps) is rebuilt.
         max_cached_workflows=capacity,
-        max_concurrent_local_activities=capacity,
         # A worker that died holding an episode's cache is noticed in 1 s, not 10.
         sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
         # Heartbeats leave every second, not at 80% of the timeout (2.4 s of 3): a busy
@@ -205,6 +220,8 @@ async def running_workers(
         sandbox_start=settings.sandbox_start,
         snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
         drain_grace_s=drain_grace_s,
+        max_sandboxes=settings.max_sandboxes,
+        deployment=settings.worker_deployment(),
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]

@@ -64,6 +64,21 @@ class Settings(BaseSettings):
         description="Temporal Cloud API key (TLS on)",
     )
     task_queue: str = _env("task_queue", "DRLM_TASK_QUEUE", "drlm-episodes")
+    deployment_name: str | None = _env(
+        "deployment_name",
+        "DRLM_DEPLOYMENT_NAME",
+        None,
+        description="Temporal Worker Deployment of this worker (with DRLM_BUILD_ID); unset: unversioned",
+    )
+    build_id: str | None = _env(
+        "build_id", "DRLM_BUILD_ID", None, description="this worker's build in the deployment"
+    )
+    versioning: Literal["auto-upgrade", "pinned"] = _env(
+        "versioning",
+        "DRLM_VERSIONING",
+        "auto-upgrade",
+        description="episodes in flight move to the current build (patched code), or stay on theirs",
+    )
     data_dir: Path = _env(
         "data_dir", "DRLM_DATA_DIR", None, description="default: the user data dir (platformdirs)"
     )
@@ -86,6 +101,15 @@ class Settings(BaseSettings):
         None,
         ge=64,
         description="evict idle sandboxes (rebuilt from the log) above this total",
+    )
+    max_sandboxes: int | None = _env(
+        "max_sandboxes",
+        "DRLM_MAX_SANDBOXES",
+        None,
+        ge=1,
+        le=100_000,
+        description="live sandboxes one worker holds (idle ones evicted, then new work waits); "
+        "default: 3/4 of its memory at 64 MB each",
     )
     capacity: int = _env(
         "capacity",
@@ -177,6 +201,33 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings,) if _MAPPING_ONLY.get() else (init_settings, env_settings)
+
+    @model_validator(mode="after")
+    def _deployment_pair(self) -> Settings:
+        if (self.deployment_name is None) != (self.build_id is None):
+            raise ValueError("DRLM_DEPLOYMENT_NAME and DRLM_BUILD_ID go together: set both or neither")
+        for name in ("deployment_name", "build_id"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ValueError(f"{self.variables()[name]} is blank")
+        if self.deployment_name is not None and "." in self.deployment_name:
+            # The server's version string is "name.build": a dot in the name is ambiguous.
+            raise ValueError(f"DRLM_DEPLOYMENT_NAME: {self.deployment_name!r} has a dot; it may not")
+        return self
+
+    def worker_deployment(self) -> Any:
+        """The SDK's Worker Deployment config of this worker, or None (unversioned)."""
+        if self.deployment_name is None or self.build_id is None:
+            return None
+        from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+        from temporalio.worker import WorkerDeploymentConfig
+
+        behavior = {"auto-upgrade": VersioningBehavior.AUTO_UPGRADE, "pinned": VersioningBehavior.PINNED}
+        return WorkerDeploymentConfig(
+            version=WorkerDeploymentVersion(deployment_name=self.deployment_name, build_id=self.build_id),
+            use_worker_versioning=True,
+            default_versioning_behavior=behavior[self.versioning],
+        )
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
