@@ -128,9 +128,11 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
         "DRLM_ACTIVITY_SLOTS": "30",
         "DRLM_SANDBOX_BUDGET_MB": "256",
         "DRLM_SANDBOX_START": "spawn",
+        "DRLM_MAX_SANDBOXES": "12",
     }
     settings = Settings.from_env(env)
     assert (settings.capacity, settings.activity_slots, settings.sandbox_budget_mb) == (20, 30, 256)
+    assert settings.max_sandboxes == 12
     with pytest.raises(ConfigurationError, match="DRLM_SANDBOX_START"):
         Settings.from_env({"DRLM_SANDBOX_START": "clone"})
     with pytest.raises(ConfigurationError, match="DRLM_CAPACITY"):
@@ -145,10 +147,13 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
         activity_slots=settings.activity_slots,
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
+        max_sandboxes=settings.max_sandboxes,
     )
     config = workers[0].config()
-    assert (config["max_cached_workflows"], config["max_concurrent_local_activities"]) == (20, 20)
-    assert config["max_concurrent_activities"] == 30
+    assert config["max_cached_workflows"] == 20
+    tuner = config["tuner"]
+    assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.num_slots) == (20, 30)
+    assert tuner.workflow_slot_supplier.sandboxes is repl.slots and repl.slots.limit == 12
     # Heartbeats leave at most a second apart, not at 80% of the timeout.
     assert config["max_heartbeat_throttle_interval"] == timedelta(seconds=1)
     assert (repl.memory_budget_mb, repl.sandbox_start) == (256, "spawn")
