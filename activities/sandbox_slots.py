@@ -91,6 +91,10 @@ class SandboxSlots:
         """Steps are waiting for a sandbox: take no new episodes."""
         return self._waiting > 0
 
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
     def held(self) -> int:
         return self._live() + self._starting
 

@@ -330,6 +330,14 @@ async def body(ctx: Context, section: Section) -> None:
             target=Target("<=", TARGET_WALL_S, text=f"<= {TARGET_WALL_S:g} s") if at_target else None,
         )
         section.add(
+            f"rate_{n}",
+            f"N={n}: episodes per minute",
+            "count",
+            60 * n / r["wall_s"],
+            ratio=ratio(ideal, r["wall_s"]),
+            ratio_label=f"of the ideal {60 * n / ideal:.0f}/min",
+        )
+        section.add(
             f"server_share_{n}",
             f"N={n}: rate / server-bound rate (no-op wall / wall)",
             "%",
@@ -371,6 +379,12 @@ async def body(ctx: Context, section: Section) -> None:
         section.add(f"cpu_per_episode_{n}", f"N={n}: worker CPU per episode", "ms", 1000 * r["cpu_s"] / n)
         section.add(f"rss_{n}", f"N={n}: worker peak RSS (its own process)", "MB", r["worker_peak_rss_mb"])
         section.add(f"tree_rss_{n}", f"N={n}: peak RSS, worker + sandboxes", "MB", r["tree_peak_rss_mb"])
+        section.add(
+            f"memory_per_episode_{n}",
+            f"N={n}: worker memory per episode (peak RSS of worker + sandboxes / N)",
+            "MB",
+            r["tree_peak_rss_mb"] / n,
+        )
         section.add(f"live_{n}", f"N={n}: most live sandboxes at once", "count", r["peak_live"])
         if r["uss_mb"]:
             section.add(

@@ -9,6 +9,7 @@ and makes one current (or ramps it); this module is its client side.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from temporalio.api.enums.v1 import VersionDrainageStatus, WorkerDeploymentVersionStatus
@@ -126,3 +127,27 @@ def _refused(name: str, build_id: str, exc: RPCError) -> ConfigurationError:
     if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
         hint = f" (start a worker with DRLM_DEPLOYMENT_NAME={name} DRLM_BUILD_ID={build_id} first)"
     return ConfigurationError(f"deployment {name}: build {build_id} refused: {exc.message}{hint}")
+
+
+async def adopt_if_unset(client: Client, name: str, build_id: str, wait_s: float = 30.0) -> bool:
+    """A deployment's first build makes itself current: until some build is, the server routes
+    no episode to any versioned worker. Later builds become current only when told
+    (`drlm deployment set-current`). True if this build was made current."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    pause = 0.25
+    while True:
+        try:
+            deployment = await describe_deployment(client, name)
+            if deployment.current is not None:
+                return False
+            await set_current(client, name, build_id)
+            return True
+        except (ConfigurationError, RPCError) as exc:
+            # Not registered yet (the worker's first poll does it), or the server's rate limit
+            # of deployment requests ("too many requests"): try again, more slowly.
+            retryable = isinstance(exc, ConfigurationError) or exc.status == RPCStatusCode.RESOURCE_EXHAUSTED
+            if not retryable or loop.time() > deadline:
+                raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 2.0)

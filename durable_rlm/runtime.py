@@ -44,7 +44,7 @@ from durable_rlm.server import (  # noqa: F401 - re-exported: tests and benchmar
 )
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.snapshot_key import snapshot_key as load_snapshot_key
-from durable_rlm.telemetry import worker_interceptors
+from durable_rlm.telemetry import observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from workflows import defaults
 from workflows.episode import EpisodeWorkflow
@@ -116,6 +116,7 @@ def build_workers(
     drain_grace_s: float = 0.0,
     max_sandboxes: int | None = None,
     deployment: WorkerDeploymentConfig | None = None,
+    hold_new_episodes: bool = False,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -134,6 +135,7 @@ def build_workers(
         snapshot_key=snapshot_key,
         max_sandboxes=max_sandboxes,
     )
+    observe_sandboxes(repl.slots, worker_queue)
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
@@ -159,11 +161,17 @@ def build_workers(
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
         deployment_config=deployment,
-        # Workflow tasks of episodes new to this worker wait while its sandboxes are all
-        # running steps (activities/sandbox_slots.py); each live episode may run one local
-        # REPL step at a time.
+        # With `hold_new_episodes`, workflow tasks of episodes new to this worker wait while
+        # its sandboxes are all running steps (activities/sandbox_slots.py). Off by default:
+        # every poll then waits on this process's event loop, which under CPU saturation
+        # made 5x more workflow tasks time out (bench/concurrency.py, N=200: 697 vs 134).
+        # Each live episode may run one local REPL step at a time.
         tuner=WorkerTuner.create_composite(
-            workflow_supplier=WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots),
+            workflow_supplier=(
+                WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots)
+                if hold_new_episodes
+                else FixedSizeSlotSupplier(defaults.WORKFLOW_TASK_SLOTS)
+            ),
             activity_supplier=FixedSizeSlotSupplier(activity_slots),
             local_activity_supplier=FixedSizeSlotSupplier(capacity),
             nexus_supplier=FixedSizeSlotSupplier(defaults.WORKFLOW_TASK_SLOTS),
@@ -222,9 +230,14 @@ async def running_workers(
         drain_grace_s=drain_grace_s,
         max_sandboxes=settings.max_sandboxes,
         deployment=settings.worker_deployment(),
+        hold_new_episodes=settings.hold_new_episodes,
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
+    if settings.deployment_name is not None and settings.build_id is not None:
+        chores.append(
+            asyncio.create_task(_first_build(services, settings.deployment_name, settings.build_id))
+        )
     try:
         yield repl
     finally:
@@ -333,6 +346,21 @@ async def _reap_forever(repl: ReplActivities) -> None:
     while True:
         await asyncio.sleep(60)
         await repl.reap_idle()
+
+
+async def _first_build(services: Services, name: str, build_id: str) -> None:
+    """The deployment's first build makes itself current (durable_rlm/deployment.py)."""
+    from durable_rlm.deployment import adopt_if_unset
+
+    try:
+        if await adopt_if_unset(services.client, name, build_id):
+            logging.getLogger(__name__).warning(
+                "deployment %s had no current build: %s is now current", name, build_id
+            )
+    except Exception:  # noqa: BLE001 - an operator can still run `drlm deployment set-current`
+        logging.getLogger(__name__).warning(
+            "deployment %s: could not make the first build %s current", name, build_id, exc_info=True
+        )
 
 
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:

@@ -111,6 +111,13 @@ class Settings(BaseSettings):
         description="live sandboxes one worker holds (idle ones evicted, then new work waits); "
         "default: 3/4 of its memory at 64 MB each",
     )
+    hold_new_episodes: bool = _env(
+        "hold_new_episodes",
+        "DRLM_HOLD_NEW_EPISODES",
+        False,
+        description="while every sandbox runs a step, poll no new episodes (other workers take "
+        "them); costs workflow-task latency on a CPU-saturated worker",
+    )
     capacity: int = _env(
         "capacity",
         "DRLM_CAPACITY",

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Hashable, Mapping
+import weakref
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from prometheus_client import CollectorRegistry
+
+    from activities.sandbox_slots import SandboxSlots
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +171,53 @@ def worker_interceptors() -> list[WorkerInterceptor]:
     None when nothing is exported, so telemetry that is off costs nothing."""
     telemetry = current()
     return [StepTelemetry(telemetry)] if telemetry.enabled else []
+
+
+# Every worker's sandbox pool in this process (tests run several), read at each collection.
+_POOLS: weakref.WeakKeyDictionary[SandboxSlots, str] = weakref.WeakKeyDictionary()
+_pools_observed_by: list[MeterProvider] = []
+
+
+def observe_sandboxes(slots: SandboxSlots, worker: str) -> None:
+    """Gauges of a worker's sandboxes (live, limit, steps waiting for one) and counters of
+    what the limit did (idle sandboxes evicted, steps that waited), labelled by `worker`
+    (its own REPL queue). Registered once per meter provider; a closed worker drops out."""
+    _POOLS[slots] = worker
+    provider = current().meter_provider
+    if provider is None or any(provider is seen for seen in _pools_observed_by):
+        return
+    _pools_observed_by[:] = [provider]
+    meter = provider.get_meter(SCOPE)
+
+    def reading(value: Any) -> Any:
+        def callback(options: Any) -> Iterable[metrics.Observation]:
+            return [
+                metrics.Observation(value(pool), {"drlm.worker": name}) for pool, name in list(_POOLS.items())
+            ]
+
+        return callback
+
+    meter.create_observable_gauge(
+        "drlm.sandboxes.live", [reading(lambda p: p.held())], "{sandbox}", "sandboxes live or starting"
+    )
+    meter.create_observable_gauge(
+        "drlm.sandboxes.limit", [reading(lambda p: p.limit)], "{sandbox}", "DRLM_MAX_SANDBOXES in effect"
+    )
+    meter.create_observable_gauge(
+        "drlm.sandboxes.waiting",
+        [reading(lambda p: p.waiting)],
+        "{step}",
+        "REPL steps waiting for a sandbox (the worker takes no new episodes meanwhile)",
+    )
+    meter.create_observable_counter(
+        "drlm.sandboxes.evictions",
+        [reading(lambda p: p.evictions)],
+        "{sandbox}",
+        "idle sandboxes closed to make room (rebuilt from the log when needed)",
+    )
+    meter.create_observable_counter(
+        "drlm.sandboxes.waits", [reading(lambda p: p.waits)], "{step}", "REPL steps that waited for a sandbox"
+    )
 
 
 # --- exporters ------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ async def test_one_sandbox_per_worker_still_runs_three_episodes_at_once(
     ]
     queue = f"capacity-{uuid.uuid4().hex[:8]}"
     blobs, engine = store
-    settings = Settings(task_queue=queue, data_dir=session_dir, max_sandboxes=1)
+    settings = Settings(task_queue=queue, data_dir=session_dir, max_sandboxes=1, hold_new_episodes=True)
     async with running_workers(Services(settings, blobs, engine, client)) as repl:
         servers = [scripted(root_and_sub(turns, str.upper)) for _ in range(3)]
         limits = EpisodeLimits(max_iterations=6, cell_timeout_s=10)

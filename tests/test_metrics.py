@@ -81,8 +81,15 @@ async def test_one_endpoint_serves_the_sdk_metrics_and_ours_with_tracing_off(
         task_queue=queue,
         data_dir=session_dir,
     )
-    async with connect(settings) as services, running_workers(services):
+    async with connect(settings) as services, running_workers(services) as repl:
         result = await run_episode(services.client, request_for(server), queue)
+        # The worker's sandboxes: live, its limit, none waiting, none evicted.
+        worker = f'drlm_worker="{repl.worker_queue}"'
+        sandboxes = await asyncio.to_thread(scrape, endpoint.url)
+        assert total(sandboxes, "drlm_sandboxes_limit", worker) == repl.slots.limit
+        assert total(sandboxes, "drlm_sandboxes_live", worker) == len(repl.live_episodes())
+        assert total(sandboxes, "drlm_sandboxes_waiting", worker) == 0
+        assert total(sandboxes, "drlm_sandboxes_evictions_total", worker) == 0
     assert result.answer == "X"
     on_queue = f'task_queue="{queue}"'
 

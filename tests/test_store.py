@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from temporalio.api.common.v1 import Payload
+from temporalio.worker import FixedSizeSlotSupplier
 
 from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
 from durable_rlm.codec import ENCODING, ClaimCheckCodec
@@ -153,7 +154,11 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     assert config["max_cached_workflows"] == 20
     tuner = config["tuner"]
     assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.num_slots) == (20, 30)
-    assert tuner.workflow_slot_supplier.sandboxes is repl.slots and repl.slots.limit == 12
+    assert isinstance(tuner.workflow_slot_supplier, FixedSizeSlotSupplier) and repl.slots.limit == 12
+    held, held_repl = build_workers(
+        client, "q-held", blobs, None, sandbox_root=sandboxes, hold_new_episodes=True
+    )
+    assert held[0].config()["tuner"].workflow_slot_supplier.sandboxes is held_repl.slots
     # Heartbeats leave at most a second apart, not at 80% of the timeout.
     assert config["max_heartbeat_throttle_interval"] == timedelta(seconds=1)
     assert (repl.memory_budget_mb, repl.sandbox_start) == (256, "spawn")

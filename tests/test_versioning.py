@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from temporalio.client import Client, WorkflowHandle
+from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
 from durable_rlm.connection import Services
@@ -58,13 +59,17 @@ async def build(
     )
     blobs, engine = store
     async with running_workers(Services(settings, blobs, engine, client)):
-        # The build is known to the server once its worker has polled: retry until then.
+        # The deployment's first build makes itself current; a later one is made current
+        # by the operator, once its worker has polled (retried until then).
         for _ in range(100):
             try:
-                await set_current(client, name, build_id)
-                break
-            except ConfigurationError:
-                await asyncio.sleep(0.1)
+                if (await describe_deployment(client, name)).current == build_id:
+                    break
+                if build_id != "v1":
+                    await set_current(client, name, build_id)
+            except (ConfigurationError, RPCError):  # not polled yet; or the server's rate limit
+                pass
+            await asyncio.sleep(0.3)
         else:
             raise AssertionError(f"build {build_id} never became current")
         yield
