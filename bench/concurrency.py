@@ -384,7 +384,15 @@ async def body(ctx: Context, section: Section) -> None:
             f"N={n}: worker memory per episode (peak RSS of worker + sandboxes / N)",
             "MB",
             r["tree_peak_rss_mb"] / n,
+            note="RSS counts the pages forked sandboxes share with their template once per sandbox",
         )
+        if r["uss_mb"]:
+            section.add(
+                f"unique_memory_per_episode_{n}",
+                f"N={n}: worker memory per episode, shared pages once (worker RSS + sandboxes' USS) / N",
+                "MB",
+                (r["worker_peak_rss_mb"] + sum(r["uss_mb"]) + r["template_uss_mb"]) / n,
+            )
         section.add(f"live_{n}", f"N={n}: most live sandboxes at once", "count", r["peak_live"])
         if r["uss_mb"]:
             section.add(

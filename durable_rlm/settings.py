@@ -22,7 +22,7 @@ from workflows import defaults
 
 __all__ = ["ConfigurationError", "Settings", "default_data_dir"]
 
-SECRET_FIELDS = frozenset({"codec_token", "temporal_api_key"})
+SECRET_FIELDS = frozenset({"codec_token", "temporal_api_key", "snapshot_key"})
 """Settings `drlm config` never prints (the database URL's password is hidden too)."""
 
 SERVER_IDLE_S = 300.0  # how long the shared embedded server outlives its last client

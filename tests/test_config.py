@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from temporalio.converter import DataConverter
 
-from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.settings import SECRET_FIELDS, ConfigurationError, Settings
 from durable_rlm.store import StoreMismatch, agree_on_blob_store, open_store
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
@@ -49,16 +49,25 @@ def test_a_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
         Settings.from_env({"DRLM_CONFIG": str(tmp_path / "nope.toml")})
 
 
+def test_every_setting_kept_out_of_reprs_is_masked_as_a_secret() -> None:
+    hidden = {name for name, field in Settings.model_fields.items() if not field.repr}
+    assert hidden and hidden <= SECRET_FIELDS
+
+
 def test_drlm_config_prints_every_setting_with_secrets_masked(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DRLM_", "TEMPORAL_"))}
     env.update(
         DRLM_DATA_DIR=str(tmp_path),
         DRLM_CODEC_TOKEN="s3cret-token",
+        DRLM_SNAPSHOT_KEY="snapshot-signing-secret-0123456789",
         DRLM_DATABASE_URL="postgresql+psycopg://drlm:hunter2@db:5432/drlm",
     )
     out = subprocess.run([DRLM, "config", "--json"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "s3cret-token" not in out.stdout and "hunter2" not in out.stdout
+    for secret in ("s3cret-token", "hunter2", "snapshot-signing-secret"):
+        assert secret not in out.stdout
+    plain = subprocess.run([DRLM, "config"], env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and "snapshot-signing-secret" not in plain.stdout
     shown = json.loads(out.stdout)
     assert set(shown) == set(Settings.model_fields)
     assert shown["codec_token"] == {
