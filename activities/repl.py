@@ -226,6 +226,10 @@ async def _read_frames(process: SandboxProcess, queue: asyncio.Queue, max_frame:
         await queue.put(None)
 
 
+PARKED_MAX = 1_000
+"""Snapshots of evicted sandboxes a worker keeps (each a few hundred bytes: the blob is in the store)."""
+
+
 class StepLock(asyncio.Lock):
     """An episode's lock: held for the length of each of its steps; its release is the
     moment a step has finished, when the memory budget is checked."""
@@ -233,6 +237,11 @@ class StepLock(asyncio.Lock):
     def __init__(self, on_release: Callable[[], None]) -> None:
         super().__init__()
         self._on_release = on_release
+
+    def idle(self) -> bool:
+        """No step holds it or waits for it: acquiring it now does not wait. (Just after a
+        release with a step queued, `locked()` is False yet the queued step comes first.)"""
+        return not self.locked() and not self._waiters
 
     def release(self) -> None:
         super().release()
@@ -461,7 +470,7 @@ class ReplActivities:
         reaped = 0
         for box, used in stale:
             # Checked again right before: a step may have taken the episode meanwhile.
-            if self._live.get(box.episode_id) is box and not self._lock(box.episode_id).locked():
+            if self._live.get(box.episode_id) is box and self._lock(box.episode_id).idle():
                 if await self._evict(box, used):
                     reaped += 1
         return reaped
@@ -519,7 +528,7 @@ class ReplActivities:
             if total <= budget:
                 break
             box = measured[episode_id]
-            if self._live.get(episode_id) is not box or self._lock(episode_id).locked():
+            if self._live.get(episode_id) is not box or not self._lock(episode_id).idle():
                 continue
             if await self._evict(box, box.last_used):
                 total -= sizes[episode_id]
@@ -552,7 +561,7 @@ class ReplActivities:
 
     # --- internals ------------------------------------------------------------------------
 
-    def _lock(self, episode_id: str) -> asyncio.Lock:
+    def _lock(self, episode_id: str) -> StepLock:
         return self._locks.setdefault(episode_id, StepLock(self._after_step))
 
     def _after_step(self) -> None:
@@ -636,8 +645,8 @@ class ReplActivities:
         sandbox whose cell waits on calls last: its rebuild re-runs that cell)."""
         idle = [box for box in self._live.values() if box.episode_id != sparing]
         for box in sorted(idle, key=lambda b: (b.cell_index is not None, b.last_used)):
-            # Unlocked now means `_evict` takes the lock at once: no step can slip in.
-            if not self._lock(box.episode_id).locked() and await self._evict(box, box.last_used):
+            # Idle now means `_evict` takes the lock at once: no step can slip in.
+            if self._lock(box.episode_id).idle() and await self._evict(box, box.last_used):
                 log.info(
                     "sandbox limit of %d reached: discarded episode %s's idle sandbox for %s",
                     self.slots.limit,
@@ -976,16 +985,30 @@ class ReplActivities:
             if self._live.get(episode) is not box or box.last_used != used:
                 return False  # discarded, or used by a step, while this waited for the lock
             current = box.snapshot is not None and box.snapshot_head == box.log_head
-            if box.policy is not None and box.cell_index is None and box.process.returncode is None:
-                if current and box.snapshot is not None:
-                    self._parked[episode] = (box.log_head, box.snapshot)
-                elif box.last_cell is not None:
-                    async with self._batched():
-                        parked = await self._snapshot(box)
-                    if parked is not None:
-                        self._parked[episode] = (box.log_head, parked)
+            try:
+                if box.policy is not None and box.cell_index is None and box.process.returncode is None:
+                    if current and box.snapshot is not None:
+                        self._park(episode, box.log_head, box.snapshot)
+                    elif box.last_cell is not None:
+                        async with self._batched():
+                            parked = await self._snapshot(box)
+                        if parked is not None:
+                            self._park(episode, box.log_head, parked)
+            except BaseException:
+                # Cancelled (or failed) mid-snapshot: the sandbox's reply may still be on its
+                # way, and would answer the episode's next request. It goes, unsnapshotted.
+                await asyncio.shield(self._discard(box))
+                raise
             await self._discard(box)
             return True
+
+    def _park(self, episode: str, head: str | None, snapshot: SnapshotTaken) -> None:
+        """Keep an evicted sandbox's snapshot for its next step here; the oldest beyond
+        `PARKED_MAX` go (their episodes may have ended elsewhere): those rebuild from the log."""
+        self._parked.pop(episode, None)
+        self._parked[episode] = (head, snapshot)
+        while len(self._parked) > PARKED_MAX:
+            del self._parked[next(iter(self._parked))]
 
     async def _abandon_open_cell(self, box: LiveSandbox, cell: int) -> None:
         """A new step arrives while the log's last cell never ended: the workflow gave up on

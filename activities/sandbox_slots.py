@@ -53,12 +53,13 @@ def default_max_sandboxes(memory_bytes: int | None = None) -> int:
 
 
 class SandboxesBusy(ApplicationError):
-    """Every sandbox of this worker ran a step for the whole wait: the step is retried."""
+    """Every sandbox of this worker ran a step for the whole wait. The workflow asks for the
+    step again without counting it as an attempt (workflows/repl_steps.py)."""
 
     def __init__(self, limit: int, waited_s: float) -> None:
         super().__init__(
             f"this worker holds its limit of {limit} sandboxes (DRLM_MAX_SANDBOXES), all running "
-            f"steps, for {waited_s:.0f} s; the step is retried",
+            f"steps, for {waited_s:g} s; the step is asked again",
             type=names.SANDBOXES_BUSY,
         )
 
@@ -85,6 +86,7 @@ class SandboxSlots:
         self._wake: asyncio.Future[None] | None = None
         self.evictions = 0  # idle sandboxes discarded to make room
         self.waits = 0  # steps that waited for a sandbox to finish its step
+        self.busy = 0  # waits that ran out (the step was asked again)
 
     @property
     def saturated(self) -> bool:
@@ -125,6 +127,7 @@ class SandboxSlots:
                 continue
             remaining = deadline - loop.time()
             if remaining <= 0:
+                self.busy += 1
                 raise SandboxesBusy(self.limit, self.wait_s)
             if not waited:
                 waited = True

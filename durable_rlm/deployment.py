@@ -33,6 +33,15 @@ class Build:
     drainage: str | None  # of a build no longer current: draining (episodes pinned to it) or drained
 
 
+class DeploymentRefused(ConfigurationError):
+    """The server refused a deployment request; `status` says why (NOT_FOUND: no worker of
+    that deployment or build has polled yet)."""
+
+    def __init__(self, message: str, status: RPCStatusCode | None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @dataclass(frozen=True)
 class Deployment:
     name: str
@@ -40,6 +49,7 @@ class Deployment:
     ramping: str | None
     ramping_percent: float
     builds: tuple[Build, ...]
+    conflict_token: bytes = b""  # what the server last said; a change made on it fails if stale
 
     def describe(self) -> str:
         lines = [f"deployment {self.name}: current build {self.current or '(none: unversioned workers)'}"]
@@ -67,11 +77,12 @@ async def describe_deployment(client: Client, name: str) -> Deployment:
         )
     except RPCError as exc:
         if exc.status == RPCStatusCode.NOT_FOUND:
-            raise ConfigurationError(
+            raise DeploymentRefused(
                 f"no Worker Deployment {name!r} on the server: no worker with DRLM_DEPLOYMENT_NAME={name} "
-                "has polled yet"
+                "has polled yet",
+                exc.status,
             ) from None
-        raise
+        raise DeploymentRefused(f"deployment {name}: {exc.message}", exc.status) from None
     info = response.worker_deployment_info
     routing = info.routing_config
     builds = tuple(
@@ -88,15 +99,21 @@ async def describe_deployment(client: Client, name: str) -> Deployment:
         ramping=routing.ramping_deployment_version.build_id or None,
         ramping_percent=routing.ramping_version_percentage,
         builds=builds,
+        conflict_token=response.conflict_token,
     )
 
 
-async def set_current(client: Client, name: str, build_id: str) -> str | None:
-    """Make `build_id` the deployment's current build; returns the one it replaces."""
+async def set_current(client: Client, name: str, build_id: str, conflict_token: bytes = b"") -> str | None:
+    """Make `build_id` the deployment's current build; returns the one it replaces. With a
+    `conflict_token` (from `describe_deployment`), refused if anything changed since."""
     try:
         response = await client.workflow_service.set_worker_deployment_current_version(
             SetWorkerDeploymentCurrentVersionRequest(
-                namespace=client.namespace, deployment_name=name, build_id=build_id, identity=IDENTITY
+                namespace=client.namespace,
+                deployment_name=name,
+                build_id=build_id,
+                identity=IDENTITY,
+                conflict_token=conflict_token,
             )
         )
     except RPCError as exc:
@@ -122,32 +139,46 @@ async def set_ramping(client: Client, name: str, build_id: str, percent: float) 
         raise _refused(name, build_id, exc) from None
 
 
-def _refused(name: str, build_id: str, exc: RPCError) -> ConfigurationError:
+def _refused(name: str, build_id: str, exc: RPCError) -> DeploymentRefused:
     hint = ""
     if exc.status in (RPCStatusCode.NOT_FOUND, RPCStatusCode.FAILED_PRECONDITION):
         hint = f" (start a worker with DRLM_DEPLOYMENT_NAME={name} DRLM_BUILD_ID={build_id} first)"
-    return ConfigurationError(f"deployment {name}: build {build_id} refused: {exc.message}{hint}")
+    return DeploymentRefused(f"deployment {name}: build {build_id} refused: {exc.message}{hint}", exc.status)
+
+
+# Worth asking again: not registered yet (the worker's first poll does it), the server's rate
+# limit of deployment requests ("too many requests"), or another change came first.
+_TRANSIENT = (
+    RPCStatusCode.NOT_FOUND,
+    RPCStatusCode.FAILED_PRECONDITION,
+    RPCStatusCode.RESOURCE_EXHAUSTED,
+    RPCStatusCode.ABORTED,
+    RPCStatusCode.UNAVAILABLE,
+)
 
 
 async def adopt_if_unset(client: Client, name: str, build_id: str, wait_s: float = 30.0) -> bool:
     """A deployment's first build makes itself current: until some build is, the server routes
-    no episode to any versioned worker. Later builds become current only when told
-    (`drlm deployment set-current`). True if this build was made current."""
+    no episode to any versioned worker. Only the first: not when a build is current or
+    ramping, nor when other builds are registered (an operator is rolling out; a restart of
+    this worker must not undo that). Later builds become current only when told (`drlm
+    deployment set-current`). True if this build was made current."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     pause = 0.25
     while True:
         try:
             deployment = await describe_deployment(client, name)
-            if deployment.current is not None:
+            others = [b for b in deployment.builds if b.build_id != build_id]
+            if deployment.current is not None or deployment.ramping is not None or others:
                 return False
-            await set_current(client, name, build_id)
+            if build_id not in {b.build_id for b in deployment.builds}:
+                raise DeploymentRefused(f"build {build_id} not registered yet", RPCStatusCode.NOT_FOUND)
+            # Refused if anything changed since the description (another first build won).
+            await set_current(client, name, build_id, deployment.conflict_token)
             return True
-        except (ConfigurationError, RPCError) as exc:
-            # Not registered yet (the worker's first poll does it), or the server's rate limit
-            # of deployment requests ("too many requests"): try again, more slowly.
-            retryable = isinstance(exc, ConfigurationError) or exc.status == RPCStatusCode.RESOURCE_EXHAUSTED
-            if not retryable or loop.time() > deadline:
+        except DeploymentRefused as exc:
+            if exc.status not in _TRANSIENT or loop.time() > deadline:
                 raise
             await asyncio.sleep(pause)
             pause = min(2 * pause, 2.0)

@@ -44,7 +44,7 @@ from durable_rlm.server import (  # noqa: F401 - re-exported: tests and benchmar
 )
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.snapshot_key import snapshot_key as load_snapshot_key
-from durable_rlm.telemetry import observe_sandboxes, worker_interceptors
+from durable_rlm.telemetry import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from workflows import defaults
 from workflows.episode import EpisodeWorkflow
@@ -247,6 +247,7 @@ async def running_workers(
             with contextlib.suppress(BaseException):
                 await chore
         report = await drain(workers, runs, repl, drain_grace_s)
+        forget_sandboxes(repl.slots)
         if on_drained is not None:
             on_drained(report)
 

@@ -220,6 +220,11 @@ def observe_sandboxes(slots: SandboxSlots, worker: str) -> None:
     )
 
 
+def forget_sandboxes(slots: SandboxSlots) -> None:
+    """A worker stopped: its sandbox figures are no longer reported."""
+    _POOLS.pop(slots, None)
+
+
 # --- exporters ------------------------------------------------------------------------------
 
 

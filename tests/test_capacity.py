@@ -25,9 +25,10 @@ from durable_rlm.connection import Services
 from durable_rlm.runtime import running_workers
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import Episode, request_for, run_episode
 from workflows import defaults, names
-from workflows.models import EpisodeLimits
+from workflows.models import EpisodeLimits, SnapshotPolicy
 
 
 @pytest.fixture
@@ -189,9 +190,82 @@ async def test_one_sandbox_per_worker_still_runs_three_episodes_at_once(
     async with running_workers(Services(settings, blobs, engine, client)) as repl:
         servers = [scripted(root_and_sub(turns, str.upper)) for _ in range(3)]
         limits = EpisodeLimits(max_iterations=6, cell_timeout_s=10)
+        held: list[int] = []
+
+        async def sample() -> None:
+            while True:
+                held.append(repl.slots.held())
+                await asyncio.sleep(0.02)
+
+        sampler = asyncio.create_task(sample())
         results = await asyncio.gather(
             *(run_episode(client, request_for(s, limits=limits), queue) for s in servers)
         )
+        sampler.cancel()
         assert [r.answer for r in results] == ["PING!"] * 3
-        assert repl.slots.limit == 1 and len(repl.live_episodes()) <= 1
+        assert repl.slots.limit == 1 and max(held) == 1  # never two at once, mid-run included
         assert repl.slots.evictions >= 2  # the episodes took turns, each back from its log
+
+
+async def test_a_step_whose_wait_runs_out_is_asked_again_and_loses_nothing(
+    client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path, scripted
+) -> None:
+    """Busy is not a failure of the step: the workflow asks again, without spending one of
+    its attempts (which would end in a lost cell and its sub-calls with it)."""
+    turns = [
+        "```repl\nimport time\nv = llm_query('ping')\ntime.sleep(1.2)\n```",
+        "```repl\nw = v + '!'\ntime.sleep(1.2)\n```",
+        "FINAL_VAR(w)",
+    ]
+    queue = f"busy-{uuid.uuid4().hex[:8]}"
+    blobs, engine = store
+    settings = Settings(task_queue=queue, data_dir=session_dir, max_sandboxes=1)
+    async with running_workers(Services(settings, blobs, engine, client)) as repl:
+        repl.slots.wait_s = 0.2  # far less than a cell: waits run out
+        servers = [scripted(root_and_sub(turns, str.upper)) for _ in range(3)]
+        limits = EpisodeLimits(max_iterations=6, cell_timeout_s=10)
+        episodes = [f"busy-{uuid.uuid4().hex[:6]}" for _ in servers]
+        results = await asyncio.gather(
+            *(
+                run_episode(client, request_for(s, limits=limits), queue, episode_id)
+                for s, episode_id in zip(servers, episodes, strict=True)
+            )
+        )
+        assert [(r.answer, r.lost_cells, r.iterations) for r in results] == [("PING!", 0, 3)] * 3
+        assert repl.slots.busy >= 1
+        # Each sub-call was paid once, whatever the waits.
+        assert [len(s.requests) for s in servers] == [4, 4, 4]
+        timeline = await episode_timeline(client, episodes[0])
+        assert [len(i.cells) for i in timeline.iterations[:2]] == [1, 1]
+        assert "SandboxesBusy" not in render(timeline)
+
+
+async def test_a_step_cancelled_while_it_evicts_leaves_the_evicted_episode_whole(
+    blob_store: BlobStore, sandboxes: Path
+) -> None:
+    """Eviction snapshots the idle sandbox first; if the step that evicts is cancelled while
+    the snapshot's reply is on its way, that reply must not answer the evicted episode's
+    next request: the sandbox goes, and the episode comes back from its log."""
+    rarely = SnapshotPolicy(every_cells=1000, after_s=1000, volatile=False)
+    repl = ReplActivities(blob_store, "q", sandboxes, memory_mb=1024, max_sandboxes=1)
+    try:
+        idle, evicting = Episode(repl, snapshots=rarely), Episode(repl, snapshots=rarely)
+        await idle.run("x = 1")
+        box = repl._live[idle.episode_id]
+        send = box.send
+        step: asyncio.Task | None = None
+
+        async def cancel_after_the_snapshot_request(message: dict) -> None:
+            await send(message)
+            if message.get("op") == "snapshot" and step is not None:
+                step.cancel()
+
+        box.send = cancel_after_the_snapshot_request  # type: ignore[method-assign]
+        step = asyncio.create_task(evicting.run("y = 2"))
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        assert repl.live_episodes() == [] and repl.slots.held() == 0
+        outcome = await idle.run("print(x)")
+        assert (outcome.cell_status, outcome.stdout, outcome.rebuilt) == ("ok", "1\n", True)
+    finally:
+        await repl.close_all()

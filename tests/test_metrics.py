@@ -73,6 +73,8 @@ async def test_one_endpoint_serves_the_sdk_metrics_and_ours_with_tracing_off(
     endpoint: MetricsEndpoint, temporal_address: str, session_dir: Path, scripted
 ) -> None:
     server = scripted(root_and_sub(["```repl\nr = llm_query('x')\n```", "FINAL_VAR(r)"], str.upper))
+    # A second episode at once, on a worker with one sandbox: they take turns in it.
+    other = scripted(root_and_sub(["```repl\nr = llm_query('y')\n```", "FINAL_VAR(r)"], str.upper))
     queue = f"metrics-{uuid.uuid4().hex[:6]}"
     settings = Settings(
         temporal_address=temporal_address,
@@ -80,28 +82,41 @@ async def test_one_endpoint_serves_the_sdk_metrics_and_ours_with_tracing_off(
         tracing="off",
         task_queue=queue,
         data_dir=session_dir,
+        max_sandboxes=1,
     )
     async with connect(settings) as services, running_workers(services) as repl:
-        result = await run_episode(services.client, request_for(server), queue)
-        # The worker's sandboxes: live, its limit, none waiting, none evicted.
+        result, _ = await asyncio.gather(
+            run_episode(services.client, request_for(server), queue),
+            run_episode(services.client, request_for(other), queue),
+        )
+        # The worker's sandboxes, as its sandbox pool counts them.
         worker = f'drlm_worker="{repl.worker_queue}"'
         sandboxes = await asyncio.to_thread(scrape, endpoint.url)
-        assert total(sandboxes, "drlm_sandboxes_limit", worker) == repl.slots.limit
-        assert total(sandboxes, "drlm_sandboxes_live", worker) == len(repl.live_episodes())
-        assert total(sandboxes, "drlm_sandboxes_waiting", worker) == 0
-        assert total(sandboxes, "drlm_sandboxes_evictions_total", worker) == 0
-    assert result.answer == "X"
+        slots = repl.slots
+        expected = {
+            "drlm_sandboxes_limit": 1,
+            "drlm_sandboxes_live": slots.held(),
+            "drlm_sandboxes_waiting": 0,
+            "drlm_sandboxes_evictions_total": slots.evictions,
+            "drlm_sandboxes_waits_total": slots.waits,
+        }
+        shown = {
+            name: [s.value for s in sandboxes if s.name == name and worker in s.labels] for name in expected
+        }
+        assert shown == {name: [value] for name, value in expected.items()}
+        assert slots.evictions >= 1  # the episodes took turns in the one sandbox
     on_queue = f'task_queue="{queue}"'
 
     samples = await scrape_until(
-        endpoint.url, lambda s: total(s, "temporal_workflow_completed", on_queue) > 0
+        endpoint.url, lambda s: total(s, "temporal_workflow_completed", on_queue) >= 2
     )
 
-    assert total(samples, "temporal_workflow_completed", on_queue) == 1
-    assert total(samples, "temporal_activity_execution_latency_count", on_queue) >= len(server.requests)
-    assert total(samples, "drlm_model_calls_total") == len(server.requests) == 3
-    assert total(samples, "drlm_model_calls_total", 'drlm_role="sub"') == 1
-    assert total(samples, "drlm_episodes_total", 'drlm_status="completed"') == 1
+    calls = len(server.requests) + len(other.requests)
+    assert total(samples, "temporal_workflow_completed", on_queue) == 2
+    assert total(samples, "temporal_activity_execution_latency_count", on_queue) >= calls
+    assert total(samples, "drlm_model_calls_total") == calls == 6
+    assert total(samples, "drlm_model_calls_total", 'drlm_role="sub"') == 2
+    assert total(samples, "drlm_episodes_total", 'drlm_status="completed"') == 2
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from temporalio.service import RPCError
 
 from durable_rlm.blobs import BlobStore
 from durable_rlm.connection import Services
-from durable_rlm.deployment import describe_deployment, set_current
+from durable_rlm.deployment import Deployment, describe_deployment, set_current
 from durable_rlm.runtime import running_workers
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import ConfigurationError, Settings
@@ -59,20 +59,35 @@ async def build(
     )
     blobs, engine = store
     async with running_workers(Services(settings, blobs, engine, client)):
-        # The deployment's first build makes itself current; a later one is made current
-        # by the operator, once its worker has polled (retried until then).
-        for _ in range(100):
-            try:
-                if (await describe_deployment(client, name)).current == build_id:
+        # The deployment's first build makes itself current; a later one does not (its
+        # worker polled, yet the old build stays current) until the operator says so.
+        deployment = await registered(client, name, build_id)
+        if build_id == "v1":
+            for _ in range(50):
+                if deployment.current == "v1":
                     break
-                if build_id != "v1":
-                    await set_current(client, name, build_id)
-            except (ConfigurationError, RPCError):  # not polled yet; or the server's rate limit
-                pass
-            await asyncio.sleep(0.3)
+                await asyncio.sleep(0.3)
+                deployment = await registered(client, name, build_id)
+            assert deployment.current == "v1"
         else:
-            raise AssertionError(f"build {build_id} never became current")
+            await asyncio.sleep(1.0)  # time enough for a wrong self-adoption
+            assert (await registered(client, name, build_id)).current == "v1"
+            await set_current(client, name, build_id)
         yield
+
+
+async def registered(client: Client, name: str, build_id: str) -> Deployment:
+    """The deployment once `build_id`'s worker has polled (the server's rate limit of
+    deployment requests is waited out)."""
+    for _ in range(100):
+        try:
+            deployment = await describe_deployment(client, name)
+            if build_id in {b.build_id for b in deployment.builds}:
+                return deployment
+        except (ConfigurationError, RPCError):
+            pass
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"build {build_id} never polled")
 
 
 async def builds_of(handle: WorkflowHandle) -> list[str]:

@@ -174,6 +174,9 @@ SANDBOX_SLOT_WAIT_S = 60.0
 """A step waits this long for one of the worker's sandboxes (all running steps) before its
 attempt fails as busy and is retried: half the slack a step has beyond its cell's timeout."""
 
+SANDBOX_BUSY_PAUSE_S = 1.0
+"""After a step's wait for a sandbox ran out, the workflow asks again this much later."""
+
 WORKFLOW_TASK_SLOTS = 100
 """Workflow tasks one worker runs at once (the SDK's own default)."""
 

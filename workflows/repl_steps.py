@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, ApplicationError
 
 from workflows import defaults, metadata, names
 from workflows.budget import ChildBudget, child_budgets, sub_call_refusal
@@ -41,6 +41,7 @@ from workflows.retries import (
     STEP_FAILURES,
     describe_failure,
     describe_lost_step,
+    error_type,
     is_timeout,
     raise_if_cancelled,
 )
@@ -240,19 +241,34 @@ class ReplSteps:
             return outcome
 
     async def _local_step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
-        outcome = await workflow.execute_local_activity(
-            activity,
-            arg,
-            result_type=result,
-            start_to_close_timeout=timedelta(
-                seconds=self.request.limits.cell_timeout_s + defaults.REPL_SLACK_S
-            ),
-            retry_policy=RetryPolicy(
-                maximum_attempts=defaults.REPL_ATTEMPTS_LOCAL,
-                non_retryable_error_types=[names.SANDBOX_FAILURE, names.REPL_STEP_ABANDONED],
-            ),
-            summary=summary,
-        )
+        while True:
+            try:
+                outcome = await workflow.execute_local_activity(
+                    activity,
+                    arg,
+                    result_type=result,
+                    start_to_close_timeout=timedelta(
+                        seconds=self.request.limits.cell_timeout_s + defaults.REPL_SLACK_S
+                    ),
+                    retry_policy=RetryPolicy(
+                        maximum_attempts=defaults.REPL_ATTEMPTS_LOCAL,
+                        non_retryable_error_types=[
+                            names.SANDBOX_FAILURE,
+                            names.REPL_STEP_ABANDONED,
+                            names.SANDBOXES_BUSY,
+                        ],
+                    ),
+                    summary=summary,
+                )
+                break
+            except (ActivityError, ApplicationError) as err:  # a local step's failure can come bare
+                if error_type(err) != names.SANDBOXES_BUSY:
+                    raise
+                # Every sandbox of the worker ran a step for the whole wait: not a failure of
+                # this step, and not one of its attempts (which would end in a lost cell, its
+                # paid sub-calls with it). Ask again. (A new failure type: no history before
+                # it holds one, so no patch is needed.)
+                await workflow.sleep(defaults.SANDBOX_BUSY_PAUSE_S)
         self.state.log_head = outcome.log_head or self.state.log_head  # type: ignore[attr-defined]
         return outcome
 
