@@ -78,6 +78,7 @@ async def echoed(echo: StepEcho) -> AsyncIterator[Callable[[CellOutcome], CellOu
             type=exc.type,
             non_retryable=exc.non_retryable,
             next_retry_delay=exc.next_retry_delay,
+            category=exc.category,
         ) from exc
     except Exception as exc:  # a broken pipe, a locked database: retryable, and still echoed
         if not local:

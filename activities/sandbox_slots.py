@@ -19,7 +19,7 @@ import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, ApplicationErrorCategory
 from temporalio.worker import (
     CustomSlotSupplier,
     SlotMarkUsedContext,
@@ -61,6 +61,7 @@ class SandboxesBusy(ApplicationError):
             f"this worker holds its limit of {limit} sandboxes (DRLM_MAX_SANDBOXES), all running "
             f"steps, for {waited_s:g} s; the step is asked again",
             type=names.SANDBOXES_BUSY,
+            category=ApplicationErrorCategory.BENIGN,  # expected under load: the SDK logs it quietly
         )
 
 

@@ -159,7 +159,11 @@ def test_a_history_with_repl_snapshots_is_stored() -> None:
 
 
 UI_METADATA = ["ui_metadata", "ui_metadata_child"]  # recorded by python -m tests.test_ui_metadata
-LATER = ["cost_budget", "audit_aside"]  # recorded after the ui-metadata patch: they carry its marker too
+LATER = [
+    "cost_budget",
+    "audit_aside",
+    "sandboxes_busy",
+]  # recorded after the ui-metadata patch: they carry its marker too
 
 
 def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
@@ -172,9 +176,8 @@ def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
 def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
     # Since audit-aside the opening audit is scheduled with the first root call, in one task.
     for path in HISTORIES:
-        assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == (path.stem == "audit_aside"), (
-            path.stem
-        )
+        since = path.stem in ("audit_aside", "sandboxes_busy")  # recorded after the patch
+        assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
     assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
 
@@ -187,6 +190,13 @@ def test_a_history_of_an_episode_ended_by_its_cost_budget_is_stored() -> None:
         assert marked == (path.stem == "cost_budget"), path.stem
     assert names.EXTRACT_FALLBACK in _activity_types("cost_budget.json")
     assert "WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in "".join(_event_types("cost_budget.json"))
+
+
+def test_a_history_with_a_step_that_waited_for_a_sandbox_is_stored() -> None:
+    # A step whose wait for a sandbox ran out is asked again after a timer (SandboxesBusy).
+    text = (HISTORIES[0].parent / "sandboxes_busy.json").read_text()
+    assert names.SANDBOXES_BUSY in text
+    assert "EVENT_TYPE_TIMER_FIRED" in _event_types("sandboxes_busy.json")
 
 
 def test_a_history_with_custom_tools_is_stored() -> None:

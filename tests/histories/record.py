@@ -372,6 +372,52 @@ async def record_audit_aside(client: Client, only: set[str]) -> None:
         await save_history(client, "audit_aside", request)
 
 
+async def record_sandboxes_busy(
+    client: Client, blobs: BlobStore, engine: object, work: Path, only: set[str]
+) -> None:
+    """A worker with one sandbox, busy with another episode's long cell: the recorded
+    episode's first step waits, runs out of wait (SandboxesBusy), and is asked again after a
+    timer, without losing the cell."""
+    if "sandboxes_busy" not in only:
+        return
+    settings = Settings(task_queue="record-busy", data_dir=work, max_sandboxes=1)
+    busy = root_and_sub(["```repl\nimport time\ntime.sleep(3)\n```", "FINAL(done)"])
+    turns = ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"]
+    async with running_workers(Services(settings, blobs, engine, client)) as repl:
+        repl.slots.wait_s = 0.2
+        with (
+            ScriptedModelServer(busy) as other,
+            ScriptedModelServer(root_and_sub(turns, str.upper)) as server,
+        ):
+            blocker = await client.start_workflow(
+                names.WORKFLOW,
+                EpisodeRequest(
+                    task="hold the sandbox",
+                    root_model=ModelSettings(model="scripted", base_url=other.base_url),
+                ),
+                id="sandboxes_busy_blocker",
+                task_queue="record-busy",
+                result_type=EpisodeResult,
+            )
+            await asyncio.sleep(1.0)  # its 3 s cell holds the only sandbox
+            handle = await client.start_workflow(
+                names.WORKFLOW,
+                EpisodeRequest(
+                    task="record a history",
+                    root_model=ModelSettings(model="scripted", base_url=server.base_url),
+                    seed=1,
+                ),
+                id="sandboxes_busy",
+                task_queue="record-busy",
+                result_type=EpisodeResult,
+            )
+            result = await handle.result()
+            await blocker.result()
+    assert result.answer == "SHOUT" and result.lost_cells == 0 and repl.slots.busy >= 1, result
+    print("sandboxes_busy", result)
+    (HERE / "sandboxes_busy.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -407,6 +453,7 @@ async def record(only: set[str]) -> None:
             await record_snapshots(client, blobs, only)
             await record_budgets(client, only)
             await record_audit_aside(client, only)
+        await record_sandboxes_busy(client, blobs, engine, work, only)
 
 
 if __name__ == "__main__":
