@@ -44,12 +44,14 @@ from activities.chains import (
     SnapshotTaken,
 )
 from activities.model_errors import compact_failures
-from activities.sandbox.child import HEADER, NOBODY, decode_body, encode_frame
+from activities.sandbox.child import HEADER, decode_body, encode_frame
 from activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from activities.sandbox_processes import (
     ForkServer,
     ForkServerError,
     SandboxProcess,
+    SandboxUids,
+    kill_uid,
     sandbox_env,
     spawn_sandbox,
     uss_bytes,
@@ -144,6 +146,8 @@ class LiveSandbox:
     last_cell: int | None = None
     cells: dict[int, LoggedCell] = field(default_factory=dict)
     snapshot_cost_s: float = 0.0  # what the last snapshot took, sandbox and store
+    uid: int | None = None  # its own uid (root workers), released when it is gone
+    uids: SandboxUids | None = None
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
         """A cell finished (live or re-run): the snapshot policy counts it."""
@@ -191,6 +195,13 @@ class LiveSandbox:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.process.wait(), 5)
         self.process.close()
+        if self.uid is not None:
+            # What the sandbox started and left (a grandchild in its own session included)
+            # runs as its uid, and nothing else does: all of it goes before the uid is reused.
+            uid, self.uid = self.uid, None
+            await asyncio.to_thread(kill_uid, uid)
+            if self.uids is not None:
+                self.uids.release(uid)
         shutil.rmtree(self.directory, ignore_errors=True)
 
     async def exit_code(self) -> int | None:
@@ -300,6 +311,8 @@ class ReplActivities:
         memory_budget_mb: int | None = None,
         snapshot_key: bytes | None = None,
         max_sandboxes: int | None = None,
+        filesystem: bool = True,
+        namespaces: str = "auto",
     ) -> None:
         if sandbox_start not in ("fork", "spawn"):
             raise ValueError(f"sandbox_start must be 'fork' or 'spawn', not {sandbox_start!r}")
@@ -312,6 +325,8 @@ class ReplActivities:
         self.idle_s = idle_s
         self.max_frame_bytes = max_frame_bytes
         self.audit_hook = audit_hook  # tests turn it off to prove the other layers hold alone
+        self.filesystem = filesystem  # the private root; tests of the other layers turn it off
+        self.namespaces = namespaces  # "user": as a root worker without CAP_SYS_ADMIN would
         self.network_warned = False
         self.sandbox_start = sandbox_start
         self.memory_budget_mb = memory_budget_mb
@@ -337,6 +352,8 @@ class ReplActivities:
         # (SIGKILLed) can remove them; the dead ones are reaped now and then every reap_idle.
         self.home = SandboxHome(self.sandbox_root)
         self.home.ensure()
+        # A uid of its own per sandbox when this worker may hand them out (root).
+        self.uids = SandboxUids(self.sandbox_root, self.home.path) if os.geteuid() == 0 else None
         self.reap_dead_sandboxes()
 
     # --- activities -----------------------------------------------------------------------
@@ -456,7 +473,7 @@ class ReplActivities:
         this root, and forget this worker's own ended processes. Never raises: hygiene must
         not stop a worker."""
         try:
-            reap_dead(self.sandbox_root)
+            reap_dead(self.sandbox_root)  # stale uid claims too
             self.home.forget_ended()
         except Exception:  # noqa: BLE001 - told, and tried again at the next reap
             log.exception("reaping dead sandboxes under %s failed", self.sandbox_root)
@@ -490,6 +507,8 @@ class ReplActivities:
                 await self._template.close()
                 self._template = None
             self.home.remove()  # made again if this host starts another sandbox
+            if self.uids is not None:
+                self.uids.reap_stale()
 
     def live_episodes(self) -> list[str]:
         return sorted(self._live)
@@ -1031,19 +1050,28 @@ class ReplActivities:
             "audit_hook": self.audit_hook,
             "child_batch_cap": ref.child_batch_cap,
             "tools": [spec.model_dump(mode="json") for spec in ref.tools],
+            "cpu_s": defaults.SANDBOX_CPU_S,
+            "processes": defaults.SANDBOX_PROCESSES,
+            "filesystem": self.filesystem,
         }
+        if self.namespaces == "user":
+            init["namespaces"] = "user"  # tests: the path of a root worker without CAP_SYS_ADMIN
+        uid = self.uids.claim() if self.uids is not None else None
         try:
             if ref.context is not None:
                 data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
                 path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
                 path.write_bytes(data)
                 init.update(context_path=str(path), context_kind=ref.context.kind)
-            if os.geteuid() == 0:
+            if uid is not None:
+                init["uid"] = uid
                 for p in [directory, *directory.iterdir()]:
-                    os.chown(p, NOBODY, NOBODY)
+                    os.chown(p, uid, uid)
             process = await self._start_process(directory)
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)  # no process yet: nothing else holds it
+            if uid is not None and self.uids is not None:
+                self.uids.release(uid)
             raise
         self.home.record(process.pid, "sandbox")
         frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
@@ -1053,6 +1081,8 @@ class ReplActivities:
             directory=directory,
             frames=frames,
             reader=asyncio.create_task(_read_frames(process, frames, self.max_frame_bytes)),
+            uid=uid,
+            uids=self.uids,
         )
         try:
             await box.send(init)

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from activities.sandbox import CHILD_PATH, FORKSERVER_PATH
 from activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
+from activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims
 
 log = logging.getLogger(__name__)
 
@@ -472,3 +473,68 @@ def uss_bytes(pid: int) -> int | None:
         if line.startswith(("Private_Clean:", "Private_Dirty:")):
             kb += int(line.split()[1])
     return kb * 1024
+
+
+class SandboxUids:
+    """A uid of its own for each live sandbox, when the worker runs as root: sandboxes then
+    cannot signal, trace or prlimit each other, RLIMIT_NPROC counts each alone, and every
+    process a sandbox left behind is found by its uid when it closes (`kill_uid`).
+
+    A uid is claimed by a symlink `<root>/.uids/<uid>` -> the claiming worker's home, made
+    exclusively, so workers that share a sandbox root never hand out the same one. A claim
+    whose home is gone (its worker died) is stale: `reap_stale` removes it. Uids are drawn at
+    random from a range no account uses."""
+
+    FIRST = 1 << 20
+    SPAN = 1 << 30
+
+    def __init__(self, root: Path, home: Path) -> None:
+        self.root = root
+        self.claims = root / UID_CLAIMS
+        self.home = home
+
+    def claim(self) -> int:
+        import secrets
+
+        for _ in range(100):
+            uid = self.FIRST + secrets.randbelow(self.SPAN)
+            try:
+                self.claims.mkdir(mode=0o700, exist_ok=True)
+                os.symlink(self.home, self.claims / str(uid))
+            except (FileExistsError, FileNotFoundError):  # taken, or the directory just went
+                continue
+            return uid
+        raise RuntimeError(f"no free sandbox uid under {self.claims}")
+
+    def release(self, uid: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.claims / str(uid))
+        self._remove_if_empty()
+
+    def reap_stale(self) -> None:
+        """Forget the claims of workers whose home is gone."""
+        forget_stale_uid_claims(self.root)
+
+    def _remove_if_empty(self) -> None:
+        with contextlib.suppress(OSError):  # not empty, or gone: both fine
+            self.claims.rmdir()
+
+
+def kill_uid(uid: int, passes: int = 5) -> int:
+    """SIGKILL every process owned by `uid` (a sandbox's own uid: nothing else runs as it),
+    again until none is left (one may have forked meanwhile); returns how many were killed."""
+    killed = 0
+    for _ in range(passes):
+        found = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        found.append(int(entry.name))
+        if not found:
+            break
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+    return killed

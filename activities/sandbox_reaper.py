@@ -293,7 +293,25 @@ def reap_dead(root: Path, grace_s: float = GRACE_S) -> list[Reaped]:
             f", killed leftover processes {done.killed}" if done.killed else "",
             "" if done.removed else ", but some of its files could not be deleted",
         )
+    forget_stale_uid_claims(root)
     return reaped
+
+
+UID_CLAIMS = ".uids"
+"""Under the root: a symlink per sandbox uid in use, to the home of the worker holding it
+(activities/sandbox_processes.py: SandboxUids)."""
+
+
+def forget_stale_uid_claims(root: Path) -> None:
+    """Remove the uid claims whose worker home is gone, and the directory once empty."""
+    claims = root / UID_CLAIMS
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(claims):
+            if entry.is_symlink() and not os.path.exists(os.readlink(entry.path)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+    with contextlib.suppress(OSError):  # not empty, or gone: both fine
+        claims.rmdir()
 
 
 def _reap_one(root: Path, entry: os.DirEntry[str], here: Owner, grace_s: float) -> Reaped | None:

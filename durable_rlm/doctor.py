@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.repl import ReplActivities
+from activities.sandbox_processes import SandboxUids
 from durable_rlm.blobs import BlobStore, DirectoryBackend
 from durable_rlm.runtime import temporal_binary
 from durable_rlm.settings import Settings
@@ -60,11 +61,23 @@ async def sandbox_layers(root: Path) -> list[Check]:
         ),
         Check(
             "sandbox",
+            "filesystem",
+            "ok" if layers.get("filesystem", "").startswith("private root") else "warn",
+            layers.get("filesystem", "?"),
+        ),
+        Check(
+            "sandbox",
             "uid",
-            "ok" if (not root_worker or layers.get("uid") == "uid 65534") else "fail",
-            layers.get("uid", "?"),
+            "ok" if (not root_worker or _own_uid(layers.get("uid", ""))) else "fail",
+            layers.get("uid", "?") + (" (one per sandbox)" if root_worker else ""),
         ),
         Check("sandbox", "rlimits", "ok", layers.get("rlimits", "?")),
+        Check(
+            "sandbox",
+            "seccomp",
+            "ok" if layers.get("seccomp", "").endswith("refused") else "warn",
+            layers.get("seccomp", "?"),
+        ),
         Check("sandbox", "death signal", "ok", layers.get("death_signal", "?")),
         Check(
             "sandbox",
@@ -73,6 +86,12 @@ async def sandbox_layers(root: Path) -> list[Check]:
             layers.get("audit_hook", "?"),
         ),
     ]
+
+
+def _own_uid(shown: str) -> bool:
+    """A root worker's sandbox runs as a uid of its own, never root."""
+    number = shown.removeprefix("uid ")
+    return number.isdigit() and int(number) >= SandboxUids.FIRST
 
 
 def platform_checks(settings: Settings) -> list[Check]:

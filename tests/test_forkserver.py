@@ -23,6 +23,7 @@ import pytest
 
 from activities import sandbox_processes
 from activities.repl import LiveSandbox, ReplActivities
+from activities.sandbox_processes import SandboxUids
 from durable_rlm.blobs import BlobStore
 from tests.conftest import ROOT, Episode
 from workflows.models import SandboxRef
@@ -40,9 +41,15 @@ async def any_host(request: pytest.FixtureRequest, blob_store: BlobStore, sandbo
 
 @pytest.fixture(params=MODES)
 async def any_bare(request: pytest.FixtureRequest, blob_store: BlobStore, sandboxes: Path) -> AsyncIterator:
-    """Without the audit hook: the OS layers alone."""
+    """Without the audit hook and the private root: the uid, network and limits alone."""
     repl = ReplActivities(
-        blob_store, "queue-bare", sandboxes, memory_mb=1024, audit_hook=False, sandbox_start=request.param
+        blob_store,
+        "queue-bare",
+        sandboxes,
+        memory_mb=1024,
+        audit_hook=False,
+        sandbox_start=request.param,
+        filesystem=False,
     )
     yield repl
     await repl.close_all()
@@ -118,9 +125,14 @@ async def test_forked_and_spawned_sandboxes_report_the_same_layers(
     forking: ReplActivities, spawning: ReplActivities
 ) -> None:
     forked, spawned = await forking.probe(), await spawning.probe()
-    assert forked == spawned
+    # Each sandbox has a uid of its own (root workers): the rest is the same.
+    assert {**forked, "uid": ""} == {**spawned, "uid": ""}
     assert forked["network"] in ("netns", "userns+netns")
-    assert forked["uid"] == ("uid 65534" if ROOT_WORKER else f"uid {os.geteuid()} (worker not root: no drop)")
+    assert forked["filesystem"].startswith("private root") and forked["seccomp"].endswith("refused")
+    if ROOT_WORKER:
+        assert forked["uid"] != spawned["uid"] and forked["uid"].startswith("uid ")
+    else:
+        assert forked["uid"] == f"uid {os.geteuid()} (worker not root: no drop)"
     assert forked["audit_hook"] == "on"
 
 
@@ -235,7 +247,7 @@ async def test_no_files_outside(any_host: ReplActivities, blob_store: BlobStore)
 
 
 @pytest.mark.skipif(not ROOT_WORKER, reason="the uid drop happens when the worker is root")
-async def test_uid_nobody_alone_stops_reads_writes_and_signals(
+async def test_its_own_uid_alone_stops_reads_writes_and_signals(
     any_bare: ReplActivities, tmp_path: Path
 ) -> None:
     episode = Episode(any_bare)
@@ -245,7 +257,8 @@ async def test_uid_nobody_alone_stops_reads_writes_and_signals(
     outcome = await episode.run(f"import os\nos.kill({os.getpid()}, 0)")
     assert "PermissionError: [Errno 1] Operation not permitted" in (outcome.error or "")
     outcome = await episode.run("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())")
-    assert outcome.stdout == "65534 65534 65534 []\n"
+    uid, euid, gid, groups = outcome.stdout.split(maxsplit=3)
+    assert uid == euid == gid and int(uid) >= SandboxUids.FIRST and groups.strip() == "[]"
 
 
 async def test_no_kill_fork_or_subprocess(any_host: ReplActivities) -> None:

@@ -28,6 +28,7 @@ from activities.sandbox_reaper import (
     CLAIMED_PREFIX,
     NEW_PREFIX,
     OWNER_FILE,
+    UID_CLAIMS,
     Owner,
     proc_stat,
     reap_dead,
@@ -395,13 +396,15 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
             await until(lambda d=directory: (Path(d) / "busy").exists(), "the cell runs")
         first, second = workers
         homes = {Path(directory).parent for _, _, directory in lines}
-        assert set(root.iterdir()) == homes  # the second's start reaped nothing of the live first
+        # The second's start reaped nothing of the live first (".uids": the uids in use).
+        assert {p for p in root.iterdir() if p.name != UID_CLAIMS} == homes
         assert len(sandbox_processes({first.pid, second.pid})) == 4
 
         first.kill()
         first.wait()
         reaper = ReplActivities(blob_store, "q", root)  # a third worker starts
-        assert set(root.iterdir()) == {Path(lines[1][2]).parent, reaper.home.path}
+        live = {p for p in root.iterdir() if p.name != UID_CLAIMS}
+        assert live == {Path(lines[1][2]).parent, reaper.home.path}
         await until(lambda: sandbox_processes({first.pid}) == [], "the first worker's sandboxes died")
         assert len(sandbox_processes({second.pid})) == 2
         await reaper.close_all()

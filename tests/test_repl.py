@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import chains
 from activities.repl import ReplActivities
+from activities.sandbox_processes import SandboxUids
 from durable_rlm.blobs import BlobStore, SqlBackend
 from durable_rlm.store import open_store
 from tests.conftest import Episode
@@ -303,8 +304,12 @@ async def test_cells_do_not_see_worker_credentials(
 
 @pytest.fixture
 async def bare(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActivities]:
-    """A host whose sandboxes run without the audit hook: the OS layers alone."""
-    repl = ReplActivities(blob_store, "queue-bare", sandboxes, memory_mb=1024, audit_hook=False)
+    """A host whose sandboxes run without the audit hook and without their private root: the
+    uid, the network namespace and the limits, each alone (tests/test_escape.py attacks the
+    whole kernel side)."""
+    repl = ReplActivities(
+        blob_store, "queue-bare", sandboxes, memory_mb=1024, audit_hook=False, filesystem=False
+    )
     yield repl
     await repl.close_all()
 
@@ -372,9 +377,10 @@ async def test_the_uid_alone_stops_reads_writes_and_signals(bare: ReplActivities
     assert "PermissionError: [Errno 13]" in ((await episode.run("open('/etc/shadow').read()")).error or "")
     outcome = await episode.run(f"import os\nos.kill({os.getpid()}, 0)")
     assert "PermissionError: [Errno 1] Operation not permitted" in (outcome.error or "")
-    assert (
+    uid, gid, groups = (
         await episode.run("import os\nprint(os.getuid(), os.getgid(), os.getgroups())")
-    ).stdout == "65534 65534 []\n"
+    ).stdout.split(maxsplit=2)
+    assert uid == gid and int(uid) >= SandboxUids.FIRST and groups.strip() == "[]"
 
 
 async def test_the_audit_hook_refuses_processes_signals_and_ctypes(host: ReplActivities) -> None:
@@ -394,10 +400,13 @@ async def test_a_memory_bomb_is_a_cell_error(host: ReplActivities) -> None:
     assert (await episode.run("print('alive')")).stdout == "alive\n"
 
 
-async def test_sandbox_runs_unprivileged_when_the_worker_is_root(host: ReplActivities) -> None:
-    outcome = await Episode(host).run("import os\nprint(os.getuid())")
-    expected = "65534" if os.geteuid() == 0 else str(os.getuid())
-    assert outcome.stdout.strip() == expected
+async def test_each_sandbox_has_a_uid_of_its_own_when_the_worker_is_root(host: ReplActivities) -> None:
+    first, second = Episode(host), Episode(host)
+    uids = [int((await e.run("import os\nprint(os.getuid())")).stdout) for e in (first, second)]
+    if os.geteuid() == 0:
+        assert uids[0] != uids[1] and min(uids) >= SandboxUids.FIRST
+    else:
+        assert uids == [os.getuid()] * 2
 
 
 def test_an_unreachable_sandbox_root_is_a_clear_error(tmp_path: Path, blob_store: BlobStore) -> None:
@@ -412,12 +421,18 @@ async def test_the_sandbox_reports_every_layer_it_put_in_place(
 ) -> None:
     layers = await host.probe()
     assert layers["network"] in ("netns", "userns+netns")
-    assert layers["rlimits"] == "address space 1024 MB, files 256 MB, no core"
-    assert layers["death_signal"] == "SIGKILL on worker death"
-    assert layers["audit_hook"] == "on"
-    assert layers["uid"] == (
-        "uid 65534" if os.geteuid() == 0 else f"uid {os.geteuid()} (worker not root: no drop)"
+    assert layers["filesystem"].startswith("private root")
+    assert layers["rlimits"] == (
+        "address space 1024 MB, files 256 MB, no core, 256 open files, CPU 3600 s, "
+        + ("64 processes" if os.geteuid() == 0 else "processes not limited (shared uid)")
     )
+    assert layers["death_signal"] == "SIGKILL on worker death"
+    assert layers["seccomp"] == "44 calls refused, namespaces in clone refused"
+    assert layers["audit_hook"] == "on"
+    if os.geteuid() == 0:
+        assert int(layers["uid"].removeprefix("uid ")) >= SandboxUids.FIRST
+    else:
+        assert layers["uid"] == f"uid {os.geteuid()} (worker not root: no drop)"
     assert (await bare.probe())["audit_hook"] == "off"
 
 

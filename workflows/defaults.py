@@ -158,6 +158,12 @@ SANDBOX_MEMORY_MB = 4_096
 SANDBOX_FILE_MB = 256
 """Address space and largest file of a sandbox: room for a large context and its copies."""
 
+SANDBOX_CPU_S = 3_600
+SANDBOX_PROCESSES = 64
+"""CPU seconds over a sandbox's whole life (RLIMIT_CPU: a thread left spinning after its cell
+is stopped; the REPL is then rebuilt from the log), and processes and threads of its own uid
+(RLIMIT_NPROC: a fork bomb stops there)."""
+
 SANDBOX_IDLE_S = 1_800.0
 """A sandbox unused this long is killed; the next step rebuilds it from the log."""
 

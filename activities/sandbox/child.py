@@ -124,23 +124,6 @@ class LayerError(RuntimeError):
     """A sandbox layer that must hold could not be put in place: the sandbox does not start."""
 
 
-def isolate_network(libc: Any) -> str:
-    """Enter an empty network namespace: no interfaces, so no connection is possible.
-
-    Returns which namespace holds; "none" means only the audit hook refuses sockets, and the
-    host logs it and `drlm doctor` shows it.
-    """
-    clone_newnet, clone_newuser = 0x40000000, 0x10000000
-    try:
-        if libc.unshare(clone_newnet) == 0:
-            return "netns"
-        if libc.unshare(clone_newuser | clone_newnet) == 0:
-            return "userns+netns"
-    except OSError:
-        pass
-    return "none"
-
-
 # Imported before the uid drop: the interpreter may live where `nobody` cannot read
 # (a pyenv under /root), and model code reaches for these most.
 PRELOADED = (
@@ -242,15 +225,15 @@ def volatile_code(tree: ast.AST) -> bool:
     return False
 
 
-def drop_privileges() -> str:
-    if os.geteuid() != 0:
-        return f"uid {os.geteuid()} (worker not root: no drop)"
+def set_ids(uid: int) -> str:
+    """Become `uid` (group `uid`, no supplementary groups) for good: a worker running as root
+    never leaves a cell as uid 0."""
     os.setgroups([])
-    os.setgid(NOBODY)
-    os.setuid(NOBODY)
-    if os.geteuid() != NOBODY or os.getegid() != NOBODY:
+    os.setgid(uid)
+    os.setuid(uid)
+    if os.geteuid() != uid or os.getegid() != uid or 0 in (os.getuid(), os.getgid()):
         raise LayerError("uid drop did not take effect")
-    return f"uid {NOBODY}"
+    return f"uid {uid}"
 
 
 def die_with_parent(parent_pid: int, libc: Any) -> str:
@@ -267,20 +250,35 @@ def die_with_parent(parent_pid: int, libc: Any) -> str:
     return "SIGKILL on worker death"
 
 
-def set_limits(memory_mb: int, file_mb: int) -> str:
+def set_limits(memory_mb: int, file_mb: int, cpu_s: int, processes: int | None) -> str:
+    """Kernel limits of the whole sandbox life: memory, file size, open files, CPU time (a
+    thread a cell left spinning is stopped by it), and, when the sandbox has a uid of its
+    own, processes (a fork bomb stops there; with a shared uid the count would be the
+    worker's too)."""
     import resource
 
     limits = {
         "RLIMIT_AS": (resource.RLIMIT_AS, memory_mb * 1024 * 1024),
         "RLIMIT_FSIZE": (resource.RLIMIT_FSIZE, file_mb * 1024 * 1024),
         "RLIMIT_CORE": (resource.RLIMIT_CORE, 0),
+        "RLIMIT_NOFILE": (resource.RLIMIT_NOFILE, OPEN_FILES),
+        "RLIMIT_CPU": (resource.RLIMIT_CPU, cpu_s),
     }
+    if processes is not None:
+        limits["RLIMIT_NPROC"] = (resource.RLIMIT_NPROC, processes)
     for label, (kind, value) in limits.items():
         try:
             resource.setrlimit(kind, (value, value))
         except (ValueError, OSError, OverflowError) as exc:
             raise LayerError(f"cannot set {label} to {value}: {exc}") from exc
-    return f"address space {memory_mb} MB, files {file_mb} MB, no core"
+    counted = f"{processes} processes" if processes is not None else "processes not limited (shared uid)"
+    return (
+        f"address space {memory_mb} MB, files {file_mb} MB, no core, {OPEN_FILES} open files, "
+        f"CPU {cpu_s} s, {counted}"
+    )
+
+
+OPEN_FILES = 256
 
 
 def _readable_roots(sandbox_dir: str) -> tuple[str, ...]:
@@ -821,16 +819,59 @@ def _format_error(exc: BaseException) -> str:
 
 
 def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dict[str, str]:
-    """Put every isolation layer in place, strongest first; each reports what it did."""
-    # libc (through ctypes) is loaded before the uid drop: after it, the interpreter's own
-    # files may be unreadable (a pyenv under /root), and two layers need it.
+    """Put every isolation layer in place; each reports what it did.
+
+    As root (with CAP_SYS_ADMIN): an empty network namespace and a private root filesystem
+    are made as root, then the sandbox becomes its own uid (which clears every capability).
+    Otherwise (not root, or root without CAP_SYS_ADMIN, as in a default container): the uid
+    is dropped first, then a user namespace of its own (its uid mapped to itself) makes the
+    network and mount namespaces, and every capability is dropped. Then the limits, the
+    parent-death signal, the seccomp filter, and last the audit hook (Python's own guard,
+    one layer more: every other layer holds without it)."""
+    # libc (through ctypes) and the kernel layers are loaded before the uid drop and the new
+    # root: after them the interpreter's own files may be out of reach.
+    import resource  # noqa: F401 - set_limits needs it after the uid drop and the new root
+
     libc = _libc()
-    layers = {"network": isolate_network(libc)}
+    k = kernel()
+    uid = int(init.get("uid", NOBODY))
+    filesystem = bool(init.get("filesystem", True))
     preload_modules()
     guard = make_guard(sandbox_dir)
-    layers["rlimits"] = set_limits(int(init.get("memory_mb", 4096)), int(init.get("file_mb", 256)))
-    layers["uid"] = drop_privileges()
+    sources = k.readonly_sources()
+    layers: dict[str, str] = {}
+    root = os.geteuid() == 0
+    if root and init.get("namespaces") != "user" and libc.unshare(k.CLONE_NEWNET) == 0:
+        layers["network"] = "netns"
+        layers["filesystem"] = _filesystem(k, libc, sandbox_dir, sources, filesystem)
+        layers["uid"] = set_ids(uid)
+    else:
+        if root:
+            layers["uid"] = set_ids(uid)  # first: no namespace may leave it uid 0
+        else:
+            uid = os.geteuid()
+            layers["uid"] = f"uid {uid} (worker not root: no drop)"
+        try:
+            k.enter_user_namespace(libc, uid, os.getegid())
+            if libc.unshare(k.CLONE_NEWNET) != 0:
+                raise OSError("unshare(CLONE_NEWNET) refused")
+            layers["network"] = "userns+netns"
+            layers["filesystem"] = _filesystem(k, libc, sandbox_dir, sources, filesystem)
+            k.drop_capabilities(libc)
+        except OSError as exc:
+            layers.setdefault("network", "none")
+            layers.setdefault("filesystem", f"none (no user namespace: {exc})")
+    layers["rlimits"] = set_limits(
+        int(init.get("memory_mb", 4096)),
+        int(init.get("file_mb", 256)),
+        int(init.get("cpu_s", 3600)),
+        int(init.get("processes", 64)) if root else None,
+    )
     layers["death_signal"] = die_with_parent(parent_pid, libc)
+    try:
+        layers["seccomp"] = k.install_seccomp(libc)
+    except OSError as exc:
+        raise LayerError(f"cannot install the seccomp filter: {exc}") from exc
     os.chdir(sandbox_dir)
     _forget_libc()  # model code finds no libc handle lying around (it is refused anyway)
     if init.get("audit_hook", True):
@@ -839,6 +880,35 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     else:  # only tests turn it off, to prove the other layers hold alone
         layers["audit_hook"] = "off"
     return layers
+
+
+def _filesystem(k: Any, libc: Any, sandbox_dir: str, sources: list[str], wanted: bool) -> str:
+    if not wanted:
+        return "off (asked)"
+    try:
+        return k.isolate_filesystem(libc, sandbox_dir, sources)
+    except OSError as exc:
+        raise LayerError(f"cannot make the sandbox's private root: {exc}") from exc
+
+
+_KERNEL: Any = None
+
+
+def kernel() -> Any:
+    """activities/sandbox/kernel.py, by its path (like `snapshots`)."""
+    global _KERNEL
+    if _KERNEL is None:
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.py")
+        spec = importlib.util.spec_from_file_location("drlm_sandbox_kernel", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["drlm_sandbox_kernel"] = module
+        _KERNEL = module
+    return _KERNEL
 
 
 def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:

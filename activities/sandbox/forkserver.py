@@ -194,6 +194,7 @@ def main() -> None:
 
     child = load_child()
     child.preload_modules()
+    child.kernel().readonly_sources()  # loaded once here, not in each sandbox
     libc = child._libc()
     child._readable_roots("/")  # warms sysconfig, which each sandbox's file guard reads
     import resource  # noqa: F401 - set_limits imports it in each sandbox
