@@ -1,0 +1,273 @@
+"""The escape suite: the red-team's attacks, run twice, with the audit hook on and with it
+off. With it off, every file, network, process and cross-episode attack must fail by the
+kernel alone (activities/sandbox/kernel.py and the uid, limits and namespaces of child.py):
+the hook is Python code beside the attacker's, and code gets past it.
+
+Each attack prints ESCAPED only if it worked; a canary secret sits in the worker's
+environment, in a world-readable file like the stores, and in another episode's context,
+and must appear in no output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from activities.repl import ReplActivities
+from durable_rlm.blobs import BlobStore
+from tests.conftest import Episode
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY = f"canary-{uuid.uuid4().hex}"
+ROOT_WORKER = os.geteuid() == 0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux sandbox layers")
+
+
+@pytest.fixture(
+    params=[
+        (True, "fork", "auto"),
+        (False, "fork", "auto"),
+        (False, "spawn", "auto"),
+        (False, "fork", "user"),
+    ],
+    ids=["hook-on", "hook-off", "hook-off-spawned", "hook-off-userns"],
+)
+async def host(
+    request: pytest.FixtureRequest, blob_store: BlobStore, sandboxes: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[ReplActivities]:
+    monkeypatch.setenv("DRLM_ESCAPE_CANARY", CANARY)  # the worker's environment
+    # "userns": the path of a root worker without CAP_SYS_ADMIN (a default container).
+    hook, start, namespaces = request.param
+    repl = ReplActivities(
+        blob_store,
+        "queue-escape",
+        sandboxes,
+        memory_mb=1024,
+        audit_hook=hook,
+        sandbox_start=start,
+        namespaces=namespaces,
+    )
+    yield repl
+    await repl.close_all()
+
+
+@pytest.fixture
+def world_readable_secret() -> Iterator[Path]:
+    """Like the stores and the data directory once were: readable by anyone on the host."""
+    directory = Path(tempfile.mkdtemp(prefix="drlm-data-", dir="/tmp"))
+    directory.chmod(0o755)
+    secret = directory / "drlm.sqlite"
+    secret.write_text(CANARY)
+    secret.chmod(0o644)
+    yield secret
+    secret.unlink()
+    directory.rmdir()
+
+
+def escaped(outcome) -> str:
+    return (outcome.stdout or "") + (outcome.error or "")
+
+
+async def attack(host: ReplActivities, code: str, episode: Episode | None = None) -> str:
+    episode = episode or Episode(host)
+    text = escaped(await episode.run(code))
+    assert "ESCAPED" not in text and CANARY not in text, text
+    return text
+
+
+def tried(path: object) -> str:
+    return f"data = open({str(path)!r}).read()\nprint('ESCAPED', data)"
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+async def test_no_file_of_the_host_is_readable(host: ReplActivities, world_readable_secret: Path) -> None:
+    for path in (
+        world_readable_secret,  # a world-readable store in a data directory
+        ROOT / "durable_rlm" / "settings.py",  # the worker's source
+        "/etc/shadow",
+        "/etc/passwd",
+        "/proc/1/environ",
+        f"/proc/{os.getpid()}/environ",  # the worker's environment, the canary in it
+        "/proc/self/environ",
+    ):
+        await attack(host, tried(path))
+
+
+async def test_the_root_holds_only_the_python_installation_and_its_own_directory(
+    host: ReplActivities,
+) -> None:
+    listing = await attack(host, "import os\nprint(sorted(os.listdir('/')))")
+    if not host.audit_hook:  # the hook refuses the listing itself
+        shown = set(eval(listing))  # noqa: S307 - a list of names printed by our own cell
+        assert shown <= {"dev", "etc", "lib", "lib64", "root", "tmp", "usr", "work", "bin", "sbin"}, shown
+        assert "proc" not in shown and "home" not in shown and "sys" not in shown
+
+
+async def test_no_write_outside_its_own_directory_reaches_the_host(host: ReplActivities) -> None:
+    name = f"drlm-escape-{uuid.uuid4().hex[:8]}"
+    for directory in ("/tmp", "/dev/shm", "/var/tmp", str(ROOT)):
+        await attack(host, f"open({directory + '/' + name!r}, 'w').write('x')\nprint('wrote')")
+        assert not Path(directory, name).exists(), directory
+    await attack(host, "open('/usr/lib/drlm-escape', 'w')\nprint('ESCAPED')")
+    # Its own directory is where it may write.
+    assert "kept" in escaped(
+        await Episode(host).run("open('mine', 'w').write('kept')\nprint(open('mine').read())")
+    )
+
+
+async def test_no_device_node_can_be_made(host: ReplActivities) -> None:
+    await attack(
+        host, "import os, stat\nos.mknod('null2', stat.S_IFCHR | 0o666, os.makedev(1, 3))\nprint('ESCAPED')"
+    )
+
+
+async def test_a_fresh_interpreter_started_without_the_hook_is_still_inside(
+    host: ReplActivities, world_readable_secret: Path
+) -> None:
+    python = os.path.join(sys.base_prefix, "bin", "python3")
+    code = f"print(open({str(world_readable_secret)!r}).read())"
+    await attack(
+        host,
+        "import _posixsubprocess, subprocess, sys\n"
+        f"out = subprocess.run([{python!r}, '-c', {code!r}], capture_output=True, text=True)\n"
+        "print('ESCAPED' if out.returncode == 0 else 'failed', out.stdout)",
+    )
+
+
+# --- network ------------------------------------------------------------------------------------
+
+
+async def test_no_socket_reaches_the_host(host: ReplActivities) -> None:
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen()
+    path = Path(tempfile.mkdtemp(prefix="drlm-sock-", dir="/tmp")) / "s"
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(path))
+    path.parent.chmod(0o755)
+    path.chmod(0o777)
+    unix.listen()
+    abstract = socket.socket(socket.AF_UNIX)
+    name = f"\0drlm-escape-{uuid.uuid4().hex[:8]}"
+    abstract.bind(name)
+    abstract.listen()
+    try:
+        for family, address in (
+            ("AF_INET", ("127.0.0.1", tcp.getsockname()[1])),
+            ("AF_UNIX", str(path)),
+            ("AF_UNIX", name),
+        ):
+            await attack(
+                host,
+                f"import socket\ns = socket.socket(socket.{family})\ns.settimeout(2)\n"
+                f"s.connect({address!r})\nprint('ESCAPED')",
+            )
+    finally:
+        for s in (tcp, unix, abstract):
+            s.close()
+        path.unlink()
+        path.parent.rmdir()
+
+
+# --- processes and other episodes ---------------------------------------------------------------
+
+
+async def test_an_episode_cannot_read_signal_limit_or_trace_another(host: ReplActivities) -> None:
+    victim = Episode(host, context=f"the other episode's {CANARY}")
+    await victim.run("kept = 'still here'")
+    box = host._live[victim.episode_id]
+    pid, other_dir = box.process.pid, box.directory
+    attacker = Episode(host)
+    await attack(host, tried(other_dir / "context.txt"), attacker)
+    await attack(host, f"import os\nprint(os.listdir({str(other_dir)!r}))", attacker)
+    await attack(host, f"import os, signal\nos.kill({pid}, signal.SIGKILL)\nprint('ESCAPED')", attacker)
+    await attack(
+        host,
+        f"import resource\nresource.prlimit({pid}, resource.RLIMIT_NOFILE, (3, 3))\nprint('ESCAPED')",
+        attacker,
+    )
+    await attack(
+        host,
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print('ESCAPED' if libc.ptrace(16, {pid}, 0, 0) == 0 else 'refused')",
+        attacker,
+    )
+    await attack(
+        host,
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        f"print('ESCAPED' if libc.kill({pid}, 9) == 0 else 'refused')",
+        attacker,
+    )
+    assert (await victim.run("print(kept)")).stdout == "still here\n"  # untouched, same process
+    assert host._live[victim.episode_id].process.pid == pid
+
+
+async def test_the_kernel_refuses_what_the_repl_never_needs(host: ReplActivities) -> None:
+    for call in (
+        "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)",
+        "libc.unshare(0x10000000)",  # a user namespace: capabilities again
+        "libc.syscall(250, 1, 0, 0, 0, 0)",  # keyctl
+        "libc.syscall(321, 0, 0, 0)",  # bpf
+        "libc.setsid()",  # leaving the process group the host kills
+        "libc.syscall(155, b'/tmp', b'/tmp')",  # pivot_root
+    ):
+        await attack(
+            host,
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            f"print('ESCAPED' if {call} == 0 else 'refused', ctypes.get_errno())",
+        )
+
+
+@pytest.mark.skipif(not ROOT_WORKER, reason="processes are limited per uid: a uid of its own")
+async def test_a_fork_bomb_stops_at_the_process_limit(host: ReplActivities) -> None:
+    text = await attack(
+        host,
+        "import os, time\nmade = 0\nfor i in range(500):\n"
+        "    try:\n        pid = os.fork()\n"
+        "    except OSError as e:\n        print('stopped at', made)\n        break\n"
+        "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+        "    made += 1\nelse:\n    print('ESCAPED')",
+    )
+    if not host.audit_hook:
+        assert "stopped at" in text and int(text.split("stopped at")[1].split()[0]) < 64
+
+
+async def test_nothing_a_sandbox_started_outlives_it(host: ReplActivities) -> None:
+    episode = Episode(host)
+    text = escaped(
+        await episode.run(
+            "import os, time\npid = os.fork()\nif pid == 0:\n"
+            "    try:\n        os.setsid()\n    except OSError:\n        pass\n"
+            "    time.sleep(120)\n    os._exit(0)\nprint('child', pid)"
+        )
+    )
+    if host.audit_hook:
+        assert "sandbox: os.fork is not allowed" in text
+        return
+    child = int(text.split("child")[1].split()[0])
+    assert _alive(child)
+    await host.close_all()
+    for _ in range(50):
+        if not _alive(child):
+            break
+        await asyncio.sleep(0.1)
+    assert not _alive(child), "a process the sandbox started outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "State:\tZ" not in status.read()
+    except FileNotFoundError:
+        return False
