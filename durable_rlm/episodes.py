@@ -225,6 +225,16 @@ async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
 WAITING_EVERY_S = 10.0
 
 
+def _raise_if_cancel_was_swallowed() -> None:
+    """Python 3.11's `asyncio.wait_for` (inside the SDK's calls) returns a result that came
+    with a cancellation and drops the cancellation; Ctrl-C (asyncio.run cancels the main
+    task) would then be lost and `drlm run` follow the episode to its end. The task still
+    counts the request: honour it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def follow(
     handle: WorkflowHandle[Any, EpisodeResult],
     on_progress: Callable[[str], None] | None = None,
@@ -248,6 +258,8 @@ async def follow(
                 progress: EpisodeProgress = await handle.query("progress", result_type=EpisodeProgress)
             except RPCError:
                 continue
+            finally:
+                _raise_if_cancel_was_swallowed()
             if on_state is not None:
                 on_state(progress)  # every answer: the live view redraws its bars
             if progress.paused is not None and not progress.finished:
