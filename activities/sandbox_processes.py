@@ -100,6 +100,10 @@ class SpawnedProcess:
 
     def kill(self) -> None:
         if self._process.returncode is None:
+            # Its whole process group while it leads one (it cannot leave it: seccomp
+            # refuses setsid), so what it forked goes with it.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._process.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
 

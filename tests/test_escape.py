@@ -256,8 +256,7 @@ async def test_nothing_a_sandbox_started_outlives_it(host: ReplActivities) -> No
         assert "sandbox: os.fork is not allowed" in text
         return
     child = int(text.split("child")[1].split()[0])
-    assert _alive(child)
-    await host.close_all()
+    await host.close_all()  # swept at the cell's end already when the sandbox has its own uid
     for _ in range(50):
         if not _alive(child):
             break
@@ -271,3 +270,22 @@ def _alive(pid: int) -> bool:
             return "State:\tZ" not in status.read()
     except FileNotFoundError:
         return False
+
+
+async def test_a_process_a_cell_forked_does_not_outlive_the_cell(host: ReplActivities) -> None:
+    """It shares the channel's descriptors: alive after its cell, it could speak for the
+    sandbox later. Each cell ends by killing every other process of the sandbox's uid."""
+    episode = Episode(host)
+    text = escaped(
+        await episode.run(
+            "import os, time\npid = os.fork()\n"
+            "if pid == 0:\n    time.sleep(120)\n    os._exit(0)\nprint('child', pid)"
+        )
+    )
+    if host.audit_hook:
+        assert "sandbox: os.fork is not allowed" in text
+        return
+    child = int(text.split("child")[1].split()[0])
+    if ROOT_WORKER:
+        assert not _alive(child)
+    assert (await episode.run("print('still here')")).stdout == "still here\n"

@@ -314,6 +314,8 @@ def make_guard(sandbox_dir: str) -> Any:
         return any(full == r or full.startswith(r + os.sep) for r in roots)
 
     def guard(event: str, args: tuple[Any, ...]) -> None:
+        if event == "os.kill" and args == (-1, signal.SIGKILL) and _SWEEPING[0]:
+            return  # `sweep_strays`: reaches only this sandbox's own uid, whoever asks
         if event.startswith(_BLOCKED_PREFIXES):
             raise PermissionError(f"sandbox: {event} is not allowed")
         if event == "open":
@@ -333,6 +335,34 @@ def make_guard(sandbox_dir: str) -> Any:
                 raise PermissionError(f"sandbox: {event} of {args[0]!r} is not allowed")
 
     return guard
+
+
+_SWEEPING = [False]
+_OWN_UID = [False]  # the sandbox runs as a uid no other process has (a root worker's)
+
+
+def sweep_strays() -> None:
+    """After each cell: SIGKILL every other process of this sandbox's own uid (kill(-1)
+    reaches exactly those), and reap them. A process a cell forked (possible once the audit
+    hook is out of the way) shares the channel's descriptors: it must not outlive its cell
+    and speak later. With a shared uid (a worker not root) kill(-1) would reach the worker:
+    nothing is swept, and the audit hook's refusal of fork is what stands."""
+    if not _OWN_UID[0]:
+        return
+    _SWEEPING[0] = True
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass  # none to kill
+    finally:
+        _SWEEPING[0] = False
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 # --- cells ----------------------------------------------------------------------------------
@@ -607,6 +637,7 @@ class Session:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout, sys.stderr = saved
+            sweep_strays()
         elapsed = max(0.0, _WALL() - started - self.blocked_s)
         volatile = _VOLATILE[0] or self._volatile_code(code)
         if cell is not None:
@@ -841,6 +872,7 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     sources = k.readonly_sources()
     layers: dict[str, str] = {}
     root = os.geteuid() == 0
+    _OWN_UID[0] = root and "uid" in init  # the host gave it a uid of its own
     if root and init.get("namespaces") != "user" and libc.unshare(k.CLONE_NEWNET) == 0:
         layers["network"] = "netns"
         layers["filesystem"] = _filesystem(k, libc, sandbox_dir, sources, filesystem)

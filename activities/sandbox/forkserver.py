@@ -25,6 +25,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -117,6 +118,8 @@ class Template:
             elif message["op"] == "kill":
                 pid = int(message["pid"])
                 if pid in self.children:  # not reaped yet: the pid is still this sandbox's
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)  # and what it forked (its group)
                     os.kill(pid, signal.SIGKILL)
             else:
                 raise ValueError(f"unknown fork-server op {message['op']!r}")
@@ -178,6 +181,8 @@ class Template:
     def shutdown(self) -> NoReturn:
         """The host closed the channel: its sandboxes go with the template."""
         for pid in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
             os.kill(pid, signal.SIGKILL)
         os._exit(0)
 
