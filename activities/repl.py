@@ -19,6 +19,7 @@ import contextlib
 import contextvars
 import hashlib
 import hmac
+import json
 import logging
 import os
 import shutil
@@ -147,6 +148,8 @@ class LiveSandbox:
     cells: dict[int, LoggedCell] = field(default_factory=dict)
     snapshot_cost_s: float = 0.0  # what the last snapshot took, sandbox and store
     uid: int | None = None  # its own uid (root workers), released when it is gone
+    seq: int = 0  # the number of the last request sent to it
+    output_limit: int = defaults.STORED_OUTPUT_CHARS  # the stdout it may send for the cell
     uids: SandboxUids | None = None
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
@@ -174,8 +177,22 @@ class LiveSandbox:
         )
 
     async def send(self, message: dict[str, Any]) -> None:
-        self.process.stdin.write(encode_frame(message))
-        await self.process.stdin.drain()
+        """Write a frame, numbered: the sandbox's frames must carry the number of the last
+        request (`receive`). A sandbox that stops reading (its pipe full) for
+        SEND_TIMEOUT_S is broken, not waited for: the step fails and the sandbox is
+        discarded."""
+        self.seq += 1
+        if message.get("op") == "exec":
+            self.output_limit = int(message["limit"])
+        self.process.stdin.write(encode_frame({**message, "seq": self.seq}))
+        try:
+            async with asyncio.timeout(defaults.SANDBOX_SEND_TIMEOUT_S):
+                await self.process.stdin.drain()
+        except TimeoutError:
+            raise ConnectionError(
+                f"the sandbox read none of a {message.get('op')!r} frame for "
+                f"{defaults.SANDBOX_SEND_TIMEOUT_S:g} s"
+            ) from None
 
     async def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next frame; None when the process died or stayed silent past `timeout`."""
@@ -183,9 +200,16 @@ class LiveSandbox:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
             # arrives as the frame does, and a cancelled step would go on running.
             async with asyncio.timeout(timeout):
-                return await self.frames.get()
+                frame = await self.frames.get()
         except TimeoutError:
             return None
+        if frame is not None and frame.get("op") != BROKEN and frame.get("seq") != self.seq:
+            return {
+                "op": BROKEN,
+                "error": f"the sandbox sent a frame out of turn (numbered {frame.get('seq')!r}, "
+                f"the request was {self.seq})",
+            }
+        return frame
 
     async def kill(self) -> None:
         self.reader.cancel()
@@ -211,7 +235,10 @@ class LiveSandbox:
 
 
 async def _read_frames(process: SandboxProcess, queue: asyncio.Queue, max_frame: int) -> None:
-    """Frames from the sandbox; what is not a frame is reported as what it is."""
+    """Frames from the sandbox; what is not a frame is reported as what it is. The queue is
+    bounded (FRAME_QUEUE): the protocol is one answer per request, so a sandbox sending
+    frames nobody asked for fills it, and then this stops reading and the sandbox blocks on
+    its pipe, instead of the worker's memory growing."""
     try:
         while True:
             header = await process.stdout.readexactly(HEADER.size)
@@ -234,7 +261,56 @@ async def _read_frames(process: SandboxProcess, queue: asyncio.Queue, max_frame:
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
-        await queue.put(None)
+        while True:  # the end is always told: room is made by dropping the oldest frame
+            try:
+                queue.put_nowait(None)
+                break
+            except asyncio.QueueFull:
+                queue.get_nowait()
+
+
+FRAME_QUEUE = 8
+"""Frames from one sandbox waiting to be read (the protocol needs one at a time)."""
+
+
+FIELD_SLACK = 1_000
+"""Beyond a field's limit, room for the note the sandbox adds when it cut the field itself."""
+
+
+def clip_field(value: Any, limit: int = defaults.SANDBOX_FIELD_CHARS + FIELD_SLACK) -> str | None:
+    """A text field of a sandbox's frame as the host keeps it: text (whatever was sent), at
+    most `limit` characters, and says what it cut. The sandbox bounds its own fields; this
+    holds when it did not (its code was changed by the cell)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else repr(value)[: limit + 1]
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [cut by the worker at {limit:,} characters]"
+
+
+def clip_variables(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    shown = list(value.items())[: defaults.VARIABLES_SHOWN]
+    width = defaults.VARIABLE_CHARS
+    return {str(k)[:width]: clip_field(v, width) or "" for k, v in shown}
+
+
+def clip_submitted(value: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """SUBMIT's outputs, whole or not at all (a typed output cut in the middle would be a
+    different value), and why they were refused: the model reads that as the cell's error."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        return None, f"SUBMIT outputs must be a mapping, not {type(value).__name__}"
+    size = len(json.dumps(value, default=str))
+    if size > defaults.SANDBOX_FIELD_CHARS:
+        return (
+            None,
+            f"SUBMIT outputs of {size:,} characters refused (at most {defaults.SANDBOX_FIELD_CHARS:,})",
+        )
+    return value, None
 
 
 PARKED_MAX = 1_000
@@ -723,7 +799,9 @@ class ReplActivities:
     ) -> CellOutcome:
         status = frame.get("status", "error")
         # The output is logged so fallback extraction can rebuild the REPL history.
-        output = "\n".join(x for x in (frame.get("stdout"), frame.get("stderr"), frame.get("error")) if x)
+        parts = (frame.get("stdout"), frame.get("stderr"), frame.get("error"))
+        limit = max(defaults.SANDBOX_FIELD_CHARS, box.output_limit) + FIELD_SLACK
+        output = "\n".join(clip_field(x, limit) or "" for x in parts if x)
         output_ref = await asyncio.to_thread(self._store.put_text, output)
         box.log_head = await self._log(
             box.log_head, CellEnded(cell=box.cell_index, status=status, output=output_ref)
@@ -736,20 +814,25 @@ class ReplActivities:
             else:
                 box.ran(cell, float(frame.get("elapsed") or 0.0), bool(frame.get("volatile")))
         box.cell_index, box.pending, box.early_done = None, [], None
+        submitted, refused = clip_submitted(frame.get("submitted"))
+        error = clip_field(frame.get("error"))
+        if refused is not None:
+            error = f"{error}\n{refused}" if error else refused
+        printed = max(defaults.SANDBOX_FIELD_CHARS, box.output_limit) + FIELD_SLACK
         return CellOutcome(
             status="completed",
             log_head=box.log_head,
             worker_queue=self.worker_queue,
-            stdout=frame.get("stdout", ""),
-            stderr=frame.get("stderr", ""),
-            error=frame.get("error"),
-            answer=frame.get("answer"),
+            stdout=clip_field(frame.get("stdout", ""), printed) or "",
+            stderr=clip_field(frame.get("stderr", ""), printed) or "",
+            error=error,
+            answer=clip_field(frame.get("answer")),
             answer_kind=frame.get("answer_kind"),
             cell_status=status,
             rebuilt=rebuilt,
             divergences=divergences,
-            variables=frame.get("variables") or {},
-            submitted=frame.get("submitted"),
+            variables=clip_variables(frame.get("variables")),
+            submitted=submitted,
         )
 
     async def _silence(self, box: LiveSandbox, frame: dict[str, Any] | None, timeout: float) -> str:
@@ -799,7 +882,11 @@ class ReplActivities:
         cells after it, else (no usable snapshot) by re-running every cell."""
         box = self._live.get(ref.episode_id)
         mid_cell = box is not None and box.cell_index is not None
-        if (
+        if box is not None and not box.frames.empty():
+            # It spoke between steps, when nothing was asked of it (a process a cell forked
+            # before its end, or a changed sandbox): it cannot be trusted with the next one.
+            log.warning("episode %s: its sandbox sent frames nobody asked for; rebuilt", ref.episode_id)
+        elif (
             box is not None
             and box.log_head == ref.log_head
             and box.process.returncode is None
@@ -1074,7 +1161,7 @@ class ReplActivities:
                 self.uids.release(uid)
             raise
         self.home.record(process.pid, "sandbox")
-        frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=FRAME_QUEUE)
         box = LiveSandbox(
             episode_id=ref.episode_id,
             process=process,

@@ -190,6 +190,13 @@ HARD_KILL_GRACE_S = 5.0
 """After a cell's timeout, how long its interrupt has before the process is killed."""
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+SANDBOX_FIELD_CHARS = 1_000_000
+"""Longest error, answer, stderr or stdout a worker takes from a sandbox (the sandbox cuts
+its own; the worker cuts again in case the sandbox's code was changed by a cell)."""
+
+SANDBOX_SEND_TIMEOUT_S = 30.0
+"""A sandbox that reads none of a frame the worker sends for this long is broken."""
 """Largest message between sandbox and host; larger is reported as an oversize frame."""
 
 VARIABLES_SHOWN = 50

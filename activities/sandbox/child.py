@@ -43,6 +43,12 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return message
 
 
+_SEQ: list[Any] = [None]
+"""The sequence number of the host's last request: every frame sent carries it, so the host
+knows a frame answers what it asked now, not an earlier request (a frame left in the pipe
+by a process a cell forked, say)."""
+
+
 def read_frame(stream: BinaryIO) -> dict[str, Any] | None:
     header = stream.read(HEADER.size)
     if len(header) < HEADER.size:
@@ -53,10 +59,14 @@ def read_frame(stream: BinaryIO) -> dict[str, Any] | None:
     body = stream.read(length)
     if len(body) < length:
         return None
-    return decode_body(body)
+    message = decode_body(body)
+    _SEQ[0] = message.get("seq")
+    return message
 
 
 def write_frame(stream: BinaryIO, message: dict[str, Any]) -> None:
+    if _SEQ[0] is not None:
+        message = {**message, "seq": _SEQ[0]}
     stream.write(encode_frame(message))
     stream.flush()
 
@@ -648,8 +658,8 @@ class Session:
             "status": status,
             "stdout": stdout.getvalue(),
             "stderr": stderr.getvalue(),
-            "error": error,
-            "answer": answer,
+            "error": _clip(error),
+            "answer": _clip(answer),
             "answer_kind": kind if answer is not None else None,
             "submitted": self.submitted,
             "variables": self.variables_summary(*self.variable_limits) if summary else {},
@@ -840,6 +850,15 @@ def _text_of(value: Any) -> str:
         return str(value)
     except Exception as exc:  # noqa: BLE001 - a hostile __str__
         return f"<answer could not be converted to text: {exc!r}>"
+
+
+FIELD_CHARS = 1_000_000  # the worker's SANDBOX_FIELD_CHARS: longest error or answer sent
+
+
+def _clip(text: str | None) -> str | None:
+    if text is None or len(text) <= FIELD_CHARS:
+        return text
+    return text[:FIELD_CHARS] + f"\n... [{len(text) - FIELD_CHARS:,} more characters truncated]"
 
 
 def _format_error(exc: BaseException) -> str:
