@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 
+from activities.repl import ReplActivities
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.runtime import DrainReport, connect, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
@@ -71,10 +72,29 @@ async def serve(settings: Settings) -> None:
         where = settings.temporal_address or f"the embedded server of {settings.data_dir}"
         log.info("worker polling %s (REPL queue %s) on %s", settings.task_queue, repl.worker_queue, where)
         print(f"worker ready: {settings.task_queue} / {repl.worker_queue}", flush=True)
+        layers = asyncio.create_task(report_layers(repl))
         await stop.wait()
+        layers.cancel()
         print(f"worker: draining (grace {grace:g} s; signal again to leave now)", file=sys.stderr, flush=True)
         leave_by(loop, grace + LEAVE_AFTER_GRACE_S)
     print(f"worker {drained[0].describe()}" if drained else "worker stopped", flush=True)
+
+
+async def report_layers(repl: ReplActivities) -> None:
+    """Say at start which sandbox layers this worker's privileges allow (`drlm doctor` says
+    it at length): a worker without a layer runs, and says so."""
+    try:
+        layers = await repl.probe()
+    except Exception as exc:  # noqa: BLE001 - told; the first step will fail the same way
+        print(f"worker: a sandbox could not start: {exc}", file=sys.stderr, flush=True)
+        return
+    shown = ", ".join(f"{name}: {value}" for name, value in layers.items())
+    weak = layers.get("network") == "none" or not layers.get("filesystem", "").startswith("private root")
+    print(
+        f"worker: sandbox layers{' (WEAKER: see drlm doctor)' if weak else ''}: {shown}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:

@@ -320,11 +320,11 @@ def test_cli_defaults_are_the_one_home_of_defaults() -> None:
 def test_doctor_reports_each_sandbox_layer(tmp_path: Path) -> None:
     out = drlm(tmp_path, "doctor")
     assert out.returncode == 0, out.stdout + out.stderr
-    for check in ("network", "rlimits", "death signal", "audit hook", "SQL store"):
+    for check in ("network", "filesystem", "rlimits", "seccomp", "death signal", "audit hook", "SQL store"):
         assert check in out.stdout
-    assert "empty network namespace" in out.stdout
+    assert "empty network namespace" in out.stdout and "private root" in out.stdout
     if os.geteuid() == 0:
-        assert "uid 65534" in out.stdout
+        assert "(one per sandbox)" in out.stdout
 
 
 def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
