@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from durable_rlm import schema
+from durable_rlm.encryption import Keyring, open_blob
 
 
 class BlobNotFound(KeyError):
@@ -182,16 +183,24 @@ class TypedBlobs:
 class BlobStore(TypedBlobs):
     """Typed access plus a small read cache (safe: content never changes under a digest)."""
 
-    def __init__(self, backend: BlobBackend, cache_entries: int = 4096, where: str = "") -> None:
+    def __init__(
+        self, backend: BlobBackend, cache_entries: int = 4096, where: str = "", keyring: Keyring | None = None
+    ) -> None:
         self.backend = backend
         self.where = where  # for errors: the store and the setting that chose it
+        # With DRLM_ENCRYPTION_KEYS, blobs are sealed as they are stored (the address stays
+        # the digest of the clear content); blobs stored in the clear are still read.
+        self.keyring = keyring
         self._cache: OrderedDict[str, bytes] = OrderedDict()
         self._cache_entries = cache_entries
+
+    def _stored(self, digest: str, data: bytes) -> bytes:
+        return self.keyring.seal(digest, data) if self.keyring is not None else data
 
     def put(self, data: bytes) -> str:
         digest = digest_of(data)
         if digest not in self._cache:
-            self.backend.write(digest, data)
+            self.backend.write(digest, self._stored(digest, data))
             self._remember(digest, data)
         return digest
 
@@ -204,9 +213,10 @@ class BlobStore(TypedBlobs):
         if cached is not None:
             self._cache.move_to_end(digest)
             return cached
-        data = self.backend.read(digest)
-        if data is None:
+        stored = self.backend.read(digest)
+        if stored is None:
             raise BlobNotFound(digest, self.where)
+        data = open_blob(self.keyring, digest, stored)
         if digest_of(data) != digest:
             raise ValueError(f"blob {digest} is corrupt")
         self._remember(digest, data)
@@ -216,7 +226,7 @@ class BlobStore(TypedBlobs):
         """Store several blobs in one write; their digests in order."""
         digests = [digest_of(data) for data in blobs]
         fresh = {d: data for d, data in zip(digests, blobs, strict=True) if d not in self._cache}
-        self.backend.write_many(fresh)
+        self.backend.write_many({d: self._stored(d, data) for d, data in fresh.items()})
         for digest, data in fresh.items():
             self._remember(digest, data)
         return digests
@@ -225,7 +235,7 @@ class BlobStore(TypedBlobs):
         """Store `data` unless the backend has it; True when this call stored it. Always asks
         the backend (another process may have stored it): a once-only marker."""
         digest = digest_of(data)
-        added = self.backend.add(digest, data)
+        added = self.backend.add(digest, self._stored(digest, data))
         self._remember(digest, data)
         return added
 

@@ -519,7 +519,8 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
 
     async with connect(settings) as services:
         timeline = await episode_timeline(services.client, episode_id)
-        if services.engine is not None and timeline.status in readonly.ENDED:
+        # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
+        if services.engine is not None and timeline.status in readonly.ENDED and not settings.encryption_keys:
             description = await services.client.get_workflow_handle(episode_id).describe()
             await asyncio.to_thread(readonly.store_timeline, services.engine, timeline, description.run_id)
     return timeline

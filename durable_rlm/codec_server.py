@@ -8,8 +8,8 @@ should be. Temporal's remote codec protocol lets the UI ask us instead: it POSTs
 
 Decoding is for reading, so it never fails a whole request for one payload: a blob too large
 to display is shortened (and says so, with its size and digest), and a blob that cannot be
-read becomes a readable placeholder. There is no encryption codec in this project, so
-there is nothing to decrypt.
+read becomes a readable placeholder. Payloads encrypted with DRLM_ENCRYPTION_KEYS are
+opened with the server's keys (a placeholder says which key is missing).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from google.protobuf.message import DecodeError
 from temporalio.api.common.v1 import Payload
 
 from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend
-from durable_rlm.codec import DEFAULT_THRESHOLD, ENCODING, ClaimCheckCodec
+from durable_rlm.codec import DEFAULT_THRESHOLD, ENCODING, ENCRYPTED, KEY_ID, ClaimCheckCodec, EncryptionCodec
+from durable_rlm.encryption import MissingKey
 from durable_rlm.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,13 @@ def _decode_guarded(payload: Payload, blobs: BlobStore, limit: int | None) -> Pa
 
 
 def _decode_one(payload: Payload, blobs: BlobStore, limit: int | None) -> Payload:
+    if payload.metadata.get("encoding") == ENCRYPTED:
+        # Sealed with DRLM_ENCRYPTION_KEYS: opened with the keys this server's store has.
+        kid = payload.metadata.get(KEY_ID, b"").decode(errors="replace")
+        try:
+            payload = EncryptionCodec(blobs.keyring).open_payload(payload)
+        except MissingKey as exc:
+            return _placeholder(f"[encrypted payload: {exc}]", f"key {kid}")
     if payload.metadata.get("encoding") != ENCODING:
         return payload
     digest = payload.data.decode("utf-8", errors="replace")

@@ -51,9 +51,10 @@ def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     where, chosen_by = settings.describe_stores()["blob store"]
     hint = f"{where} ({chosen_by})"
     agree_on_blob_store(engine, settings.blob_store)  # a stray local blob store strands episodes
+    keyring = settings.keyring()  # DRLM_ENCRYPTION_KEYS: blobs sealed at rest
     if settings.blob_store == "sql":
-        return BlobStore(SqlBackend(engine), where=hint), engine
-    return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint), engine
+        return BlobStore(SqlBackend(engine), where=hint, keyring=keyring), engine
+    return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint, keyring=keyring), engine
 
 
 @contextlib.asynccontextmanager
@@ -61,7 +62,7 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
     """Connect to TEMPORAL_ADDRESS, or to the data directory's shared embedded server
     (started if needed, kept while this block runs: durable_rlm/server.py)."""
     blobs, engine = open_stores(settings)
-    converter = data_converter(blobs, settings.claim_check_threshold)
+    converter = data_converter(blobs, settings.claim_check_threshold, settings.keyring())
     # Also serves DRLM_METRICS_ADDRESS: a bad one fails here, before a server starts.
     interceptors = client_interceptors(settings.tracing, metrics_address=settings.metrics_address)
     if settings.temporal_address:

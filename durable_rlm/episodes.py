@@ -104,6 +104,13 @@ async def has_search_attributes(client: Client) -> bool:
     return known
 
 
+def encrypting(client: Client) -> bool:
+    """Whether this client seals payloads (DRLM_ENCRYPTION_KEYS)."""
+    from durable_rlm.codec import encrypts
+
+    return encrypts(client.data_converter)
+
+
 def new_episode_id() -> str:
     return f"ep-{uuid.uuid4().hex[:12]}"
 
@@ -114,8 +121,11 @@ async def start_episode(
     """Start an episode; a bad policy or reward function is rejected here, before any call."""
     episode_policy(request)
     chosen = episode_id or new_episode_id()
+    if encrypting(client) and not request.private_text:
+        request = request.model_copy(update={"private_text": True})  # children inherit it
+    shown = metadata.PRIVATE_TEXT if request.private_text else request.task
     attributes = (
-        metadata.start_search_attributes(request.task, request.root_model.model)
+        metadata.start_search_attributes(shown, request.root_model.model)
         if await has_search_attributes(client)
         else None
     )

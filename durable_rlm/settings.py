@@ -22,7 +22,7 @@ from workflows import defaults
 
 __all__ = ["ConfigurationError", "Settings", "default_data_dir"]
 
-SECRET_FIELDS = frozenset({"codec_token", "temporal_api_key", "snapshot_key"})
+SECRET_FIELDS = frozenset({"codec_token", "temporal_api_key", "snapshot_key", "encryption_keys"})
 """Settings `drlm config` never prints (the database URL's password is hidden too)."""
 
 SERVER_IDLE_S = 300.0  # how long the shared embedded server outlives its last client
@@ -134,6 +134,14 @@ class Settings(BaseSettings):
         le=100_000,
         description="model calls and tools in flight",
     )
+    encryption_keys: str | None = _env(
+        "encryption_keys",
+        "DRLM_ENCRYPTION_KEYS",
+        None,
+        repr=False,
+        description="ID=BASE64(32 bytes),...: AES-256-GCM for payloads and blobs; the first "
+        "encrypts, all decrypt (rotation)",
+    )
     snapshot_key: str | None = _env(
         "snapshot_key",
         "DRLM_SNAPSHOT_KEY",
@@ -193,6 +201,7 @@ class Settings(BaseSettings):
     _environ: dict[str, str] = PrivateAttr(default_factory=dict)
     _given: frozenset[str] = PrivateAttr(default=frozenset())
     _from_file: dict[str, str] = PrivateAttr(default_factory=dict)
+    _keyring: Any = PrivateAttr(default=None)
 
     def __init__(self, **values: Any) -> None:
         super().__init__(**values)
@@ -210,6 +219,17 @@ class Settings(BaseSettings):
         return (init_settings,) if _MAPPING_ONLY.get() else (init_settings, env_settings)
 
     @model_validator(mode="after")
+    def _encryption_keys(self) -> Settings:
+        if self.encryption_keys:
+            from durable_rlm.encryption import Keyring
+
+            try:
+                Keyring.parse(self.encryption_keys)
+            except ConfigurationError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
     def _deployment_pair(self) -> Settings:
         if (self.deployment_name is None) != (self.build_id is None):
             raise ValueError("DRLM_DEPLOYMENT_NAME and DRLM_BUILD_ID go together: set both or neither")
@@ -221,6 +241,16 @@ class Settings(BaseSettings):
             # The server's version string is "name.build": a dot in the name is ambiguous.
             raise ValueError(f"DRLM_DEPLOYMENT_NAME: {self.deployment_name!r} has a dot; it may not")
         return self
+
+    def keyring(self) -> Any:
+        """DRLM_ENCRYPTION_KEYS parsed (durable_rlm/encryption.py), or None: no encryption."""
+        if not self.encryption_keys:
+            return None
+        if self._keyring is None:
+            from durable_rlm.encryption import Keyring
+
+            self._keyring = Keyring.parse(self.encryption_keys)
+        return self._keyring
 
     def worker_deployment(self) -> Any:
         """The SDK's Worker Deployment config of this worker, or None (unversioned)."""

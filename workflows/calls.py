@@ -152,6 +152,7 @@ def child_request(
             episode_id=workflow.info().workflow_id, cell_index=site.cell_index, call_index=call.call_index
         ),
         deadline=budget.deadline,
+        private_text=parent.private_text,
     )
 
 
@@ -169,7 +170,8 @@ async def child_episode(
         # The child's task is the generic child wording: its prompt says what it is about.
         memo["prompt"] = metadata.shorten(call.prompt, metadata.TASK_CHARS)
         if metadata.uses_search_attributes(workflow.info().typed_search_attributes):
-            search = metadata.start_search_attributes(call.prompt, model.model)
+            shown = metadata.PRIVATE_TEXT if site.request.private_text else call.prompt
+            search = metadata.start_search_attributes(shown, model.model)
     summary = ChildEpisode(
         episode_id=episode_id,
         depth=request.depth,

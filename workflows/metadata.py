@@ -44,6 +44,10 @@ ANSWER_SOURCE = SearchAttributeKey.for_keyword("DrlmAnswerSource")  # model, pol
 ITERATIONS = SearchAttributeKey.for_int("DrlmIterations")
 TOKENS = SearchAttributeKey.for_int("DrlmTokens")  # with its children's, as EpisodeResult.usage
 
+PRIVATE_TEXT = "(encrypted)"
+"""DrlmTask of an episode whose payloads are encrypted: search attributes are indexed by the
+server in the clear, so they carry no task or prompt text."""
+
 KEYS: tuple[SearchAttributeKey[Any], ...] = (TASK, MODEL, STATUS, ENDED_BY, ANSWER_SOURCE, ITERATIONS, TOKENS)
 
 _CLI_TYPES = {

@@ -275,6 +275,11 @@ class EpisodeRequest(StrictModel):
         default=None, description="an absolute deadline over max_duration (a child gets its parent's)"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools the REPL offers")
+    private_text: bool = Field(
+        default=False,
+        description="payloads are encrypted (DRLM_ENCRYPTION_KEYS): search attributes, which the "
+        "server indexes in the clear, carry no task or prompt text",
+    )
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
     )
