@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ class Reply:
     # JSON object without choices. `status` and `headers` still apply.
     raw: str | None = None
     content_type: str = "application/json"
+    reset: bool = False  # the connection is reset (RST) instead of any reply
 
 
 @dataclass
@@ -276,6 +278,12 @@ class ScriptedModelServer:
                     reply = Reply(text=reply)
                 if reply.delay_s:
                     time.sleep(reply.delay_s)
+                if reply.reset:
+                    # SO_LINGER 0: closing sends RST, as a proxy dropping the connection does.
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    self.connection.close()
+                    return None
                 if reply.raw is not None:
                     self._send(reply.status, reply.raw, reply.headers, reply.content_type)
                     with server._lock:
