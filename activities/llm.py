@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
@@ -69,6 +70,24 @@ class Completion:
     elapsed: float
     mean_logprob: float | None = None
     facts: CallFacts = dataclasses.field(default_factory=CallFacts)
+
+    def __post_init__(self) -> None:
+        # A reply may carry a lone surrogate ("\ud800" in its JSON): no UTF-8 encodes it, so
+        # it could not be recorded, sent to the sandbox or printed. It becomes U+FFFD.
+        object.__setattr__(self, "text", valid_text(self.text))
+
+
+def valid_text(text: str) -> str:
+    """`text` as valid Unicode: each lone surrogate replaced by U+FFFD (linear, and a copy
+    only when there is one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def call_facts(messages: list[Message]) -> CallFacts:

@@ -32,7 +32,8 @@ MAX_FRAME = 256 * 1024 * 1024
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, ensure_ascii=False).encode("utf-8")
+    # A lone surrogate (a cell printed "\udcff") has no UTF-8: it is sent as "?", not fatal.
+    body = json.dumps(message, ensure_ascii=False).encode("utf-8", errors="replace")
     return HEADER.pack(len(body)) + body
 
 
@@ -574,6 +575,9 @@ class Session:
         for spec in message.get("tools") or []:
             self.namespace[spec["name"]] = self._tool(spec)
         self.reserved = set(self.namespace)
+        # The REPL's own functions, put back before every cell: code that overwrote one
+        # (`llm_query = None`, by accident or not) does not cost the episode its helpers.
+        self.helpers = {k: v for k, v in self.namespace.items() if callable(v) or k == "ToolError"}
         self.initial = {k: v for k, v in self.namespace.items() if k != "__builtins__"}
         self.sandbox_dir = os.getcwd()
         watch_volatile_reads()
@@ -622,6 +626,7 @@ class Session:
         """Run a cell. A cell re-run to rebuild the REPL needs no variables summary (only the
         step's last cell is reported). Reports its own run time (calls to the host excluded:
         what a rebuild would spend on it) and whether it read the clock."""
+        self.namespace.update(self.helpers)
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
         self.submitted, self.final = None, None
         error: str | None = None
