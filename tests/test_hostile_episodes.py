@@ -44,6 +44,16 @@ def attacks(canary_file: Path, temporal_port: int) -> dict[str, str]:
             "sys.stdout.write(bytes(range(256)).decode('latin-1'))"
         ),
         "helpers overwritten": "llm_query = None\nFINAL_VAR = None\nSUBMIT = None\ncontext = 'replaced'",
+        # The other episodes: their sandboxes' files, and every process on the host.
+        "other sandboxes' files": (
+            "import glob\nprint(glob.glob('/tmp/**/context*', recursive=True))\n"
+            "print([open(p).read() for p in glob.glob('/tmp/**/context*', recursive=True)])"
+        ),
+        "kill every process": (
+            "import os\nkilled = 0\nfor pid in range(2, 100_000):\n    try:\n"
+            "        os.kill(pid, 9)\n        killed += 1\n    except Exception:\n        pass\n"
+            "print('killed', killed)"
+        ),
     }
 
 
@@ -85,7 +95,11 @@ async def test_every_attack_ends_in_an_observation_and_nothing_leaks(
         )
         for name, cell in named.items()
     ]
-    honest_run = run_episode(client, request_for(honest), worker.task_queue)
+    # The honest episode's context holds the canary too: another episode reading it leaks it.
+    from durable_rlm.episodes import store_context
+
+    secret_context = store_context(store[0], f"the honest episode's {CANARY}")
+    honest_run = run_episode(client, request_for(honest, context=secret_context), worker.task_queue)
     *results, honest_result = await asyncio.gather(*runs, honest_run)
 
     assert honest_result.answer == "PING"
