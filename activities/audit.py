@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -304,13 +305,39 @@ def _event(
     )
 
 
+REDACTED = "(encrypted)"
+PRIVATE_COLUMNS = {
+    "episodes": frozenset({"task", "answer", "error"}),
+    "audit_iterations": frozenset({"response"}),
+    "audit_model_calls": frozenset({"prompt", "response"}),
+    "audit_cells": frozenset({"code", "stdout", "stderr", "error"}),
+    "audit_events": frozenset({"detail"}),
+}
+"""The columns that hold model or user text: with DRLM_ENCRYPTION_KEYS they are written as
+REDACTED (the history, sealed, has them); digests, tokens, costs and times stay."""
+
+_PRIVATE_STORES: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+
+def keep_text_out(engine: sa.Engine) -> None:
+    """Write no model or user text into this store's audit rows (its payloads are encrypted:
+    clear text here would undo that). Live rows and rebuilt ones alike (`write_rows`)."""
+    _PRIVATE_STORES.add(engine)
+
+
+def _redacted(table: sa.Table, values: dict[str, Any]) -> dict[str, Any]:
+    private = PRIVATE_COLUMNS.get(table.name, frozenset())
+    return {k: (REDACTED if k in private and v else v) for k, v in values.items()}
+
+
 def write_rows(engine: sa.Engine, rows: Sequence[Row]) -> None:
     """Upsert the rows in one transaction: a row's key finds the row a retry wrote before."""
+    private = engine in _PRIVATE_STORES
     with engine.begin() as conn:
         for row in rows:
             table = row.table
             where = sa.and_(*(table.c[name] == value for name, value in row.key.items()))
-            values = row.values
+            values = _redacted(table, row.values) if private else row.values
             if row.merge is not None:
                 old = conn.execute(sa.select(table).where(where)).mappings().first()
                 values = row.merge(dict(old) if old is not None else {}, values)

@@ -52,6 +52,10 @@ def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     hint = f"{where} ({chosen_by})"
     agree_on_blob_store(engine, settings.blob_store)  # a stray local blob store strands episodes
     keyring = settings.keyring()  # DRLM_ENCRYPTION_KEYS: blobs sealed at rest
+    if keyring is not None:
+        from activities.audit import keep_text_out
+
+        keep_text_out(engine)  # and no clear text in the audit rows either
     if settings.blob_store == "sql":
         return BlobStore(SqlBackend(engine), where=hint, keyring=keyring), engine
     return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint, keyring=keyring), engine

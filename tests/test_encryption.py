@@ -133,6 +133,15 @@ async def test_an_encrypted_episode_leaves_no_clear_text_in_history_or_blobs(
         rows = conn.execute(sa.text("SELECT data FROM blobs")).scalars().all()
     assert rows and all(marker.encode() not in bytes(row) for row in rows)
     assert all(bytes(row).startswith(BLOB_MAGIC) for row in rows)
+    # The audit rows keep digests, tokens and times, not the text.
+    with engine.connect() as conn:
+        dumped = [
+            str(row)
+            for table in ("episodes", "audit_iterations", "audit_model_calls", "audit_cells", "audit_events")
+            for row in conn.execute(sa.text(f"SELECT * FROM {table}")).fetchall()  # noqa: S608
+        ]
+    assert dumped and all(marker[:14] not in row and marker[:14].upper() not in row for row in dumped)
+    assert any("(encrypted)" in row for row in dumped)
 
     # The CLI: with the key it shows the episode; without it, it says which key it lacks.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DRLM_", "TEMPORAL_"))}
