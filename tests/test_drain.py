@@ -73,10 +73,49 @@ def ran_by(events: list[HistoryEvent]) -> list[tuple[str, int]]:
     ]
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def stores(request: pytest.FixtureRequest, temporal_address: str, session_dir: Path):
+    """Worker processes and a client sharing one store: the session's SQLite file, or a
+    throwaway PostgreSQL 15 cluster (what a deployment of many workers shares)."""
+    if request.param == "sqlite":
+        return request.getfixturevalue("client"), request.getfixturevalue("worker_processes")
+    url = request.getfixturevalue("postgres_url")
+    return url, _pg_workers(temporal_address, url, request)
+
+
+def _pg_workers(address: str, url: str, request: pytest.FixtureRequest):
+    from tests.conftest import WorkerProcess
+
+    started: list[WorkerProcess] = []
+    queue = f"drain-pg-{uuid.uuid4().hex[:8]}"
+
+    def start() -> WorkerProcess:
+        worker = WorkerProcess(address, url, queue)
+        started.append(worker)
+        return worker
+
+    start.queue = queue  # type: ignore[attr-defined]
+    request.addfinalizer(lambda: [w.stop() for w in started])
+    return start
+
+
+async def _client_for(stores_value: object, temporal_address: str) -> Client:
+    if isinstance(stores_value, Client):
+        return stores_value
+    from durable_rlm.blobs import BlobStore, SqlBackend
+    from durable_rlm.codec import data_converter
+    from durable_rlm.store import open_store
+
+    blobs = BlobStore(SqlBackend(open_store(str(stores_value))))
+    return await Client.connect(temporal_address, data_converter=data_converter(blobs))
+
+
 @pytest.mark.chaos
 async def test_a_drained_worker_finishes_its_call_and_its_episode_goes_on_elsewhere(
-    client: Client, scripted, worker_processes
+    stores, scripted, temporal_address: str
 ) -> None:
+    target, worker_processes = stores
+    client = await _client_for(target, temporal_address)
     turns = [
         "```repl\nanswer = 6 * 7\n```",
         Reply(text="```repl\nresult = f'{answer}!'\n```", delay_s=3),

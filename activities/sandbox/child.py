@@ -367,13 +367,13 @@ def sweep_strays() -> None:
         pass  # none to kill
     finally:
         _SWEEPING[0] = False
-    while True:
+    while True:  # its own children, each SIGKILLed: reaped as they die
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            os.waitpid(-1, 0)
         except ChildProcessError:
             return
-        if pid == 0:
-            return
+        except InterruptedError:
+            continue
 
 
 # --- cells ----------------------------------------------------------------------------------
