@@ -60,7 +60,14 @@ def start(home: Path, cwd: Path, *args: str, **extra: str) -> subprocess.Popen[s
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a test run started in the background (`cmd &` without job
+        # control) ignores SIGINT, and Python keeps an ignored SIGINT ignored.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def drlm(
