@@ -14,6 +14,7 @@ exits 0; its episodes go on on other workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -74,7 +75,9 @@ async def serve(settings: Settings) -> None:
         print(f"worker ready: {settings.task_queue} / {repl.worker_queue}", flush=True)
         layers = asyncio.create_task(report_layers(repl))
         await stop.wait()
-        layers.cancel()
+        layers.cancel()  # and waited for: its sandbox must be gone before the drain closes the rest
+        with contextlib.suppress(BaseException):
+            await layers
         print(f"worker: draining (grace {grace:g} s; signal again to leave now)", file=sys.stderr, flush=True)
         leave_by(loop, grace + LEAVE_AFTER_GRACE_S)
     print(f"worker {drained[0].describe()}" if drained else "worker stopped", flush=True)
