@@ -10,8 +10,6 @@ and by `drlm list`) settles rows left "running" with the same function that
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
 
 import sqlalchemy as sa
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
@@ -136,11 +134,6 @@ def _clear(engine: sa.Engine) -> None:
             conn.execute(table.delete())
 
 
-async def _nothing() -> AsyncIterator[Any]:
-    return
-    yield
-
-
 async def cache_closed_timelines(settings: Settings, address: str, limit: int = 500) -> int:
     """Store the timelines of ended episodes not stored yet (newest first, at most `limit`):
     the shared server runs this before it stops, so `drlm show` answers without it."""
@@ -156,13 +149,14 @@ async def cache_closed_timelines(settings: Settings, address: str, limit: int = 
         data_converter=data_converter(blobs, settings.claim_check_threshold, settings.keyring()),
     )
     await reconcile_audit(client, engine)
+    if settings.encryption_keys:  # a stored timeline is clear text at rest: none is kept
+        engine.dispose()
+        return 0
     known = await asyncio.to_thread(cached_ids, engine)
     stored = 0
     seen: set[str] = set()
     query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus != "Running"'
-    # A stored timeline is clear text at rest: none is kept when payloads are encrypted.
-    listed = client.list_workflows(query) if not settings.encryption_keys else _nothing()
-    async for execution in listed:
+    async for execution in client.list_workflows(query):
         if execution.id in known or execution.id in seen:
             continue
         seen.add(execution.id)

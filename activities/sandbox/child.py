@@ -161,25 +161,31 @@ def preload_modules() -> None:
         pass  # no cloudpickle here: the host is told when it asks for a snapshot
 
 
-_SNAPSHOTS: Any = None
+_SIBLINGS: dict[str, Any] = {}
 
 
-def snapshots() -> Any:
-    """activities/sandbox/snapshot.py, by its path (under -P no directory of ours is on
-    sys.path): pickling the namespace, and loading it back."""
-    global _SNAPSHOTS
-    if _SNAPSHOTS is None:
+def _sibling(filename: str) -> Any:
+    """A module of activities/sandbox/, loaded once by its path: under -P no directory of
+    ours is on sys.path."""
+    module = _SIBLINGS.get(filename)
+    if module is None:
         import importlib.util
 
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot.py")
-        spec = importlib.util.spec_from_file_location("drlm_sandbox_snapshot", path)
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), filename)
+        name = "drlm_sandbox_" + filename.removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot load {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        sys.modules["drlm_sandbox_snapshot"] = module
-        _SNAPSHOTS = module
-    return _SNAPSHOTS
+        sys.modules[name] = module
+        _SIBLINGS[filename] = module
+    return module
+
+
+def snapshots() -> Any:
+    """activities/sandbox/snapshot.py: pickling the namespace, and loading it back."""
+    return _sibling("snapshot.py")
 
 
 # --- volatile cells ---------------------------------------------------------------------------
@@ -947,24 +953,9 @@ def _filesystem(k: Any, libc: Any, sandbox_dir: str, sources: list[str], wanted:
         raise LayerError(f"cannot make the sandbox's private root: {exc}") from exc
 
 
-_KERNEL: Any = None
-
-
 def kernel() -> Any:
-    """activities/sandbox/kernel.py, by its path (like `snapshots`)."""
-    global _KERNEL
-    if _KERNEL is None:
-        import importlib.util
-
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.py")
-        spec = importlib.util.spec_from_file_location("drlm_sandbox_kernel", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["drlm_sandbox_kernel"] = module
-        _KERNEL = module
-    return _KERNEL
+    """activities/sandbox/kernel.py: the kernel-enforced layers."""
+    return _sibling("kernel.py")
 
 
 def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:
