@@ -226,7 +226,10 @@ def episode_rows(record: AuditEpisodeInput) -> list[Row]:
         values["started_at"] = record.started_at
     if record.ended_at is not None:
         values["ended_at"] = record.ended_at
-    events = [_event(record.episode_id, e.key, e.kind, e.iteration, e.value, e.detail) for e in record.events]
+    events = [
+        _event(record.episode_id, e.key, e.kind, e.iteration, e.value, e.detail, e.sender, e.at)
+        for e in record.events
+    ]
     result = record.result
     if result is not None:
         variant = result.execution.variant if result.execution is not None else None
@@ -291,18 +294,20 @@ def _event(
     iteration: int | None = None,
     value: float | None = None,
     detail: str | None = None,
+    sender: str | None = None,
+    at: datetime | None = None,
 ) -> Row:
-    return Row(
-        schema.events,
-        {
-            "episode_id": episode_id,
-            "event_key": key,
-            "kind": kind,
-            "iteration": iteration,
-            "value": value,
-            "detail": None if detail is None else _clip(detail),
-        },
-    )
+    values: dict[str, Any] = {
+        "episode_id": episode_id,
+        "event_key": key,
+        "kind": kind,
+        "iteration": iteration,
+        "value": value,
+        "detail": None if detail is None else _clip(detail),
+    }
+    if sender is not None:  # a steering action: who sent it, and when it was accepted
+        values.update(sender=sender, at=at)
+    return Row(schema.events, values)
 
 
 REDACTED = "(encrypted)"

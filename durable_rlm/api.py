@@ -39,6 +39,16 @@ from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.prices import PriceTable
 from durable_rlm.runtime import Services, import_policy_modules, session
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.steering import (
+    SteeringOutcome,
+    change_limits,
+    decide_cell,
+    finish_episode,
+    pause_episode,
+    resume_episode,
+    send_hint,
+    waiting_cell,
+)
 from durable_rlm.tools import (
     RegisteredTool,
     ToolRegistrationError,
@@ -58,6 +68,7 @@ from workflows.models import (
     EpisodeRequest,
     EpisodeResult,
     ModelSettings,
+    PendingCell,
     RewardReceipt,
     RewardSpec,
     TerminationSpec,
@@ -130,6 +141,7 @@ class DurableRLM:
         logprobs: bool = False,
         code_fences: Sequence[str] = ("repl",),
         fallback_extraction: bool = True,
+        approve: str = "none",
         api_key: str | None = None,
         settings: Settings | None = None,
     ) -> None:
@@ -182,6 +194,7 @@ class DurableRLM:
                 output_fields=output_fields,
                 fallback_extraction=fallback_extraction,
                 tools=_tool_specs(tools),
+                approve=approve,
             )
         except ValidationError as exc:
             raise InvalidRequestError.of(exc) from exc
@@ -336,6 +349,53 @@ class Episode:
 
     async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
         return await send_reward(self.services.client, self.id, value, note)
+
+    # --- steering: a person's actions (each recorded in history with its sender) ------------
+
+    async def hint(self, text: str, sender: str | None = None) -> SteeringOutcome:
+        """The root model reads `text` as a user message on its next turn."""
+        return await send_hint(self.services.client, self.id, text, sender)
+
+    async def set_limits(self, sender: str | None = None, **limits: Any) -> SteeringOutcome:
+        """Raise or lower max_iterations, max_llm_calls, max_duration (a timedelta or
+        seconds), max_model_calls, max_tokens, max_cost_usd. Lowering one below what is
+        spent ends the episode by the normal limit path (fallback extraction)."""
+        return await change_limits(self.services.client, self.id, sender, **limits)
+
+    async def pause(
+        self, hold_clock: bool = False, reason: str = "", sender: str | None = None
+    ) -> SteeringOutcome:
+        """Hold at the next step boundary, without a sandbox, until `resume()`; with
+        `hold_clock`, max_duration does not count the pause."""
+        return await pause_episode(self.services.client, self.id, sender, hold_clock, reason)
+
+    async def resume(self, sender: str | None = None) -> SteeringOutcome:
+        return await resume_episode(self.services.client, self.id, sender)
+
+    async def finish_now(self, reason: str = "", sender: str | None = None) -> SteeringOutcome:
+        """Answer now: stop at the next step boundary and extract the answer from the
+        history so far (the result's ended_by is finish_requested)."""
+        return await finish_episode(self.services.client, self.id, sender, reason)
+
+    async def pending_cell(self) -> PendingCell | None:
+        """The cell waiting for approval, if one does."""
+        return await waiting_cell(self.services.client, self.id)
+
+    async def approve(
+        self, cell: int | None = None, code: str | None = None, sender: str | None = None
+    ) -> SteeringOutcome:
+        """Run the waiting cell (`cell` guards against approving a later one), or `code`
+        in its place."""
+        return await decide_cell(self.services.client, self._cell_id(cell), True, sender, code)
+
+    async def reject(
+        self, reason: str, cell: int | None = None, sender: str | None = None
+    ) -> SteeringOutcome:
+        """Do not run the waiting cell; the model reads `reason`."""
+        return await decide_cell(self.services.client, self._cell_id(cell), False, sender, reason=reason)
+
+    def _cell_id(self, cell: int | None) -> str:
+        return self.id if cell is None else f"{self.id}#{cell}"
 
     async def retry_credentials(self) -> CredentialsOutcome:
         """After a pause on a refused key: the calls that waited run again, with the key

@@ -14,9 +14,10 @@ import json
 import logging
 import os
 import sys
-from datetime import timedelta
+from collections.abc import Awaitable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from pydantic import ValidationError
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from durable_rlm.api import DurableRLM
     from durable_rlm.connection import Services
     from durable_rlm.episodes import CancelOutcome, EpisodeEnd
+
+T = TypeVar("T")
 
 EXIT_OK = 0  # the model (or a policy that found one) answered
 EXIT_FAILED = 1  # a model error, a failed or timed-out episode
@@ -96,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object: the result, or how the episode ended without one",
     )
     run.add_argument("--no-wait", action="store_true", help="start the episode and print its id")
+    run.add_argument(
+        "--approve",
+        choices=("none", "risky", "all"),
+        default="none",
+        help="cells that wait for a person's approval (drlm pending / approve / reject): none (the "
+        "default), those a risk assessment flags (writes, processes, network, ctypes, endless loops), all",
+    )
 
     dem = sub.add_parser("demo", help="run the demo episode (scripted model unless OPENAI_API_KEY)")
     _model_args(dem)
@@ -146,9 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true")
 
     resume = sub.add_parser(
-        "resume", help="follow an episode, working on it if embedded; retries calls paused on a refused key"
+        "resume",
+        help="follow an episode, working on it if embedded: resumes it if a person paused it, and "
+        "retries calls paused on a refused key",
     )
     resume.add_argument("episode_id")
+    _sender_arg(resume)
     resume.add_argument("--api-key", help="the fixed key (embedded mode only; never stored in history)")
     resume.add_argument("--json", action="store_true")
     resume.add_argument("--accept-extracted", action="store_true")
@@ -170,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     reward.add_argument("--note")
 
     sub.add_parser("audit-rebuild", help="rebuild the SQL audit projection from the histories")
+
+    _steering_parsers(sub)
 
     deployment = sub.add_parser(
         "deployment", help="the Worker Deployment's builds; make one current or ramp it (rolling upgrades)"
@@ -254,6 +269,70 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env_number("DRLM_MODEL_ATTEMPTS", defaults.MODEL_ATTEMPTS)),
         help=f"attempts per model call (default {defaults.MODEL_ATTEMPTS}; DRLM_MODEL_ATTEMPTS)",
+    )
+
+
+def _steering_parsers(sub: Any) -> None:
+    """A person's actions on a running episode: each a Temporal update with its sender."""
+    hint = sub.add_parser("hint", help="a message the episode's root model reads on its next turn")
+    hint.add_argument("episode_id")
+    hint.add_argument("text")
+    _sender_arg(hint)
+
+    limits = sub.add_parser(
+        "limits",
+        help="raise or lower a running episode's limits (below what is spent: it ends by extraction)",
+    )
+    limits.add_argument("episode_id")
+    limits.add_argument("--max-iterations", type=int)
+    limits.add_argument("--max-llm-calls", type=int, help="sub-calls from the REPL")
+    limits.add_argument("--max-duration", type=float, help="seconds, counted from submission")
+    limits.add_argument("--max-model-calls", type=int)
+    limits.add_argument("--max-tokens", type=int)
+    limits.add_argument("--max-cost-usd", type=float)
+    _sender_arg(limits)
+
+    pause = sub.add_parser(
+        "pause", help="hold an episode at its next step boundary, without a sandbox, until `drlm resume`"
+    )
+    pause.add_argument("episode_id")
+    pause.add_argument(
+        "--hold-clock", action="store_true", help="max-duration does not count the pause (by default it does)"
+    )
+    pause.add_argument("--reason", default="")
+    _sender_arg(pause)
+
+    finish = sub.add_parser(
+        "finish", help="make an episode answer now: it stops at the next step boundary and extracts"
+    )
+    finish.add_argument("episode_id")
+    finish.add_argument("--reason", default="")
+    _sender_arg(finish)
+
+    pending = sub.add_parser("pending", help="cells waiting for approval, across the running episodes")
+    pending.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    approve = sub.add_parser(
+        "approve", help="run a cell that waits for approval (ID as `drlm pending` lists it)"
+    )
+    approve.add_argument("approval_id", metavar="ID", help="EPISODE#CELL, or an episode id: its waiting cell")
+    approve.add_argument(
+        "--edit", type=Path, metavar="FILE", help="run this file's code instead of the cell's"
+    )
+    _sender_arg(approve)
+
+    reject = sub.add_parser("reject", help="do not run a cell that waits for approval; the model reads why")
+    reject.add_argument("approval_id", metavar="ID", help="EPISODE#CELL, or an episode id: its waiting cell")
+    reject.add_argument("--reason", required=True, help="what the model reads")
+    _sender_arg(reject)
+
+
+def _sender_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--as",
+        dest="sender",
+        metavar="NAME",
+        help="who sends it, as history records it (default: the OS user)",
     )
 
 
@@ -359,6 +438,7 @@ def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
         logprobs=getattr(args, "logprobs", False),
         code_fences=args.fence or ["repl"],
         fallback_extraction=not getattr(args, "no_extraction", False),
+        approve=getattr(args, "approve", "none"),
         api_key=args.api_key,
         settings=settings,
     )
@@ -718,6 +798,7 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.connection import connect
     from durable_rlm.episodes import describe_episode, follow, retry_credentials
     from durable_rlm.runtime import running_workers
+    from durable_rlm.steering import resume_episode
     from workflows.models import EpisodeResult
 
     if args.api_key and not settings.embedded:
@@ -736,11 +817,124 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
             credentials = {request.root_model.api_key_env: args.api_key}
         _FOLLOWING.append(args.episode_id)
         async with running_workers(services, credentials) if settings.embedded else contextlib.nullcontext():
+            held = await resume_episode(services.client, args.episode_id, args.sender)
+            if held.accepted and not args.json:
+                _stderr(held.message)  # a person had paused it; otherwise nothing changed
             outcome = await retry_credentials(services.client, args.episode_id)
             if outcome.accepted and not args.json:
                 _stderr(outcome.message)
             end = await follow(handle, None if args.json else _stderr)
             return _print_end(end, args.json, args.accept_extracted)
+
+
+STEER_HEAD_START_S = 1.0  # how long an action waits for a worker already running the episode
+
+
+async def _attended(settings: Settings, services: Services, work: Awaitable[T]) -> tuple[T, bool]:
+    """Run an update or query that a worker must answer: (its value, whether a worker of
+    another process answered). Embedded, when none answers within a head start, this
+    process's worker does (and stops with the command: the episode then waits for one)."""
+    from durable_rlm.runtime import running_workers
+
+    task = asyncio.ensure_future(work)
+    if not settings.embedded:
+        return await task, True
+    await asyncio.wait({task}, timeout=STEER_HEAD_START_S)
+    if task.done():
+        return task.result(), True
+    try:
+        async with running_workers(services):
+            return await task, False
+    finally:
+        task.cancel()  # a no-op once done; a worker that failed to start leaves it pending
+
+
+async def _steer(settings: Settings, args: argparse.Namespace) -> int:
+    """hint, limits, pause, finish, approve, reject: one update each, with its sender."""
+    from durable_rlm import steering
+    from durable_rlm.connection import connect
+
+    async with connect(settings) as services:
+        client = services.client
+        command = args.command
+        if command == "hint":
+            work = steering.send_hint(client, args.episode_id, args.text, args.sender)
+        elif command == "limits":
+            given = {
+                name: getattr(args, name)
+                for name in (
+                    "max_iterations",
+                    "max_llm_calls",
+                    "max_duration",
+                    "max_model_calls",
+                    "max_tokens",
+                    "max_cost_usd",
+                )
+            }
+            if all(value is None for value in given.values()):
+                raise ConfigurationError("drlm limits needs at least one limit, e.g. --max-iterations 40")
+            work = steering.change_limits(client, args.episode_id, args.sender, **given)
+        elif command == "pause":
+            work = steering.pause_episode(client, args.episode_id, args.sender, args.hold_clock, args.reason)
+        elif command == "finish":
+            work = steering.finish_episode(client, args.episode_id, args.sender, args.reason)
+        elif command == "approve":
+            code = _read_edit(args.edit) if args.edit else None
+            work = steering.decide_cell(client, args.approval_id, True, args.sender, code)
+        else:
+            work = steering.decide_cell(client, args.approval_id, False, args.sender, reason=args.reason)
+        outcome, attended = await _attended(settings, services, work)
+    if not outcome.accepted:
+        _stderr(f"drlm: {outcome.message}")
+        return EXIT_USAGE
+    _stderr(outcome.message)
+    if not attended:
+        _stderr(
+            f"no other process works on episode {outcome.episode_id} now: `drlm resume "
+            f"{outcome.episode_id}` runs it here (or start `python worker.py`)"
+        )
+    return EXIT_OK
+
+
+def _read_edit(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigurationError(f"cannot read the edited cell {path}: {exc}") from exc
+
+
+async def _pending(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.connection import connect
+    from durable_rlm.steering import pending_cells
+
+    async with connect(settings) as services:
+        cells, _ = await _attended(settings, services, pending_cells(services.client))
+    if args.json:
+        for cell in cells:
+            print(json.dumps({"id": cell.approval_id, **cell.model_dump(mode="json")}))
+        return EXIT_OK
+    if not cells:
+        _stderr("no cell waits for approval")
+        return EXIT_OK
+    now = datetime.now(UTC)
+    for cell in cells:
+        waited = max((now - cell.since).total_seconds(), 0)
+        where = f"iteration {cell.iteration}, --approve {cell.mode}"
+        print(f"{cell.approval_id}  waiting {_duration(waited)} ({where})")
+        for reason in cell.reasons or ["(every cell waits)"]:
+            print(f"  risk: {reason}")
+        for line in cell.code.splitlines() or [""]:
+            print(f"  | {line}")
+    _stderr(f"{len(cells)} cell(s): `drlm approve ID [--edit FILE]` or `drlm reject ID --reason TEXT`")
+    return EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7_200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3_600:.1f} h"
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
@@ -870,6 +1064,13 @@ async def _dispatch(args: argparse.Namespace) -> int:
         "list": _list,
         "export": _export,
         "deployment": _deployment,
+        "hint": _steer,
+        "limits": _steer,
+        "pause": _steer,
+        "finish": _steer,
+        "approve": _steer,
+        "reject": _steer,
+        "pending": _pending,
     }
     return await commands[args.command](settings, args)
 

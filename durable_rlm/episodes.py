@@ -259,6 +259,7 @@ async def follow(
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
     last_waiting = 0.0
+    actions_seen = 0
     try:
         while not result_task.done():
             await asyncio.wait({result_task}, timeout=poll_s)
@@ -276,6 +277,10 @@ async def follow(
                 return EpisodeEnd(episode_id=handle.id, status="paused", error=progress.paused)
             if on_progress is None:
                 continue
+            for action in progress.actions:
+                if action.number > actions_seen:
+                    on_progress(f"action {action.number}: {action.kind} by {action.sender}: {action.detail}")
+            actions_seen = max(actions_seen, progress.actions_total)
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
                 last_waiting = 0.0
@@ -283,6 +288,12 @@ async def follow(
                     f"iteration {progress.iteration}: {progress.phase} "
                     f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
                 )
+                waiting = progress.pending_cell
+                if waiting is not None:
+                    on_progress(
+                        f"  `drlm pending` shows it; `drlm approve {waiting.approval_id} [--edit FILE]` "
+                        f"or `drlm reject {waiting.approval_id} --reason TEXT`"
+                    )
                 continue
             if progress.phase_started is None or progress.finished:
                 continue
@@ -322,7 +333,7 @@ async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutco
     waits, nothing changes (not accepted, and no history is written), so `drlm resume` may
     always send it. A worker must be running: this is a Temporal update, answered once
     applied."""
-    receipt, refused = await _update_running(
+    receipt, refused = await update_running(
         client, episode_id, names.RETRY_CREDENTIALS, None, CredentialsReceipt, "nothing to retry"
     )
     if refused is not None:
@@ -346,7 +357,7 @@ async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutio
         raise
 
 
-async def _update_running(
+async def update_running(
     client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
 ) -> tuple[Any, str | None]:
     """Send an update to a running episode: (its receipt, None), or (None, why not: it has
@@ -378,7 +389,7 @@ async def cancel_episode(
     """Cancel an episode and every descendant. With `extract`, it first runs fallback
     extraction, so the result holds what was found so far. An episode that already ended
     is left as it is, and the outcome says so."""
-    receipt, refused = await _update_running(
+    receipt, refused = await update_running(
         client, episode_id, "cancel", CancelRequest(extract=extract, reason=reason), CancelReceipt,
         "nothing was changed",
     )  # fmt: skip

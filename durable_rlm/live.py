@@ -32,7 +32,7 @@ def frame(episode_id: str, progress: EpisodeProgress, now: datetime | None = Non
         ("  iteration ", "dim"),
         (str(progress.iteration), "bold cyan"),
     )
-    phase = Text(progress.phase, style="yellow" if progress.paused else "green")
+    phase = Text(progress.phase, style="yellow" if progress.paused or progress.held else "green")
     if progress.phase_started is not None and not progress.finished:
         phase.append(f"  ({(now - progress.phase_started).total_seconds():.0f} s)", style="dim")
     bars = Table.grid(padding=(0, 1))
@@ -53,6 +53,16 @@ def frame(episode_id: str, progress: EpisodeProgress, now: datetime | None = Non
             elapsed = max((now - progress.started_at).total_seconds(), 0.0)
             _bar(bars, "time", elapsed, limits.max_duration.total_seconds(), unit=" s")
     parts: list[RenderableType] = [head, phase, bars]
+    if progress.pending_cell is not None:
+        waiting = progress.pending_cell
+        lines = [f"risk: {r}" for r in waiting.reasons] + waiting.code.splitlines()[-TAIL_LINES:]
+        title = f"cell {waiting.cell} waits: drlm approve {waiting.approval_id} | drlm reject ... --reason"
+        parts.append(Panel(Text("\n".join(lines)), title=title, title_align="left", border_style="yellow"))
+    if progress.actions:
+        actions = Text()
+        for a in progress.actions[-5:]:
+            actions.append(f"{a.at:%H:%M:%S} {a.kind} by {a.sender}: {a.detail}"[:200] + "\n")
+        parts.append(Panel(actions, title=f"actions ({progress.actions_total})", title_align="left"))
     if progress.last_response:
         parts.append(Panel(_tail(progress.last_response), title="last response", title_align="left"))
     if progress.last_output:

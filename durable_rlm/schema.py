@@ -113,10 +113,13 @@ events = sa.Table(
     sa.Column("episode_id", sa.String(200), primary_key=True),
     sa.Column("event_key", sa.String(80), primary_key=True),
     # termination / fallback / ended / reward / cancel_requested / replay_divergence / repl_rebuilt
+    # / action_* (a person's steering: hint, limits, pause, resume, finish, approve, edit, reject; gate)
     sa.Column("kind", sa.String(40), nullable=False, index=True),
     sa.Column("iteration", sa.Integer),
     sa.Column("value", sa.Float),
     sa.Column("detail", sa.Text),
+    sa.Column("sender", sa.String(200)),  # steering actions (0006): who sent it, and when
+    sa.Column("at", sa.DateTime(timezone=True)),
 )
 
 AUDIT_TABLES = (episodes, iterations, model_calls, cells, events)
@@ -143,4 +146,4 @@ store_facts = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0005"  # alembic head; a test checks they agree
+SCHEMA_REVISION = "0006"  # alembic head; a test checks they agree

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from datetime import UTC, datetime
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
@@ -17,6 +18,8 @@ from durable_rlm.history import decode, episode_runs, repl_marker
 from workflows import names
 from workflows.fallback import ExecutionResult
 from workflows.models import (
+    CancelRequest,
+    CellDecision,
     CellOutcome,
     CompactionInput,
     CompactionReply,
@@ -24,9 +27,15 @@ from workflows.models import (
     EpisodeRequest,
     EpisodeResult,
     ExecuteCellInput,
+    FinishUpdate,
+    HintUpdate,
+    LimitsUpdate,
     Message,
+    PauseUpdate,
     RebuildReport,
     ResumeCellInput,
+    ResumeUpdate,
+    RewardUpdate,
     RootCompletion,
     RootCompletionInput,
     SnapshotRef,
@@ -99,12 +108,25 @@ class IterationView(BaseModel):
     ended_at: datetime | None = Field(default=None, description="its last step completed")
 
 
+class ActionView(BaseModel):
+    """A person's action on the episode, as history recorded the update that carried it."""
+
+    kind: str = Field(
+        description="hint, limits, pause, resume, finish, approve, edit, reject, cancel, reward"
+    )
+    sender: str | None = None
+    at: datetime
+    iteration: int = Field(description="the iteration under way when it arrived")
+    detail: str = ""
+
+
 class Timeline(BaseModel):
     episode_id: str
     status: str
     task: str = ""
     runs: int = 0
     iterations: list[IterationView] = Field(default_factory=list)
+    actions: list[ActionView] = Field(default_factory=list, description="steering, cancel and rewards")
     result: EpisodeResult | None = None
     failure: str | None = None
     depth: int = 0
@@ -223,6 +245,11 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
             elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
                 attrs = event.marker_recorded_event_attributes
                 await _local_step(client, attrs, iteration, cells, task_started or when, when)
+            elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
+                request = event.workflow_execution_update_accepted_event_attributes.accepted_request
+                action = await _action(client, request.input, when, max(iterations, default=0))
+                if action is not None:
+                    timeline.actions.append(action)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
                 attrs = event.workflow_execution_completed_event_attributes
                 timeline.result = await decode(client, attrs.result, EpisodeResult)
@@ -238,6 +265,50 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 with contextlib.suppress(LookupError):
                     child.timeline = await episode_timeline(client, child.episode_id)
     return timeline
+
+
+_UPDATES: dict[str, type[BaseModel]] = {
+    names.HINT: HintUpdate,
+    names.SET_LIMITS: LimitsUpdate,
+    names.PAUSE: PauseUpdate,
+    names.RESUME: ResumeUpdate,
+    names.FINISH_NOW: FinishUpdate,
+    names.DECIDE_CELL: CellDecision,
+    "cancel": CancelRequest,
+    "reward": RewardUpdate,
+}
+
+
+async def _action(client: Client, update: Any, when: datetime, iteration: int) -> ActionView | None:
+    """An accepted update as a person's action (validators refuse the rest unrecorded)."""
+    hint = _UPDATES.get(update.name)
+    if hint is None:
+        return None  # retry_credentials: a worker's fixed key, shown by its model step
+    arg = await decode(client, update.args, hint)
+    sender = getattr(arg, "sender", None)
+    view = ActionView(kind=update.name, sender=sender, at=when, iteration=iteration)
+    if isinstance(arg, HintUpdate):
+        view.detail = arg.text
+    elif isinstance(arg, LimitsUpdate):
+        view.kind = "limits"
+        view.detail = ", ".join(f"{k}={_limit_text(v)}" for k, v in arg.changes().items())
+    elif isinstance(arg, PauseUpdate):
+        view.detail = arg.reason + (" (max_duration held)" if arg.hold_clock else "")
+    elif isinstance(arg, FinishUpdate | CancelRequest):
+        view.kind = "finish" if isinstance(arg, FinishUpdate) else "cancel"
+        view.detail = arg.reason + (" (extract)" if isinstance(arg, CancelRequest) and arg.extract else "")
+    elif isinstance(arg, CellDecision):
+        view.kind = "reject" if not arg.approve else "edit" if arg.code is not None else "approve"
+        view.detail = f"cell {arg.cell}" + (f": {arg.reason}" if arg.reason else "")
+        if arg.code is not None:
+            view.detail += f"; runs instead:\n{arg.code}"
+    elif isinstance(arg, RewardUpdate):
+        view.detail = f"{arg.value:g}" + (f": {arg.note}" if arg.note else "")
+    return view
+
+
+def _limit_text(value: Any) -> str:
+    return f"{value.total_seconds():g}s" if isinstance(value, timedelta) else str(value)
 
 
 async def _local_step(
@@ -325,7 +396,10 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
 
     lines = [f"Episode {timeline.episode_id}: {timeline.status} ({timeline.runs} run(s))"]
     lines.append(f"Task: {clip(timeline.task)}")
+    actions = sorted(timeline.actions, key=lambda a: a.at)
     for it in timeline.iterations:
+        lines.extend(_action_lines(a, clip) for a in actions if a.iteration < it.iteration)
+        actions = [a for a in actions if a.iteration >= it.iteration]
         lines.append(f"\n=== iteration {it.iteration} ===")
         for compaction in it.compactions:
             lines.append("compacted: " + clip(compaction))
@@ -361,6 +435,7 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
                     f"snapshot after this cell: {cell.snapshot.size:,} bytes"
                     + (unsaved if cell.snapshot.unsaved else "")
                 )
+    lines.extend(_action_lines(a, clip) for a in actions)
     if timeline.result is not None:
         r = timeline.result
         lines.append(
@@ -390,6 +465,11 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
     return "\n".join(lines)
+
+
+def _action_lines(action: ActionView, clip: Callable[[str | None], str]) -> str:
+    by = f" by {action.sender}" if action.sender else ""
+    return f">>> {action.kind}{by} at {action.at:%Y-%m-%d %H:%M:%S}: " + clip(action.detail)
 
 
 def _render_child(child: ChildView, width: int) -> str:

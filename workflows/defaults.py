@@ -279,3 +279,10 @@ flight finish. Past it a call is cancelled (it fails, and is paid again on anoth
 and a REPL step still running is left to be re-run elsewhere from the cell log. Under
 Kubernetes' default 30 s from SIGTERM to SIGKILL, with time left to close the sandboxes
 (docker compose's default is 10 s: give workers `stop_grace_period: 30s`)."""
+
+# Steering (workflows/steering.py): what a person may send a running episode.
+SENDER_CHARS = 200
+HINT_CHARS = 20_000
+EDITED_CELL_CHARS = 200_000
+AUDITED_ACTIONS = 500  # the latest actions the carried state and the closing audit keep
+PROGRESS_ACTIONS = 10  # the latest actions a progress query (drlm watch) shows

@@ -65,6 +65,7 @@ LIMIT_ENDED_BY: dict[str, EndReason] = {
     "max_model_calls": "max_model_calls",
     "max_tokens": "max_tokens",
     "max_cost_usd": "max_cost_usd",
+    "finish_requested": "finish_requested",
 }
 
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
+from functools import partial
 from typing import TypeVar
 
 from temporalio import workflow
@@ -32,7 +33,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import defaults, legacy, metadata, names, prompts
+    from workflows import defaults, legacy, metadata, names, prompts, steering
     from workflows.budget import cost_spent, extraction_refusal, root_call_limit
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
@@ -55,10 +56,12 @@ with workflow.unsafe.imports_passed_through():
         parse_extraction_response,
     )
     from workflows.models import (
+        ActionRecord,
         AuditEpisodeInput,
         AuditEvent,
         CancelReceipt,
         CancelRequest,
+        CellDecision,
         CompactionInput,
         CompactionReply,
         CredentialsReceipt,
@@ -69,11 +72,19 @@ with workflow.unsafe.imports_passed_through():
         EpisodeStatus,
         ExtractionInput,
         ExtractionReply,
+        FinishUpdate,
+        HintUpdate,
+        LimitsUpdate,
+        Message,
+        PauseUpdate,
+        PendingCell,
+        ResumeUpdate,
         RewardReceipt,
         RewardRecord,
         RewardUpdate,
         RootCompletion,
         RootCompletionInput,
+        SteeringReceipt,
     )
     from workflows.outcome import CellRecord, IterationOutcome, cell_answer, next_turn, text_answer
     from workflows.parsing import FinalSignal, parse_reply
@@ -130,6 +141,20 @@ class EpisodeWorkflow:
         self._reserve = False  # token and cost budgets keep room for an extraction (patched)
         self._audit_aside = False  # the opening audit runs beside the loop, the closing one bounded
         self._opening_audit: asyncio.Future[None] | None = None
+        # Steering (a person's updates; workflows/steering.py). They may arrive before the
+        # run method has set up its state, like rewards.
+        self._steering = False  # the timer follows the deadline; cells may wait (patched)
+        self._actions: list[ActionRecord] = []
+        self._actions_total = 0
+        self._actions_audited = 0
+        self._hint_inbox: list[Message] = []
+        self._held: PauseUpdate | None = None
+        self._held_since: datetime | None = None
+        self._finish: FinishUpdate | None = None
+        self._pending_cell: PendingCell | None = None
+        self._decision: CellDecision | None = None
+        self._deadline_epoch = 0
+        self._action_audits: list[asyncio.Future[None]] = []
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -157,6 +182,14 @@ class EpisodeWorkflow:
         self._reward_inbox += self._s.reward_inbox
         self._rewards_received += self._s.rewards_received
         self._reward_log[:0] = self._s.rewards
+        self._steering = workflow.patched(names.PATCH_STEERING)
+        for early in self._actions:
+            early.number += self._s.actions_total
+        self._actions[:0] = self._s.actions
+        self._actions_total += self._s.actions_total
+        self._actions_audited = self._s.actions_total
+        self._hint_inbox[:0] = self._s.hints
+        self._s.hints = []
         local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
         self._repl = ReplSteps(
             request,
@@ -253,6 +286,139 @@ class EpisodeWorkflow:
         if self._paused_calls == 0:
             raise ValueError("it is not waiting for credentials; nothing to retry")
 
+    # --- steering: a person's actions (workflows/steering.py) --------------------------------
+    # Each is validated first: a refused one changes nothing and writes nothing to history.
+
+    @workflow.update(name=names.HINT)
+    def hint(self, update: HintUpdate) -> SteeringReceipt:
+        """The root model reads it as a user message on its next turn."""
+        self._hint_inbox.append(steering.hint_message(update.sender, update.text))
+        return self._record("hint", update.sender, update.text, "the model reads it on its next turn")
+
+    @hint.validator
+    def _hint_allowed(self, update: HintUpdate) -> None:
+        self._refuse_if_over("hint")
+
+    @workflow.update(name=names.SET_LIMITS)
+    def set_limits(self, update: LimitsUpdate) -> SteeringReceipt:
+        """New limits, from the next step boundary; one already passed ends the episode by
+        the normal limit path (fallback extraction)."""
+        request, s = self._request, self._s
+        assert request is not None and s is not None
+        before = request.limits
+        request.limits = steering.changed_limits(before, update)  # every reader shares the request
+        if update.max_duration is not None:
+            s.deadline = steering.moved_deadline(
+                s.deadline, before.max_duration, update.max_duration, request.deadline
+            )
+            self._deadline_epoch += 1  # the durable timer is set again
+        detail = steering.describe_changes(update, before)
+        return self._record("limits", update.sender, detail, f"{detail}, from the next step boundary")
+
+    @set_limits.validator
+    def _limits_allowed(self, update: LimitsUpdate) -> None:
+        self._refuse_if_over("limit change")
+        if self._request is None or self._s is None:
+            raise ValueError("the episode is starting; send it again in a moment")
+        problem = steering.limits_problem(self._request, update)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @workflow.update(name=names.PAUSE)
+    def pause(self, update: PauseUpdate) -> SteeringReceipt:
+        """Hold at the next step boundary, without a sandbox, until `resume`."""
+        self._held, self._held_since = update, workflow.now()
+        clock = "max_duration stops counting" if update.hold_clock else "max_duration keeps counting"
+        detail = update.reason + (" " if update.reason else "") + f"({clock})"
+        return self._record("pause", update.sender, detail, f"pauses at the next step boundary; {clock}")
+
+    @pause.validator
+    def _pause_allowed(self, update: PauseUpdate) -> None:
+        self._refuse_if_over("pause")
+        if self._held is not None:
+            raise ValueError(f"it is already paused (by {self._held.sender})")
+        if self._finish is not None:
+            raise ValueError("it was asked to answer now; there is nothing to pause")
+
+    @workflow.update(name=names.RESUME)
+    def resume(self, update: ResumeUpdate) -> SteeringReceipt:
+        held, since = self._held, self._held_since
+        assert held is not None and since is not None and self._s is not None
+        paused_for = workflow.now() - since
+        if held.hold_clock and self._steering:
+            self._s.deadline += paused_for  # the pause did not count against max_duration
+            self._deadline_epoch += 1
+        self._held = self._held_since = None
+        detail = f"after {paused_for.total_seconds():.0f} s paused"
+        return self._record("resume", update.sender, detail, "goes on (its REPL is rebuilt from the log)")
+
+    @resume.validator
+    def _resume_allowed(self, update: ResumeUpdate) -> None:
+        self._refuse_if_over("resume")
+        if self._held is None:
+            raise ValueError(
+                "it is not paused"
+                + ("; it waits for a fixed key (retry_credentials)" if self._paused_calls else "")
+            )
+
+    @workflow.update(name=names.FINISH_NOW)
+    def finish_now(self, update: FinishUpdate) -> SteeringReceipt:
+        """Answer now: stop at the next step boundary, then fallback extraction over the
+        history so far."""
+        self._finish = update
+        return self._record(
+            "finish", update.sender, update.reason, "answers by extraction at the next step boundary"
+        )
+
+    @finish_now.validator
+    def _finish_allowed(self, update: FinishUpdate) -> None:
+        self._refuse_if_over("finish request")
+        if self._finish is not None:
+            raise ValueError(f"it was already asked to answer now (by {self._finish.sender})")
+
+    @workflow.update(name=names.DECIDE_CELL)
+    def decide_cell(self, decision: CellDecision) -> SteeringReceipt:
+        """Approve the waiting cell (as written or edited) or reject it with a reason."""
+        self._decision = decision
+        kind, detail = steering.describe_decision(decision)
+        what = "runs" if decision.approve else "is not run; the model reads the reason"
+        return self._record(kind, decision.sender, detail, f"cell {decision.cell} {what}")
+
+    @decide_cell.validator
+    def _decision_allowed(self, decision: CellDecision) -> None:
+        self._refuse_if_over("decision")
+        waiting = self._pending_cell
+        if waiting is None or self._decision is not None:
+            raise ValueError("no cell waits for approval")
+        if decision.cell != waiting.cell:
+            raise ValueError(f"cell {decision.cell} does not wait for approval; cell {waiting.cell} does")
+
+    def _refuse_if_over(self, what: str) -> None:
+        if self._finished or self._closing:
+            raise ValueError(f"the episode has already ended or is closing; the {what} changed nothing")
+
+    def _record(self, kind: str, sender: str, detail: str, effect: str) -> SteeringReceipt:
+        """Log an action the workflow accepted; the receipt tells the sender what happens."""
+        self._actions_total += 1
+        iteration = self._s.iteration if self._s else 0
+        self._actions.append(
+            ActionRecord(
+                number=self._actions_total,
+                kind=kind,
+                sender=sender,
+                at=workflow.now(),
+                iteration=iteration,
+                detail=detail[: defaults.REWARD_NOTE_CHARS],
+            )
+        )
+        self._actions = steering.keep_latest(self._actions)
+        return SteeringReceipt(
+            episode_id=workflow.info().workflow_id,
+            iteration=iteration,
+            action=self._actions_total,
+            message=f"{kind} accepted at iteration {iteration}: {effect}",
+        )
+
     @workflow.query(name="progress")
     def progress(self) -> EpisodeProgress:
         s = self._s
@@ -271,7 +437,17 @@ class EpisodeWorkflow:
             limits=self._request.limits if self._request else None,
             started_at=s.deadline - self._request.limits.max_duration if s and self._request else None,
             root_model=self._request.root_model.model if self._request else None,
+            pending_cell=self._pending_cell,
+            held=None if self._held is None else self._held_description(),
+            approve=self._request.approve if self._request else "none",
+            actions=self._actions[-defaults.PROGRESS_ACTIONS :],
+            actions_total=self._actions_total,
         )
+
+    def _held_description(self) -> str:
+        held = self._held
+        assert held is not None
+        return f"paused by {held.sender}" + (f": {held.reason}" if held.reason else "")
 
     # --- the episode: the loop raced against the durable timer ------------------------------
 
@@ -300,7 +476,7 @@ class EpisodeWorkflow:
         # The durable timer lives on the server, so it fires even while no worker runs.
         remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
         loop = asyncio.ensure_future(self._loop(request))
-        timer = asyncio.ensure_future(asyncio.sleep(remaining))
+        timer = asyncio.ensure_future(self._deadline() if self._steering else asyncio.sleep(remaining))
         cancel = asyncio.ensure_future(workflow.wait_condition(lambda: self._cancel is not None))
         try:
             await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
@@ -346,11 +522,36 @@ class EpisodeWorkflow:
         timer.cancel()
         return ending
 
+    async def _deadline(self) -> None:
+        """The durable timer, set again whenever the deadline moves (a new max_duration, a
+        pause that holds the clock). It lives on the server, like a plain sleep."""
+        while True:
+            if self._clock_held():
+                await workflow.wait_condition(lambda: not self._clock_held())
+                continue
+            epoch = self._deadline_epoch
+            remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
+            try:
+                await workflow.wait_condition(partial(self._deadline_moved, epoch), timeout=remaining)
+            except TimeoutError:
+                if self._deadline_epoch == epoch:
+                    return
+
+    def _deadline_moved(self, epoch: int) -> bool:
+        return self._deadline_epoch != epoch or self._clock_held()
+
+    def _clock_held(self) -> bool:
+        return self._held is not None and self._held.hold_clock
+
     async def _loop(self, request: EpisodeRequest) -> Ending | LimitReached:
         s = self._state
-        limits = request.limits
-        trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
         while True:
+            if self._steering:
+                asked = await self._checkpoint(request)
+                if asked is not None:
+                    return asked
+            limits = request.limits  # a person may change them (set_limits)
+            trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
             reason = trigger.should_trigger(
                 ExecutionState(iterations=s.iteration, llm_calls=s.sub_calls, elapsed=self._elapsed(request))
             )
@@ -360,9 +561,13 @@ class EpisodeWorkflow:
                 if self._honest:
                     return LimitReached(reason)
                 return await self._extract(request, reason)  # as old histories did it
+            if self._hint_inbox:
+                s.pending = steering.with_hints(s.pending, self._hint_inbox)
+                self._hint_inbox = []
             if workflow.info().is_continue_as_new_suggested() and self._cancel is None:
                 s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
                 s.rewards = self._reward_log[-defaults.AUDITED_REWARDS :]
+                s.actions, s.actions_total = steering.keep_latest(self._actions), self._actions_total
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
             s.iteration += 1
@@ -513,6 +718,102 @@ class EpisodeWorkflow:
             self._set_phase(self._phase_before_pause)
             self._show_progress("running")
 
+    # --- steering at a step boundary ----------------------------------------------------------
+
+    async def _checkpoint(self, request: EpisodeRequest) -> LimitReached | None:
+        """Where a person's actions take effect, between steps: a pause holds here; a
+        request to answer now ends the loop by the limit path (fallback extraction)."""
+        self._audit_actions(request)
+        if self._held is not None and self._finish is None:
+            await self._hold(request)
+        if self._finish is not None:
+            asked = self._finish
+            detail = f"by {asked.sender}" + (f": {asked.reason}" if asked.reason else "")
+            return LimitReached(
+                FallbackReason(kind="finish_requested", value=self._state.iteration, limit=0, detail=detail)
+            )
+        return None
+
+    async def _hold(self, request: EpisodeRequest) -> None:
+        """Paused by a person: the sandbox is closed (the next step rebuilds it from the
+        log) and the workflow waits on a condition, so it holds no worker slot either."""
+        assert self._repl is not None
+        phase = self._phase
+        self._set_phase(self._held_description())
+        self._show_progress("paused")
+        await self._repl.close()
+        self._state.repl_queue = None  # the next step may go to any worker
+        await workflow.wait_condition(lambda: self._held is None or self._finish is not None)
+        self._audit_actions(request)
+        self._set_phase(phase)
+        self._show_progress("running")
+
+    async def _approved(self, request: EpisodeRequest, outcome: IterationOutcome, code: str) -> str | None:
+        """The code to run for this cell: as written when it needs no approval, else as a
+        person approved it (perhaps edited). None when it must not run: rejected (the
+        model reads why) or the episode was asked to answer now meanwhile."""
+        s = self._state
+        reasons = steering.gate(request.approve, code)
+        if reasons is None:
+            return code
+        cell = s.cell_count
+        self._pending_cell = PendingCell(
+            episode_id=workflow.info().workflow_id,
+            cell=cell,
+            iteration=s.iteration,
+            code=code,
+            reasons=reasons,
+            mode=request.approve,
+            since=workflow.now(),
+        )
+        why = "; ".join(reasons) if reasons else "every cell waits (--approve all)"
+        self._record("gate", "drlm", f"cell {cell} waits for approval: {why}", "waits")
+        self._audit_actions(request)
+        self._show_progress("awaiting approval")
+        try:
+            while True:
+                self._set_phase(f"cell {cell} waits for approval")
+                await workflow.wait_condition(
+                    lambda: self._decision is not None or self._finish is not None or self._held is not None
+                )
+                if self._decision is not None or self._finish is not None:
+                    break
+                await self._hold(request)  # the cell still waits, without a sandbox
+        finally:  # plain state only: on eviction this runs outside the workflow's event loop
+            self._pending_cell = None
+        decision, self._decision = self._decision, None
+        self._show_progress("running")
+        if decision is None:
+            return None
+        if not decision.approve:
+            outcome.cells.append(
+                CellRecord(
+                    index=cell,
+                    code=code,
+                    status="rejected",
+                    error=steering.CELL_REJECTED.format(sender=decision.sender, reason=decision.reason),
+                )
+            )
+            outcome.notes.append(steering.CELLS_SKIPPED.format(cell=cell, sender=decision.sender))
+            return None
+        if decision.code is not None:
+            outcome.notes.append(
+                steering.CELL_EDITED.format(
+                    cell=cell, sender=decision.sender, fence=request.code_fences[0], code=decision.code
+                )
+            )
+            return decision.code
+        return code
+
+    def _audit_actions(self, request: EpisodeRequest) -> None:
+        """Actions accepted since the last write reach the audit store now, beside the loop
+        (the closing write holds them all, so a slow or failed one loses nothing)."""
+        if self._actions_total == self._actions_audited or not self._audit_aside:
+            return
+        self._actions_audited = self._actions_total
+        self._action_audits = [a for a in self._action_audits if not a.done()]
+        self._action_audits.append(asyncio.ensure_future(self._audit(request, "running")))
+
     # --- act --------------------------------------------------------------------------------
 
     async def _act(self, request: EpisodeRequest, reply: RootCompletion) -> IterationOutcome:
@@ -530,8 +831,15 @@ class EpisodeWorkflow:
                 outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))
         else:
             blocks, signal = legacy.find_code_blocks(reply.text, request.code_fences), None
-        for code in blocks:
+        for written in blocks:
+            if self._steering and await self._checkpoint(request) is not None:
+                return outcome  # asked to answer now: the loop's next boundary ends it
             s.cell_count += 1
+            code: str | None = written
+            if self._steering and request.approve != "none":
+                code = await self._approved(request, outcome, written)
+                if code is None:
+                    return outcome  # rejected (the model reads why), or asked to answer now
             self._set_phase(f"cell {s.cell_count}")
             ran = await repl.run_cell(s.iteration, s.cell_count, code)
             cell = CellRecord.of(s.cell_count, code, ran)
@@ -703,11 +1011,12 @@ class EpisodeWorkflow:
     ) -> None:
         info = workflow.info()
         running = status == "running"
-        opening = self._opening_audit
-        if not running and opening is not None and not opening.done():
-            opening.cancel()  # the closing row holds all the opening one would
-            with contextlib.suppress(asyncio.CancelledError):
-                await opening
+        if not running:
+            for aside in (self._opening_audit, *self._action_audits):
+                if aside is not None and not aside.done():
+                    aside.cancel()  # the closing row holds all an earlier one would
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await aside
         timeouts: dict[str, object] = (
             {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
             if self._audit_aside
@@ -730,7 +1039,7 @@ class EpisodeWorkflow:
                     limits=request.limits.model_dump_json(exclude_none=True),
                     started_at=info.workflow_start_time,  # the first run's: the episode's start
                     ended_at=None if running else workflow.now(),
-                    events=[] if running else self._audit_events(),
+                    events=self._action_events() if running else self._audit_events(),
                 ),
                 retry_policy=_AUDIT_RETRY,
                 summary=f"audit: {status}",
@@ -747,6 +1056,7 @@ class EpisodeWorkflow:
             )
             for r in self._reward_log
         ]
+        events.extend(self._action_events())
         if self._cancel is not None:
             events.append(
                 AuditEvent(
@@ -758,6 +1068,20 @@ class EpisodeWorkflow:
                 )
             )
         return events
+
+    def _action_events(self) -> list[AuditEvent]:
+        """A row per steering action, with who sent it and when it was accepted."""
+        return [
+            AuditEvent(
+                key=f"action:{a.number}",
+                kind=f"action_{a.kind}",
+                iteration=a.iteration,
+                detail=a.detail,
+                sender=a.sender,
+                at=a.at,
+            )
+            for a in self._actions
+        ]
 
     # --- small helpers ----------------------------------------------------------------------
 

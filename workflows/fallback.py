@@ -374,6 +374,7 @@ class FallbackReason(BaseModel):
         "max_model_calls",
         "max_tokens",
         "max_cost_usd",
+        "finish_requested",
     ]
     value: float
     limit: float
@@ -382,6 +383,8 @@ class FallbackReason(BaseModel):
     def __str__(self) -> str:
         if self.kind == "cancelled":
             return f"Cancelled ({self.detail})" if self.detail else "Cancelled"
+        if self.kind == "finish_requested":
+            return f"asked to answer now ({self.detail})" if self.detail else "asked to answer now"
         if self.kind == "max_model_calls":
             return f"model-call budget spent ({self.value:g}/{self.limit:g}, one kept for extraction)"
         if self.kind == "max_tokens":

@@ -275,6 +275,9 @@ class EpisodeRequest(StrictModel):
         default=None, description="an absolute deadline over max_duration (a child gets its parent's)"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools the REPL offers")
+    approve: ApproveMode = Field(
+        default="none", description="cells that wait for a person's approval before they run"
+    )
     private_text: bool = Field(
         default=False,
         description="payloads are encrypted (DRLM_ENCRYPTION_KEYS): search attributes, which the "
@@ -382,6 +385,7 @@ EndReason = Literal[
     "max_model_calls",
     "max_tokens",
     "max_cost_usd",
+    "finish_requested",
 ]
 
 AnswerSource = Literal["model", "policy", "extraction", "none"]
@@ -500,6 +504,11 @@ class EpisodeProgress(StrictModel):
     limits: EpisodeLimits | None = None
     started_at: datetime | None = None
     root_model: str | None = None
+    pending_cell: PendingCell | None = Field(default=None, description="a cell waiting for approval")
+    held: str | None = Field(default=None, description="paused by a person: by whom and why")
+    approve: ApproveMode = "none"
+    actions: list[ActionRecord] = Field(default_factory=list, description="the latest steering actions")
+    actions_total: int = 0
 
 
 # --- model activities ---------------------------------------------------------------------
@@ -799,6 +808,134 @@ class CredentialsReceipt(StrictModel):
     waiting_calls: int
 
 
+# --- steering: a person supervising a running episode (workflows/steering.py) -----------------
+
+ApproveMode = Literal["none", "risky", "all"]
+"""Which cells wait for a person before they run: none, those the risk assessment flags, all."""
+
+
+class SteeringUpdate(StrictModel):
+    """What every steering action carries: who sent it (recorded in history and the audit)."""
+
+    sender: str = Field(min_length=1, max_length=defaults.SENDER_CHARS)
+
+    @field_validator("sender")
+    @classmethod
+    def _sender_named(cls, value: str) -> str:
+        if not value.strip() or any(c in value for c in "\r\n\t"):
+            raise ValueError("sender must be a name on one line")
+        return value.strip()
+
+
+class HintUpdate(SteeringUpdate):
+    """Text the root model reads as a user message on its next turn."""
+
+    text: str = Field(min_length=1, max_length=defaults.HINT_CHARS)
+
+    @field_validator("text")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("a hint must not be blank")
+        return value
+
+
+class LimitsUpdate(SteeringUpdate):
+    """New values for some limits; those left None keep theirs. Lowering one below what is
+    spent ends the episode by the normal limit path (fallback extraction)."""
+
+    max_iterations: int | None = Field(default=None, ge=1)
+    max_llm_calls: int | None = Field(default=None, ge=0)
+    max_duration: timedelta | None = Field(default=None, description="counted from submission")
+    max_model_calls: int | None = Field(default=None, ge=2)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_cost_usd: float | None = Field(default=None, gt=0)
+
+    @field_validator("max_duration")
+    @classmethod
+    def _positive(cls, value: timedelta | None) -> timedelta | None:
+        if value is not None and value <= timedelta(0):
+            raise ValueError("max_duration must be positive")
+        return value
+
+    def changes(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"sender"}, exclude_none=True)
+
+
+class PauseUpdate(SteeringUpdate):
+    """Hold the episode at its next step boundary: no worker slot, no sandbox, until resumed."""
+
+    hold_clock: bool = Field(
+        default=False, description="stop max_duration counting while paused (it counts by default)"
+    )
+    reason: str = Field(default="", max_length=defaults.REWARD_NOTE_CHARS)
+
+
+class ResumeUpdate(SteeringUpdate):
+    pass
+
+
+class FinishUpdate(SteeringUpdate):
+    """Stop at the next step boundary and answer by fallback extraction over the history."""
+
+    reason: str = Field(default="", max_length=defaults.REWARD_NOTE_CHARS)
+
+
+class CellDecision(SteeringUpdate):
+    """A person's decision on the cell that waits: approve it (as written, or `code` edited)
+    or reject it with a reason the model reads."""
+
+    cell: int = Field(ge=1, description="the waiting cell's number (a stale decision is refused)")
+    approve: bool
+    code: str | None = Field(default=None, max_length=defaults.EDITED_CELL_CHARS, description="edited")
+    reason: str = Field(default="", max_length=defaults.REWARD_NOTE_CHARS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CellDecision:
+        if not self.approve and self.code is not None:
+            raise ValueError("a rejected cell takes no edited code")
+        if not self.approve and not self.reason.strip():
+            raise ValueError("a rejection needs a reason (the model reads it)")
+        if self.code is not None and not self.code.strip():
+            raise ValueError("the edited code is empty")
+        return self
+
+
+class PendingCell(StrictModel):
+    """A cell waiting for approval, as `drlm pending` lists it."""
+
+    episode_id: str
+    cell: int
+    iteration: int
+    code: str
+    reasons: list[str] = Field(default_factory=list, description="why the risk assessment flagged it")
+    mode: ApproveMode
+    since: datetime
+
+    @property
+    def approval_id(self) -> str:
+        return f"{self.episode_id}#{self.cell}"
+
+
+class ActionRecord(StrictModel):
+    """A steering action as the episode applied it: history holds the update itself, this
+    the state it changed (carried over continue-as-new, audited when the episode ends)."""
+
+    number: int = Field(description="1 for the episode's first action")
+    kind: str = Field(description="hint, limits, pause, resume, finish, approve, edit, reject, gate")
+    sender: str
+    at: datetime
+    iteration: int
+    detail: str = ""
+
+
+class SteeringReceipt(StrictModel):
+    episode_id: str
+    iteration: int
+    action: int = Field(description="the action's number in the episode")
+    message: str
+
+
 # --- audit ------------------------------------------------------------------------------------
 
 
@@ -813,6 +950,8 @@ class AuditEvent(StrictModel):
     iteration: int | None = None
     value: float | None = None
     detail: str | None = None
+    sender: str | None = Field(default=None, description="who sent it (steering actions)")
+    at: datetime | None = Field(default=None, description="when it took effect (steering actions)")
 
 
 class AuditEpisodeInput(StrictModel):
@@ -877,6 +1016,11 @@ class EpisodeCarry(StrictModel):
     rewards: list[RewardRecord] = Field(
         default_factory=list, description="the latest rewards received (for the audit's events)"
     )
+    actions: list[ActionRecord] = Field(
+        default_factory=list, description="the latest steering actions applied (for the audit's events)"
+    )
+    actions_total: int = 0
+    hints: list[Message] = Field(default_factory=list, description="hints the model has not read yet")
 
     def charge(self, usage: TokenUsage, model_time_s: float, calls: int = 1) -> None:
         """Count a model call the episode made, with its tokens and time."""
@@ -894,3 +1038,4 @@ class EpisodeCarry(StrictModel):
 
 
 EpisodeRequest.model_rebuild()
+EpisodeProgress.model_rebuild()

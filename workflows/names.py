@@ -66,6 +66,17 @@ PATCH_UI_METADATA = "ui-metadata"
 PATCH_BUDGET_RESERVE = "budget-reserve"
 # The opening audit row is written beside the loop; the closing one within AUDIT_CLOSE_S.
 PATCH_AUDIT_ASIDE = "audit-aside"
+# Steering (workflows/steering.py): the durable timer follows a changed deadline; cells may
+# wait for approval; a pause closes the sandbox.
+PATCH_STEERING = "steering"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"
+
+# A person steering a running episode (workflows/steering.py): each a validated update.
+HINT = "hint"
+SET_LIMITS = "set_limits"
+PAUSE = "pause"
+RESUME = "resume"
+FINISH_NOW = "finish_now"
+DECIDE_CELL = "decide_cell"  # approve (as written or edited) or reject the cell that waits

@@ -1,0 +1,182 @@
+"""Which REPL cells a person should see before they run (`--approve risky`).
+
+It runs in workflow code, so it is pure and deterministic: one `ast.parse` and one walk,
+linear in the cell's size. It is static because nothing of the cell may run before the
+approval. It is a triage aid, not a boundary: the sandbox is the security boundary, and
+`--approve all` gates every cell. Flagged: file writes and deletes, processes, networking
+and native code, code chosen at run time, and loops without an end.
+"""
+
+from __future__ import annotations
+
+import ast
+
+MAX_REASONS = 20
+MAX_ASSESSED_CHARS = 100_000  # ~0.2 s to parse; a larger cell is flagged unread (parsing 1 MB takes >1 s)
+LONG_LOOP = 10_000_000
+
+_WRITE_MODES = frozenset("wax+")
+_OS_WRITES = frozenset(
+    {
+        "remove", "unlink", "rmdir", "removedirs", "rename", "renames", "replace", "truncate",
+        "chmod", "chown", "link", "symlink", "mkdir", "makedirs", "write",
+    }
+)  # fmt: skip
+_OS_PROCESSES = frozenset({"system", "popen", "fork", "forkpty", "kill", "killpg"})
+_OS_PROCESS_PREFIXES = ("exec", "spawn", "posix_spawn")
+_PATH_WRITES = frozenset(
+    {"write_text", "write_bytes", "unlink", "rmdir", "touch", "mkdir", "rename", "replace"}
+)
+_PROCESS_MODULES = frozenset({"subprocess", "multiprocessing", "pty", "signal", "pexpect"})
+_NATIVE_OR_NETWORK = frozenset(
+    {
+        "socket", "ssl", "http", "urllib", "urllib3", "requests", "httpx", "aiohttp", "ftplib",
+        "smtplib", "telnetlib", "xmlrpc", "asyncio", "websocket", "websockets", "paramiko",
+        "ctypes", "_ctypes", "cffi", "mmap", "socketserver", "imaplib", "poplib",
+    }
+)  # fmt: skip
+_DYNAMIC = frozenset({"__import__", "exec", "eval", "compile"})
+_ENDLESS = frozenset({"count", "cycle", "repeat"})
+
+
+def assess(code: str) -> list[str]:
+    """Reasons this cell is risky, in source order, de-duplicated; [] when it is not."""
+    if len(code) > MAX_ASSESSED_CHARS:
+        return [f"too large to assess ({len(code):,} characters): read it before approving"]
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as exc:
+        return [f"does not parse: {exc.msg} (line {exc.lineno})"]
+    except (RecursionError, MemoryError):
+        return ["too deeply nested to assess"]
+    except ValueError as exc:  # null bytes
+        return [f"cannot be parsed: {exc}"]
+    try:
+        return _Assessor(tree).reasons()
+    except RecursionError:
+        return ["too deeply nested to assess"]
+
+
+class _Assessor:
+    def __init__(self, tree: ast.Module) -> None:
+        self.tree = tree
+        self.modules: dict[str, str] = {}  # local name -> module it names
+        self.names: dict[str, str] = {}  # local name -> "module.attr" it was imported as
+        self.found: dict[str, tuple[int, int]] = {}  # reason -> where it first shows
+
+    def reasons(self) -> list[str]:
+        nodes = list(ast.walk(self.tree))
+        for node in nodes:  # aliases first: `from os import remove` may follow its use in a def
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    self.modules[alias.asname or alias.name.split(".")[0]] = (
+                        alias.name if alias.asname else alias.name.split(".")[0]
+                    )
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    self.names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        for node in nodes:
+            self._visit(node)
+        reasons = sorted(self.found, key=self.found.__getitem__)
+        if len(reasons) > MAX_REASONS:
+            return [*reasons[:MAX_REASONS], f"... and {len(reasons) - MAX_REASONS} more"]
+        return reasons
+
+    def _flag(self, node: ast.AST, what: str) -> None:
+        line, column = getattr(node, "lineno", 0), getattr(node, "col_offset", 0)
+        self.found.setdefault(f"line {line}: {what}", (line, column))
+
+    def _visit(self, node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                self._module(node, alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            self._module(node, node.module)
+        elif isinstance(node, ast.Call):
+            self._call(node)
+        elif isinstance(node, ast.While) and isinstance(node.test, ast.Constant) and node.test.value:
+            self._flag(node, "loop without an end (while True)")
+        elif isinstance(node, ast.For | ast.AsyncFor):
+            self._loop(node)
+
+    def _module(self, node: ast.AST, name: str) -> None:
+        top = name.split(".")[0]
+        if top in _PROCESS_MODULES:
+            self._flag(node, f"imports {name} (starts processes)")
+        elif top in _NATIVE_OR_NETWORK:
+            self._flag(node, f"imports {name} (network or native code)")
+
+    def _qualified(self, func: ast.expr) -> str | None:
+        """`module.attr` a call names through the cell's imports, or the bare builtin name."""
+        if isinstance(func, ast.Name):
+            return self.names.get(func.id, func.id)
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            base = self.modules.get(func.value.id) or self.names.get(func.value.id)
+            if base is not None:
+                return f"{base}.{func.attr}"
+        return None
+
+    def _call(self, node: ast.Call) -> None:
+        name = self._qualified(node.func)
+        attr = node.func.attr if isinstance(node.func, ast.Attribute) else None
+        if name in ("open", "io.open", "builtins.open") or attr == "open" and name is None:
+            self._open(node)
+        elif name is not None and name.startswith("os."):
+            leaf = name[3:]
+            if leaf in _OS_WRITES:
+                self._flag(node, f"writes or deletes files ({name})")
+            elif leaf in _OS_PROCESSES or leaf.startswith(_OS_PROCESS_PREFIXES):
+                self._flag(node, f"starts or signals processes ({name})")
+        elif name is not None and name.startswith("shutil."):
+            self._flag(node, f"writes or deletes files ({name})")
+        elif name is not None and name.split(".")[0] in _PROCESS_MODULES and "." in name:
+            self._flag(node, f"starts processes ({name})")
+        elif name in _DYNAMIC or name in ("importlib.import_module", "builtins.__import__"):
+            self._flag(node, f"runs code chosen at run time ({name})")
+        elif name in ("getattr", "setattr", "delattr") and len(node.args) >= 2:
+            if not isinstance(node.args[1], ast.Constant):
+                self._flag(node, f"runs code chosen at run time ({name} of a computed name)")
+        elif attr in _PATH_WRITES:
+            self._flag(node, f"writes or deletes files (.{attr})")
+
+    def _open(self, node: ast.Call) -> None:
+        mode: ast.expr | None = node.args[1] if len(node.args) > 1 else None
+        for keyword in node.keywords:
+            if keyword.arg == "mode":
+                mode = keyword.value
+        if isinstance(node.func, ast.Attribute) and node.args:  # Path(...).open(mode)
+            mode = node.args[0] if mode is None or len(node.args) == 1 else mode
+        if mode is None:
+            return  # read-only by default
+        if not isinstance(mode, ast.Constant) or not isinstance(mode.value, str):
+            self._flag(node, "opens a file with a mode chosen at run time")
+        elif _WRITE_MODES & set(mode.value):
+            self._flag(node, f"writes a file (open(..., {mode.value!r}))")
+
+    def _loop(self, node: ast.For | ast.AsyncFor) -> None:
+        source = node.iter
+        if not isinstance(source, ast.Call):
+            return
+        name = self._qualified(source.func)
+        if name in ("itertools.count", "itertools.cycle") or (
+            name == "itertools.repeat" and len(source.args) < 2 and not source.keywords
+        ):
+            self._flag(node, f"loop without an end ({name})")
+        elif name == "range":
+            count = _range_length(source)
+            if count is not None and count >= LONG_LOOP:
+                self._flag(node, f"very long loop ({count:,} iterations)")
+
+
+def _range_length(call: ast.Call) -> int | None:
+    values = []
+    for arg in call.args:
+        if not isinstance(arg, ast.Constant) or not isinstance(arg.value, int) or isinstance(arg.value, bool):
+            return None
+        values.append(arg.value)
+    if len(values) == 1:
+        return max(values[0], 0)
+    if len(values) in (2, 3):
+        step = values[2] if len(values) == 3 else 1
+        return max((values[1] - values[0]) // step, 0) if step else None
+    return None
