@@ -129,7 +129,9 @@ async def test_approvals_an_edit_a_rejection_a_hint_and_answer_now(client, scrip
     # Cell 1 waits; the approval is sent while no worker runs.
     first = await until(client, episode_id, waiting(1))
     assert first.pending_cell.code == "x = 41\nprint('x set')" and first.pending_cell.reasons == []
-    assert [p.approval_id for p in await pending_cells(client) if p.episode_id == episode_id] == [f"{episode_id}#1"]
+    assert [p.approval_id for p in await pending_cells(client) if p.episode_id == episode_id] == [
+        f"{episode_id}#1"
+    ]
     approved = await workers.restart_while(decide_cell(client, f"{episode_id}#1", True, "bob"))
     assert approved.accepted, approved.message
 
@@ -150,7 +152,9 @@ async def test_approvals_an_edit_a_rejection_a_hint_and_answer_now(client, scrip
     assert any("subprocess" in reason for reason in third.pending_cell.reasons)
     stale = await decide_cell(client, f"{episode_id}#2", True, "bob")
     assert not stale.accepted and "cell 3 does" in stale.message  # a stale id approves nothing
-    rejected = await workers.restart_while(decide_cell(client, f"{episode_id}#3", False, "carol", reason="no processes"))
+    rejected = await workers.restart_while(
+        decide_cell(client, f"{episode_id}#3", False, "carol", reason="no processes")
+    )
     assert rejected.accepted
 
     await until(client, episode_id, waiting(4))
