@@ -163,6 +163,7 @@ LATER = [
     "cost_budget",
     "audit_aside",
     "sandboxes_busy",
+    "steering",
 ]  # recorded after the ui-metadata patch: they carry its marker too
 
 
@@ -176,7 +177,7 @@ def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
 def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
     # Since audit-aside the opening audit is scheduled with the first root call, in one task.
     for path in HISTORIES:
-        since = path.stem in ("audit_aside", "sandboxes_busy")  # recorded after the patch
+        since = path.stem in ("audit_aside", "sandboxes_busy", "steering")  # recorded after the patch
         assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
     assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
@@ -285,3 +286,30 @@ def _payloads(messages) -> Iterator[Payload]:
                 yield from _payloads(items)
             else:
                 yield from _payloads([value])
+
+
+def test_the_steering_history_holds_every_kind_of_action() -> None:
+    """steering.json (replayed above like every history) holds each action a person can send."""
+    events = json.loads((HISTORIES[0].parent / "steering.json").read_text())["events"]
+    updates = [
+        e["workflowExecutionUpdateAcceptedEventAttributes"]["acceptedRequest"]["input"]
+        for e in events
+        if "workflowExecutionUpdateAcceptedEventAttributes" in e
+    ]
+    names_sent = {u["name"] for u in updates}
+    assert names_sent == {
+        names.HINT,
+        names.SET_LIMITS,
+        names.PAUSE,
+        names.RESUME,
+        names.FINISH_NOW,
+        names.DECIDE_CELL,
+    }
+    decisions = [
+        json.loads(base64.b64decode(u["args"]["payloads"][0]["data"]))
+        for u in updates
+        if u["name"] == names.DECIDE_CELL
+    ]
+    kinds = {("edit" if d.get("code") else "approve") if d["approve"] else "reject" for d in decisions}
+    assert kinds == {"approve", "edit", "reject"}
+    assert _has_patch_marker("steering.json", names.PATCH_STEERING)

@@ -372,6 +372,60 @@ async def record_audit_aside(client: Client, only: set[str]) -> None:
         await save_history(client, "audit_aside", request)
 
 
+async def record_steering(client: Client, only: set[str]) -> None:
+    """Every steering action on one episode: approve, hint, edit, reject, pause, resume
+    (holding the clock), a change of limits, and answer now."""
+    if "steering" not in only:
+        return
+    from durable_rlm import steering
+
+    turns = [
+        "```repl\nx = 41\n```",
+        "```repl\nprint(x + 1)\n```",
+        "```repl\nimport subprocess\n```",
+        "```repl\nprint(x)\n```",
+        "Thinking.",
+    ]
+    extract = '{"answer": "82", "_extraction_notes": "from the history"}'
+    with ScriptedModelServer(root_and_sub(turns, str.upper, lambda prompt: extract)) as server:
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            seed=1,
+            approve="all",
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW, request, id="steering", task_queue="record", result_type=EpisodeResult
+        )
+
+        async def waiting(cell: int) -> None:
+            while True:
+                progress = await steering.progress_of(client, "steering")
+                if progress.pending_cell is not None and progress.pending_cell.cell == cell:
+                    return
+                await asyncio.sleep(0.1)
+
+        await waiting(1)
+        await steering.decide_cell(client, "steering#1", True, "bob")
+        await steering.send_hint(client, "steering", "x is the answer minus one", "alice")
+        await waiting(2)
+        await steering.decide_cell(client, "steering#2", True, "bob", code="print(x * 2)")
+        await waiting(3)
+        await steering.decide_cell(client, "steering#3", False, "carol", reason="no processes")
+        await waiting(4)
+        await steering.pause_episode(client, "steering", "eve", hold_clock=True, reason="lunch")
+        while (await steering.progress_of(client, "steering")).held is None:
+            await asyncio.sleep(0.1)
+        await steering.resume_episode(client, "steering", "eve")
+        await steering.change_limits(client, "steering", "eve", max_iterations=20)
+        await steering.decide_cell(client, "steering#4", True, "bob")
+        while len(server.root_requests()) < 5:
+            await asyncio.sleep(0.05)
+        await steering.finish_episode(client, "steering", "dave", "enough")
+        print("steering", await handle.result())
+        (HERE / "steering.json").write_text((await handle.fetch_history()).to_json())
+
+
 async def record_sandboxes_busy(
     client: Client, blobs: BlobStore, engine: object, work: Path, only: set[str]
 ) -> None:
@@ -453,6 +507,7 @@ async def record(only: set[str]) -> None:
             await record_snapshots(client, blobs, only)
             await record_budgets(client, only)
             await record_audit_aside(client, only)
+            await record_steering(client, only)
         await record_sandboxes_busy(client, blobs, engine, work, only)
 
 
