@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -405,3 +408,121 @@ def test_bad_actions_are_refused_before_they_are_sent() -> None:
     assert parse_approval_id("ep-1#3") == ("ep-1", 3)
     assert parse_approval_id("ep#x") == ("ep#x", None)
     assert parse_approval_id("ep-1") == ("ep-1", None)
+
+
+# --- the command line -----------------------------------------------------------------------
+
+DRLM = str(Path(sys.executable).with_name("drlm"))
+
+
+class Cli:
+    """`drlm` as a person at another terminal runs it: a client of the test's server. It
+    runs beside the event loop, whose in-process workers answer its updates."""
+
+    def __init__(self, tmp_path: Path, address: str, session_dir: Path) -> None:
+        self.env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))
+        }
+        self.env.update(
+            TEMPORAL_ADDRESS=address,
+            DRLM_DATA_DIR=str(tmp_path),
+            DRLM_DATABASE_URL=f"sqlite:///{session_dir / 'drlm.sqlite'}",
+        )
+
+    async def start(self, *args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            DRLM, *args, env=self.env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
+
+    async def __call__(self, *args: str) -> tuple[int, str, str]:
+        return await self.finish(await self.start(*args))
+
+    @staticmethod
+    async def finish(process: asyncio.subprocess.Process) -> tuple[int, str, str]:
+        out, err = await asyncio.wait_for(process.communicate(), 90)
+        assert process.returncode is not None
+        return process.returncode, out.decode(), err.decode()
+
+
+async def test_the_command_line_supervises_an_episode(
+    client, scripted, workers, tmp_path: Path, temporal_address: str, session_dir: Path
+) -> None:
+    server = scripted(
+        root_and_sub(
+            [
+                "```repl\nprint('safe')\n```",
+                "```repl\nimport socket\nprint('net')\n```",
+                "```repl\nopen('out.txt', 'w').write('x')\n```",
+                "```repl\nimport ctypes\n```",  # waits while the person does the rest
+            ],
+            extract=lambda prompt: '{"answer": "edited", "_extraction_notes": ""}',
+        )
+    )
+    episode_id = f"steer-cli-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(client, request_for(server, approve="risky"), workers.queue, episode_id)
+    drlm = Cli(tmp_path, temporal_address, session_dir)
+
+    # Cell 1 ran at once (nothing risky); cell 2 imports socket and waits.
+    await until(client, episode_id, waiting(2))
+    code, out, err = await drlm("pending", "--json")
+    assert code == 0, err
+    listed = [json.loads(line) for line in out.splitlines()]
+    mine = [p for p in listed if p["episode_id"] == episode_id]
+    assert [p["id"] for p in mine] == [f"{episode_id}#2"]
+    assert mine[0]["reasons"] == ["line 1: imports socket (network or native code)"]
+    code, out, err = await drlm("pending")
+    assert (
+        f"{episode_id}#2  waiting" in out
+        and "risk: line 1: imports socket" in out
+        and "| import socket" in out
+    )
+
+    edit = tmp_path / "cell.py"
+    edit.write_text("print('edited')\n")
+    code, out, err = await drlm("approve", f"{episode_id}#2", "--edit", str(edit), "--as", "zed")
+    assert code == 0 and "edit accepted" in err, err
+
+    await until(client, episode_id, waiting(3))
+    code, out, err = await drlm("reject", f"{episode_id}#3")
+    assert code == 2 and "--reason" in err  # the model must read why
+    code, out, err = await drlm("reject", f"{episode_id}#3", "--reason", "no writes", "--as", "zed")
+    assert code == 0, err
+    code, out, err = await drlm("approve", f"{episode_id}#3")
+    assert code == 2 and "cell 3 does not wait for approval" in err  # a stale id approves nothing
+
+    await until(client, episode_id, waiting(4))
+    code, out, err = await drlm("hint", episode_id, "the answer is what cell 2 printed", "--as", "zed")
+    assert code == 0 and "hint accepted" in err, err
+    code, out, err = await drlm("limits", episode_id)
+    assert code == 2 and "at least one limit" in err
+    code, out, err = await drlm("limits", episode_id, "--max-iterations", "30", "--as", "zed")
+    assert code == 0 and "max_iterations 8 -> 30" in err, err
+    code, out, err = await drlm("pause", episode_id, "--hold-clock", "--as", "zed")
+    assert code == 0 and "max_duration stops counting" in err, err
+    await until(client, episode_id, lambda p: p.held is not None and p.phase.startswith("paused"))
+
+    # `drlm resume` lifts the pause and follows the episode; `drlm finish` ends it.
+    follower = await drlm.start("resume", episode_id, "--json", "--as", "zed")
+    await until(client, episode_id, lambda p: p.held is None)
+    code, out, err = await drlm("finish", episode_id, "--reason", "done", "--as", "zed")
+    assert code == 0 and "finish accepted" in err, err
+    code, out, err = await Cli.finish(follower)
+    assert code == 4, err  # an extracted answer, as for any limit
+    report = json.loads(out)
+    assert report["ended_by"] == "finish_requested" and report["answer"] == "edited"
+    await handle.result()
+
+    observed = server.root_requests()[2].last_user
+    assert "print('edited')" in observed and "\nedited\n" in observed and "import socket" not in observed
+    assert "Not run: zed rejected this cell" in server.root_requests()[3].last_user
+    code, out, err = await drlm("show", episode_id)
+    assert code == 0, err
+    for line in (
+        ">>> edit by zed",
+        ">>> reject by zed",
+        ">>> hint by zed",
+        ">>> limits by zed",
+        ">>> pause by zed",
+    ):
+        assert line in out, out
+    assert ">>> resume by zed" in out and ">>> finish by zed" in out

@@ -797,11 +797,7 @@ class EpisodeWorkflow:
             outcome.notes.append(steering.CELLS_SKIPPED.format(cell=cell, sender=decision.sender))
             return None
         if decision.code is not None:
-            outcome.notes.append(
-                steering.CELL_EDITED.format(
-                    cell=cell, sender=decision.sender, fence=request.code_fences[0], code=decision.code
-                )
-            )
+            outcome.notes.append(steering.CELL_EDITED.format(cell=cell, sender=decision.sender))
             return decision.code
         return code
 

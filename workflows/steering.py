@@ -30,8 +30,8 @@ CELLS_SKIPPED = (
     "cell {cell}. Take their reason into account and continue."
 )
 CELL_EDITED = (
-    "Cell {cell} was edited by {sender} before it ran; this is the code that ran (and that "
-    "the REPL state follows):\n```{fence}\n{code}\n```"
+    "Cell {cell} was edited by {sender} before it ran: the code shown for it above is the code "
+    "that ran (and that the REPL state follows), not the code you wrote."
 )
 
 
