@@ -461,6 +461,7 @@ async def test_the_command_line_supervises_an_episode(
     episode_id = f"steer-cli-{uuid.uuid4().hex[:6]}"
     handle = await start_episode(client, request_for(server, approve="risky"), workers.queue, episode_id)
     drlm = Cli(tmp_path, temporal_address, session_dir)
+    watcher = await drlm.start("watch", episode_id, "--plain")
 
     # Cell 1 ran at once (nothing risky); cell 2 imports socket and waits.
     await until(client, episode_id, waiting(2))
@@ -511,6 +512,11 @@ async def test_the_command_line_supervises_an_episode(
     report = json.loads(out)
     assert report["ended_by"] == "finish_requested" and report["answer"] == "edited"
     await handle.result()
+    code, out, err = await Cli.finish(watcher)
+    assert code == 4, err
+    assert "`drlm approve " + f"{episode_id}#2 [--edit FILE]`" in err  # told what to do
+    for line in ("gate by drlm: cell 2 waits for approval", "edit by zed: cell 2", "reject by zed: cell 3"):
+        assert line in err, err
 
     observed = server.root_requests()[2].last_user
     assert "print('edited')" in observed and "\nedited\n" in observed and "import socket" not in observed
@@ -526,3 +532,58 @@ async def test_the_command_line_supervises_an_episode(
     ):
         assert line in out, out
     assert ">>> resume by zed" in out and ">>> finish by zed" in out
+
+
+async def test_a_child_episodes_cells_wait_for_approval_too(client, scripted, workers) -> None:
+    from tests.test_recursion import by_model, tree_request
+
+    server = scripted(
+        by_model(
+            {
+                "root-m": ["```repl\nanswer = rlm_query('count', model='child-m')\n```", "FINAL_VAR(answer)"],
+                "child-m": ["```repl\nimport socket\nn = 3\n```", "FINAL_VAR(n)"],
+            }
+        )
+    )
+    request = tree_request(server, "delegate", ["child-m"], max_depth=2, approve="risky")
+    episode_id = f"steer-tree-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(client, request, workers.queue, episode_id)
+    child_id = f"{episode_id}/1.0"
+    deadline = time.monotonic() + 40
+    while not [p for p in await pending_cells(client) if p.episode_id == child_id]:
+        assert time.monotonic() < deadline, "the child's cell never waited"
+        await asyncio.sleep(0.2)
+    # The parent's cell (an rlm_query) ran at once; the child's imports socket and waits.
+    waiting_child = (await progress_of(client, child_id)).pending_cell
+    assert waiting_child is not None and waiting_child.mode == "risky"
+    assert waiting_child.reasons == ["line 1: imports socket (network or native code)"]
+    assert (await progress_of(client, episode_id)).pending_cell is None
+    assert (await decide_cell(client, child_id, True, "hal")).accepted
+    result = await asyncio.wait_for(handle.result(), 40)
+    assert result.answer == "3"
+
+
+async def test_max_duration_keeps_counting_through_a_pause_unless_held(
+    skipping_env, store, session_dir: Path, scripted
+) -> None:
+    server = scripted(
+        root_and_sub(
+            ["```repl\nx = 1\n```", "```repl\nx += 1\n```"],
+            extract=lambda prompt: '{"answer": "1", "_extraction_notes": ""}',
+        )
+    )
+    limits = EpisodeLimits(max_iterations=8, max_duration=timedelta(days=1), cell_timeout_s=10)
+    client = skipping_env.client
+    settings = Settings(task_queue=f"skip-{uuid.uuid4().hex[:6]}", data_dir=session_dir)
+    episode_id = f"steer-clock-{uuid.uuid4().hex[:6]}"
+    async with running_workers(Services(settings, store[0], store[1], client)):
+        handle = await start_episode(
+            client, request_for(server, limits=limits, approve="all"), settings.task_queue, episode_id
+        )
+        await until(client, episode_id, waiting(1))
+        assert (await pause_episode(client, episode_id, "ida")).accepted
+        await until(client, episode_id, lambda p: p.held is not None and p.phase.startswith("paused"))
+        await skipping_env.sleep(timedelta(days=2))
+        result = await asyncio.wait_for(handle.result(), 60)
+    assert result.ended_by == "max_duration" and result.answer == "1"  # the durable timer fired
+    assert result.iterations == 1 and len(server.root_requests()) == 1  # nothing ran after the pause

@@ -343,9 +343,9 @@ class EpisodeWorkflow:
     @workflow.update(name=names.RESUME)
     def resume(self, update: ResumeUpdate) -> SteeringReceipt:
         held, since = self._held, self._held_since
-        assert held is not None and since is not None and self._s is not None
+        assert held is not None and since is not None
         paused_for = workflow.now() - since
-        if held.hold_clock and self._steering:
+        if held.hold_clock and self._s is not None:
             self._s.deadline += paused_for  # the pause did not count against max_duration
             self._deadline_epoch += 1
         self._held = self._held_since = None
@@ -396,6 +396,8 @@ class EpisodeWorkflow:
     def _refuse_if_over(self, what: str) -> None:
         if self._finished or self._closing:
             raise ValueError(f"the episode has already ended or is closing; the {what} changed nothing")
+        if self._request is not None and not self._steering:
+            raise ValueError(f"the episode began before steering existed; the {what} changed nothing")
 
     def _record(self, kind: str, sender: str, detail: str, effect: str) -> SteeringReceipt:
         """Log an action the workflow accepted; the receipt tells the sender what happens."""
@@ -734,7 +736,7 @@ class EpisodeWorkflow:
             )
         return None
 
-    async def _hold(self, request: EpisodeRequest) -> None:
+    async def _hold(self, request: EpisodeRequest, status: str = "running") -> None:
         """Paused by a person: the sandbox is closed (the next step rebuilds it from the
         log) and the workflow waits on a condition, so it holds no worker slot either."""
         assert self._repl is not None
@@ -746,7 +748,7 @@ class EpisodeWorkflow:
         await workflow.wait_condition(lambda: self._held is None or self._finish is not None)
         self._audit_actions(request)
         self._set_phase(phase)
-        self._show_progress("running")
+        self._show_progress(status)  # what it was before the pause
 
     async def _approved(self, request: EpisodeRequest, outcome: IterationOutcome, code: str) -> str | None:
         """The code to run for this cell: as written when it needs no approval, else as a
@@ -778,7 +780,7 @@ class EpisodeWorkflow:
                 )
                 if self._decision is not None or self._finish is not None:
                     break
-                await self._hold(request)  # the cell still waits, without a sandbox
+                await self._hold(request, "awaiting approval")  # the cell still waits, without a sandbox
         finally:  # plain state only: on eviction this runs outside the workflow's event loop
             self._pending_cell = None
         decision, self._decision = self._decision, None
