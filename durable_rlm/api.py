@@ -11,7 +11,9 @@ CLI (which is built on this class); with one it is a client only and `python wor
 does the work. `completion` blocks, `acompletion` awaits, and `start` (inside `async with
 rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, `reward()`,
 `retry_credentials()` (a refused key pauses an episode: `result()` raises EpisodeFailed
-with status "paused" and what to fix).
+with status "paused" and what to fix), and a person's steering: `hint()`, `set_limits()`,
+`pause()`, `resume()`, `finish_now()`, `pending_cell()`, `approve()`, `reject()` (each a
+validated Temporal update recorded with its sender; README "Supervising an episode").
 """
 
 from __future__ import annotations
