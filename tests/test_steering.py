@@ -587,3 +587,40 @@ async def test_max_duration_keeps_counting_through_a_pause_unless_held(
         result = await asyncio.wait_for(handle.result(), 60)
     assert result.ended_by == "max_duration" and result.answer == "1"  # the durable timer fired
     assert result.iterations == 1 and len(server.root_requests()) == 1  # nothing ran after the pause
+
+
+async def test_the_python_api_steers_an_episode(temporal_address, session_dir, scripted, workers) -> None:
+    from durable_rlm import DurableRLM
+
+    server = scripted(
+        root_and_sub(
+            ["```repl\nx = 2\n```", "```repl\nprint(x * 10)\n```", Reply(text="Done soon.", delay_s=1)],
+            extract=lambda prompt: '{"answer": "200", "_extraction_notes": ""}',
+        )
+    )
+    settings = Settings(temporal_address=temporal_address, task_queue=workers.queue, data_dir=session_dir)
+    async with DurableRLM("scripted", base_url=server.base_url, approve="all", settings=settings) as rlm:
+        episode = await rlm.start("some context", "What is x times a hundred?")
+
+        async def waiting_cell(number: int) -> None:
+            deadline = time.monotonic() + 30
+            while (cell := await episode.pending_cell()) is None or cell.cell != number:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+
+        await waiting_cell(1)
+        assert (await episode.approve(cell=1, sender="api")).accepted
+        await waiting_cell(2)
+        assert (await episode.hint("multiply by a hundred", sender="api")).accepted
+        assert (await episode.set_limits(max_iterations=12, max_duration=600, sender="api")).accepted
+        assert (await episode.pause(sender="api")).accepted
+        assert (await episode.resume(sender="api")).accepted
+        assert (await episode.approve(code="print(x * 100)", sender="api")).accepted
+        refused = await episode.reject("nothing waits now", sender="api")
+        assert not refused.accepted and "no cell waits" in refused.message
+        await calls_until(server, 3)
+        assert (await episode.finish_now("good enough", sender="api")).accepted
+        result = await episode.result()
+    assert result.ended_by == "finish_requested" and result.answer == "200"
+    observed = server.root_requests()[2].last_user
+    assert "200" in observed and "multiply by a hundred" in observed
