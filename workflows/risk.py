@@ -4,7 +4,11 @@ It runs in workflow code, so it is pure and deterministic: one `ast.parse` and o
 linear in the cell's size. It is static because nothing of the cell may run before the
 approval. It is a triage aid, not a boundary: the sandbox is the security boundary, and
 `--approve all` gates every cell. Flagged: file writes and deletes, processes, networking
-and native code, code chosen at run time, and loops without an end.
+and native code, code chosen at run time, and loops without an end (or with ten million turns or more, nested loops multiplied).
+
+What it flags decides which cells of a `risky` episode wait, so it is part of history:
+a change to it goes behind `workflow.patched()` like any other change to workflow code.
+Figures: bench/risk.py (about 1.2 ms per KB, 2-3x `ast.parse` alone).
 """
 
 from __future__ import annotations
@@ -27,6 +31,19 @@ _OS_PROCESS_PREFIXES = ("exec", "spawn", "posix_spawn")
 _PATH_WRITES = frozenset(
     {"write_text", "write_bytes", "unlink", "rmdir", "touch", "mkdir", "rename", "replace"}
 )
+_SHUTIL_WRITES = frozenset(
+    {
+        "copy", "copy2", "copyfile", "copytree", "copymode", "copystat", "move", "rmtree",
+        "chown", "make_archive", "unpack_archive",
+    }
+)  # fmt: skip
+_DATA_WRITES = frozenset(
+    {
+        "to_csv", "to_json", "to_parquet", "to_excel", "to_pickle", "to_hdf", "to_feather",
+        "to_sql", "savefig", "save", "savez", "savez_compressed", "savetxt", "tofile",
+    }
+)  # fmt: skip
+_STAR_WRITES = {"os": _OS_WRITES, "shutil": _SHUTIL_WRITES}
 _PROCESS_MODULES = frozenset({"subprocess", "multiprocessing", "pty", "signal", "pexpect"})
 _NATIVE_OR_NETWORK = frozenset(
     {
@@ -46,11 +63,12 @@ def assess(code: str) -> list[str]:
     try:
         tree = ast.parse(code)
     except SyntaxError as exc:
-        return [f"does not parse: {exc.msg} (line {exc.lineno})"]
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        return [f"does not parse: {exc.msg}{where}"]
     except (RecursionError, MemoryError):
         return ["too deeply nested to assess"]
-    except ValueError as exc:  # null bytes
-        return [f"cannot be parsed: {exc}"]
+    except ValueError as exc:  # null bytes, on Pythons before 3.12
+        return [f"does not parse: {exc}"]
     try:
         return _Assessor(tree).reasons()
     except RecursionError:
@@ -63,6 +81,7 @@ class _Assessor:
         self.modules: dict[str, str] = {}  # local name -> module it names
         self.names: dict[str, str] = {}  # local name -> "module.attr" it was imported as
         self.found: dict[str, tuple[int, int]] = {}  # reason -> where it first shows
+        self.parents: dict[ast.AST, ast.AST] = {}
 
     def reasons(self) -> list[str]:
         nodes = list(ast.walk(self.tree))
@@ -74,7 +93,13 @@ class _Assessor:
                     )
             elif isinstance(node, ast.ImportFrom) and node.module:
                 for alias in node.names:
-                    self.names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+                    if alias.name == "*":  # `from os import *`: its writing names come bare
+                        for leaf in _STAR_WRITES.get(node.module, ()):
+                            self.names.setdefault(leaf, f"{node.module}.{leaf}")
+                    else:
+                        self.names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            for child in ast.iter_child_nodes(node):
+                self.parents[child] = node
         for node in nodes:
             self._visit(node)
         reasons = sorted(self.found, key=self.found.__getitem__)
@@ -128,7 +153,8 @@ class _Assessor:
             elif leaf in _OS_PROCESSES or leaf.startswith(_OS_PROCESS_PREFIXES):
                 self._flag(node, f"starts or signals processes ({name})")
         elif name is not None and name.startswith("shutil."):
-            self._flag(node, f"writes or deletes files ({name})")
+            if name[7:] in _SHUTIL_WRITES:
+                self._flag(node, f"writes or deletes files ({name})")
         elif name is not None and name.split(".")[0] in _PROCESS_MODULES and "." in name:
             self._flag(node, f"starts processes ({name})")
         elif name in _DYNAMIC or name in ("importlib.import_module", "builtins.__import__"):
@@ -138,6 +164,8 @@ class _Assessor:
                 self._flag(node, f"runs code chosen at run time ({name} of a computed name)")
         elif attr in _PATH_WRITES:
             self._flag(node, f"writes or deletes files (.{attr})")
+        elif attr in _DATA_WRITES and (node.args or node.keywords):
+            self._flag(node, f"writes a file (.{attr})")
 
     def _open(self, node: ast.Call) -> None:
         mode: ast.expr | None = node.args[1] if len(node.args) > 1 else None
@@ -164,16 +192,66 @@ class _Assessor:
             self._flag(node, f"loop without an end ({name})")
         elif name == "range":
             count = _range_length(source)
-            if count is not None and count >= LONG_LOOP:
-                self._flag(node, f"very long loop ({count:,} iterations)")
+            if count is None:
+                return
+            total, outer = count, self.parents.get(node)
+            while outer is not None:  # nested loops multiply: range(10**4) inside range(10**4)
+                if isinstance(outer, ast.For) and isinstance(outer.iter, ast.Call):
+                    if self._qualified(outer.iter.func) == "range":
+                        total *= _range_length(outer.iter) or 1
+                outer = self.parents.get(outer)
+            if total >= LONG_LOOP:
+                nested = "" if total == count else " counting the loops around it"
+                self._flag(node, f"very long loop ({total:,} iterations{nested})")
+
+
+_HUGE = 10**30  # larger constants are all "huge"; clamping keeps the arithmetic cheap
+
+
+def _integer(node: ast.expr) -> int | None:
+    """A constant integer expression's value (`10**8`, `1_000 * 1_000`, `int(1e9)`), clamped."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+            return None
+        return max(-_HUGE, min(_HUGE, int(value))) if abs(value) != float("inf") else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _integer(node.operand)
+        return None if inner is None else -inner
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "int":
+        return _integer(node.args[0]) if len(node.args) == 1 and not node.keywords else None
+    if not isinstance(node, ast.BinOp):
+        return None
+    left, right = _integer(node.left), _integer(node.right)
+    if left is None or right is None:
+        return None
+    if isinstance(node.op, ast.Pow):
+        if right < 0:
+            return None
+        if abs(left) <= 1 or right <= 100:  # cheap: at most 100 multiplications of clamped values
+            value = left**right
+        else:
+            value = _HUGE if left > 0 or right % 2 == 0 else -_HUGE
+    elif isinstance(node.op, ast.Add):
+        value = left + right
+    elif isinstance(node.op, ast.Sub):
+        value = left - right
+    elif isinstance(node.op, ast.Mult):
+        value = left * right
+    elif isinstance(node.op, ast.FloorDiv) and right:
+        value = left // right
+    else:
+        return None
+    return max(-_HUGE, min(_HUGE, value))
 
 
 def _range_length(call: ast.Call) -> int | None:
     values = []
     for arg in call.args:
-        if not isinstance(arg, ast.Constant) or not isinstance(arg.value, int) or isinstance(arg.value, bool):
+        value = _integer(arg)
+        if value is None:
             return None
-        values.append(arg.value)
+        values.append(value)
     if len(values) == 1:
         return max(values[0], 0)
     if len(values) in (2, 3):
