@@ -4,7 +4,8 @@ It runs in workflow code, so it is pure and deterministic: one `ast.parse` and o
 linear in the cell's size. It is static because nothing of the cell may run before the
 approval. It is a triage aid, not a boundary: the sandbox is the security boundary, and
 `--approve all` gates every cell. Flagged: file writes and deletes, processes, networking
-and native code, code chosen at run time, and loops without an end (or with ten million turns or more, nested loops multiplied).
+and native code, code chosen at run time, and loops without an end or of ten million turns
+or more (nested loops multiplied).
 
 What it flags decides which cells of a `risky` episode wait, so it is part of history:
 a change to it goes behind `workflow.patched()` like any other change to workflow code.
