@@ -220,6 +220,8 @@ def episode_rows(record: AuditEpisodeInput) -> list[Row]:
         "sub_model": record.sub_model,
         "parent_id": record.parent_id,
         "depth": record.depth,
+        "forked_from": record.forked_from,
+        "forked_at": record.forked_at,
         "limits": record.limits,
     }
     if record.started_at is not None:

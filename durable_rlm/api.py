@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -304,6 +305,46 @@ class DurableRLM:
             services.client, self.request(ref, root_prompt), self.settings.task_queue, episode_id
         )
         return Episode(services, handle)
+
+    async def fork(
+        self,
+        source_id: str,
+        at: int,
+        *,
+        episode_id: str | None = None,
+        model: str | None = None,
+        base_url: str | None = None,
+        sub_model: str | None = None,
+        sub_base_url: str | None = None,
+        policy: str | None = None,
+        policy_config: dict[str, Any] | None = None,
+        max_iterations: int | None = None,
+        max_duration: timedelta | None = None,
+    ) -> Episode:
+        """A new episode from `source_id`'s state after iteration `at` (`drlm fork`): the
+        first `at` iterations are inherited, not paid again; the source is not touched.
+        Settings left None are the source's, not this DurableRLM's."""
+        if self._services is None:
+            raise ConfigurationError("fork() needs an open session: use `async with rlm:` around it")
+        from durable_rlm.forking import fork_episode
+
+        handle, _ = await fork_episode(
+            self._services.client,
+            self.settings.task_queue,
+            source_id,
+            at,
+            episode_id=episode_id,
+            model=model,
+            base_url=base_url,
+            sub_model=sub_model,
+            sub_base_url=sub_base_url,
+            policy=policy,
+            policy_config=policy_config,
+            max_iterations=max_iterations,
+            max_duration=max_duration,
+            settings=self.settings,
+        )
+        return Episode(self._services, handle)
 
     async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
         """Run an episode to its end. Raises EpisodeFailed when it ends without a result."""

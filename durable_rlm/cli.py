@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     deployment.add_argument("percent", nargs="?", type=float, help="of new episodes (ramp)")
     deployment.add_argument("--name", help="the deployment (default: DRLM_DEPLOYMENT_NAME)")
 
+    _time_travel_parsers(sub)
+
     export = sub.add_parser("export", help="write an episode as an rlms trajectory log or as JSON")
     export.add_argument("episode_id")
     export.add_argument("--format", choices=("rlms", "json"), default="rlms")
@@ -325,6 +327,28 @@ def _steering_parsers(sub: Any) -> None:
     reject.add_argument("approval_id", metavar="ID", help="EPISODE#CELL, or an episode id: its waiting cell")
     reject.add_argument("--reason", required=True, help="what the model reads")
     _sender_arg(reject)
+
+
+def _time_travel_parsers(sub: Any) -> None:
+    """Forks of past episodes, and re-runs of recorded ones against the current code."""
+    fork = sub.add_parser(
+        "fork",
+        help="a new episode from another's state after iteration K (the first K are not paid again)",
+    )
+    fork.add_argument("episode_id", help="the source episode")
+    fork.add_argument("--at", type=int, required=True, metavar="K", help="the last iteration it inherits")
+    fork.add_argument("--model", help="the root model from K+1 on (default: the source's)")
+    fork.add_argument("--base-url", help="the root model's endpoint (default: the source's)")
+    fork.add_argument("--sub-model", help="the sub-model from K+1 on")
+    fork.add_argument("--sub-base-url", help="the sub-model's endpoint")
+    fork.add_argument("--policy", help="the termination policy from K+1 on")
+    fork.add_argument("--policy-config", type=_json_object, help="its settings, a JSON object")
+    fork.add_argument("--max-iterations", type=int, help="more than K")
+    fork.add_argument("--max-duration", type=float, help="seconds, counting what the source spent up to K")
+    fork.add_argument("--id", help="the fork's episode id (default: SOURCE-forkK-xxxx)")
+    fork.add_argument("--no-wait", action="store_true", help="print the fork's id and return")
+    fork.add_argument("--json", action="store_true", help="print the end as JSON")
+    fork.add_argument("--accept-extracted", action="store_true", help="exit 0 for an extracted answer too")
 
 
 def _sender_arg(parser: argparse.ArgumentParser) -> None:
@@ -973,6 +997,21 @@ async def _cancelled(services: Services, args: argparse.Namespace, outcome: Canc
     return EXIT_OK if code == EXIT_CANCELLED else code
 
 
+async def _fork(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.episodes import follow
+    from durable_rlm.forking import fork_command
+    from durable_rlm.runtime import session
+
+    async with session(settings, work=not args.no_wait) as services:
+        handle = await fork_command(services, settings, args, None if args.json else _stderr)
+        if args.no_wait:
+            print(handle.id)
+            return EXIT_OK
+        _FOLLOWING.append(handle.id)
+        end = await follow(handle, None if args.json else _stderr)
+    return _print_end(end, args.json, args.accept_extracted)
+
+
 async def _export(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.export import export_command
 
@@ -1020,7 +1059,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
     # The metrics endpoint is a worker's (python worker.py): CLI processes, many at once,
     # would contend for its port.
     settings = Settings.from_env().model_copy(update={"metrics_address": None})
-    if args.command in ("run", "demo"):
+    if args.command in ("run", "demo", "fork", "rerun"):
         from durable_rlm.runtime import import_policy_modules
         from durable_rlm.tools import import_tool_modules
 
@@ -1063,6 +1102,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         "cancel": _cancel,
         "list": _list,
         "export": _export,
+        "fork": _fork,
         "deployment": _deployment,
         "hint": _steer,
         "limits": _steer,

@@ -21,7 +21,7 @@ from durable_rlm.blobs import BlobStore
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.settings import Settings
 from durable_rlm.timeline import CellView, ChildView, SubCall, Timeline
-from workflows.models import EpisodeRequest, Message, TokenUsage
+from workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage
 
 FORMATS = ("rlms", "json")
 ENVIRONMENT_TYPE = "local"
@@ -83,7 +83,9 @@ def run_metadata(timeline: Timeline) -> dict[str, Any]:
     backend_kwargs: dict[str, Any] = {"model_name": model.model}
     if model.base_url:
         backend_kwargs["base_url"] = _public_url(model.base_url)
+    fork = {"forked_from": _fork(request.fork)} if request.fork is not None else {}
     return {
+        **fork,
         "root_model": model.model,
         "max_depth": request.max_depth,
         "max_iterations": request.limits.max_iterations,
@@ -93,6 +95,10 @@ def run_metadata(timeline: Timeline) -> dict[str, Any]:
         "environment_kwargs": {},
         "other_backends": [request.sub_model.provider] if request.sub_model is not None else None,
     }
+
+
+def _fork(fork: ForkOrigin) -> dict[str, Any]:
+    return {"episode_id": fork.source_id, "iteration": fork.iteration, "changes": fork.changes}
 
 
 def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, Any]]:
@@ -109,6 +115,8 @@ def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, An
             "code_blocks": [code_block(cell, blobs) for cell in it.cells],
             "final_answer": final if number == last else None,
             "iteration_time": _seconds(it.started_at, it.ended_at),
+            # A fork's iterations up to its branch ran in its source: marked, not re-run.
+            **({"inherited_from": it.inherited_from} if it.inherited_from else {}),
         }
         for number, it in enumerate(timeline.iterations, start=1)
     ]

@@ -50,6 +50,9 @@ episodes = sa.Table(
     sa.Column("cost_usd", sa.Float),  # null: a call's price was unknown
     sa.Column("model_time_s", sa.Float),
     sa.Column("tree_episodes", sa.Integer),
+    # Since 0007: a fork's source and the last iteration it inherited.
+    sa.Column("forked_from", sa.String(200), index=True),
+    sa.Column("forked_at", sa.Integer),
 )
 
 # Call granularity (0004): written by each step's activity as it completes, keyed so a
@@ -146,4 +149,4 @@ store_facts = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0006"  # alembic head; a test checks they agree
+SCHEMA_REVISION = "0007"  # alembic head; a test checks they agree

@@ -28,6 +28,7 @@ from workflows.models import (
     EpisodeResult,
     ExecuteCellInput,
     FinishUpdate,
+    ForkOrigin,
     HintUpdate,
     LimitsUpdate,
     Message,
@@ -106,6 +107,9 @@ class IterationView(BaseModel):
     model_time_s: float = 0.0
     started_at: datetime | None = Field(default=None, description="its first model step was scheduled")
     ended_at: datetime | None = Field(default=None, description="its last step completed")
+    inherited_from: str | None = Field(
+        default=None, description="a fork's iteration up to its branch: the episode that ran it"
+    )
 
 
 class ActionView(BaseModel):
@@ -264,7 +268,23 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
             for child in cell.children:
                 with contextlib.suppress(LookupError):
                     child.timeline = await episode_timeline(client, child.episode_id)
+    fork = timeline.request.fork if timeline.request is not None else None
+    if fork is not None:
+        timeline.iterations[:0] = await _inherited(client, fork.source_id, fork.iteration, children)
     return timeline
+
+
+async def _inherited(client: Client, source_id: str, upto: int, children: bool) -> list[IterationView]:
+    """A fork's iterations up to its branch, as its source ran them (a source that is a
+    fork itself brings its own inherited ones); none when the source's history is gone."""
+    try:
+        source = await episode_timeline(client, source_id, children)
+    except LookupError:
+        return []
+    inherited = [it for it in source.iterations if it.iteration <= upto]
+    for it in inherited:
+        it.inherited_from = it.inherited_from or source_id
+    return inherited
 
 
 _UPDATES: dict[str, type[BaseModel]] = {
@@ -387,6 +407,12 @@ def _apply_result(
             cell.snapshot = value.snapshot or cell.snapshot
 
 
+def fork_line(fork: ForkOrigin) -> str:
+    changed = "; ".join(fork.changes) if fork.changes else "same settings"
+    running = ", which was still running" if fork.source_running else ""
+    return f"Forked from {fork.source_id} after iteration {fork.iteration}{running}: {changed}"
+
+
 def render(timeline: Timeline, width: int = 2_000) -> str:
     """The timeline as text for a person: each iteration's response, code, output, calls."""
 
@@ -396,11 +422,17 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
 
     lines = [f"Episode {timeline.episode_id}: {timeline.status} ({timeline.runs} run(s))"]
     lines.append(f"Task: {clip(timeline.task)}")
+    fork = timeline.request.fork if timeline.request is not None else None
+    if fork is not None:
+        lines.append(fork_line(fork))
     actions = sorted(timeline.actions, key=lambda a: a.at)
     for it in timeline.iterations:
         lines.extend(_action_lines(a, clip) for a in actions if a.iteration < it.iteration)
         actions = [a for a in actions if a.iteration >= it.iteration]
-        lines.append(f"\n=== iteration {it.iteration} ===")
+        inherited = f" (inherited from {it.inherited_from})" if it.inherited_from else ""
+        lines.append(f"\n=== iteration {it.iteration}{inherited} ===")
+        if fork is not None and it.iteration == fork.iteration + 1 and not it.inherited_from:
+            lines.append(f"--- {timeline.episode_id} branches here from {fork.source_id} ---")
         for compaction in it.compactions:
             lines.append("compacted: " + clip(compaction))
         if it.model_error:

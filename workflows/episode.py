@@ -33,7 +33,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import defaults, legacy, metadata, names, prompts, steering
+    from workflows import defaults, forks, legacy, metadata, names, prompts, steering
     from workflows.budget import cost_spent, extraction_refusal, root_call_limit
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
@@ -166,9 +166,13 @@ class EpisodeWorkflow:
             raise ApplicationError(
                 f"invalid episode request: {exc}", type=names.INVALID_REQUEST, non_retryable=True
             ) from exc
+        # A fork's first run starts from its source's state; its later runs carry their own.
+        forked_now = request.fork is not None and workflow.info().continued_run_id is None
         self._s = request.carry or self._first_state(request)
+        if forked_now:
+            self._s = forks.starting_state(request, workflow.info().workflow_start_time)
         if request.carry is not None:
-            self._policy.set_state(request.carry.policy_state)
+            self._policy.set_state(self._s.policy_state)
         self._depth = request.depth
         limits = request.limits
         if limits.max_tokens is not None or limits.max_cost_usd is not None:
@@ -204,10 +208,11 @@ class EpisodeWorkflow:
 
         try:
             self._audit_aside = workflow.patched(names.PATCH_AUDIT_ASIDE)
-            if request.carry is None and self._audit_aside:
+            opening = request.carry is None or forked_now
+            if opening and self._audit_aside:
                 # The episode's row is written beside the loop: a slow store delays nothing.
                 self._opening_audit = asyncio.ensure_future(self._audit(request, "running"))
-            elif request.carry is None:
+            elif opening:
                 await self._audit(request, "running")
             ending = await self._episode(request)
         except asyncio.CancelledError:
@@ -567,8 +572,7 @@ class EpisodeWorkflow:
                 s.pending = steering.with_hints(s.pending, self._hint_inbox)
                 self._hint_inbox = []
             if workflow.info().is_continue_as_new_suggested() and self._cancel is None:
-                s.reward_inbox, s.rewards_received = self._reward_inbox, self._rewards_received
-                s.rewards = self._reward_log[-defaults.AUDITED_REWARDS :]
+                s.reward_inbox, s.rewards_received, s.rewards = self._reward_state()
                 s.actions, s.actions_total = steering.keep_latest(self._actions), self._actions_total
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
@@ -582,10 +586,13 @@ class EpisodeWorkflow:
             ending = policy_ending(
                 outcome, decision, request.termination.name, action.action_type, fields, s.sub_calls
             )
+            declined = request.termination.name if ending is None and outcome.answer is not None else None
+            turn = next_turn(outcome, request.code_fences[0], limits.output_truncation, declined)
+            if self._probing:
+                self._iteration_ended(forks.boundary(s, turn, self._reward_state(), self._elapsed(request)))
             if ending is not None:
                 return ending
-            declined = request.termination.name if outcome.answer is not None else None
-            s.pending.extend(next_turn(outcome, request.code_fences[0], limits.output_truncation, declined))
+            s.pending.extend(turn)
 
     # --- ask --------------------------------------------------------------------------------
 
@@ -1033,6 +1040,8 @@ class EpisodeWorkflow:
                     error=error,
                     sub_model=request.effective_sub_model.model,
                     parent_id=request.parent.episode_id if request.parent else None,
+                    forked_from=request.fork.source_id if request.fork else None,
+                    forked_at=request.fork.iteration if request.fork else None,
                     depth=request.depth,
                     limits=request.limits.model_dump_json(exclude_none=True),
                     started_at=info.workflow_start_time,  # the first run's: the episode's start
@@ -1101,6 +1110,15 @@ class EpisodeWorkflow:
         s = self._s
         updates = metadata.progress_updates(status, s.iteration, s.usage.total_tokens, ended_by, source)
         workflow.upsert_search_attributes(updates)
+
+    def _reward_state(self) -> tuple[float, int, list[RewardRecord]]:
+        """(inbox, received, latest) of the rewards: what a next run or a fork carries."""
+        return self._reward_inbox, self._rewards_received, self._reward_log[-defaults.AUDITED_REWARDS :]
+
+    _probing = False  # set by durable_rlm/forking.py's replay, which reads each iteration's end
+
+    def _iteration_ended(self, state: forks.Boundary) -> None:
+        """The state after an iteration, as a fork would start from it (a replay hook)."""
 
     def _elapsed(self, request: EpisodeRequest) -> timedelta:
         started = self._state.deadline - request.limits.max_duration

@@ -245,6 +245,17 @@ class ParentLink(StrictModel):
     call_index: int
 
 
+class ForkOrigin(StrictModel):
+    """Where a fork branched: its source's state after `iteration` is its starting state."""
+
+    source_id: str = Field(min_length=1)
+    source_run_id: str = Field(description="the source's run whose history gave the state")
+    iteration: int = Field(ge=1, description="the last iteration inherited from the source")
+    elapsed_s: float = Field(ge=0, description="max_duration the source had spent by then")
+    source_running: bool = Field(default=False, description="the source had not ended when forked")
+    changes: list[str] = Field(default_factory=list, description="settings the fork changed, for people")
+
+
 class EpisodeRequest(StrictModel):
     task: str
     context: ContextRef | None = None
@@ -285,6 +296,9 @@ class EpisodeRequest(StrictModel):
     )
     carry: EpisodeCarry | None = Field(
         default=None, description="set by continue-as-new to hand the loop's state over; leave empty"
+    )
+    fork: ForkOrigin | None = Field(
+        default=None, description="set by `drlm fork`: carry is then the source's state at the branch"
     )
 
     @field_validator("task")
@@ -970,6 +984,8 @@ class AuditEpisodeInput(StrictModel):
     started_at: datetime | None = Field(default=None, description="when the episode's first run started")
     ended_at: datetime | None = Field(default=None, description="set when it ends")
     events: list[AuditEvent] = Field(default_factory=list)
+    forked_from: str | None = None
+    forked_at: int | None = Field(default=None, description="the source's last inherited iteration")
 
 
 # --- workflow state ----------------------------------------------------------------------------

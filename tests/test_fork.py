@@ -1,0 +1,232 @@
+"""Time travel (1): `drlm fork` starts a new episode from another's state after iteration
+K, on the real dev server: the REPL rebuilt from the cell log, no model called for the
+first K iterations (the scripted servers count), the source's history and audit rows
+untouched."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from durable_rlm import schema
+from durable_rlm.export import export_text
+from durable_rlm.forking import ForkError, describe_fork, fork_episode, fork_point
+from durable_rlm.scripted import ChatRequest, Reply, root_and_sub
+from durable_rlm.timeline import episode_timeline, render
+from tests.conftest import request_for, run_episode
+from tests.test_steering import Cli, Workers, until, waiting
+from workflows.models import EpisodeResult
+
+SOURCE_TURNS = [
+    "```repl\nx = 6\nprint('x is', x)\n```",
+    "```repl\ny = x * 7\nhalf = llm_query(f'half of {y}')\nprint(half)\n```",
+    "```repl\nz = y + 1\nprint(z)\n```",
+    "FINAL_VAR(z)",
+]
+
+
+def _halves(prompt: str) -> str:
+    return str(int(prompt.rsplit(" ", 1)[-1]) // 2)
+
+
+def _roots(server: Any) -> list[ChatRequest]:
+    return [r for r in server.requests if r.is_root]
+
+
+def _subs(server: Any) -> list[ChatRequest]:
+    return [r for r in server.requests if not r.is_root]
+
+
+def _audit_of(engine: sa.Engine, episode_id: str) -> dict[str, list[tuple]]:
+    tables = {
+        "episodes": schema.episodes,
+        "iterations": schema.iterations,
+        "calls": schema.model_calls,
+        "cells": schema.cells,
+        "events": schema.events,
+    }
+    with engine.connect() as db:
+        return {
+            name: sorted(
+                tuple(v for k, v in row._mapping.items() if k != "updated_at")
+                for row in db.execute(sa.select(table).where(table.c.episode_id == episode_id))
+            )
+            for name, table in tables.items()
+        }
+
+
+async def _source(client, server, queue: str) -> tuple[str, EpisodeResult]:
+    source_id = f"fork-src-{uuid.uuid4().hex[:6]}"
+    return source_id, await run_episode(client, request_for(server), queue, source_id)
+
+
+async def test_a_fork_at_the_last_iteration_reaches_the_source_s_state(
+    client, scripted, worker, store
+) -> None:
+    blobs, engine = store
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    source_id, source = await _source(client, server, worker.task_queue)
+    assert source.answer == "43" and source.iterations == 4 and source.sub_calls == 1
+    source_events = len((await client.get_workflow_handle(source_id).fetch_history()).events)
+    source_rows = _audit_of(engine, source_id)
+    last_source_call = _roots(server)[-1]
+    roots, subs = len(_roots(server)), len(_subs(server))
+
+    handle, point = await fork_episode(client, worker.task_queue, source_id, 4)
+    fork = await handle.result()
+
+    # The fork starts where the source ended: the REPL rebuilt from the cell log (z, and
+    # the sub-call's answer, without calling it again), every counter carried over ...
+    assert point.state.iteration == 4 and point.state.conversation is not None
+    assert fork.answer == "43" and fork.iterations == 5
+    assert fork.sub_calls == source.sub_calls and fork.model_calls == source.model_calls + 1
+    assert fork.usage.prompt_tokens > source.usage.prompt_tokens
+    # ... and its one model call is the conversation the source had, and what followed.
+    assert len(_roots(server)) == roots + 1 and len(_subs(server)) == subs
+    first = _roots(server)[-1]
+    assert first.messages[: len(last_source_call.messages)] == last_source_call.messages
+    assert first.messages[len(last_source_call.messages)] == {"role": "assistant", "content": "FINAL_VAR(z)"}
+    assert first.turn == 4
+
+    # The source is untouched: its history and its audit rows.
+    assert len((await client.get_workflow_handle(source_id).fetch_history()).events) == source_events
+    assert _audit_of(engine, source_id) == source_rows
+    fork_rows = _audit_of(engine, handle.id)
+    (row,) = fork_rows["episodes"]
+    with engine.connect() as db:
+        forked = db.execute(
+            sa.select(schema.episodes.c.forked_from, schema.episodes.c.forked_at).where(
+                schema.episodes.c.episode_id == handle.id
+            )
+        ).one()
+    assert tuple(forked) == (source_id, 4)
+    assert [r[1] for r in fork_rows["iterations"]] == [5]  # its own iterations only
+
+    # Its timeline shows the branch; its export holds the inherited iterations, marked.
+    timeline = await episode_timeline(client, handle.id)
+    assert [it.iteration for it in timeline.iterations] == [1, 2, 3, 4, 5]
+    assert [it.inherited_from for it in timeline.iterations] == [source_id] * 4 + [None]
+    text = render(timeline)
+    assert f"Forked from {source_id} after iteration 4: same settings" in text
+    assert f"=== iteration 4 (inherited from {source_id}) ===" in text
+    assert f"--- {handle.id} branches here from {source_id} ---" in text.split("=== iteration 5 ===")[1]
+    lines = [json.loads(line) for line in export_text(timeline, blobs, "rlms").splitlines()]
+    assert lines[0]["forked_from"] == {"episode_id": source_id, "iteration": 4, "changes": []}
+    assert [e.get("inherited_from") for e in lines[1:]] == [source_id] * 4 + [None]
+    assert lines[-1]["final_answer"] == "43"
+
+
+async def test_a_fork_with_another_model_diverges_after_k(client, scripted, worker) -> None:
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    source_id, source = await _source(client, server, worker.task_queue)
+    roots, subs = len(_roots(server)), len(_subs(server))
+    other = scripted(
+        root_and_sub(
+            [
+                Reply(status=500, error="iterations 1 and 2 are inherited: never asked"),
+                Reply(status=500, error="never asked"),
+                "```repl\nprint('fork sees', x, y, half)\n```",
+                "FINAL(fork: {y} then {half})".replace("{y}", "42").replace("{half}", "21"),
+            ]
+        )
+    )
+    handle, point = await fork_episode(
+        client, worker.task_queue, source_id, 2, model="other-model", base_url=other.base_url
+    )
+    fork = await handle.result()
+    assert describe_fork(point) == f"forked from {source_id} at iteration 2: model scripted -> other-model"
+    assert fork.answer == "fork: 42 then 21" and fork.answer != source.answer
+    # The new model is called from iteration 3 on only; the source's model never again.
+    assert [r.turn for r in _roots(other)] == [2, 3] and not _subs(other)
+    assert (len(_roots(server)), len(_subs(server))) == (roots, subs)
+    seen = _roots(other)[1].messages[-1]["content"]
+    assert "fork sees 6 42 21" in seen  # x, y and the recorded sub-call answer, rebuilt
+    assert fork.iterations == 4 and fork.sub_calls == 1  # the inherited sub-call counts
+    timeline = await episode_timeline(client, handle.id)
+    assert [it.inherited_from for it in timeline.iterations] == [source_id, source_id, None, None]
+    assert timeline.iterations[2].model == "other-model"
+    # The source still reads as it ended.
+    assert (await client.get_workflow_handle(source_id, result_type=EpisodeResult).result()).answer == "43"
+
+
+async def test_bad_forks_are_refused_before_anything_starts(client, scripted, worker) -> None:
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    source_id, _ = await _source(client, server, worker.task_queue)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"source_id": "no-such-episode", "at": 1}, "cannot fork 'no-such-episode': no episode with that id"),
+        ({"at": 0}, "--at must be 1 or more"),
+        ({"at": 5}, "it has 4 finished iteration(s); --at takes 1 to 4"),
+        ({"at": 2, "max_iterations": 2}, "--max-iterations 2 leaves the fork no iteration after 2"),
+        ({"at": 2, "policy": "no_such_policy"}, "invalid fork: "),
+    ]
+    for changes, message in cases:
+        arguments = {"source_id": source_id, **changes}
+        with pytest.raises(ForkError) as caught:
+            await fork_episode(
+                client, worker.task_queue, arguments.pop("source_id"), arguments.pop("at"), **arguments
+            )
+        assert message in str(caught.value)
+    episodes = [e async for e in client.list_workflows(f'WorkflowId STARTS_WITH "{source_id}-fork"')]
+    assert episodes == []
+
+
+async def test_a_running_episode_forks_at_a_finished_iteration(client, scripted, store, session_dir) -> None:
+    workers = Workers(client, store, session_dir)
+    await workers.start()
+    try:
+        server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+        source_id = f"fork-live-{uuid.uuid4().hex[:6]}"
+        from durable_rlm.episodes import start_episode
+
+        await start_episode(client, request_for(server, approve="all"), workers.queue, source_id)
+        await until(client, source_id, waiting(1))
+        with pytest.raises(ForkError, match="has no finished iteration so far"):
+            await fork_point(client, source_id, 1)
+        from durable_rlm.steering import decide_cell
+
+        await decide_cell(client, f"{source_id}#1", True, "ann")
+        await until(client, source_id, waiting(2))
+        handle, point = await fork_episode(client, workers.queue, source_id, 1)
+        assert point.running and "still running" in describe_fork(point)
+        with pytest.raises(ForkError, match=r"1 finished iteration\(s\) so far \(it is still running\)"):
+            await fork_point(client, source_id, 2)
+        # The fork inherits the approval mode: its first cell waits for a person too.
+        await until(client, handle.id, waiting(2))
+        await client.get_workflow_handle(source_id).terminate("test over")
+        await handle.terminate("test over")
+    finally:
+        await workers.stop()
+
+
+async def test_the_command_line_forks_shows_and_exports(
+    client, scripted, worker, tmp_path: Path, temporal_address: str, session_dir: Path
+) -> None:
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    source_id, _ = await _source(client, server, worker.task_queue)
+    other = scripted(root_and_sub(["-", "-", "-", "FINAL(a different ending)"]))
+    drlm = Cli(tmp_path, temporal_address, session_dir)
+    drlm.env["DRLM_TASK_QUEUE"] = worker.task_queue
+    code, out, err = await drlm("fork", "no-such", "--at", "1")
+    assert code == 2 and "cannot fork 'no-such': no episode with that id" in err
+    code, out, err = await drlm("fork", source_id, "--at", "9")
+    assert code == 2 and "--at takes 1 to 4" in err
+    fork_id = f"{source_id}-cli"
+    code, out, err = await drlm(
+        "fork", source_id, "--at", "3", "--model", "m2", "--base-url", other.base_url, "--id", fork_id
+    )
+    assert code == 0, err
+    assert out.strip() == "a different ending"
+    assert f"episode {fork_id} started: forked from {source_id} at iteration 3: model scripted -> m2" in err
+    code, shown, err = await drlm("show", fork_id)
+    assert code == 0, err
+    assert f"Forked from {source_id} after iteration 3: model scripted -> m2" in shown
+    assert shown.count(f"(inherited from {source_id})") == 3
+    code, exported, err = await drlm("export", fork_id)
+    assert code == 0, err
+    entries = [json.loads(line) for line in exported.splitlines()]
+    assert [e.get("inherited_from") for e in entries[1:]] == [source_id] * 3 + [None]
