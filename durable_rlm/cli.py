@@ -350,6 +350,22 @@ def _time_travel_parsers(sub: Any) -> None:
     fork.add_argument("--json", action="store_true", help="print the end as JSON")
     fork.add_argument("--accept-extracted", action="store_true", help="exit 0 for an extracted answer too")
 
+    rerun = sub.add_parser(
+        "rerun",
+        help="re-run recorded episodes with the current code, every model call answered from the "
+        "recording (nothing is paid): which would now end differently? Exit 1 if any",
+    )
+    rerun.add_argument("episode_ids", nargs="+", metavar="ID", help="recorded episodes that ended")
+    rerun.add_argument("--policy", help="the termination policy to try (default: each source's own)")
+    rerun.add_argument("--policy-config", type=_json_object, help="its settings, a JSON object")
+    rerun.add_argument(
+        "--policy-scans-output",
+        action="store_true",
+        default=None,
+        help="hand the policy what cells printed (default: as each source did)",
+    )
+    rerun.add_argument("--json", action="store_true", help="one JSON report per line")
+
 
 def _sender_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -1012,6 +1028,27 @@ async def _fork(settings: Settings, args: argparse.Namespace) -> int:
     return _print_end(end, args.json, args.accept_extracted)
 
 
+async def _rerun(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.rerun import PolicyChange, RerunReport, report_table, rerun_episodes
+    from durable_rlm.runtime import session
+
+    change = PolicyChange(args.policy, args.policy_config, args.policy_scans_output)
+
+    def show(report: RerunReport) -> None:
+        if args.json:
+            print(report.model_dump_json(), flush=True)
+        else:
+            _stderr(f"{report.source_id}: {report.verdict}: {report.detail}")
+
+    async with session(settings) as services:
+        reports = await rerun_episodes(
+            services.client, services.blobs, settings.task_queue, args.episode_ids, change, show
+        )
+    if not args.json:
+        report_table(reports)
+    return EXIT_OK if all(r.verdict == "same" for r in reports) else EXIT_FAILED
+
+
 async def _export(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.export import export_command
 
@@ -1103,6 +1140,7 @@ async def _dispatch(args: argparse.Namespace) -> int:
         "list": _list,
         "export": _export,
         "fork": _fork,
+        "rerun": _rerun,
         "deployment": _deployment,
         "hint": _steer,
         "limits": _steer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,6 +165,7 @@ LATER = [
     "audit_aside",
     "sandboxes_busy",
     "steering",
+    "fork",
 ]  # recorded after the ui-metadata patch: they carry its marker too
 
 
@@ -177,7 +179,7 @@ def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
 def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
     # Since audit-aside the opening audit is scheduled with the first root call, in one task.
     for path in HISTORIES:
-        since = path.stem in ("audit_aside", "sandboxes_busy", "steering")  # recorded after the patch
+        since = path.stem in ("audit_aside", "sandboxes_busy", "steering", "fork")  # recorded after it
         assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
     assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
@@ -313,3 +315,27 @@ def test_the_steering_history_holds_every_kind_of_action() -> None:
     kinds = {("edit" if d.get("code") else "approve") if d["approve"] else "reject" for d in decisions}
     assert kinds == {"approve", "edit", "reject"}
     assert _has_patch_marker("steering.json", names.PATCH_STEERING)
+
+
+def test_the_fork_history_starts_from_its_source_s_state() -> None:
+    """fork.json (replayed above like every history): a fork after iteration 2 asks its
+    model for iteration 3 first, and its first cell rebuilds the REPL from the log."""
+    events = json.loads((HISTORIES[0].parent / "fork.json").read_text())["events"]
+    started = events[0]["workflowExecutionStartedEventAttributes"]["input"]["payloads"][0]["data"]
+    request = json.loads(base64.b64decode(started))
+    assert request["fork"]["source_id"] == "fork_source" and request["fork"]["iteration"] == 2
+    assert request["carry"]["iteration"] == 2 and request["carry"]["sub_calls"] == 1
+    roots = [
+        json.loads(
+            base64.b64decode(e["activityTaskScheduledEventAttributes"]["input"]["payloads"][0]["data"])
+        )
+        for e in events
+        if e.get("activityTaskScheduledEventAttributes", {}).get("activityType", {}).get("name")
+        == names.ROOT_COMPLETION
+    ]
+    assert [r["iteration"] for r in roots] == [3, 4]
+    payloads = [
+        base64.b64decode(p).decode() for p in re.findall(r'"data": "([A-Za-z0-9+/=]+)"', json.dumps(events))
+    ]
+    (cell,) = [p for p in payloads if '"rebuilt":true' in p]
+    assert '"x":"6","y":"SHOUT","z":"6 SHOUT"' in cell  # x and y came back from the log

@@ -426,6 +426,37 @@ async def record_steering(client: Client, only: set[str]) -> None:
         (HERE / "steering.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_fork(client: Client, only: set[str]) -> None:
+    """A fork: a source's state after iteration 2 (a sub-call's answer in its cell log),
+    continued by another model whose first cell needs the REPL rebuilt."""
+    if "fork" not in only:
+        return
+    from durable_rlm.forking import fork_episode
+
+    source_turns = [
+        "```repl\nx = 6\n```",
+        "```repl\ny = llm_query('shout')\n```",
+        "FINAL_VAR(y)",
+    ]
+    fork_turns = ["-", "-", "```repl\nz = f'{x} {y}'\n```", "FINAL_VAR(z)"]
+    with (
+        ScriptedModelServer(root_and_sub(source_turns, str.upper)) as server,
+        ScriptedModelServer(root_and_sub(fork_turns, str.upper)) as other,
+    ):
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            seed=1,
+        )
+        await save_history(client, "fork_source", request)
+        handle, _ = await fork_episode(
+            client, "record", "fork_source", 2, episode_id="fork", model="other", base_url=other.base_url
+        )
+        print("fork", await handle.result())
+        (HERE / "fork.json").write_text((await handle.fetch_history()).to_json())
+    (HERE / "fork_source.json").unlink()  # an ordinary episode: histories enough hold those
+
+
 async def record_sandboxes_busy(
     client: Client, blobs: BlobStore, engine: object, work: Path, only: set[str]
 ) -> None:
@@ -508,6 +539,7 @@ async def record(only: set[str]) -> None:
             await record_budgets(client, only)
             await record_audit_aside(client, only)
             await record_steering(client, only)
+            await record_fork(client, only)
         await record_sandboxes_busy(client, blobs, engine, work, only)
 
 
