@@ -66,7 +66,8 @@ async def test_rerun_with_the_same_policy_and_with_a_stricter_one(client, script
         ("same", None),
     ]
     assert stricter[0].detail.startswith(
-        f"diverged at iteration 2: the new code asked for root call 2 of {ids[0]}, which the recording does not have"
+        f"diverged at iteration 2: the new code asked for root call 2 of {ids[0]}, "
+        "which the recording does not have"
     )
     # The confidence policy asks the model for a confidence: the prompts changed, and say so.
     assert all(r.prompt_changed_at == 1 for r in stricter)
