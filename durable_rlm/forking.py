@@ -97,6 +97,9 @@ async def fork_point(client: Client, source_id: str, iteration: int) -> ForkPoin
         history = await handle.fetch_history()
         started = history.events[0].workflow_execution_started_event_attributes
         request = await decode(client, started.input, EpisodeRequest)
+        if request.fork is not None and request.carry is not None and iteration <= request.carry.iteration:
+            # A fork's inherited iterations ran in its source: the state there is the source's.
+            return await fork_point(client, request.fork.source_id, iteration)
         result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
         seen = _Probe.seen.pop(run.run_id, {})
         if result.replay_failure is not None and not seen:

@@ -230,3 +230,54 @@ async def test_the_command_line_forks_shows_and_exports(
     assert code == 0, err
     entries = [json.loads(line) for line in exported.splitlines()]
     assert [e.get("inherited_from") for e in entries[1:]] == [source_id] * 3 + [None]
+
+
+async def test_forks_across_continue_as_new_and_of_a_fork(session_dir: Path, store, blobs, scripted) -> None:
+    from temporalio.client import Client
+
+    from durable_rlm.codec import data_converter
+    from durable_rlm.runtime import EmbeddedServer
+    from tests.conftest import workers_for
+
+    counting = [f"```repl\ncount = globals().get('count', 0) + {n}\nprint(count)\n```" for n in range(1, 6)]
+    server = scripted(root_and_sub([*counting, "FINAL_VAR(count)"]))
+    args = ("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20")
+    async with EmbeddedServer(session_dir / "fork-can.sqlite", extra_args=args) as address:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        async with workers_for(client, store, session_dir, "fork-can"):
+            source_id = f"fork-can-{uuid.uuid4().hex[:6]}"
+            source = await run_episode(client, request_for(server), "fork-can", source_id)
+            assert source.answer == "15"
+            timeline = await episode_timeline(client, source_id)
+            assert timeline.runs > 2  # the iterations forked below lie in different runs
+            ending = scripted(root_and_sub(["FINAL_VAR(count)"]))
+            answers = {}
+            for at in (1, 3, 5):
+                handle, point = await fork_episode(
+                    client, "fork-can", source_id, at, model="end-now", base_url=ending.base_url
+                )
+                answers[at] = (await handle.result()).answer
+                assert point.state.iteration == at
+            # count after iteration K is 1 + 2 + ... + K, whichever run K fell in.
+            assert answers == {1: "1", 3: "6", 5: "15"}
+            runs_of = {
+                p.iteration: p.run_id for p in [await fork_point(client, source_id, k) for k in (1, 5)]
+            }
+            assert runs_of[1] != runs_of[5]
+
+            # A fork of a fork: at its own iterations, its state; at inherited ones, its source's.
+            more = scripted(root_and_sub(["-", "-", "```repl\ncount *= 10\n```", "FINAL_VAR(count)"]))
+            first, _ = await fork_episode(
+                client, "fork-can", source_id, 2, model="x10", base_url=more.base_url
+            )
+            assert (await first.result()).answer == "30"
+            inner = await fork_point(client, first.id, 3)
+            assert inner.source_id == first.id and inner.state.iteration == 3
+            outer = await fork_point(client, first.id, 1)
+            assert outer.source_id == source_id and outer.state.iteration == 1
+            handle, _ = await fork_episode(
+                client, "fork-can", first.id, 3, model="end", base_url=ending.base_url
+            )
+            assert (await handle.result()).answer == "30"
+            shown = await episode_timeline(client, handle.id)
+            assert [it.inherited_from for it in shown.iterations] == [source_id, source_id, first.id, None]
