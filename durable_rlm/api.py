@@ -23,7 +23,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -77,6 +77,9 @@ from workflows.models import (
     TerminationSpec,
 )
 from workflows.termination import PolicyError
+
+if TYPE_CHECKING:
+    from durable_rlm.rerun import RerunReport
 
 SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
 DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
@@ -345,6 +348,25 @@ class DurableRLM:
             settings=self.settings,
         )
         return Episode(self._services, handle)
+
+    async def rerun(
+        self,
+        source_ids: Sequence[str],
+        *,
+        policy: str | None = None,
+        policy_config: dict[str, Any] | None = None,
+        scan_printed_output: bool | None = None,
+    ) -> list[RerunReport]:
+        """Re-run recorded episodes with the current code, every model call answered from
+        the recording (`drlm rerun`): a report per episode, same / different / diverged.
+        Settings left None are each source's own."""
+        from durable_rlm.rerun import PolicyChange, rerun_episodes
+
+        change = PolicyChange(policy, policy_config, scan_printed_output)
+        async with self._session() as services:
+            return await rerun_episodes(
+                services.client, services.blobs, self.settings.task_queue, source_ids, change
+            )
 
     async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
         """Run an episode to its end. Raises EpisodeFailed when it ends without a result."""

@@ -131,7 +131,7 @@ async def test_a_fork_with_another_model_diverges_after_k(client, scripted, work
                 Reply(status=500, error="iterations 1 and 2 are inherited: never asked"),
                 Reply(status=500, error="never asked"),
                 "```repl\nprint('fork sees', x, y, half)\n```",
-                "FINAL(fork: {y} then {half})".replace("{y}", "42").replace("{half}", "21"),
+                "FINAL(fork: 42 then 21)",
             ]
         )
     )
@@ -281,3 +281,24 @@ async def test_forks_across_continue_as_new_and_of_a_fork(session_dir: Path, sto
             assert (await handle.result()).answer == "30"
             shown = await episode_timeline(client, handle.id)
             assert [it.inherited_from for it in shown.iterations] == [source_id, source_id, first.id, None]
+
+
+async def test_the_python_api_forks_and_reruns(
+    temporal_address, session_dir, client, scripted, worker
+) -> None:
+    from durable_rlm import DurableRLM
+    from durable_rlm.settings import Settings
+
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    settings = Settings(temporal_address=temporal_address, task_queue=worker.task_queue, data_dir=session_dir)
+    async with DurableRLM("scripted", base_url=server.base_url, settings=settings) as rlm:
+        source = await rlm.start("some context", "What is z?")
+        assert (await source.result()).answer == "43"
+        other = scripted(root_and_sub(["-", "```repl\nprint(x)\n```", "FINAL(x was 6)"]))
+        fork = await rlm.fork(source.id, 1, model="m2", base_url=other.base_url, max_iterations=5)
+        result = await fork.result()
+        assert (result.answer, result.iterations) == ("x was 6", 3)
+        with pytest.raises(ForkError, match="--at takes 1 to 4"):
+            await rlm.fork(source.id, 7)
+        reports = await rlm.rerun([source.id])
+        assert [(r.verdict, r.answer) for r in reports] == [("same", "43")]
