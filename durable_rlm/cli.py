@@ -1038,7 +1038,7 @@ async def _rerun(settings: Settings, args: argparse.Namespace) -> int:
         if args.json:
             print(report.model_dump_json(), flush=True)
         else:
-            _stderr(f"{report.source_id}: {report.verdict}: {report.detail}")
+            _stderr(f"{report.source_id}: {report.detail}")
 
     async with session(settings) as services:
         reports = await rerun_episodes(

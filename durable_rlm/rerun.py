@@ -15,6 +15,7 @@ that `drlm show` explains like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import secrets
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from durable_rlm.blobs import BlobStore
     from durable_rlm.timeline import Timeline
 
+DIVERGED_GRACE_S = 30.0  # a diverged re-run ends by itself within a step; then it is terminated
 NO_KEY = "DRLM_RERUN_NEEDS_NO_KEY"  # no variable of that name: the recording server takes none
 Verdict = Literal["same", "different", "diverged", "failed"]
 
@@ -288,9 +290,15 @@ async def _result_or_divergence(handle: Any, answerer: Answerer, timeout_s: floa
             return ending.result()
         except WorkflowFailureError:
             return None
-    ending.cancel()
-    reason = answerer.diverged or f"no end within {timeout_s:.0f} s"
-    await handle.terminate(f"drlm rerun: {reason}")
+    if answerer.diverged is not None:
+        # The refused call fails the step at once: let the episode end on its own (its
+        # history then says why), and terminate it only if it does not.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(ending), DIVERGED_GRACE_S)
+    if not ending.done():
+        ending.cancel()
+        reason = answerer.diverged or f"no end within {timeout_s:.0f} s"
+        await handle.terminate(f"drlm rerun: {reason}")
     return None
 
 
