@@ -176,6 +176,7 @@ def fork_request(
         elapsed_s=spent,
         source_running=point.running,
         changes=changes,
+        ancestors=source.fork.lineage if source.fork is not None else [],
     )
     data = {
         **source.model_dump(),

@@ -122,8 +122,17 @@ async def test_a_fork_at_the_last_iteration_reaches_the_source_s_state(
 
 
 async def test_a_fork_with_another_model_diverges_after_k(client, scripted, worker) -> None:
+    from workflows.models import DurabilitySettings, SnapshotPolicy
+
     server = scripted(root_and_sub(SOURCE_TURNS, _halves))
-    source_id, source = await _source(client, server, worker.task_queue)
+    source_id = f"fork-src-{uuid.uuid4().hex[:6]}"
+    durability = DurabilitySettings(
+        heartbeat_timeout_s=3,
+        sticky_schedule_to_start_s=3,
+        snapshots=SnapshotPolicy(every_cells=1, after_s=0),
+    )
+    request = request_for(server, durability=durability)
+    source = await run_episode(client, request, worker.task_queue, source_id)
     roots, subs = len(_roots(server)), len(_subs(server))
     other = scripted(
         root_and_sub(
@@ -150,6 +159,9 @@ async def test_a_fork_with_another_model_diverges_after_k(client, scripted, work
     timeline = await episode_timeline(client, handle.id)
     assert [it.inherited_from for it in timeline.iterations] == [source_id, source_id, None, None]
     assert timeline.iterations[2].model == "other-model"
+    # Its REPL came back from the source's snapshot after cell 2, a fork may load its source's.
+    rebuild = timeline.iterations[2].cells[0].rebuild
+    assert rebuild is not None and rebuild.from_snapshot == 2 and rebuild.cells_rerun == 0, rebuild
     # The source still reads as it ended.
     assert (await client.get_workflow_handle(source_id, result_type=EpisodeResult).result()).answer == "43"
 

@@ -254,6 +254,14 @@ class ForkOrigin(StrictModel):
     elapsed_s: float = Field(ge=0, description="max_duration the source had spent by then")
     source_running: bool = Field(default=False, description="the source had not ended when forked")
     changes: list[str] = Field(default_factory=list, description="settings the fork changed, for people")
+    ancestors: list[str] = Field(
+        default_factory=list, description="the source's own sources, when it is a fork itself"
+    )
+
+    @property
+    def lineage(self) -> list[str]:
+        """The episodes whose REPL snapshots the fork may load: its source and theirs."""
+        return [self.source_id, *self.ancestors]
 
 
 class EpisodeRequest(StrictModel):

@@ -97,6 +97,8 @@ class ReplSteps:
             snapshots=(
                 self.request.durability.snapshots if workflow.patched(names.PATCH_SNAPSHOTS) else None
             ),
+            # A fork starts from its source's latest snapshot: it may load that episode's.
+            lineage=self.request.fork.lineage if self.request.fork is not None else [],
         )
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
