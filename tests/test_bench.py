@@ -91,3 +91,15 @@ def test_every_section_of_the_suite_runs_quick(tmp_path: Path) -> None:
         tmp_path, "overhead", "rlms", "concurrency", "history", "rebuild", "recovery", timeout=1800
     )
     assert {"overhead.png", "concurrency.png"} <= set(results["plots"])
+
+
+def test_the_risk_benchmark_prints_its_ratio_to_parsing() -> None:
+    out = run_bench("risk.py", timeout=300)
+    assert re.search(r"typical cell\s+99,900\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", out), out
+    assert "over the cap (1,000,000 chars)" in out
+
+
+@pytest.mark.slow
+def test_the_time_travel_benchmark_prints_its_ratios() -> None:
+    out = run_bench("time_travel.py", "--iterations", "4", timeout=600)
+    assert re.search(r"\s+4\s+\d+ \(\s*6\)\s+\d+\s+\d+\s+\d+ \(1\)\s+\d+\s+[0-9.]+x\s+[0-9.]+x", out), out
