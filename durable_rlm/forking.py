@@ -9,6 +9,7 @@ snapshots are content-addressed, so the fork's new entries are its own).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -59,6 +60,13 @@ class _Probe(EpisodeWorkflow):
         _Probe.seen.setdefault(workflow.info().run_id, {})[state.state.iteration] = state
 
 
+_LOCKS: dict[int, asyncio.Lock] = {}
+
+
+def _replaying() -> asyncio.Lock:
+    return _LOCKS.setdefault(id(asyncio.get_running_loop()), asyncio.Lock())
+
+
 @dataclass
 class ForkPoint:
     """The source's state after iteration K, and the request it ran with."""
@@ -100,8 +108,9 @@ async def fork_point(client: Client, source_id: str, iteration: int) -> ForkPoin
         if request.fork is not None and request.carry is not None and iteration <= request.carry.iteration:
             # A fork's inherited iterations ran in its source: the state there is the source's.
             return await fork_point(client, request.fork.source_id, iteration)
-        result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
-        seen = _Probe.seen.pop(run.run_id, {})
+        async with _replaying():  # one probe at a time per process: `seen` is keyed by run
+            result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
+            seen = _Probe.seen.pop(run.run_id, {})
         if result.replay_failure is not None and not seen:
             raise ForkError(
                 f"cannot fork {source_id!r}: this code cannot replay its history ({result.replay_failure})"
