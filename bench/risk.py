@@ -30,11 +30,21 @@ NESTED = (
     "for a in range(10):\n    for b in range(10):\n        for c in range(10):\n            x = a * b * c\n"
 )
 
+
+def _balanced(leaves: int) -> str:
+    """A constant sum of `leaves` ones, as a balanced tree: parses at any size."""
+    return "1" if leaves == 1 else f"({_balanced(leaves // 2)}+{_balanced(leaves - leaves // 2)})"
+
+
 SHAPES: dict[str, Callable[[int], str]] = {
     "typical cell": lambda n: (TYPICAL * (n // len(TYPICAL) + 1))[: n - n % len(TYPICAL) or len(TYPICAL)],
     "every line risky": lambda n: RISKY * max(n // len(RISKY), 1),
     "nested range loops": lambda n: NESTED * max(n // len(NESTED), 1),
     "one long expression": lambda n: "x = " + " + ".join(["1"] * max(n // 4, 1)),
+    "loops under a big range": lambda n: (
+        f"for i in range({_balanced(max(n // 20, 1))}):\n"
+        + "    for j in range(2):\n        pass\n" * max(n // 60, 1)
+    ),
 }
 
 

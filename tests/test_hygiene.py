@@ -424,6 +424,23 @@ SLEEPING_CELL = [
 ]
 
 
+def leftovers(root: Path, live: int) -> list[str]:
+    """What the sandbox root holds besides the live worker's home and its own uid claims
+    (`.uids/<uid>` -> its home: the new worker may already run a sandbox)."""
+    mine = f"w-{live}-"
+    found = [p.name for p in root.iterdir() if not p.name.startswith(mine) and p.name != ".uids"]
+    claims = root / ".uids"
+    if claims.is_dir():
+        for claim in claims.iterdir():
+            try:
+                target = os.readlink(claim)
+            except FileNotFoundError:  # released meanwhile
+                continue
+            if not Path(target).name.startswith(mine):
+                found.append(f".uids/{claim.name} -> {target}")
+    return found
+
+
 async def kill_mid_cell(kills: int, client, scripted, worker_processes, root: Path) -> None:
     """Kill a worker while a cell sleeps in its sandbox, start the next (which reaps the dead
     one's sandboxes), let the episode finish there; `kills` times. Then stop the last."""
@@ -439,7 +456,7 @@ async def kill_mid_cell(kills: int, client, scripted, worker_processes, root: Pa
         worker.kill()
         dead.add(pid)
         worker = worker_processes()  # started: it has reaped the dead worker's home
-        assert [p.name for p in root.iterdir() if not p.name.startswith(f"w-{worker.process.pid}-")] == []
+        assert leftovers(root, worker.process.pid) == []
         await until(lambda: sandbox_processes(dead) == [], "the dead workers' sandboxes are gone")
         result = await asyncio.wait_for(handle.result(), 90)
         assert result.answer == "42"

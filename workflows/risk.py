@@ -83,6 +83,7 @@ class _Assessor:
         self.names: dict[str, str] = {}  # local name -> "module.attr" it was imported as
         self.found: dict[str, tuple[int, int]] = {}  # reason -> where it first shows
         self.parents: dict[ast.AST, ast.AST] = {}
+        self.turns: dict[ast.AST, int] = {}  # a range loop -> its turns, times its enclosing loops'
 
     def reasons(self) -> list[str]:
         nodes = list(ast.walk(self.tree))
@@ -195,12 +196,13 @@ class _Assessor:
             count = _range_length(source)
             if count is None:
                 return
-            total, outer = count, self.parents.get(node)
-            while outer is not None:  # nested loops multiply: range(10**4) inside range(10**4)
-                if isinstance(outer, ast.For) and isinstance(outer.iter, ast.Call):
-                    if self._qualified(outer.iter.func) == "range":
-                        total *= _range_length(outer.iter) or 1
+            # Nested loops multiply: range(10**4) inside range(10**4). ast.walk visits an
+            # enclosing loop first, so its total is known: each range is evaluated once.
+            outer = self.parents.get(node)
+            while outer is not None and outer not in self.turns:
                 outer = self.parents.get(outer)
+            total = min(count * self.turns[outer], _HUGE) if outer is not None else count
+            self.turns[node] = total
             if total >= LONG_LOOP:
                 nested = "" if total == count else " counting the loops around it"
                 self._flag(node, f"very long loop ({total:,} iterations{nested})")
