@@ -10,6 +10,7 @@ snapshots are content-addressed, so the fork's new entries are its own).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -33,8 +34,6 @@ from workflows.models import (
 from workflows.termination import PolicyError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from temporalio.client import Client
 
     from durable_rlm.runtime import Services
@@ -49,15 +48,18 @@ class ForkError(DurableRLMError, ValueError):
 class _Probe(EpisodeWorkflow):
     """The episode workflow, keeping the state at each iteration's end (replay only)."""
 
-    seen: ClassVar[dict[str, dict[int, Boundary]]] = {}
+    seen: ClassVar[dict[str, dict[int, Boundary | None]]] = {}  # run -> iteration -> state if wanted
+    wanted: ClassVar[int] = 0
     _probing = True
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
         return await super().run(request)
 
-    def _iteration_ended(self, state: Boundary) -> None:
-        _Probe.seen.setdefault(workflow.info().run_id, {})[state.state.iteration] = state
+    def _iteration_ended(self, iteration: int, state: Callable[[], Boundary]) -> None:
+        # Only the wanted iteration's state is copied: a long source stays linear.
+        kept = state() if iteration == _Probe.wanted else None
+        _Probe.seen.setdefault(workflow.info().run_id, {})[iteration] = kept
 
 
 _LOCKS: dict[int, asyncio.Lock] = {}
@@ -105,19 +107,22 @@ async def fork_point(client: Client, source_id: str, iteration: int) -> ForkPoin
         history = await handle.fetch_history()
         started = history.events[0].workflow_execution_started_event_attributes
         request = await decode(client, started.input, EpisodeRequest)
-        if request.fork is not None and request.carry is not None and iteration <= request.carry.iteration:
+        if request.fork is not None and iteration <= request.fork.iteration:
             # A fork's inherited iterations ran in its source: the state there is the source's.
             return await fork_point(client, request.fork.source_id, iteration)
-        async with _replaying():  # one probe at a time per process: `seen` is keyed by run
+        async with _replaying():  # one probe at a time per process: the probe's fields are shared
+            _Probe.wanted = iteration
             result = await replayer.replay_workflow(history, raise_on_replay_failure=False)
             seen = _Probe.seen.pop(run.run_id, {})
-        if result.replay_failure is not None and not seen:
+        kept = seen.get(iteration)
+        if kept is not None:
+            return ForkPoint(source_id, run.run_id, iteration, kept, request, running, max(seen))
+        unfinished = running and run is runs[-1]  # a running history ends mid-task: not a failure
+        if result.replay_failure is not None and not unfinished:
             raise ForkError(
                 f"cannot fork {source_id!r}: this code cannot replay its history ({result.replay_failure})"
             )
         done = max([done, *seen])
-        if iteration in seen:
-            return ForkPoint(source_id, run.run_id, iteration, seen[iteration], request, running, done)
     so_far = " so far (it is still running)" if running else ""
     raise ForkError(
         f"cannot fork {source_id!r} at iteration {iteration}: it has {done} finished iteration(s){so_far}; "
@@ -145,6 +150,8 @@ def fork_request(
     if root_model is not None and root_model != source.root_model:
         update["root_model"] = root_model.model_dump()
         changes.append(f"model {source.root_model.model} -> {root_model.model}")
+        if source.sub_model is None and sub_model is None:  # the sub-model follows the root's
+            changes.append(f"sub-model {source.root_model.model} -> {root_model.model}")
     if sub_model is not None and sub_model != source.effective_sub_model:
         update["sub_model"] = sub_model.model_dump()
         changes.append(f"sub-model {source.effective_sub_model.model} -> {sub_model.model}")
@@ -161,17 +168,17 @@ def fork_request(
     state = point.state.model_copy(deep=True)
     if "termination" in update:
         state.policy_state = {}  # another policy starts from its own first state
-    limits = source.limits
+    limits = point.boundary.limits  # as they were at K: a person may have changed them
     if max_iterations is not None:
         if max_iterations <= point.iteration:
             raise ForkError(
                 f"--max-iterations {max_iterations} leaves the fork no iteration after {point.iteration}"
             )
+        changes.append(f"max_iterations {limits.max_iterations} -> {max_iterations}")
         limits = limits.model_copy(update={"max_iterations": max_iterations})
-        changes.append(f"max_iterations {source.limits.max_iterations} -> {max_iterations}")
     if max_duration is not None:
+        changes.append(f"max_duration {limits.max_duration} -> {max_duration}")
         limits = limits.model_copy(update={"max_duration": max_duration})
-        changes.append(f"max_duration {source.limits.max_duration} -> {max_duration}")
     spent = point.boundary.elapsed_s
     if spent >= limits.max_duration.total_seconds():
         raise ForkError(
@@ -198,18 +205,44 @@ def fork_request(
     }
     try:
         request = EpisodeRequest.model_validate(data)
-        episode_policy(request)
+        episode_policy(request).set_state(state.policy_state)  # what the fork's first task does
     except PolicyError as exc:
         raise ForkError(f"invalid fork: {exc}") from exc
     except ValueError as exc:
         raise ForkError(f"invalid fork: {exc}") from exc
+    spent_limit = _limit_reached(request, state, spent)
+    if spent_limit is not None:
+        raise ForkError(
+            f"the fork would end at once: by iteration {point.iteration} the source had reached "
+            f"{spent_limit}; raise it for the fork (e.g. --max-iterations)"
+        )
     point.changes = changes
     return request
+
+
+def _limit_reached(request: EpisodeRequest, state: EpisodeCarry, spent_s: float) -> str | None:
+    """The limit the fork's first loop check would stop on (its budgets are the source's at
+    K), or None: a fork that could only extract is refused before it pays for that."""
+    from workflows.budget import root_call_limit
+    from workflows.fallback import ExecutionState, FallbackTrigger
+
+    limits = request.limits
+    trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
+    elapsed = timedelta(seconds=spent_s)
+    reason = trigger.should_trigger(
+        ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
+    )
+    reason = reason or root_call_limit(request, state, reserve=True)
+    if reason is None:
+        return None
+    return f"its {reason.kind} ({reason.value:g} of {reason.limit:g})"
 
 
 def describe_fork(point: ForkPoint) -> str:
     """One line for people: where the fork branched and what it changed."""
     running = " (still running: its state at that iteration all the same)" if point.running else ""
+    if point.boundary.ended:
+        running += " (where the source ended: the fork asks its model again)"
     changed = "; ".join(point.changes) if point.changes else "same settings"
     return f"forked from {point.source_id} at iteration {point.iteration}{running}: {changed}"
 

@@ -148,7 +148,10 @@ async def test_a_fork_with_another_model_diverges_after_k(client, scripted, work
         client, worker.task_queue, source_id, 2, model="other-model", base_url=other.base_url
     )
     fork = await handle.result()
-    assert describe_fork(point) == f"forked from {source_id} at iteration 2: model scripted -> other-model"
+    assert describe_fork(point) == (
+        f"forked from {source_id} at iteration 2: model scripted -> other-model; "
+        "sub-model scripted -> other-model"
+    )
     assert fork.answer == "fork: 42 then 21" and fork.answer != source.answer
     # The new model is called from iteration 3 on only; the source's model never again.
     assert [r.turn for r in _roots(other)] == [2, 3] and not _subs(other)
@@ -233,10 +236,10 @@ async def test_the_command_line_forks_shows_and_exports(
     )
     assert code == 0, err
     assert out.strip() == "a different ending"
-    assert f"episode {fork_id} started: forked from {source_id} at iteration 3: model scripted -> m2" in err
+    assert f"episode {fork_id} started: forked from {source_id} at iteration 3: model scripted -> m2;" in err
     code, shown, err = await drlm("show", fork_id)
     assert code == 0, err
-    assert f"Forked from {source_id} after iteration 3: model scripted -> m2" in shown
+    assert f"Forked from {source_id} after iteration 3: model scripted -> m2; sub-model" in shown
     assert shown.count(f"(inherited from {source_id})") == 3
     code, exported, err = await drlm("export", fork_id)
     assert code == 0, err
@@ -314,3 +317,48 @@ async def test_the_python_api_forks_and_reruns(
             await rlm.fork(source.id, 7)
         reports = await rlm.rerun([source.id])
         assert [(r.verdict, r.answer) for r in reports] == [("same", "43")]
+
+
+async def test_a_fork_takes_the_limits_as_they_were_at_k(client, scripted, worker) -> None:
+    """Limits a person changed mid-run are the fork's; a fork that could only extract (a
+    limit already reached at K) is refused before it pays for the extraction."""
+    from durable_rlm.episodes import start_episode
+    from durable_rlm.steering import change_limits, decide_cell
+    from tests.test_steering import until, waiting
+    from workflows.models import EpisodeLimits
+
+    server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+    limits = EpisodeLimits(max_iterations=2, max_llm_calls=40, cell_timeout_s=10)
+    source_id = f"fork-limits-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, request_for(server, approve="all", limits=limits), worker.task_queue, source_id
+    )
+    await until(client, source_id, waiting(1))
+    assert (await change_limits(client, source_id, "ann", max_iterations=6)).accepted
+    for cell in (1, 2, 3):
+        await until(client, source_id, waiting(cell))
+        await decide_cell(client, f"{source_id}#{cell}", True, "ann")
+    assert (await handle.result()).answer == "43"
+
+    point = await fork_point(client, source_id, 3)
+    assert point.request.limits.max_iterations == 2 and point.boundary.limits.max_iterations == 6
+    assert not point.boundary.ended and (await fork_point(client, source_id, 4)).boundary.ended
+    fork, _ = await fork_episode(client, worker.task_queue, source_id, 3)
+    assert (await fork.result()).answer == "43"  # iteration 4 of 6: FINAL_VAR(z) again
+
+    # A source stopped by its iteration limit: a fork at its end could only extract.
+    stopped = scripted(root_and_sub(SOURCE_TURNS, _halves, extract=lambda prompt: '{"answer": "42"}'))
+    stopped_id = f"fork-stopped-{uuid.uuid4().hex[:6]}"
+    short = EpisodeLimits(max_iterations=2, max_llm_calls=40, cell_timeout_s=10)
+    ended = await run_episode(client, request_for(stopped, limits=short), worker.task_queue, stopped_id)
+    assert ended.ended_by == "max_iterations"
+    calls = len(stopped.requests)
+    with pytest.raises(ForkError, match=r"would end at once: .* its max_iterations \(2 of 2\)"):
+        await fork_episode(client, worker.task_queue, stopped_id, 2)
+    assert len(stopped.requests) == calls  # no extraction was paid for
+    again, _ = await fork_episode(client, worker.task_queue, stopped_id, 2, max_iterations=4)
+    assert (await again.result()).answer == "43"
+    # Where the source answered, the fork asks its model again, and says so.
+    last, point = await fork_episode(client, worker.task_queue, source_id, 4)
+    assert "where the source ended: the fork asks its model again" in describe_fork(point)
+    assert (await last.result()).answer == "43"

@@ -589,7 +589,9 @@ class EpisodeWorkflow:
             declined = request.termination.name if ending is None and outcome.answer is not None else None
             turn = next_turn(outcome, request.code_fences[0], limits.output_truncation, declined)
             if self._probing:
-                self._iteration_ended(forks.boundary(s, turn, self._reward_state(), self._elapsed(request)))
+                rewards, elapsed, ended = self._reward_state(), self._elapsed(request), ending is not None
+                state = partial(forks.boundary, request, s, turn, rewards, elapsed, ended)
+                self._iteration_ended(s.iteration, state)
             if ending is not None:
                 return ending
             s.pending.extend(turn)
@@ -1117,8 +1119,9 @@ class EpisodeWorkflow:
 
     _probing = False  # set by durable_rlm/forking.py's replay, which reads each iteration's end
 
-    def _iteration_ended(self, state: forks.Boundary) -> None:
-        """The state after an iteration, as a fork would start from it (a replay hook)."""
+    def _iteration_ended(self, iteration: int, state: Callable[[], forks.Boundary]) -> None:
+        """An iteration ended; `state()` is the state after it, as a fork would start from
+        it (a replay hook: only durable_rlm/forking.py's probe sets `_probing`)."""
 
     def _elapsed(self, request: EpisodeRequest) -> timedelta:
         started = self._state.deadline - request.limits.max_duration

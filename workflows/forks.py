@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from pydantic import Field
 
-from workflows.models import EpisodeCarry, EpisodeRequest, Message, RewardRecord, StrictModel
+from workflows.models import EpisodeCarry, EpisodeLimits, EpisodeRequest, Message, RewardRecord, StrictModel
 
 
 class Boundary(StrictModel):
@@ -21,22 +21,32 @@ class Boundary(StrictModel):
 
     state: EpisodeCarry
     elapsed_s: float = Field(ge=0, description="max_duration spent by then")
+    limits: EpisodeLimits = Field(description="the limits then (a person may have changed them)")
+    ended: bool = Field(default=False, description="the source ended with this iteration")
 
 
 def boundary(
+    request: EpisodeRequest,
     state: EpisodeCarry,
     turn: list[Message],
     rewards: tuple[float, int, list[RewardRecord]],
     elapsed: timedelta,
+    ended: bool,
 ) -> Boundary:
-    """The state after this iteration: its outputs waiting for the model, as if it went on."""
+    """The state after this iteration: its outputs waiting for the model, as if it went on.
+    Rewards are state (a reward policy sums them) and come along; the source's sandbox, the
+    actions people took on it and its unread hints stay the source's."""
     carried = state.model_copy(deep=True)
     carried.pending = [*carried.pending, *turn]
     carried.reward_inbox, carried.rewards_received, carried.rewards = rewards[0], rewards[1], list(rewards[2])
-    # Only the loop's state moves: the source's sandbox, actions and unread hints stay its own.
     carried.repl_queue = None
     carried.actions, carried.actions_total, carried.hints = [], 0, []
-    return Boundary(state=carried, elapsed_s=max(elapsed.total_seconds(), 0.0))
+    return Boundary(
+        state=carried,
+        elapsed_s=max(elapsed.total_seconds(), 0.0),
+        limits=request.limits.model_copy(),
+        ended=ended,
+    )
 
 
 def starting_state(request: EpisodeRequest, started: datetime) -> EpisodeCarry:
