@@ -59,7 +59,8 @@ def source_script(iterations: int, think_s: float) -> object:
     return answer
 
 
-async def measure(client: Client, blobs: BlobStore, iterations: int, think_s: float) -> dict[str, float]:
+async def measure(services: Services, iterations: int, think_s: float) -> dict[str, float]:
+    client = services.client
     figures: dict[str, float] = {}
     with ScriptedModelServer(source_script(iterations, think_s)) as server:
         request = EpisodeRequest(
@@ -97,7 +98,7 @@ async def measure(client: Client, blobs: BlobStore, iterations: int, think_s: fl
         assert forked.answer == expected, forked
 
     start = time.perf_counter()
-    (report,) = await rerun_episodes(client, blobs, "bench", [source_id])
+    (report,) = await rerun_episodes(services, [source_id])
     figures["rerun"] = time.perf_counter() - start
     assert report.verdict == "same", report
     return figures
@@ -111,9 +112,10 @@ async def main(lengths: list[int], think_ms: float) -> None:
         async with EmbeddedServer(work / "temporal.sqlite") as address:
             client = await Client.connect(address, data_converter=data_converter(blobs))
             settings = Settings(task_queue="bench", data_dir=work)
-            async with running_workers(Services(settings, blobs, engine, client)):
-                await measure(client, blobs, 2, 0.0)  # warm up the sandbox and the model client
-                rows = [(n, await measure(client, blobs, n, think_ms / 1000)) for n in lengths]
+            services = Services(settings, blobs, engine, client)
+            async with running_workers(services):
+                await measure(services, 2, 0.0)  # warm up the sandbox and the model client
+                rows = [(n, await measure(services, n, think_ms / 1000)) for n in lengths]
     print(f"model think time {think_ms:.0f} ms; milliseconds (model calls)")
     print(
         f"{'N':>5}{'source':>16}{'history':>10}{'locate':>10}{'fork':>14}{'rerun':>10}"

@@ -364,9 +364,7 @@ class DurableRLM:
 
         change = PolicyChange(policy, policy_config, scan_printed_output)
         async with self._session() as services:
-            return await rerun_episodes(
-                services.client, services.blobs, self.settings.task_queue, source_ids, change
-            )
+            return await rerun_episodes(services, source_ids, change)
 
     async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
         """Run an episode to its end. Raises EpisodeFailed when it ends without a result."""

@@ -1040,10 +1040,8 @@ async def _rerun(settings: Settings, args: argparse.Namespace) -> int:
         else:
             _stderr(f"{report.source_id}: {report.detail}")
 
-    async with session(settings) as services:
-        reports = await rerun_episodes(
-            services.client, services.blobs, settings.task_queue, args.episode_ids, change, show
-        )
+    async with session(settings, work=False) as services:  # the re-runs get a worker of their own
+        reports = await rerun_episodes(services, args.episode_ids, change, show)
     if not args.json:
         report_table(reports)
     return EXIT_OK if all(r.verdict == "same" for r in reports) else EXIT_FAILED

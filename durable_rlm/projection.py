@@ -66,6 +66,8 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         error=await closing_error(latest, status),
         sub_model=request.effective_sub_model.model,
         parent_id=request.parent.episode_id if request.parent else None,
+        forked_from=request.fork.source_id if request.fork else None,
+        forked_at=request.fork.iteration if request.fork else None,
         depth=request.depth,
         limits=request.limits.model_dump_json(exclude_none=True),
         started_at=first.start_time,

@@ -22,10 +22,11 @@ import secrets
 import threading
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
+from temporalio.service import RPCError
 
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
@@ -36,10 +37,11 @@ if TYPE_CHECKING:
     from temporalio.client import Client
 
     from durable_rlm.blobs import BlobStore
+    from durable_rlm.runtime import Services
     from durable_rlm.timeline import Timeline
 
 DIVERGED_GRACE_S = 30.0  # a diverged re-run ends by itself within a step; then it is terminated
-NO_KEY = "DRLM_RERUN_NEEDS_NO_KEY"  # no variable of that name: the recording server takes none
+KEY_ENV = "DRLM_RERUN_KEY"  # the recording server's key: one per re-run, given to its worker only
 Verdict = Literal["same", "different", "diverged", "failed"]
 
 
@@ -68,17 +70,17 @@ class Recording:
     source_id: str
     request: EpisodeRequest
     result: EpisodeResult
+    seed: int | None = None
     conversations: list[Conversation] = field(default_factory=list)
     by_digest: dict[str, str] = field(default_factory=dict)
     sub_replies: dict[str, deque[str]] = field(default_factory=lambda: defaultdict(deque))
-    extractions: dict[str, str] = field(default_factory=dict)
-    extraction_order: deque[str] = field(default_factory=deque)
+    extractions: list[tuple[str | None, str]] = field(default_factory=list)  # (prompt digest, reply)
     summaries: deque[str] = field(default_factory=deque)
 
     @property
     def calls(self) -> int:
         subs = sum(len(q) for q in self.sub_replies.values())
-        return sum(len(c.replies) for c in self.conversations) + subs + len(self.extraction_order)
+        return sum(len(c.replies) for c in self.conversations) + subs + len(self.extractions)
 
 
 async def record_of(client: Client, blobs: BlobStore, source_id: str) -> Recording:
@@ -100,9 +102,23 @@ async def record_of(client: Client, blobs: BlobStore, source_id: str) -> Recordi
     if timeline.request.fork is not None:
         raise RerunError(f"cannot rerun {source_id!r}: it is a fork; rerun its source instead")
     await asyncio.to_thread(resolve_prompts, timeline, blobs)
-    recording = Recording(source_id, timeline.request, timeline.result)
+    recording = Recording(source_id, timeline.request, timeline.result, await _seed(client, timeline))
     await _record_tree(client, timeline, recording)
     return recording
+
+
+async def _seed(client: Client, timeline: Timeline) -> int | None:
+    """The seed the source ran with: its request's, else the one its first run drew (read
+    by replaying that run, as `drlm fork` does)."""
+    assert timeline.request is not None
+    if timeline.request.seed is not None or not timeline.iterations:
+        return timeline.request.seed
+    from durable_rlm.forking import ForkError, fork_point
+
+    try:
+        return (await fork_point(client, timeline.episode_id, 1)).state.seed
+    except ForkError:
+        return None
 
 
 async def _record_tree(client: Client, timeline: Timeline, recording: Recording) -> None:
@@ -129,9 +145,7 @@ async def _record_tree(client: Client, timeline: Timeline, recording: Recording)
     async for step in completed_steps(client, timeline.episode_id):
         if step.activity == names.EXTRACT_FALLBACK and isinstance(step.result, ExtractionReply):
             if step.result.error is None:
-                recording.extraction_order.append(step.result.text)
-                if step.result.prompt_digest:
-                    recording.extractions[step.result.prompt_digest] = step.result.text
+                recording.extractions.append((step.result.prompt_digest, step.result.text))
 
 
 @dataclass
@@ -143,16 +157,19 @@ class Answerer:
     iteration: int = 0
     prompt_changed_at: int | None = None
     answered: int = 0
+    timed_out: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the server answers from threads
 
     def __call__(self, request: ChatRequest) -> Reply | str:
+        with self.lock:
+            return self._reply(request)
+
+    def _reply(self, request: ChatRequest) -> Reply | str:
         if self.diverged is not None:
             return self._refuse("the re-run already diverged")
         if request.is_extraction:
-            text = self.recording.extractions.get(digest(request.messages))
-            if text is None and self.recording.extraction_order:
-                text = self.recording.extraction_order.popleft()
-            return self._answer(text, "a fallback extraction")
+            return self._answer(self._extraction(digest(request.messages)), "a fallback extraction")
         if request.is_compaction:
             summary = self.recording.summaries.popleft() if self.recording.summaries else None
             return self._answer(summary, "a conversation compaction")
@@ -173,6 +190,12 @@ class Answerer:
                 self.prompt_changed_at = position + 1
         what = f"root call {position + 1} of {conversation.episode_id}"
         return self._answer(text, what)
+
+    def _extraction(self, sent: str) -> str | None:
+        """The recorded extraction of these messages, else the next one recorded: each once."""
+        recorded = self.recording.extractions
+        index = next((i for i, (d, _) in enumerate(recorded) if d == sent), 0 if recorded else None)
+        return recorded.pop(index)[1] if index is not None else None
 
     def _conversation(self, identity: str) -> Conversation:
         for conversation in self.recording.conversations:
@@ -233,7 +256,7 @@ def rerun_request(recording: Recording, base_url: str, change: PolicyChange | No
         if model is None:
             return None
         data = model.model_dump(exclude={"extra_body", "logprobs"})
-        return {**data, "provider": "openai", "base_url": base_url, "api_key_env": NO_KEY, "max_attempts": 1}
+        return {**data, "provider": "openai", "base_url": base_url, "api_key_env": KEY_ENV, "max_attempts": 1}
 
     source = recording.request
     data = {
@@ -243,6 +266,9 @@ def rerun_request(recording: Recording, base_url: str, change: PolicyChange | No
         "other_models": [recorded(m) for m in source.other_models],
         "approve": "none",
         "carry": None,
+        "seed": recording.seed,  # the sandbox's random numbers as the source drew them
+        "parent": None,  # a re-run of a child episode is an episode of its own ...
+        "deadline": None,  # ... with its own max_duration, not its old parent's deadline
     }
     if change is not None:
         data["termination"] = change.applied(source.termination).model_dump()
@@ -253,18 +279,20 @@ async def rerun_one(
     client: Client,
     blobs: BlobStore,
     task_queue: str,
+    key: str,
     source_id: str,
     change: PolicyChange | None = None,
     timeout_s: float = 600.0,
 ) -> RerunReport:
-    """Re-run one recorded episode against the current code; its report."""
+    """Re-run one recorded episode against the current code, on `task_queue` (where only
+    this process's worker, holding `key`, polls); its report."""
     from durable_rlm.episodes import start_episode
     from workflows.episode import episode_policy
     from workflows.termination import PolicyError
 
     recording = await record_of(client, blobs, source_id)
     answerer = Answerer(recording)
-    with ScriptedModelServer(answerer) as server:
+    with ScriptedModelServer(answerer, api_key=key) as server:
         request = rerun_request(recording, server.base_url, change)
         try:
             episode_policy(request)
@@ -297,8 +325,11 @@ async def _result_or_divergence(handle: Any, answerer: Answerer, timeout_s: floa
             await asyncio.wait_for(asyncio.shield(ending), DIVERGED_GRACE_S)
     if not ending.done():
         ending.cancel()
-        reason = answerer.diverged or f"no end within {timeout_s:.0f} s"
-        await handle.terminate(f"drlm rerun: {reason}")
+        if answerer.diverged is None:
+            answerer.timed_out = f"terminated: no end within {timeout_s:.0f} s"
+        reason = answerer.diverged or answerer.timed_out
+        with contextlib.suppress(RPCError):  # it ended meanwhile
+            await handle.terminate(f"drlm rerun: {reason}")
     return None
 
 
@@ -320,7 +351,8 @@ def _report(
         report.verdict, report.diverged_at = "diverged", max(answerer.iteration, 1)
         report.detail = f"diverged at iteration {report.diverged_at}: {answerer.diverged}"
     elif result is None:
-        report.detail = "the re-run ended without a result (see `drlm show " + rerun_id + "`)"
+        why = answerer.timed_out or "ended without a result"
+        report.detail = f"the re-run {why} (see `drlm show {rerun_id}`)"
     else:
         report.answer, report.ended_by = result.answer, result.ended_by
         if result.answer == source.answer:
@@ -349,17 +381,20 @@ def _short(text: str | None, width: int = 60) -> str:
 
 
 async def rerun_episodes(
-    client: Client,
-    blobs: BlobStore,
-    task_queue: str,
+    services: Services,
     source_ids: Sequence[str],
     change: PolicyChange | None = None,
     on_report: Callable[[RerunReport], None] | None = None,
 ) -> list[RerunReport]:
-    """Re-run each recorded episode in turn. Every source and the policy are checked
-    before the first starts: a bad one is an error and nothing runs."""
+    """Re-run each recorded episode in turn, on a task queue of this call's own served by a
+    worker in this process: no other worker sees the re-runs' steps (or the recording
+    server's key). Every source and the policy are checked before the first starts: a bad
+    one is an error and nothing runs."""
+    from durable_rlm.runtime import running_workers
     from workflows.episode import episode_policy
     from workflows.termination import PolicyError
+
+    client, blobs = services.client, services.blobs
 
     if not source_ids:
         raise RerunError("rerun needs at least one episode id")
@@ -369,12 +404,15 @@ async def rerun_episodes(
             episode_policy(rerun_request(recording, "http://127.0.0.1:9/v1", change))
         except PolicyError as exc:
             raise RerunError(f"invalid rerun of {source_id!r}: {exc}") from exc
+    queue, key = f"drlm-rerun-{secrets.token_hex(4)}", secrets.token_urlsafe(24)
+    settings = services.settings.model_copy(update={"task_queue": queue, "metrics_address": None})
     reports = []
-    for source_id in dict.fromkeys(source_ids):  # each recording is read again: answering consumes it
-        report = await rerun_one(client, blobs, task_queue, source_id, change)
-        reports.append(report)
-        if on_report is not None:
-            on_report(report)
+    async with running_workers(replace(services, settings=settings), {KEY_ENV: key}):
+        for source_id in dict.fromkeys(source_ids):  # each recording is read again: answering consumes it
+            report = await rerun_one(client, blobs, queue, key, source_id, change)
+            reports.append(report)
+            if on_report is not None:
+                on_report(report)
     return reports
 
 

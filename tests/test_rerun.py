@@ -14,7 +14,9 @@ import pytest
 
 from durable_rlm.episodes import start_episode, store_context
 from durable_rlm.rerun import PolicyChange, RerunError, rerun_episodes
+from durable_rlm.runtime import Services
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.settings import Settings
 from tests.conftest import request_for, run_episode
 from tests.test_recursion import SUM_CHILD, by_model, tree_request
 from tests.test_steering import Cli
@@ -44,22 +46,30 @@ async def _recorded(client, scripted, worker, blobs) -> tuple[list[str], list[An
     return ids, servers
 
 
+@pytest.fixture
+def services(client, store, session_dir: Path) -> Services:
+    """What a re-run needs: it runs its own worker, on a task queue of its own."""
+    return Services(Settings(task_queue="unused", data_dir=session_dir), store[0], store[1], client)
+
+
 async def _events(client, episode_id: str) -> int:
     return len((await client.get_workflow_handle(episode_id).fetch_history()).events)
 
 
-async def test_rerun_with_the_same_policy_and_with_a_stricter_one(client, scripted, worker, blobs) -> None:
+async def test_rerun_with_the_same_policy_and_with_a_stricter_one(
+    client, scripted, worker, blobs, services
+) -> None:
     ids, servers = await _recorded(client, scripted, worker, blobs)
     calls = [len(s.requests) for s in servers]
     events = [await _events(client, i) for i in ids]
 
-    same = await rerun_episodes(client, blobs, worker.task_queue, ids)
+    same = await rerun_episodes(services, ids)
     assert [r.verdict for r in same] == ["same"] * 3
     assert [r.answer for r in same] == ["21", "3 words", "18"]
     assert [r.calls_answered for r in same] == [1, 2, 5]  # the four-step one made a sub-call
     assert all(r.prompt_changed_at is None for r in same)  # every prompt matched its digest
 
-    stricter = await rerun_episodes(client, blobs, worker.task_queue, ids, STRICTER)
+    stricter = await rerun_episodes(services, ids, STRICTER)
     assert [(r.verdict, r.diverged_at) for r in stricter] == [
         ("diverged", 2),
         ("diverged", 3),
@@ -77,19 +87,19 @@ async def test_rerun_with_the_same_policy_and_with_a_stricter_one(client, script
     assert [await _events(client, i) for i in ids] == events
 
 
-async def test_a_policy_that_reads_printed_output_changes_an_answer(client, scripted, worker, blobs) -> None:
+async def test_a_policy_that_reads_printed_output_changes_an_answer(
+    client, scripted, worker, blobs, services
+) -> None:
     server = scripted(root_and_sub(["```repl\nprint('FINAL(early)')\n```", "FINAL(late)"]))
     source_id = f"rec-printed-{uuid.uuid4().hex[:6]}"
     await run_episode(client, request_for(server), worker.task_queue, source_id)
-    (report,) = await rerun_episodes(
-        client, blobs, worker.task_queue, [source_id], PolicyChange(scan_printed_output=True)
-    )
+    (report,) = await rerun_episodes(services, [source_id], PolicyChange(scan_printed_output=True))
     assert report.verdict == "different" and (report.source_answer, report.answer) == ("late", "early")
     assert report.detail.startswith("different answer: 'early'")
 
 
 async def test_a_tree_of_episodes_reruns_from_its_children_s_recordings(
-    client, scripted, worker, blobs
+    client, scripted, worker, blobs, services
 ) -> None:
     server = scripted(
         by_model(
@@ -108,12 +118,28 @@ async def test_a_tree_of_episodes_reruns_from_its_children_s_recordings(
         client, tree_request(server, "add", ["child-m"], max_depth=2), worker.task_queue, source_id
     )
     calls = len(server.requests)
-    (report,) = await rerun_episodes(client, blobs, worker.task_queue, [source_id])
+    (report,) = await rerun_episodes(services, [source_id])
     assert report.verdict == "same" and report.answer == "15", report.detail
     assert report.calls_answered == 6 and len(server.requests) == calls
+    # A child re-runs alone: no parent, and its own max_duration, not its parent's old deadline.
+    (child,) = await rerun_episodes(services, [f"{source_id}/1.1"])
+    assert child.verdict == "same" and child.prompt_changed_at is None, child.detail
+    assert child.answer == child.source_answer and child.answer in ("3", "12")
 
 
-async def test_what_cannot_be_rerun_is_refused_before_anything_runs(client, scripted, worker, blobs) -> None:
+async def test_a_rerun_draws_the_random_numbers_the_source_drew(client, scripted, worker, services) -> None:
+    rolls = "```repl\nimport random\nroll = random.randint(1, 10**9)\nprint(roll)\n```"
+    server = scripted(root_and_sub([rolls, "FINAL_VAR(roll)"]))
+    source_id = f"rec-random-{uuid.uuid4().hex[:6]}"
+    source = await run_episode(client, request_for(server), worker.task_queue, source_id)  # a drawn seed
+    (report,) = await rerun_episodes(services, [source_id])
+    # The printed roll is in the second prompt: its digest matches only with the same seed.
+    assert (report.verdict, report.answer, report.prompt_changed_at) == ("same", source.answer, None)
+
+
+async def test_what_cannot_be_rerun_is_refused_before_anything_runs(
+    client, scripted, worker, blobs, services
+) -> None:
     ids, _ = await _recorded(client, scripted, worker, blobs)
     slow = scripted(root_and_sub([Reply(text="thinking", delay_s=30)]))
     running = f"rec-running-{uuid.uuid4().hex[:6]}"
@@ -126,7 +152,7 @@ async def test_what_cannot_be_rerun_is_refused_before_anything_runs(client, scri
     ]
     for sources, change, message in cases:
         with pytest.raises(RerunError) as caught:
-            await rerun_episodes(client, blobs, worker.task_queue, sources, change)
+            await rerun_episodes(services, sources, change)
         assert message in str(caught.value)
     started = [e async for e in client.list_workflows(f'WorkflowId STARTS_WITH "rerun-{ids[0]}"')]
     assert started == []
