@@ -60,6 +60,7 @@ from activities.sandbox_processes import (
 from activities.sandbox_reaper import SandboxHome, reap_dead
 from activities.sandbox_slots import SandboxSlots, default_max_sandboxes
 from durable_rlm.blobs import BlobBatch, BlobStore, TypedBlobs, text_digest
+from durable_rlm.snapshot_key import lineage_mac
 from workflows import defaults, names
 from workflows.models import (
     CellOutcome,
@@ -950,7 +951,7 @@ class ReplActivities:
         """Load a snapshot into a fresh sandbox after checking it was made for this episode
         (or one it descends from) and is unchanged; then the cells it lists re-create the
         names it could not hold. Notes say which names came back how."""
-        if snapshot.episode != ref.episode_id and snapshot.episode not in ref.lineage:
+        if snapshot.episode != ref.episode_id and not self._descends(ref, snapshot.episode):
             raise SnapshotRefused(f"it belongs to another episode ({snapshot.episode})")
         if not hmac.compare_digest(snapshot.mac, self._mac(snapshot)):
             raise SnapshotRefused("its integrity check failed: it was altered, or signed with another key")
@@ -992,6 +993,13 @@ class ReplActivities:
             f"The REPL was restored from its snapshot after cell {snapshot.cell}. Names the snapshot "
             f"could not hold: {how}. A re-created value starts over as that cell made it."
         ]
+
+    def _descends(self, ref: SandboxRef, episode: str) -> bool:
+        """`ref`'s episode is a fork of `episode` (or of a fork of it), as `drlm fork` signed."""
+        if episode not in ref.lineage or ref.lineage_mac is None:
+            return False
+        signed = lineage_mac(self.snapshot_key, ref.episode_id, ref.lineage)
+        return hmac.compare_digest(ref.lineage_mac, signed)
 
     def _mac(self, snapshot: SnapshotTaken) -> str:
         return hmac.new(self.snapshot_key, snapshot.signed_part(), hashlib.sha256).hexdigest()

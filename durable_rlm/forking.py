@@ -20,6 +20,8 @@ from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.history import decode, episode_runs
+from durable_rlm.settings import Settings
+from durable_rlm.snapshot_key import lineage_mac, snapshot_key
 from workflows import names
 from workflows.episode import EpisodeWorkflow, episode_policy
 from workflows.forks import Boundary
@@ -37,7 +39,6 @@ if TYPE_CHECKING:
     from temporalio.client import Client
 
     from durable_rlm.runtime import Services
-    from durable_rlm.settings import Settings
 
 
 class ForkError(DurableRLMError, ValueError):
@@ -141,9 +142,12 @@ def fork_request(
     policy_config: dict[str, Any] | None = None,
     max_iterations: int | None = None,
     max_duration: timedelta | None = None,
+    signed_for: tuple[str, bytes] | None = None,
 ) -> EpisodeRequest:
     """The fork's request: the source's, with its state at K and the settings changed.
-    A setting that does not validate raises ForkError before anything starts."""
+    A setting that does not validate raises ForkError before anything starts.
+    `signed_for` (the fork's id, the snapshot key) signs its lineage: without it, the
+    fork's REPL is rebuilt by re-running the source's cells instead of from its snapshot."""
     source = point.request
     changes: list[str] = []
     update: dict[str, Any] = {}
@@ -194,6 +198,9 @@ def fork_request(
         changes=changes,
         ancestors=source.fork.lineage if source.fork is not None else [],
     )
+    if signed_for is not None:
+        fork_id, key = signed_for
+        origin.lineage_mac = lineage_mac(key, fork_id, origin.lineage)
     data = {
         **source.model_dump(),
         **update,
@@ -282,6 +289,8 @@ async def fork_episode(
         root = _model(source.root_model, model, base_url, settings)
     if sub_model or sub_base_url:
         sub = _model(source.effective_sub_model, sub_model, sub_base_url, settings)
+    chosen = episode_id or fork_id(source_id, at)
+    settings = settings or Settings.from_env()
     request = fork_request(
         point,
         root_model=root,
@@ -290,8 +299,9 @@ async def fork_episode(
         policy_config=policy_config,
         max_iterations=max_iterations,
         max_duration=max_duration,
+        signed_for=(chosen, snapshot_key(settings.snapshot_key, settings.data_dir)),
     )
-    handle = await start_episode(client, request, task_queue, episode_id or fork_id(source_id, at))
+    handle = await start_episode(client, request, task_queue, chosen)
     return handle, point
 
 
@@ -301,7 +311,6 @@ def _model(
     """Another model on the current one's endpoint and options, priced from the table."""
     from durable_rlm.api import model_settings
     from durable_rlm.prices import PriceTable
-    from durable_rlm.settings import Settings
 
     base = current.model_dump(exclude={"model", "price"})
     if base_url:

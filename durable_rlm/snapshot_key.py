@@ -41,3 +41,14 @@ def snapshot_key(configured: str | None, data_dir: Path) -> bytes:
 
         time.sleep(0.01)  # the other process is still writing it
     raise ConfigurationError(f"{path} holds no usable snapshot key: delete it to make a new one")
+
+
+def lineage_mac(key: bytes, episode_id: str, lineage: list[str]) -> str:
+    """What lets a fork load its sources' REPL snapshots: `drlm fork` signs the fork's id and
+    the episodes it descends from with the snapshot key, and a worker loads another
+    episode's snapshot only under a lineage it can verify (a request alone cannot claim one)."""
+    import hashlib
+    import hmac
+
+    signed = "\n".join(["drlm-fork-lineage", episode_id, *lineage]).encode("utf-8")
+    return hmac.new(key, signed, hashlib.sha256).hexdigest()

@@ -236,6 +236,7 @@ class Episode:
         self.host = host
         self.snapshots = snapshots
         self.lineage: list[str] = []
+        self.lineage_mac: str | None = None
         self.context = None if context is None else store_context(host.blobs, context)
         self.head: str | None = None
         self.cells = 0
@@ -255,6 +256,7 @@ class Episode:
             stored_output_chars=self.stored,
             snapshots=self.snapshots,
             lineage=self.lineage,
+            lineage_mac=self.lineage_mac,
         )
 
     async def run(self, code: str, answer=lambda prompt: prompt.upper()) -> CellOutcome:

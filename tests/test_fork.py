@@ -14,9 +14,11 @@ import pytest
 import sqlalchemy as sa
 
 from durable_rlm import schema
+from durable_rlm.episodes import start_episode
 from durable_rlm.export import export_text
-from durable_rlm.forking import ForkError, describe_fork, fork_episode, fork_point
+from durable_rlm.forking import ForkError, describe_fork, fork_episode, fork_point, fork_request
 from durable_rlm.scripted import ChatRequest, Reply, root_and_sub
+from durable_rlm.settings import Settings
 from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import request_for, run_episode
 from tests.test_steering import Cli, Workers, until, waiting
@@ -121,7 +123,7 @@ async def test_a_fork_at_the_last_iteration_reaches_the_source_s_state(
     assert lines[-1]["final_answer"] == "43"
 
 
-async def test_a_fork_with_another_model_diverges_after_k(client, scripted, worker) -> None:
+async def test_a_fork_with_another_model_diverges_after_k(client, scripted, worker, session_dir) -> None:
     from workflows.models import DurabilitySettings, SnapshotPolicy
 
     server = scripted(root_and_sub(SOURCE_TURNS, _halves))
@@ -144,8 +146,15 @@ async def test_a_fork_with_another_model_diverges_after_k(client, scripted, work
             ]
         )
     )
+    settings = Settings(task_queue=worker.task_queue, data_dir=session_dir)  # the workers' snapshot key
     handle, point = await fork_episode(
-        client, worker.task_queue, source_id, 2, model="other-model", base_url=other.base_url
+        client,
+        worker.task_queue,
+        source_id,
+        2,
+        model="other-model",
+        base_url=other.base_url,
+        settings=settings,
     )
     fork = await handle.result()
     assert describe_fork(point) == (
@@ -165,6 +174,18 @@ async def test_a_fork_with_another_model_diverges_after_k(client, scripted, work
     # Its REPL came back from the source's snapshot after cell 2, a fork may load its source's.
     rebuild = timeline.iterations[2].cells[0].rebuild
     assert rebuild is not None and rebuild.from_snapshot == 2 and rebuild.cells_rerun == 0, rebuild
+
+    # A request that only claims to descend from the source (no lineage signed with the
+    # workers' key) is refused its snapshot: its REPL is rebuilt by re-running the cells.
+    point = await fork_point(client, source_id, 2)
+    forged = fork_request(point)
+    assert forged.fork is not None and forged.fork.lineage_mac is None
+    forged.fork.lineage_mac = "0" * 64
+    fake = await start_episode(client, forged, worker.task_queue, f"{source_id}-forged")
+    assert (await fake.result()).answer == "43"
+    refused = (await episode_timeline(client, fake.id)).iterations[2].cells[0].rebuild
+    assert refused is not None and refused.from_snapshot is None and refused.cells_rerun == 2
+    assert any("could not be" in note and "another episode" in note for note in refused.notes), refused.notes
     # The source still reads as it ended.
     assert (await client.get_workflow_handle(source_id, result_type=EpisodeResult).result()).answer == "43"
 

@@ -19,6 +19,7 @@ from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore
 from durable_rlm.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.snapshot_key import lineage_mac
 from tests.conftest import Episode, request_for, run_episode
 from tests.test_recovery import FAST, sandbox_pids
 from workflows.models import EpisodeLimits, SnapshotPolicy
@@ -184,8 +185,16 @@ async def test_another_episodes_snapshot_is_refused_unless_it_is_an_ancestor(wor
     refused = await stranger.run("print(stamp)")
     assert refused.rebuild is not None and "belongs to another episode" in refused.rebuild.notes[0]
     assert refused.stdout != stamp  # re-run: the clock was read again
+    # A fork names its source in its lineage; the lineage counts only when `drlm fork`
+    # signed it with the workers' key: a claimed one is refused like a stranger's.
+    claimed = Episode(second, snapshots=EVERY_CELL)
+    claimed.head, claimed.cells, claimed.lineage = parent.head, parent.cells, [parent.episode_id]
+    claimed.lineage_mac = lineage_mac(b"another key" * 3, claimed.episode_id, claimed.lineage)
+    refused = await claimed.run("print(stamp)")
+    assert refused.rebuild is not None and "belongs to another episode" in refused.rebuild.notes[0]
     fork = Episode(second, snapshots=EVERY_CELL)
     fork.head, fork.cells, fork.lineage = parent.head, parent.cells, [parent.episode_id]
+    fork.lineage_mac = lineage_mac(KEY, fork.episode_id, fork.lineage)
     forked = await fork.run("print(stamp)")
     assert forked.stdout == stamp and forked.rebuild is not None and forked.rebuild.notes == []
 

@@ -257,6 +257,9 @@ class ForkOrigin(StrictModel):
     ancestors: list[str] = Field(
         default_factory=list, description="the source's own sources, when it is a fork itself"
     )
+    lineage_mac: str | None = Field(
+        default=None, description="the lineage signed with the snapshot key (durable_rlm/snapshot_key.py)"
+    )
 
     @property
     def lineage(self) -> list[str]:
@@ -643,6 +646,7 @@ class SandboxRef(StrictModel):
         default_factory=list,
         description="other episodes whose snapshots this one may load (a fork loads its parent's)",
     )
+    lineage_mac: str | None = Field(default=None, description="the lineage, signed by `drlm fork`")
 
 
 class SnapshotRef(StrictModel):

@@ -99,6 +99,7 @@ class ReplSteps:
             ),
             # A fork starts from its source's latest snapshot: it may load that episode's.
             lineage=self.request.fork.lineage if self.request.fork is not None else [],
+            lineage_mac=self.request.fork.lineage_mac if self.request.fork is not None else None,
         )
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
