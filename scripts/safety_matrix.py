@@ -110,9 +110,16 @@ MECHANISMS = [
     Mechanism(
         "snapshot episode binding",
         "activities/repl.py",
-        "if snapshot.episode != ref.episode_id and snapshot.episode not in ref.lineage:",
+        "if snapshot.episode != ref.episode_id and not self._descends(ref, snapshot.episode):",
         "if False:",
         "a rebuild loads another episode's snapshot",
+    ),
+    Mechanism(
+        "fork lineage signature",
+        "activities/repl.py",
+        "        return hmac.compare_digest(ref.lineage_mac, signed)",
+        "        return True",
+        "a request that claims to be a fork loads another episode's snapshot",
     ),
     Mechanism(
         "sandbox reaping",
