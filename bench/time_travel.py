@@ -30,17 +30,16 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from temporalio.client import Client  # noqa: E402
 
-from durable_rlm.blobs import BlobStore, SqlBackend  # noqa: E402
-from durable_rlm.codec import data_converter  # noqa: E402
+from benchlib import bench_env  # noqa: E402
+
 from durable_rlm.forking import fork_episode, fork_point  # noqa: E402
 from durable_rlm.rerun import rerun_episodes  # noqa: E402
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
+from durable_rlm.runtime import Services, running_workers  # noqa: E402
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
-from durable_rlm.store import open_store  # noqa: E402
 from workflows import names  # noqa: E402
 from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings  # noqa: E402
 
@@ -60,7 +59,7 @@ def source_script(iterations: int, think_s: float) -> object:
 
 
 async def measure(services: Services, iterations: int, think_s: float) -> dict[str, float]:
-    client = services.client
+    client, settings = services.client, services.settings
     figures: dict[str, float] = {}
     with ScriptedModelServer(source_script(iterations, think_s)) as server:
         request = EpisodeRequest(
@@ -90,7 +89,7 @@ async def measure(services: Services, iterations: int, think_s: float) -> dict[s
     with ScriptedModelServer(lambda request: Reply(text="FINAL_VAR(total)", delay_s=think_s)) as other:
         start = time.perf_counter()
         fork, _ = await fork_episode(
-            client, "bench", source_id, iterations, model="m", base_url=other.base_url
+            client, "bench", source_id, iterations, model="m", base_url=other.base_url, settings=settings
         )
         forked = await fork.result()
         figures["fork"] = time.perf_counter() - start
@@ -106,13 +105,9 @@ async def measure(services: Services, iterations: int, think_s: float) -> dict[s
 
 async def main(lengths: list[int], think_ms: float) -> None:
     with tempfile.TemporaryDirectory(prefix="drlm-bench-") as tmp:
-        work = Path(tmp)
-        engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
-        blobs = BlobStore(SqlBackend(engine))
-        async with EmbeddedServer(work / "temporal.sqlite") as address:
-            client = await Client.connect(address, data_converter=data_converter(blobs))
-            settings = Settings(task_queue="bench", data_dir=work)
-            services = Services(settings, blobs, engine, client)
+        async with bench_env(Path(tmp)) as env:
+            settings = Settings(task_queue="bench", data_dir=env.directory)
+            services = Services(settings, env.blobs, env.engine, env.client)
             async with running_workers(services):
                 await measure(services, 2, 0.0)  # warm up the sandbox and the model client
                 rows = [(n, await measure(services, n, think_ms / 1000)) for n in lengths]
