@@ -23,6 +23,7 @@ from durable_rlm.history import decode, episode_runs
 from durable_rlm.settings import Settings
 from durable_rlm.snapshot_key import lineage_mac, snapshot_key
 from workflows import names
+from workflows.budget import limit_reached
 from workflows.episode import EpisodeWorkflow, episode_policy
 from workflows.forks import Boundary
 from workflows.models import (
@@ -217,32 +218,17 @@ def fork_request(
         raise ForkError(f"invalid fork: {exc}") from exc
     except ValueError as exc:
         raise ForkError(f"invalid fork: {exc}") from exc
-    spent_limit = _limit_reached(request, state, spent)
-    if spent_limit is not None:
+    # The fork's first loop check, on the source's budgets at K: a fork that could only
+    # extract is refused before it pays for that.
+    reached = limit_reached(request, state, timedelta(seconds=spent), reserve=True)
+    if reached is not None:
         raise ForkError(
             f"the fork would end at once: by iteration {point.iteration} the source had reached "
-            f"{spent_limit}; raise it for the fork (e.g. --max-iterations)"
+            f"its {reached.kind} ({reached.value:g} of {reached.limit:g}); raise it for the fork "
+            "(e.g. --max-iterations)"
         )
     point.changes = changes
     return request
-
-
-def _limit_reached(request: EpisodeRequest, state: EpisodeCarry, spent_s: float) -> str | None:
-    """The limit the fork's first loop check would stop on (its budgets are the source's at
-    K), or None: a fork that could only extract is refused before it pays for that."""
-    from workflows.budget import root_call_limit
-    from workflows.fallback import ExecutionState, FallbackTrigger
-
-    limits = request.limits
-    trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
-    elapsed = timedelta(seconds=spent_s)
-    reason = trigger.should_trigger(
-        ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
-    )
-    reason = reason or root_call_limit(request, state, reserve=True)
-    if reason is None:
-        return None
-    return f"its {reason.kind} ({reason.value:g} of {reason.limit:g})"
 
 
 def describe_fork(point: ForkPoint) -> str:

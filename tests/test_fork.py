@@ -5,6 +5,7 @@ untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from pathlib import Path
@@ -383,3 +384,48 @@ async def test_a_fork_takes_the_limits_as_they_were_at_k(client, scripted, worke
     last, point = await fork_episode(client, worker.task_queue, source_id, 4)
     assert "where the source ended: the fork asks its model again" in describe_fork(point)
     assert (await last.result()).answer == "43"
+
+
+async def test_two_forks_at_once_survive_a_worker_restart_mid_call(
+    client, scripted, store, session_dir
+) -> None:
+    """Two forks of one source started together (their replays in one process), their
+    first model calls in flight when the worker stops: a new worker finishes both."""
+    workers = Workers(client, store, session_dir)
+    await workers.start()
+    try:
+        server = scripted(root_and_sub(SOURCE_TURNS, _halves))
+        source_id = f"fork-twice-{uuid.uuid4().hex[:6]}"
+        await run_episode(client, request_for(server), workers.queue, source_id)
+        cell = "```repl\nprint(x, y)\n```"
+
+        def first_a_slow_cell(request: ChatRequest) -> Reply | str:
+            ran = any(m.get("content") == cell for m in request.messages)
+            return "FINAL_VAR(y)" if ran else Reply(text=cell, delay_s=2)
+
+        slow = scripted(first_a_slow_cell)
+        settings = Settings(task_queue=workers.queue, data_dir=session_dir)
+        (first, _), (second, _) = await asyncio.gather(
+            *(
+                fork_episode(
+                    client,
+                    workers.queue,
+                    source_id,
+                    at,
+                    model="slow",
+                    base_url=slow.base_url,
+                    settings=settings,
+                )
+                for at in (2, 3)
+            )
+        )
+        while len(slow.requests) < 2:  # both first calls are in flight
+            await asyncio.sleep(0.05)
+        await workers.stop()
+        await workers.start()
+        results = await asyncio.wait_for(asyncio.gather(first.result(), second.result()), 60)
+        assert [r.answer for r in results] == ["42", "42"]
+        assert [r.iterations for r in results] == [4, 5]
+        assert len(server.requests) == 5  # the source's own calls: the forks asked it nothing
+    finally:
+        await workers.stop()

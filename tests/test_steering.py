@@ -20,12 +20,10 @@ import pytest
 import sqlalchemy as sa
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle
-from temporalio.testing import WorkflowEnvironment
 
 from durable_rlm import schema
-from durable_rlm.codec import data_converter
 from durable_rlm.episodes import start_episode
-from durable_rlm.runtime import Services, running_workers, time_skipping_server_binary
+from durable_rlm.runtime import Services, running_workers
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
 from durable_rlm.steering import (
@@ -320,15 +318,6 @@ async def test_finish_now_ends_a_paused_episode_and_max_duration_follows_a_new_l
     result = await asyncio.wait_for(timed.result(), 30)
     assert result.ended_by == "max_duration" and result.answer == "late"
     assert time.monotonic() - started < 15  # not the 20 s call, nor the 10 minutes first set
-
-
-@pytest.fixture
-async def skipping_env(blobs):
-    env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=data_converter(blobs), test_server_existing_path=time_skipping_server_binary()
-    )
-    yield env
-    await env.shutdown()
 
 
 async def test_an_episode_paused_for_a_week_resumes_with_its_repl_state(

@@ -13,26 +13,12 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
-from temporalio.testing import WorkflowEnvironment
-
-from durable_rlm.codec import data_converter
-from durable_rlm.runtime import Services, running_workers, time_skipping_server_binary
+from durable_rlm.runtime import Services, running_workers
 from durable_rlm.scripted import Reply
 from durable_rlm.settings import Settings
 from tests.conftest import request_for
 from workflows import names
 from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult
-
-
-@pytest.fixture
-async def skipping_env(blobs):
-    env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=data_converter(blobs), test_server_existing_path=time_skipping_server_binary()
-    )
-    yield env
-    await env.shutdown()
-
 
 EXTRACTED = '{"answer": "partial result", "_extraction_notes": "from the history"}'
 

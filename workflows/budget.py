@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from workflows import defaults
-from workflows.fallback import FallbackReason
+from workflows.fallback import ExecutionState, FallbackReason, FallbackTrigger
 from workflows.models import COST_DIGITS, EpisodeCarry, EpisodeRequest
 
 MIN_CHILD_CALLS_WITH_EXTRACTION = 2
@@ -172,3 +172,16 @@ def child_budgets(
     # A little before the parent's: a child that runs out of time extracts its answer before
     # the parent's own timer cancels it.
     return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline - slack, cost_usd=cost)
+
+
+def limit_reached(
+    request: EpisodeRequest, state: EpisodeCarry, elapsed: timedelta, reserve: bool = False
+) -> FallbackReason | None:
+    """The limit that stops the loop before its next root call, or None: the loop's own
+    check at each iteration, and `drlm fork`'s before a fork starts from `state`."""
+    limits = request.limits
+    trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
+    reason = trigger.should_trigger(
+        ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
+    )
+    return reason or root_call_limit(request, state, reserve=reserve)

@@ -34,7 +34,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, forks, legacy, metadata, names, prompts, steering
-    from workflows.budget import cost_spent, extraction_refusal, root_call_limit
+    from workflows.budget import cost_spent, extraction_refusal, limit_reached, root_call_limit
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
         CANCELLED,
@@ -50,9 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.fallback import (
         ANSWER_FIELDS,
-        ExecutionState,
         FallbackReason,
-        FallbackTrigger,
         parse_extraction_response,
     )
     from workflows.models import (
@@ -558,12 +556,7 @@ class EpisodeWorkflow:
                 if asked is not None:
                     return asked
             limits = request.limits  # a person may change them (set_limits)
-            trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
-            reason = trigger.should_trigger(
-                ExecutionState(iterations=s.iteration, llm_calls=s.sub_calls, elapsed=self._elapsed(request))
-            )
-            if reason is None:
-                reason = root_call_limit(request, s, reserve=self._reserve)
+            reason = limit_reached(request, s, self._elapsed(request), reserve=self._reserve)
             if reason is not None:
                 if self._honest:
                     return LimitReached(reason)
