@@ -68,12 +68,38 @@ async def test_a_final_in_an_example_block_is_not_an_answer(client, worker, scri
 
 @pytest.mark.parametrize(
     ("reply", "answer"),
-    [("FINAL(It's a dog)", "It's a dog"), ('FINAL("It\'s a dog")', "It's a dog"), ('FINAL("Blue")', "Blue")],
+    [
+        ("FINAL(It's a dog)", "It's a dog"),
+        ('FINAL("It\'s a dog")', '"It\'s a dog"'),
+        ('FINAL("Blue")', '"Blue"'),
+    ],
 )
 async def test_prose_answers_come_back_as_written(client, worker, scripted, reply: str, answer: str) -> None:
     server = scripted(root_and_sub([reply]))
     result = await run_episode(client, request_for(server), worker.task_queue)
     assert (result.answer, result.ended_by) == (answer, "final")
+
+
+@pytest.mark.parametrize(
+    ("reply", "answer"),
+    [
+        ("FINAL(42)", "42"),
+        ('FINAL("hello")', '"hello"'),  # "including quotes in content"
+        ("FINAL(answer (with nested) parens)", "answer (with nested) parens"),
+    ],
+)
+async def test_seed_001_examples_are_the_answer_a_user_sees(
+    client, worker, scripted, reply: str, answer: str
+) -> None:
+    server = scripted(root_and_sub([f"I know it.\n{reply}"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert (result.answer, result.ended_by, result.answer_source) == (answer, "final", "model")
+
+
+async def test_seed_001_final_var_example_is_the_answer_a_user_sees(client, worker, scripted) -> None:
+    server = scripted(root_and_sub(['```repl\nresult = "ok"\n```', "FINAL_VAR(result)"]))
+    result = await run_episode(client, request_for(server), worker.task_queue)
+    assert (result.answer, result.ended_by, result.iterations) == ("ok", "final_var", 2)
 
 
 async def test_an_extracted_answer_says_so(client, worker, scripted) -> None:

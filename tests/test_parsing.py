@@ -58,9 +58,9 @@ class LocalEnvironment:
     ("snippet", "raw", "answer"),
     [
         ("FINAL(42)", "42", "42"),
-        # Seed 001 keeps the quotes in the extracted content; issue 20 strips quotes that
-        # enclose the whole argument from the answer. Both are pinned: `raw` is the seed's.
-        ('FINAL("hello")', '"hello"', "hello"),
+        # Seed 001: "including quotes in content". Its table rules over issue 20's earlier
+        # request to strip them (issue 36).
+        ('FINAL("hello")', '"hello"', '"hello"'),
         ("FINAL(answer (with nested) parens)", "answer (with nested) parens", "answer (with nested) parens"),
     ],
 )
@@ -171,17 +171,19 @@ def test_a_reader_that_printed_nothing_is_an_empty_answer(stdout: str | None) ->
     ("reply", "answer"),
     [
         ("FINAL(It's a dog)", "It's a dog"),
-        ('FINAL("It\'s a dog")', "It's a dog"),
-        ("FINAL('It's a dog')", "It's a dog"),
+        # Seed 001: the argument as written, quotes included; a ')' inside a string
+        # literal does not close the call.
+        ('FINAL("It\'s a dog")', '"It\'s a dog"'),
+        ("FINAL('It's a dog')", "'It's a dog'"),
         ("FINAL(don't (really) know)", "don't (really) know"),
-        ('FINAL("a) b")', "a) b"),
-        ('FINAL("""tri ) ple""")', "tri ) ple"),
-        (r'FINAL("say \") ok")', 'say ") ok'),
+        ('FINAL("a) b")', '"a) b"'),
+        ('FINAL("""tri ) ple""")', '"""tri ) ple"""'),
+        (r'FINAL("say \") ok")', r'"say \") ok"'),
         ('FINAL("a", "b")', '"a", "b"'),
         ("FINAL('x' + y)", "'x' + y"),
         ('FINAL("He said "hi" to me")', '"He said "hi" to me"'),
         ("FINAL(  spaced  )", "spaced"),
-        ('FINAL("")', ""),
+        ('FINAL("")', '""'),
     ],
 )
 def test_final_arguments_are_prose_or_one_string_literal(reply: str, answer: str) -> None:
@@ -319,9 +321,8 @@ def test_real_trace_final_answers_match_the_rlms_log(row: dict) -> None:
     expected = row["final_answer"]
     if expected is None:
         assert signal is None
-    else:  # rlms logged the seed's raw content; the answer drops enclosing quotes
-        assert signal.raw == expected
-        assert signal.value == expected.strip('"')
+    else:  # rlms logged the seed's content, quotes included: so is our answer
+        assert signal.raw == signal.value == expected
 
 
 @pytest.mark.parametrize("row", _trace_iterations(), ids=lambda r: f"iteration{r['iteration']}")

@@ -166,6 +166,7 @@ LATER = [
     "sandboxes_busy",
     "steering",
     "fork",
+    "final_as_written",
 ]  # recorded after the ui-metadata patch: they carry its marker too
 
 
@@ -179,7 +180,13 @@ def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
 def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
     # Since audit-aside the opening audit is scheduled with the first root call, in one task.
     for path in HISTORIES:
-        since = path.stem in ("audit_aside", "sandboxes_busy", "steering", "fork")  # recorded after it
+        since = path.stem in (
+            "audit_aside",
+            "sandboxes_busy",
+            "steering",
+            "fork",
+            "final_as_written",
+        )  # recorded after it
         assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
     assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
@@ -339,3 +346,16 @@ def test_the_fork_history_starts_from_its_source_s_state() -> None:
     ]
     (cell,) = [p for p in payloads if '"rebuilt":true' in p]
     assert '"x":"6","y":"SHOUT","z":"6 SHOUT"' in cell  # x and y came back from the log
+
+
+def test_final_keeps_its_quotes_behind_the_final_as_written_patch() -> None:
+    """Seed 001's row FINAL("hello") -> "hello" (quotes included) is recorded with its patch
+    marker; every history recorded before it carries no marker and replays (above) with the
+    quotes stripped, as it ran."""
+    assert _has_patch_marker("final_as_written.json", names.PATCH_FINAL_AS_WRITTEN)
+    events = json.loads((HISTORIES[0].parent / "final_as_written.json").read_text())["events"]
+    done = events[-1]["workflowExecutionCompletedEventAttributes"]["result"]["payloads"][0]["data"]
+    assert json.loads(base64.b64decode(done))["answer"] == '"hello"'
+    for path in HISTORIES:
+        if path.stem != "final_as_written":
+            assert not _has_patch_marker(path.name, names.PATCH_FINAL_AS_WRITTEN), path.stem

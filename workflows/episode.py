@@ -85,7 +85,7 @@ with workflow.unsafe.imports_passed_through():
         SteeringReceipt,
     )
     from workflows.outcome import CellRecord, IterationOutcome, cell_answer, next_turn, text_answer
-    from workflows.parsing import FinalSignal, parse_reply
+    from workflows.parsing import FinalSignal, parse_reply, unquote_argument
     from workflows.repl_steps import ReplSteps
     from workflows.retries import (
         describe_failure,
@@ -855,7 +855,10 @@ class EpisodeWorkflow:
         if not self._honest:
             signal = legacy.parse_final_signal(reply.text)
         if signal is not None and signal.kind == "final":
-            outcome.answer, note = text_answer(signal.value, "final", fields)
+            stated = signal.value
+            if self._honest and not workflow.patched(names.PATCH_FINAL_AS_WRITTEN):
+                stated = unquote_argument(stated)  # recorded before seed 001's rule was kept
+            outcome.answer, note = text_answer(stated, "final", fields)
         elif signal is not None:
             read = await repl.read_variable(signal.value)
             if read.value is None:

@@ -69,6 +69,9 @@ PATCH_AUDIT_ASIDE = "audit-aside"
 # Steering (workflows/steering.py): the durable timer follows a changed deadline; cells may
 # wait for approval; a pause closes the sandbox.
 PATCH_STEERING = "steering"
+# Seed 001: FINAL("hello") answers "hello", quotes included. Episodes recorded before kept
+# the answer with the quotes stripped (an answer can change a typed episode's next turn).
+PATCH_FINAL_AS_WRITTEN = "final-as-written"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

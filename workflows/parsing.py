@@ -11,9 +11,12 @@ The rules a user can rely on:
   REPL runs; a FINAL in a ```python example is an example.)
 - The first FINAL_VAR line decides; if there is none, the first FINAL line decides (seed
   001's precedence). A first candidate whose parentheses never close is no answer.
-- The argument is either one string literal (its quotes are stripped: FINAL("It's a dog")
-  answers It's a dog) or prose, in which parentheses nest and quotes are plain text
-  (FINAL(It's a dog) answers It's a dog).
+- FINAL's answer is its argument as written, trimmed (seed 001's table: FINAL("hello")
+  answers "hello", quotes included). The argument is either one string literal, taken
+  whole so a ')' inside it does not close the call, or prose, in which parentheses nest
+  and quotes are plain text (FINAL(It's a dog) answers It's a dog).
+- FINAL_VAR's argument is a variable name; quotes around it are stripped
+  (FINAL_VAR('result') reads `result`, as rlms's `print(FINAL_VAR('result'))` does).
 """
 
 from __future__ import annotations
@@ -175,10 +178,12 @@ def _is_apostrophe(text: str, index: int) -> bool:
 
 
 def unquote_argument(raw: str) -> str:
-    """The answer a FINAL argument stands for: quotes around the whole argument stripped.
+    """A quoted name as the name it stands for: quotes around the whole argument stripped.
 
-    `"hello"` -> hello, `'It's a dog'` -> It's a dog (inner apostrophes are text), but
-    `"a", "b"` stays as written: its quotes do not enclose the whole argument.
+    Used for FINAL_VAR's variable name, and for the FINAL answers of episodes recorded
+    before the `final-as-written` patch (they stripped them). `"hello"` -> hello,
+    `'It's a dog'` -> It's a dog (inner apostrophes are text), but `"a", "b"` stays as
+    written: its quotes do not enclose the whole argument.
     """
     value = raw.strip()
     if len(value) < 2 or value[0] != value[-1] or value[0] not in "'\"":
@@ -212,8 +217,8 @@ _MISSING_MARKER = "\x00drlm:FINAL_VAR:missing\x00"
 @dataclass(frozen=True)
 class FinalSignal:
     kind: Literal["final", "final_var"]
-    value: str  # the answer for FINAL, the variable name for FINAL_VAR
-    raw: str = ""  # the argument as written (seed 001 keeps quotes in it)
+    value: str  # the answer for FINAL (as written, seed 001), the variable name for FINAL_VAR
+    raw: str = ""  # the argument as written
 
 
 class CodeEnvironment(Protocol):
@@ -233,7 +238,7 @@ def _signal_in(prose: str) -> FinalSignal | None:
     if start is not None:
         raw = extract_balanced_paren_content(prose, start.end() - 1)
         if raw is not None:
-            return FinalSignal("final", unquote_argument(raw), raw.strip())
+            return FinalSignal("final", raw.strip(), raw.strip())
     return None
 
 

@@ -51,6 +51,8 @@ SCRIPTS = {
         ],
         "alpha beta gamma",
     ),
+    # Seed 001: FINAL("hello") answers "hello", quotes included (final-as-written patch).
+    "final_as_written": (["```repl\nx = 1\n```", 'FINAL("hello")'], "a context"),
 }
 
 
