@@ -26,6 +26,7 @@ import anthropic
 import openai
 from temporalio.exceptions import ApplicationError, FailureError
 
+from activities.store_errors import store_problem, store_unavailable
 from workflows import names
 from workflows.models import ModelSettings
 from workflows.parsing import shorten_middle
@@ -218,6 +219,9 @@ class compact_failures:  # noqa: N801 - used as a context manager, like contextl
             ) from None
         if isinstance(exc, FailureError):
             return False  # Temporal's own (a cancellation): its shape matters to the SDK
+        problem = store_problem(exc)
+        if problem is not None:
+            raise store_unavailable(problem) from None  # waited out by the workflow
         # As the SDK would convert it (type = class name, retryable), minus the chain.
         raise ApplicationError(clip(f"{type(exc).__name__}: {exc}"), type=type(exc).__name__) from None
 

@@ -41,6 +41,7 @@ from durable_rlm.episodes import (
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.prices import PriceTable
 from durable_rlm.runtime import Services, import_policy_modules, session
+from durable_rlm.sdk_logs import quiet_sdk_failures
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.steering import (
     SteeringOutcome,
@@ -268,6 +269,7 @@ class DurableRLM:
         return self._locks.setdefault(loop, asyncio.Lock())
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
+        quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
         return await stack.enter_async_context(session(self.settings, self.credentials, work))
 
     async def close(self) -> None:
@@ -399,8 +401,11 @@ class Episode:
         return await follow(self.handle)
 
     async def result(self) -> EpisodeResult:
+        """The result of an episode that did its work. Raises EpisodeFailed when it ended
+        without one, or when a failure ended it without an answer (its result is on the
+        exception's `end`)."""
         end = await self.end()
-        if end.result is None:
+        if end.result is None or end.status == "failed":
             raise EpisodeFailed(end)
         return end.result
 

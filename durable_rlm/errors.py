@@ -31,10 +31,13 @@ class InvalidRequestError(DurableRLMError, ValueError):
 
 class EpisodeFailed(DurableRLMError):
     """The episode ended without a result: failed, terminated, timed out or cancelled by
-    Temporal (a `cancel()` on request ends with a result, `ended_by="cancelled"`)."""
+    Temporal (a `cancel()` on request ends with a result, `ended_by="cancelled"`); or a
+    failure (the model down, say) ended it without an answer: status "failed", the result
+    on `end.result`, what failed in its `failure_cause`."""
 
     def __init__(self, end: EpisodeEnd) -> None:
-        super().__init__(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
+        why = end.error or (end.result.stop_reason if end.result is not None else None)
+        super().__init__(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {why}")
         self.end = end
 
 

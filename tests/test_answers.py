@@ -158,7 +158,10 @@ async def test_a_model_error_names_itself_and_gives_no_answer(client, worker, sc
     server = scripted(root_and_sub(["FINAL(x)"]), models={"other"})
     result = await run_episode(client, request_for(server), worker.task_queue)
     assert (result.ended_by, result.answer, result.answer_source) == ("model_error", None, "none")
-    assert result.stop_reason.startswith("the root model call failed:") and "HTTP 404" in result.stop_reason
+    # A 404 is the request's fault (a model the provider does not have): the ending says so.
+    assert (result.status, result.failure_cause) == ("failed", "request")
+    assert result.stop_reason.startswith("the root model refused the request:")
+    assert "HTTP 404" in result.stop_reason
 
 
 async def test_the_deadline_during_a_cell_ends_the_loop_at_once(client, worker, scripted) -> None:

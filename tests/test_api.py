@@ -212,3 +212,43 @@ def test_a_sub_model_on_another_provider_keeps_only_its_own_endpoint(tmp_path: P
         settings=Settings(data_dir=tmp_path),
     ).request(None)
     assert explicit.sub_model is not None and explicit.sub_model.base_url == "http://127.0.0.1:9/v1"
+
+
+DOWN_SCRIPT = """
+import logging, os, sys
+from durable_rlm import DurableRLM, EpisodeFailed
+if sys.argv[2] == "debug":
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+rlm = DurableRLM("gpt-x", base_url=sys.argv[1], api_key="sk-x", max_attempts=2)
+try:
+    rlm.completion("ctx", "q")
+    print("returned")
+except EpisodeFailed as exc:
+    print("raised", exc.end.status, exc.end.result.failure_cause, exc.end.result.ended_by)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("logging_level", ["default", "debug"])
+def test_a_model_that_is_down_raises_episode_failed_quietly(tmp_path: Path, logging_level: str) -> None:
+    """Issue 37: a failed episode raises EpisodeFailed (status failed, the cause named), and
+    the SDK's per-attempt tracebacks are DEBUG records: none on stderr unless asked for."""
+    from durable_rlm.runtime import free_port
+
+    nowhere = f"http://127.0.0.1:{free_port()}/v1"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_"))}
+    env.update(DRLM_DATA_DIR=str(tmp_path))
+    out = subprocess.run(
+        [sys.executable, "-c", DOWN_SCRIPT, nowhere, logging_level],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert out.stdout.split() == ["raised", "failed", "model", "model_error"], (out.stdout, out.stderr)
+    if logging_level == "default":
+        assert len(out.stderr.splitlines()) <= 3, out.stderr
+    else:
+        assert "Completing activity as failed" in out.stderr  # turned up, it is all there

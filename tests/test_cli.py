@@ -161,6 +161,12 @@ def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> 
     assert out.returncode == 1
     result = json.loads(out.stdout)
     assert result["ended_by"] == "model_error" and "imaginary" in result["error"]
+    assert (result["status"], result["failure_cause"]) == ("failed", "request")
+    # The audit row says so too: `drlm list --status failed` finds it, `completed` does not.
+    failed = drlm(tmp_path, "list", "--status", "failed")
+    assert result["episode_id"] in failed.stdout, failed.stdout + failed.stderr
+    completed = drlm(tmp_path, "list", "--status", "completed")
+    assert result["episode_id"] not in completed.stdout
 
 
 def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:

@@ -116,7 +116,7 @@ async def test_an_unreachable_base_url_ends_with_a_clear_error(client, worker) -
 
     nowhere = SimpleNamespace(base_url=f"http://127.0.0.1:{free_port()}/v1")  # nothing listens
     result = await run_episode(client, request_for(nowhere), worker.task_queue)
-    assert result.ended_by == "model_error"
+    assert (result.ended_by, result.status, result.failure_cause) == ("model_error", "failed", "model")
     assert "cannot reach" in (result.error or "") and nowhere.base_url in (result.error or "")
 
 

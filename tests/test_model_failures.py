@@ -252,6 +252,7 @@ async def test_an_unreachable_model_ends_the_episode_with_its_cause(client, work
 
     end = await follow(handle)
     assert end.result is not None and end.result.ended_by == "model_error"
+    assert end.status == "failed" and end.result.failure_cause == "model"
     assert end.result.error == f"cannot reach model 'scripted' at {url}/: connection refused"
     history = await handle.fetch_history()
     failed = [

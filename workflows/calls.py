@@ -47,6 +47,7 @@ from workflows.retries import (
     model_step_options,
     raise_if_cancelled,
     waits_for_credentials,
+    waits_for_store,
 )
 
 
@@ -59,6 +60,8 @@ class CallSite:
     stopping: Callable[[], bool] = lambda: False  # the episode is being cancelled
     # Waits until a client says the key was fixed (the episode's pause); None: no pausing.
     wait_for_credentials: Callable[[str], Awaitable[None]] | None = None
+    # Waits out a store outage before the call is asked again; None: a failure answers.
+    wait_for_store: Callable[[str, int], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,9 @@ async def sub_model_call(
     site: CallSite, call: SubCallRequest, model: ModelSettings, budget: ChildBudget | None = None
 ) -> CallResult:
     """One sub-model call. A refused key does not answer the cell with an error (the model
-    would spend iterations on it): the call waits, its cell suspended, for a fixed key."""
+    would spend iterations on it): the call waits, its cell suspended, for a fixed key. A
+    store outage is waited out the same way."""
+    outages = 0
     while True:
         try:
             reply = await workflow.execute_activity(
@@ -109,6 +114,10 @@ async def sub_model_call(
                 raise_if_cancelled(err)
             if site.wait_for_credentials is not None and waits_for_credentials(err):
                 await site.wait_for_credentials(describe_failure(err))
+                continue
+            if site.wait_for_store is not None and waits_for_store(err):
+                await site.wait_for_store(describe_failure(err), outages)
+                outages += 1
                 continue
             return CallResult(ok=False, text=describe_failure(err))
         return CallResult(ok=True, text=reply.text, usage=reply.usage, model_time_s=reply.model_time_s)

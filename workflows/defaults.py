@@ -43,6 +43,16 @@ MAX_PARALLEL_SUBCALLS = 16
 MAX_PARALLEL_SUBCALLS_CEILING = 500
 """Below Temporal's 2,000 pending activities per execution, with room for the rest."""
 
+MAX_PROMPTS_PER_CALL = 1_000
+"""Prompts one `llm_query_batched` (or any REPL call) may carry: each is an activity and
+three or more history events, and a history ends at 51,200. The sandbox refuses a longer
+list with an error in the cell (split it); a frame that carries more is a protocol error."""
+
+MAX_CALL_BYTES = 32 * 1024 * 1024
+"""Bytes of one REPL call's frame (its prompts as JSON): what the sandbox may hand the worker
+at once. Refused in the cell past it (a model reads far less; a child context that big
+belongs in the episode's own context). Below SANDBOX_IN_FLIGHT_BYTES, so it fits."""
+
 MAX_CELLS_PER_REPLY = 16
 """Code blocks run from one reply. A reply with thousands of blocks is not a plan, and each
 block is a REPL step in history."""
@@ -183,6 +193,11 @@ attempt fails as busy and is retried: half the slack a step has beyond its cell'
 SANDBOX_BUSY_PAUSE_S = 1.0
 """After a step's wait for a sandbox ran out, the workflow asks again this much later."""
 
+STORE_WAIT_FIRST_S = 2.0
+STORE_WAIT_MAX_S = 30.0
+"""A step the store failed (names.STORE_UNAVAILABLE) is asked again after a durable timer:
+2 s, doubling to at most 30 s, for as long as the episode's deadline allows."""
+
 WORKFLOW_TASK_SLOTS = 100
 """Workflow tasks one worker runs at once (the SDK's own default)."""
 
@@ -194,6 +209,16 @@ MAX_FRAME_BYTES = 256 * 1024 * 1024
 SANDBOX_FIELD_CHARS = 1_000_000
 """Longest error, answer, stderr or stdout a worker takes from a sandbox (the sandbox cuts
 its own; the worker cuts again in case the sandbox's code was changed by a cell)."""
+
+SANDBOX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
+"""Bytes of frames from one sandbox the worker holds at once, read but not yet taken (the
+frame being read included), whatever their number; also the largest frame. Past it the
+worker stops reading and the sandbox blocks on its pipe: N hostile sandboxes cost at most
+N x this, not what they write."""
+
+SNAPSHOT_MAX_MB = 512
+"""Largest REPL snapshot the worker reads from a sandbox (compressed). A namespace past it is
+not snapshotted: a rebuild re-runs its cells instead of the worker holding that much."""
 
 SANDBOX_SEND_TIMEOUT_S = 30.0
 """A sandbox that reads none of a frame the worker sends for this long is broken."""

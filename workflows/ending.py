@@ -23,7 +23,7 @@ from workflows.fallback import (
     Submitted,
     calculate_extraction_confidence,
 )
-from workflows.models import AnswerSource, EndReason, TerminationDecision
+from workflows.models import AnswerSource, EndReason, FailureCause, TerminationDecision
 from workflows.outcome import IterationOutcome, answer_outputs, answer_text
 from workflows.termination import PolicyDecision
 
@@ -41,6 +41,7 @@ class Ending:
     policy: str | None = None
     decision: TerminationDecision | None = None
     error: str | None = None
+    failure_cause: FailureCause | None = None
 
     @property
     def confidence(self) -> float | None:
@@ -120,14 +121,26 @@ def policy_ending(
     )
 
 
-def model_error_ending(error: str) -> Ending:
+_FAILED_STEP = {
+    "model": "the root model call failed",
+    "request": "the root model refused the request",
+    "store": "the store failed the root model step",
+    "sandbox": "the sandbox failed the root model step",
+    "infrastructure": "the infrastructure failed the root model step",
+}
+
+
+def model_error_ending(error: str, cause: FailureCause = "model") -> Ending:
+    """A root model step that failed for good, worded after what really failed."""
+    what = _FAILED_STEP[cause]
     return Ending(
-        ended_by="model_error",
+        ended_by="infrastructure_error" if cause in ("infrastructure", "sandbox", "store") else "model_error",
         answer=None,
         source="none",
-        stop_reason=f"the root model call failed: {error}",
-        execution=ExecutionResult(variant=Failed(reason=f"model call failed: {error}")),
+        stop_reason=f"{what}: {error}",
+        execution=ExecutionResult(variant=Failed(reason=f"{what}: {error}")),
         error=error,
+        failure_cause=cause,
     )
 
 

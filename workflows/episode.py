@@ -89,10 +89,13 @@ with workflow.unsafe.imports_passed_through():
     from workflows.repl_steps import ReplSteps
     from workflows.retries import (
         describe_failure,
+        failure_cause,
         is_context_overflow,
         model_step_options,
         raise_if_cancelled,
+        store_pause,
         waits_for_credentials,
+        waits_for_store,
     )
     from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
     from workflows.termination import (
@@ -134,6 +137,10 @@ class EpisodeWorkflow:
         self._credentials_epoch = 0
         self._paused_calls = 0
         self._paused: str | None = None
+        # Steps the store failed, each waiting on a timer before it is asked again.
+        self._store_waits = 0
+        self._waiting_for: str | None = None
+        self._phase_before_store = ""
         self._phase_before_pause = ""
         self._search = False  # upsert the UI's search attributes (started with them, patched)
         self._reserve = False  # token and cost budgets keep room for an extraction (patched)
@@ -201,6 +208,7 @@ class EpisodeWorkflow:
             stopping=lambda: self._stopping,
             local=local,
             wait_for_credentials=self._wait_for_credentials,
+            wait_for_store=self._wait_for_store,
             reserve=self._reserve,
         )
 
@@ -608,7 +616,7 @@ class EpisodeWorkflow:
             if self._honest:
                 raise_if_cancelled(err)
             if not (self._honest and is_context_overflow(err)):
-                return model_error_ending(describe_failure(err))
+                return model_error_ending(describe_failure(err), failure_cause(err))
         over = root_call_limit(request, s, calls=2, reserve=self._reserve)
         if over is not None:
             return LimitReached(over)
@@ -621,7 +629,7 @@ class EpisodeWorkflow:
             raise_if_cancelled(err)
             if is_context_overflow(err):
                 return LimitReached(FallbackReason(kind="context_overflow", value=s.compactions, limit=0))
-            return model_error_ending(describe_failure(err))
+            return model_error_ending(describe_failure(err), failure_cause(err))
 
     async def _root_completion(
         self, request: EpisodeRequest, after_compaction: bool = False
@@ -680,7 +688,9 @@ class EpisodeWorkflow:
             )
         except ActivityError as err:
             raise_if_cancelled(err)
-            return model_error_ending(f"compacting the conversation failed: {describe_failure(err)}")
+            return model_error_ending(
+                f"compacting the conversation failed: {describe_failure(err)}", failure_cause(err)
+            )
         if reply.removed_messages == 0:
             return None  # nothing between the task and the latest turns to summarise
         s.conversation = reply.conversation
@@ -692,14 +702,52 @@ class EpisodeWorkflow:
 
     async def _with_credentials(self, call: Callable[[], Awaitable[T]]) -> T:
         """Run a model step; if the provider refuses the key, wait for a fixed one and run
-        the same step again (its input is unchanged: nothing was charged or appended)."""
+        the same step again (its input is unchanged: nothing was charged or appended). A
+        store outage is waited out the same way, by a timer (`_wait_for_store`)."""
+        outages = 0
         while True:
             try:
                 return await call()
             except ActivityError as err:
+                if waits_for_store(err):
+                    await self._wait_for_store(describe_failure(err), outages)
+                    outages += 1
+                    continue
                 if not waits_for_credentials(err):
                     raise
                 await self._wait_for_credentials(describe_failure(err))
+
+    async def _through_store_outages(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a step; while the store fails it, wait (a durable timer) and run it again."""
+        outages = 0
+        while True:
+            try:
+                return await call()
+            except ActivityError as err:
+                if not waits_for_store(err):
+                    raise
+                await self._wait_for_store(describe_failure(err), outages)
+                outages += 1
+
+    async def _wait_for_store(self, problem: str, outages: int) -> None:
+        """The store failed a step: say so (progress, `drlm watch`, the status attribute) and
+        wait before the step is asked again. Never an ending: only the deadline (which
+        cancels the loop, and this wait with it) or a person ends a waiting episode."""
+        if self._store_waits == 0:
+            self._phase_before_store = self._phase
+            self._show_progress("waiting")
+        self._store_waits += 1
+        self._waiting_for = f"waiting for the store: {problem}"
+        self._set_phase(self._waiting_for)
+        try:
+            await workflow.sleep(store_pause(outages))
+        finally:  # plain state only: on eviction this runs outside the workflow's event loop
+            self._store_waits -= 1
+            if self._store_waits == 0:
+                self._waiting_for = None
+        if self._store_waits == 0:
+            self._set_phase(self._phase_before_store)
+            self._show_progress("running")
 
     async def _wait_for_credentials(self, problem: str) -> None:
         """Pause until a retry_credentials update arrives: no model call, no iteration, no
@@ -937,20 +985,22 @@ class EpisodeWorkflow:
         model = request.root_model
         self._set_phase(f"extracting ({reason})")
         try:
-            reply = await workflow.execute_activity(
-                names.EXTRACT_FALLBACK,
-                ExtractionInput(
-                    episode_id=workflow.info().workflow_id,
-                    model=model,
-                    conversation=s.conversation,
-                    log_head=s.log_head,
-                    variables=s.variables,
-                    output_fields=fields,
-                    reason=reason,
-                ),
-                result_type=ExtractionReply,
-                summary=f"extraction after {reason.kind}",
-                **model_step_options(model, request.durability),
+            reply = await self._through_store_outages(
+                lambda: workflow.execute_activity(
+                    names.EXTRACT_FALLBACK,
+                    ExtractionInput(
+                        episode_id=workflow.info().workflow_id,
+                        model=model,
+                        conversation=s.conversation,
+                        log_head=s.log_head,
+                        variables=s.variables,
+                        output_fields=fields,
+                        reason=reason,
+                    ),
+                    result_type=ExtractionReply,
+                    summary=f"extraction after {reason.kind}",
+                    **model_step_options(model, request.durability),
+                )
             )
         except ActivityError as err:
             if self._honest:
@@ -982,6 +1032,7 @@ class EpisodeWorkflow:
             usage=s.usage,
             model_time_s=round(s.model_time_s, 6),
             error=ending.error,
+            failure_cause=ending.failure_cause,
             replay_divergences=s.divergences,
             termination=ending.decision,
             cumulative_reward=s.cumulative_reward,

@@ -411,7 +411,16 @@ EndReason = Literal[
     "max_tokens",
     "max_cost_usd",
     "finish_requested",
+    "infrastructure_error",
 ]
+
+FailureCause = Literal["model", "request", "store", "sandbox", "infrastructure"]
+"""What a failure that ended an episode was: the model's provider (down, overloaded, a bad
+reply), the request (rejected by the provider: a wrong model name, a refused key), the
+store, the sandbox, or the rest of the infrastructure (a worker, the server, our code)."""
+
+FAILURE_ENDINGS = frozenset({"model_error", "infrastructure_error"})
+"""Endings that are failures: without an answer, such an episode's status is "failed"."""
 
 AnswerSource = Literal["model", "policy", "extraction", "none"]
 """Who gave the answer: the model (FINAL, FINAL_VAR, answer dict, SUBMIT), a termination
@@ -486,6 +495,9 @@ class EpisodeResult(StrictModel):
     usage: TokenUsage
     model_time_s: float = 0.0
     error: str | None = None
+    failure_cause: FailureCause | None = Field(
+        default=None, description="when a failure ended the episode: what failed"
+    )
     replay_divergences: int = 0
     termination: TerminationDecision | None = None
     cumulative_reward: float = 0.0
@@ -505,8 +517,13 @@ class EpisodeResult(StrictModel):
 
     @property
     def status(self) -> EpisodeStatus:
-        """How the audit store and the CLI name an episode that ended with this result."""
-        return "cancelled" if self.ended_by == "cancelled" else "completed"
+        """How the audit store and the CLI name an episode that ended with this result: an
+        episode that a failure ended without an answer has failed, whatever recorded it."""
+        if self.ended_by == "cancelled":
+            return "cancelled"
+        if self.ended_by in FAILURE_ENDINGS and self.answer is None:
+            return "failed"
+        return "completed"
 
 
 class EpisodeProgress(StrictModel):

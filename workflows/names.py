@@ -51,6 +51,7 @@ MODEL_BAD_REPLY = "ModelBadReply"  # HTTP 200 that is not a completion (not JSON
 TOOL_NOT_REGISTERED = "ToolNotRegistered"
 TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
+STORE_UNAVAILABLE = "StoreUnavailable"  # the audit or blob store failed a step: waited out
 REPL_STEP_ABANDONED = "ReplStepAbandoned"  # a local REPL step started too often without finishing
 
 # workflow.patched() ids: each guards a change that alters the commands of old histories.

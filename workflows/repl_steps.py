@@ -44,6 +44,7 @@ from workflows.retries import (
     error_type,
     is_timeout,
     raise_if_cancelled,
+    waits_for_store,
 )
 
 R = TypeVar("R")
@@ -71,6 +72,7 @@ class ReplSteps:
         local: bool = False,
         wait_for_credentials: Callable[[str], Awaitable[None]] | None = None,
         reserve: bool = False,
+        wait_for_store: Callable[[str, int], Awaitable[None]] | None = None,
     ) -> None:
         self.request = request
         self.reserve = reserve  # children's shares leave the parent its next call and extraction
@@ -80,6 +82,7 @@ class ReplSteps:
         self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
         self.stopping = stopping  # the episode is being cancelled (by request, timer or Temporal)
         self.wait_for_credentials = wait_for_credentials  # a sub-call's refused key pauses it
+        self.wait_for_store = wait_for_store  # a step the store failed is asked again after it
 
     def _sandbox(self) -> SandboxRef:
         return SandboxRef(
@@ -211,6 +214,7 @@ class ReplSteps:
             return await self._local_step(activity, arg, result, summary)
         state = self.state
         durability = self.request.durability
+        outages = 0
         while True:
             sticky = state.repl_queue
             try:
@@ -238,12 +242,17 @@ class ReplSteps:
                 if sticky and is_timeout(err):
                     state.repl_queue = None
                     continue
+                if self.wait_for_store is not None and waits_for_store(err):
+                    await self.wait_for_store(describe_failure(err), outages)
+                    outages += 1
+                    continue
                 raise
             state.log_head = outcome.log_head or state.log_head  # type: ignore[attr-defined]
             state.repl_queue = outcome.worker_queue  # type: ignore[attr-defined]
             return outcome
 
     async def _local_step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
+        outages = 0
         while True:
             try:
                 outcome = await workflow.execute_local_activity(
@@ -265,6 +274,12 @@ class ReplSteps:
                 )
                 break
             except (ActivityError, ApplicationError) as err:  # a local step's failure can come bare
+                if self.wait_for_store is not None and waits_for_store(err):
+                    # The store failed the step on every attempt: not the cell's fault, so
+                    # not a lost cell. Wait for the store and ask the same step again.
+                    await self.wait_for_store(describe_failure(err), outages)
+                    outages += 1
+                    continue
                 if error_type(err) != names.SANDBOXES_BUSY:
                     raise
                 # Every sandbox of the worker ran a step for the whole wait: not a failure of
@@ -282,7 +297,13 @@ class ReplSteps:
         waves, the children of one batch all at once, each with its share of the budget."""
         request = self.request
         site = CallSite(
-            request, iteration, cell_index, self.stop_on_cancel, self.stopping, self.wait_for_credentials
+            request,
+            iteration,
+            cell_index,
+            self.stop_on_cancel,
+            self.stopping,
+            self.wait_for_credentials,
+            self.wait_for_store,
         )
         routes = [route_for(call.kind, request) for call in requests]
         children = [route for route in routes if route is not None and route.kind == "child"]

@@ -19,7 +19,7 @@ from temporalio.exceptions import (
 )
 
 from workflows import defaults, names
-from workflows.models import DurabilitySettings, ModelSettings
+from workflows.models import DurabilitySettings, FailureCause, ModelSettings
 
 STEP_FAILURES = (ActivityError, ApplicationError, TimeoutError, CancelledError)
 """How a failed step reaches workflow code: an activity's failure wrapped in ActivityError; a
@@ -83,6 +83,45 @@ def waits_for_credentials(err: BaseException) -> bool:
     failing. Asked only on such a failure, so histories from before the patch (where a 401
     was a plain rejection) replay as they ran."""
     return error_type(err) == names.MODEL_AUTH_FAILED and workflow.patched(names.PATCH_CREDENTIAL_PAUSE)
+
+
+def waits_for_store(err: BaseException) -> bool:
+    """A step the audit or blob store failed (activities/store_errors.py): the episode waits
+    for the store and asks again. A new failure type: no history before it holds one, so
+    the timers it adds need no patch."""
+    return error_type(err) == names.STORE_UNAVAILABLE
+
+
+def store_pause(waits: int) -> timedelta:
+    """The wait before asking a step again after the store failed it `waits` times before."""
+    seconds = min(defaults.STORE_WAIT_MAX_S, defaults.STORE_WAIT_FIRST_S * 2 ** min(waits, 16))
+    return timedelta(seconds=seconds)
+
+
+_CAUSE_OF_TYPE: dict[str, FailureCause] = {
+    names.MODEL_REQUEST_REJECTED: "request",
+    names.MODEL_AUTH_FAILED: "request",
+    names.MODEL_CONTEXT_OVERFLOW: "request",
+    names.MODEL_UNAVAILABLE: "model",
+    names.MODEL_BAD_REPLY: "model",
+    names.STORE_UNAVAILABLE: "store",
+    names.SANDBOX_FAILURE: "sandbox",
+    names.SANDBOXES_BUSY: "sandbox",
+    names.REPL_STEP_ABANDONED: "sandbox",
+}
+
+
+def failure_cause(err: BaseException) -> FailureCause:
+    """What failed a model step, by its failure's type: the provider ("model"), the request
+    it refused ("request"), the store, the sandbox, or the infrastructure (a worker that
+    stopped heartbeating, our own code raising): an ending names the real cause."""
+    kind = error_type(err)
+    if kind is not None:
+        return _CAUSE_OF_TYPE.get(kind, "infrastructure")
+    cause = err.cause if isinstance(err, ActivityError) else err
+    if isinstance(cause, TimeoutError) and cause.type == TimeoutType.START_TO_CLOSE:
+        return "model"  # the request's own timeout is inside start-to-close: the model was slow
+    return "infrastructure"
 
 
 def describe_failure(err: BaseException) -> str:
