@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import socket
+import struct
 import threading
 from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +34,7 @@ from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBack
 from durable_rlm.codec import DEFAULT_THRESHOLD, ENCODING, ENCRYPTED, KEY_ID, ClaimCheckCodec, EncryptionCodec
 from durable_rlm.encryption import MissingKey
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.private_net import peer_uid
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +322,14 @@ class CodecServer:
     (CORS; "*" for any); a request from any other origin is refused, one without an Origin
     header (the CLI, curl) is not. With `token`, every POST needs `Authorization: Bearer
     <token>` (for a server others can reach). Runs in a thread (`start`/`stop`) or blocking
-    (`serve_forever`)."""
+    (`serve_forever`).
+
+    Loopback is no boundary between the users of one machine, so the supervisor's server
+    (durable_rlm/server.py) also takes a capability and an owner: with `path_secret`, every
+    request's path starts with `/<secret>` (the endpoint `url` carries it; the UI has no way
+    to send a header of ours) and any other path is 404; with `owner_uid`, a connection
+    from a socket of another uid (the kernel's TCP table says whose) is reset before a byte
+    is read."""
 
     def __init__(
         self,
@@ -332,8 +341,14 @@ class CodecServer:
         token: str | None = None,
         limit: int | None = DISPLAY_LIMIT,
         threshold: int = DEFAULT_THRESHOLD,
+        path_secret: str | None = None,
+        owner_uid: int | None = None,
     ) -> None:
         self.blobs = blobs
+        if path_secret is not None and (not path_secret or "/" in path_secret):
+            raise ConfigurationError("a codec server's path secret is one non-empty path segment")
+        self.path_secret = path_secret
+        self.owner_uid = owner_uid
         self.origins = frozenset(ui_origins() if origins is None else (o.rstrip("/") for o in origins))
         self.token = token or None
         self.limit = limit
@@ -354,7 +369,8 @@ class CodecServer:
     def url(self) -> str:
         """The endpoint to give the UI (`--ui-codec-endpoint`) or the CLI (`--codec-endpoint`)."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        secret = f"/{self.path_secret}" if self.path_secret else ""
+        return f"http://{host}:{port}{secret}"
 
     @property
     def port(self) -> int:
@@ -415,6 +431,24 @@ class CodecServer:
                 super().setup()
                 self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+            def handle(self) -> None:
+                if server.owner_uid is not None and peer_uid(self.connection) != server.owner_uid:
+                    # Another user's socket: reset, nothing read, nothing said.
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
+                super().handle()
+
+            def _capable(self) -> bool:
+                """The path starts with the capability (always, without one); else 404."""
+                if server.path_secret is None:
+                    return True
+                first = self.path.split("?", 1)[0].lstrip("/").split("/", 1)[0]
+                if hmac.compare_digest(first.encode(), server.path_secret.encode()):
+                    return True
+                self._error(404, "not found")
+                return False
+
             def _cors(self) -> dict[str, str]:
                 origin = self.headers.get("Origin")
                 if origin is None or not server.allows(origin):
@@ -452,7 +486,7 @@ class CodecServer:
 
             def do_OPTIONS(self) -> None:  # noqa: N802 (the http.server naming)
                 """A browser's preflight: it carries no credentials, so no token check."""
-                if self._origin_refused():
+                if not self._capable() or self._origin_refused():
                     return
                 headers = {
                     "Access-Control-Allow-Methods": "POST, OPTIONS",
@@ -468,6 +502,8 @@ class CodecServer:
                 self.end_headers()
 
             def do_GET(self) -> None:  # noqa: N802
+                if not self._capable():
+                    return
                 if self._path() == "/":
                     self._send(
                         200, {"service": "drlm codec server", "endpoints": ["POST /decode", "POST /encode"]}
@@ -487,14 +523,18 @@ class CodecServer:
                     )
 
             def _path(self) -> str:
-                return self.path.split("?", 1)[0].rstrip("/") or "/"
+                """The path below the capability."""
+                path = self.path.split("?", 1)[0]
+                if server.path_secret is not None:
+                    path = "/" + path.lstrip("/").partition("/")[2]
+                return path.rstrip("/") or "/"
 
             def _action(self) -> str | None:
                 last = self._path().rsplit("/", 1)[-1]
                 return last if last in ("decode", "encode") else None
 
             def _post(self) -> None:
-                if self._origin_refused():
+                if not self._capable() or self._origin_refused():
                     return
                 action = self._action()
                 if action is None:

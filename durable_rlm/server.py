@@ -14,6 +14,15 @@ Files, all under `<data dir>/server/`:
   server answers.
 - `leases/<pid>-<start time>-<id>`: one per client; a lease whose process is gone (its pid
   absent, or reused by a process with another start time) counts for nothing.
+- `codec-secret`: the capability the supervisor's codec server asks of every request (the
+  first segment of its path), handed to the Web UI it starts and, through `state.json`
+  ("codec"), to the owner's clients.
+
+Other users of the machine get nothing from it: the server's ports live in a network
+namespace of its own behind forwarders that admit only the owner's uid
+(durable_rlm/private_net.py), and the codec server wants both the owner's uid and the
+capability. Where no namespace can be made, the server runs in the open and `state.json`
+says so ("private": false; `drlm doctor` warns).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -117,6 +127,7 @@ class EmbeddedServer:
         die_with_parent: bool = False,
         ui_port: int | None = None,
         codec_endpoint: str | None = None,
+        private: bool = False,
     ) -> None:
         self.db_file = Path(db_file)
         self.namespace = namespace
@@ -125,6 +136,9 @@ class EmbeddedServer:
         self.die_with_parent = die_with_parent
         self.ui_port = ui_port  # None: headless
         self.codec_endpoint = codec_endpoint
+        # Behind durable_rlm/private_net.py: its ports in a network namespace of its own,
+        # forwarded from 127.0.0.1 to the owner's uid only. False once no namespace can be made.
+        self.private = private
         self.process: asyncio.subprocess.Process | None = None
 
     @property
@@ -143,33 +157,45 @@ class EmbeddedServer:
             args += ("--ui-codec-endpoint", self.codec_endpoint)
         return args
 
+    def _command(self) -> list[str]:
+        command = [
+            temporal_binary(),
+            "server",
+            "start-dev",
+            *self._ui_args(),
+            "--ip",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--db-filename",
+            str(self.db_file),
+            "--namespace",
+            self.namespace,
+            "--log-level",
+            "error",
+            *self.extra_args,
+        ]
+        if not self.private:
+            return command
+        forwards = [str(self.port)] + ([] if self.ui_port is None else [str(self.ui_port)])
+        gate = [sys.executable, "-m", "durable_rlm.private_net"]
+        return [*gate, *(f"--forward={port}" for port in forwards), "--", *command]
+
     async def start(self) -> str:
+        from durable_rlm.private_net import NO_NAMESPACE
+
         self.db_file.parent.mkdir(parents=True, exist_ok=True)
         log_path = private_file(self.db_file.with_suffix(".log"))
-        with open(log_path, "ab") as log_file:
-            self.process = await asyncio.create_subprocess_exec(
-                temporal_binary(),
-                "server",
-                "start-dev",
-                *self._ui_args(),
-                "--ip",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--db-filename",
-                str(self.db_file),
-                "--namespace",
-                self.namespace,
-                "--log-level",
-                "error",
-                *self.extra_args,
-                stdout=log_file,
-                stderr=log_file,
-                stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=_private_and_tied if self.die_with_parent else _private_files,
-            )
+        await self._spawn(log_path)
+        assert self.process is not None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            if self.process.returncode == NO_NAMESPACE and self.private:
+                # Unprivileged user namespaces are off here: serve in the open, and say so.
+                log.warning("no private network namespace for the server: its ports are open to local users")
+                self.private = False
+                await self._spawn(log_path)
+                continue
             if self.process.returncode is not None:
                 raise ConfigurationError(
                     f"the embedded Temporal server exited (code {self.process.returncode}); see {log_path}"
@@ -179,6 +205,16 @@ class EmbeddedServer:
             await asyncio.sleep(0.1)
         await self.stop()
         raise ConfigurationError("the embedded Temporal server did not start within 30 s")
+
+    async def _spawn(self, log_path: Path) -> None:
+        with open(log_path, "ab") as log_file:
+            self.process = await asyncio.create_subprocess_exec(
+                *self._command(),
+                stdout=log_file,
+                stderr=log_file,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=_private_and_tied if self.die_with_parent else _private_files,
+            )
 
     async def stop(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -252,6 +288,19 @@ class ServerFiles:
     @property
     def log(self) -> Path:
         return self.root / "supervisor.log"
+
+    @property
+    def codec_secret(self) -> Path:
+        return self.root / "codec-secret"
+
+    def read_codec_secret(self) -> str:
+        """The codec server's capability, made on first use (0600, in the 0700 directory)."""
+        private_file(self.codec_secret)
+        secret = self.codec_secret.read_text().strip()
+        if len(secret) < 32:
+            secret = secrets.token_urlsafe(32)
+            self.codec_secret.write_text(secret)
+        return secret
 
     def read_state(self) -> dict | None:
         try:
@@ -429,7 +478,7 @@ async def _start_supervisor(files: ServerFiles, settings: Settings) -> dict:
 async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
     files = ServerFiles.of(settings)
     ui = ui_port(settings.ui_port) if settings.ui else None
-    codec = _codec_server(settings, ui) if ui is not None else None
+    codec = _codec_server(settings, ui, files.read_codec_secret()) if ui is not None else None
     from workflows.metadata import SEARCH_ATTRIBUTES
 
     registered = tuple(
@@ -442,6 +491,7 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
         die_with_parent=True,
         ui_port=ui,
         codec_endpoint=codec.url if codec is not None else None,
+        private=True,
     )
     try:
         return await _serve(settings, files, server, poll_s)
@@ -450,13 +500,20 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
             codec.stop()
 
 
-def _codec_server(settings: Settings, ui: int) -> Any:
-    """The UI's codec endpoint: claim-checked payloads and contexts shown as their content."""
+def _codec_server(settings: Settings, ui: int, secret: str) -> Any:
+    """The UI's codec endpoint: claim-checked payloads and contexts shown as their content,
+    to the owner's uid with the capability only (it opens DRLM_ENCRYPTION_KEYS' payloads)."""
     from durable_rlm.codec_server import CodecServer, ui_origins
     from durable_rlm.connection import open_stores
 
     blobs, _ = open_stores(settings)
-    return CodecServer(blobs, origins=ui_origins(ui), threshold=settings.claim_check_threshold).start()
+    return CodecServer(
+        blobs,
+        origins=ui_origins(ui),
+        threshold=settings.claim_check_threshold,
+        path_secret=secret,
+        owner_uid=os.getuid(),
+    ).start()
 
 
 async def _serve(settings: Settings, files: ServerFiles, server: EmbeddedServer, poll_s: float) -> int:
@@ -473,6 +530,7 @@ async def _serve(settings: Settings, files: ServerFiles, server: EmbeddedServer,
             "db_file": str(settings.temporal_db_file),
             "ui": server.ui_url,
             "codec": server.codec_endpoint,
+            "private": server.private,
         }
     )
     log.info("serving %s for %s", address, settings.data_dir)

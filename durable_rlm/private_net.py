@@ -1,0 +1,259 @@
+"""The embedded Temporal server in a network of its own, reachable only by its owner.
+
+The dev server (`temporal server start-dev`) has no authentication and no TLS flags: on
+127.0.0.1 every local user could list, read, start and terminate workflows, and read its Web
+UI. So the supervisor starts it through this small gate (`python -m durable_rlm.private_net
+--forward PORT ... -- temporal server start-dev ...`):
+
+1. The gate binds its host-side listeners on 127.0.0.1 (the frontend's and the UI's ports)
+   and keeps a handle on the host's TCP table, then leaves the host's network: a network
+   namespace of its own (as root; otherwise inside a user namespace owned by the same uid).
+   Every port the dev server opens afterwards (frontend, HTTP API, metrics, UI, internal
+   services, membership) exists only in that namespace, where nothing else lives.
+2. For each connection to a host-side listener, the gate asks the kernel's TCP table which
+   uid owns the connecting socket (loopback: both ends are on this machine) and forwards to
+   the same port inside the namespace only when it is the owner's uid; any other uid's
+   connection is closed before a byte is read or written.
+
+Clients change nothing: the Python SDK, the `temporal` CLI and a browser of the owner
+connect to 127.0.0.1:<port> as before. What stays open: root (who can read the data
+directory anyway), and any program running as the owner, such as a web page in the
+owner's browser (DNS rebinding, cross-site requests), as with any unauthenticated local
+UI.
+
+If no namespace can be made (unprivileged user namespaces disabled), the gate exits with
+`NO_NAMESPACE` before starting anything and the caller starts the server in the open.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+CLONE_NEWNET = 0x40000000
+CLONE_NEWUSER = 0x10000000
+NO_NAMESPACE = 75  # the gate's exit code: no private network here (EX_TEMPFAIL)
+NO_PORT = 76  # a host-side port is taken
+CHUNK = 256 * 1024
+
+
+class TcpTable:
+    """The uid owning a TCP socket, from /proc/net/tcp of the network this was opened in (a
+    handle opened before leaving the host's network keeps reading the host's table)."""
+
+    def __init__(self) -> None:
+        self._fd = os.open("/proc/self/net/tcp", os.O_RDONLY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def _text(self) -> str:
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(self._fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks).decode("ascii", errors="replace")
+
+    def owner(self, local: tuple[str, int], remote: tuple[str, int]) -> int | None:
+        """The uid of the socket whose local end is `local` and remote end `remote`."""
+        want_local, want_remote = _hex(local), _hex(remote)
+        for line in self._text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote:
+                return int(fields[7])
+        return None
+
+
+def _hex(address: tuple[str, int]) -> str:
+    # The kernel prints the network-order address as a native integer, then the port.
+    (packed,) = struct.unpack("=I", socket.inet_aton(address[0]))
+    return f"{packed:08X}:{address[1]:04X}"
+
+
+def peer_uid(connection: socket.socket, table: TcpTable | None = None) -> int | None:
+    """The uid that owns the other end of an accepted loopback TCP connection (None: not a
+    local peer, or gone already)."""
+    if connection.family != socket.AF_INET:
+        return None
+    own = table or TcpTable()
+    try:
+        return own.owner(connection.getpeername(), connection.getsockname())
+    except OSError:
+        return None
+    finally:
+        if table is None:
+            own.close()
+
+
+# --- leaving the host's network -----------------------------------------------------------
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def enter_private_network() -> None:
+    """Leave the host's network for a new one holding only loopback (raises OSError)."""
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    if os.geteuid() == 0:
+        flags = CLONE_NEWNET
+    else:
+        flags = CLONE_NEWNET | CLONE_NEWUSER  # an unprivileged user owns the new network
+    if libc.unshare(flags) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare: {os.strerror(errno)}")
+    if flags & CLONE_NEWUSER:
+        # The same ids inside, so files the server writes are the owner's as before.
+        with open("/proc/self/setgroups", "w") as out:
+            out.write("deny")
+        with open("/proc/self/uid_map", "w") as out:
+            out.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as out:
+            out.write(f"{gid} {gid} 1")
+    _loopback_up()
+
+
+def _loopback_up() -> None:
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+
+
+def _tied_to_parent() -> None:
+    os.umask(0o077)
+    with contextlib.suppress(Exception):
+        _libc().prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+# --- the gate -----------------------------------------------------------------------------
+
+
+class Gate:
+    """Host-side listeners that forward the owner's connections into the namespace."""
+
+    def __init__(self, ports: list[int], owner: int) -> None:
+        self.owner = owner
+        self.table = TcpTable()
+        self.listeners: list[socket.socket] = []
+        for port in ports:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(128)
+            self.listeners.append(listener)
+        self.refused = 0
+
+    async def serve(self) -> list[asyncio.Server]:
+        servers = []
+        for listener in self.listeners:
+            port = listener.getsockname()[1]
+            servers.append(await asyncio.start_server(self._handler(port), sock=listener))
+        return servers
+
+    def _handler(self, port: int):  # noqa: ANN202 - an asyncio stream callback
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            if peer_uid(sock, self.table) != self.owner:
+                self.refused += 1
+                # RST, not FIN: nothing is said, not even an orderly goodbye.
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.close()
+                return
+            try:
+                inner_reader, inner_writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                writer.close()
+                return
+            for end in (sock, inner_writer.get_extra_info("socket")):
+                with contextlib.suppress(OSError):
+                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await asyncio.gather(_pipe(reader, inner_writer), _pipe(inner_reader, writer))
+
+        return handle
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while chunk := await reader.read(CHUNK):
+            writer.write(chunk)
+            await writer.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            if writer.can_write_eof():
+                writer.write_eof()
+        writer.close()
+
+
+async def _run(gate: Gate, command: list[str]) -> int:
+    server = subprocess.Popen(command, stdin=subprocess.DEVNULL, preexec_fn=_tied_to_parent)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    servers = await gate.serve()
+    try:
+        while server.poll() is None and not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+    finally:
+        for listening in servers:
+            listening.close()
+        if server.poll() is None:
+            server.terminate()
+            try:
+                await asyncio.to_thread(server.wait, 10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    return server.returncode if not stop.is_set() else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m durable_rlm.private_net", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--forward", type=int, action="append", default=[], help="a port to forward (repeatable)"
+    )
+    parser.add_argument("--probe", action="store_true", help="only say whether a private network can be made")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the server's command line")
+    args = parser.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    owner = os.getuid()
+    if args.probe:
+        try:
+            enter_private_network()
+        except OSError as exc:
+            print(f"no private network: {exc}", file=sys.stderr)
+            sys.exit(NO_NAMESPACE)
+        sys.exit(0)
+    try:
+        gate = Gate(args.forward, owner)  # bound in the host's network, before leaving it
+    except OSError as exc:
+        print(f"cannot listen on 127.0.0.1 for the server: {exc}", file=sys.stderr)
+        sys.exit(NO_PORT)
+    try:
+        enter_private_network()
+    except OSError as exc:
+        print(f"no private network for the server: {exc}", file=sys.stderr)
+        sys.exit(NO_NAMESPACE)
+    sys.exit(asyncio.run(_run(gate, command)))
+
+
+if __name__ == "__main__":
+    main()

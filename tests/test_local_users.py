@@ -1,0 +1,255 @@
+"""Issue 33, finding 6: another user of the machine gets nothing from the shared server.
+
+Run as root (the harness's user), these tests start the data directory's shared server as
+any client does, then act as uid `nobody` (the attacker of the finding) against every TCP
+port the supervisor's process tree listens on in the host's network: the Temporal frontend,
+the Web UI, the codec server. The same probes, run as the owner, must get answers, so a
+probe that learns nothing because it is broken cannot pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from durable_rlm.runtime import free_port
+from durable_rlm.server import ServerFiles, running_state, shared_server, temporal_binary
+from durable_rlm.settings import Settings
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # the venv's interpreter lives under /root, closed to nobody
+NOBODY = pwd.getpwnam("nobody")
+
+# Connects to each port, says something in each protocol the ports speak, and reports how
+# many bytes came back (stdlib only: it runs under the system interpreter as nobody).
+PROBE = r"""
+import json, socket, sys
+ports, path = json.loads(sys.argv[1]), sys.argv[2]
+body = b'{"payloads": [{"metadata": {"encoding": "anNvbi9wbGFpbg=="}, "data": "IngiCg=="}]}'
+http1 = (
+    f"POST {path}/decode HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+).encode() + body
+h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+got = {}
+for port in ports:
+    for name, hello in (("http1", http1), ("h2", h2)):
+        received = b""
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+                sock.sendall(hello)
+                while len(received) < 65536:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    received += chunk
+        except OSError:
+            pass
+        got[f"{port}/{name}"] = len(received)
+print(json.dumps(got))
+"""
+
+
+def probe(ports: list[int], path: str, as_nobody: bool) -> dict[str, int]:
+    out = subprocess.run(
+        [SYSTEM_PYTHON, "-c", PROBE, json.dumps(ports), path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        **({"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []} if as_nobody else {}),
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def temporal_cli(address: str, home: Path, as_nobody: bool, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(home / "temporal"), *args, "--address", address, "--disable-config-file"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        **({"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []} if as_nobody else {}),
+    )
+
+
+def process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def listening(table: str, inodes: set[str]) -> set[int]:
+    """Ports in LISTEN state (0A) whose socket is one of `inodes`, from a /proc net table."""
+    ports = set()
+    for line in Path(table).read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+@pytest.fixture
+def nobody_home() -> Iterator[Path]:
+    """A directory of nobody's, with a copy of the `temporal` CLI (the venv is root's). Not
+    under pytest's base directory: pytest keeps that 0700 (and others' runs re-set it)."""
+    home = Path(tempfile.mkdtemp(prefix="drlm-nobody-"))
+    try:
+        home.chmod(0o755)
+        shutil.copy(temporal_binary(), home / "temporal")
+        os.chown(home, NOBODY.pw_uid, NOBODY.pw_gid)
+        yield home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+async def test_another_user_gets_nothing_from_any_port_of_the_shared_server(
+    tmp_path: Path, nobody_home: Path
+) -> None:
+    settings = Settings(data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2)
+    async with shared_server(settings) as lease:
+        state = running_state(settings)
+        assert state is not None and state["private"] is True
+        tree = process_tree(int(state["pid"]))
+        inodes = set().union(*(socket_inodes(pid) for pid in tree))
+        host_ports = listening("/proc/self/net/tcp", inodes) | listening("/proc/self/net/tcp6", inodes)
+        frontend = int(lease.address.rsplit(":", 1)[1])
+        ui = int(str(lease.ui).rsplit(":", 1)[1])
+        codec = int(str(state["codec"]).split("/")[2].rsplit(":", 1)[1])
+        # Every port the tree opens on the host is one of these three; the dev server's own
+        # ports (frontend, HTTP API, metrics, UI, internal services) are in its namespace.
+        assert host_ports == {frontend, ui, codec}
+        server_pid = next(p for p in tree if Path(f"/proc/{p}/exe").resolve().name == "temporal")
+        inside = listening(f"/proc/{server_pid}/net/tcp", socket_inodes(server_pid))
+        assert len(inside) >= 4 and not listening("/proc/self/net/tcp", socket_inodes(server_pid))
+
+        # nobody knows the codec's capability (the dev server's command line shows it).
+        path = "/" + str(state["codec"]).split("/", 3)[3]
+        ports = sorted(host_ports)
+        owner = probe(ports, path, as_nobody=False)
+        stranger = probe(ports, path, as_nobody=True)
+        for port in ports:
+            assert owner[f"{port}/http1"] + owner[f"{port}/h2"] > 0, (port, owner)
+        assert stranger == {key: 0 for key in owner}, stranger
+
+        # What nobody did in the finding: list workflows, start one, and it is refused.
+        listed = temporal_cli(lease.address, nobody_home, True, "workflow", "list")
+        assert listed.returncode != 0 and "connection reset" in listed.stderr, listed.stderr
+        started = temporal_cli(
+            lease.address, nobody_home, True, "workflow", "start", "--type", "EpisodeWorkflow",
+            "--task-queue", "q", "--workflow-id", "planted",
+        )  # fmt: skip
+        assert started.returncode != 0
+        mine = temporal_cli(lease.address, nobody_home, False, "workflow", "list")
+        assert mine.returncode == 0, mine.stderr
+        assert "planted" not in mine.stdout
+
+
+async def test_the_web_ui_is_given_the_codec_capability(tmp_path: Path) -> None:
+    import urllib.request
+
+    settings = Settings(data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2)
+    async with shared_server(settings) as lease:
+        state = running_state(settings)
+        assert state is not None
+        files = ServerFiles.of(settings)
+        secret = files.codec_secret.read_text().strip()
+        assert files.codec_secret.stat().st_mode & 0o777 == 0o600 and len(secret) >= 32
+        assert str(state["codec"]).endswith(f"/{secret}")
+        with urllib.request.urlopen(f"{lease.ui}/api/v1/settings", timeout=30) as answer:
+            ui_settings = json.loads(answer.read())
+        assert ui_settings["Codec"]["Endpoint"] == state["codec"]
+        # The capability answers; the same server without it (or with another) does not.
+        base = str(state["codec"]).removesuffix(f"/{secret}")
+        with urllib.request.urlopen(f"{state['codec']}/", timeout=10) as answer:
+            assert json.loads(answer.read())["service"] == "drlm codec server"
+        for wrong in ("", "/" + "x" * len(secret), f"/{secret[:-1]}"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(f"{base}{wrong}/", timeout=10)
+            assert refused.value.code == 404
+
+
+def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
+    """As nobody (a user namespace owns its network): nobody's connections are forwarded to
+    a server inside, root's (another uid) are reset."""
+    import socket
+
+    from durable_rlm.private_net import NO_NAMESPACE
+
+    port = free_port()
+    home = nobody_home / "www"
+    home.mkdir(mode=0o755)
+    (home / "index.html").write_text("inside")
+    source = str(Path(__file__).resolve().parents[1])
+    gate = subprocess.Popen(
+        [SYSTEM_PYTHON, "-m", "durable_rlm.private_net", f"--forward={port}", "--",
+         SYSTEM_PYTHON, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(home), str(port)],
+        cwd=source, env={"PYTHONPATH": source, "PATH": "/usr/bin:/bin"},
+        user=NOBODY.pw_uid, group=NOBODY.pw_gid, extra_groups=[],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        fetch = (
+            "import sys, urllib.request, time\n"
+            "for _ in range(100):\n"
+            "    try:\n"
+            f"        print(urllib.request.urlopen('http://127.0.0.1:{port}/', timeout=5).read().decode())\n"
+            "        break\n"
+            "    except OSError: time.sleep(0.1)\n"
+        )
+        mine = subprocess.run(
+            [SYSTEM_PYTHON, "-c", fetch], capture_output=True, text=True, timeout=60, cwd="/",
+            user=NOBODY.pw_uid, group=NOBODY.pw_gid, extra_groups=[],
+        )  # fmt: skip
+        if gate.poll() == NO_NAMESPACE:
+            pytest.skip("unprivileged user namespaces are off on this machine")
+        assert mine.stdout.strip() == "inside", (mine.stdout, mine.stderr, gate.poll())
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            try:
+                assert sock.recv(100) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        gate.terminate()
+        gate.wait(10)
+    assert gate.returncode == 0, gate.stderr.read() if gate.stderr else ""
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
