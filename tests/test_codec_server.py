@@ -242,6 +242,44 @@ def test_a_configured_token_is_required_on_every_post(codec, blobs) -> None:
     assert data_of(answer.json()["payloads"][0]) == {"text": "guarded " * 1000}
 
 
+def test_a_path_capability_is_required_on_every_request(codec, blobs) -> None:
+    """The supervisor's codec server (issue 33): loopback is no boundary between users, so
+    every path starts with its secret; without it, or with another, 404 and no payload."""
+    secret = "k" * 43
+    server = codec(path_secret=secret)
+    assert server.url == f"http://127.0.0.1:{server.port}/{secret}"
+    base = f"http://127.0.0.1:{server.port}"
+    body = {"payloads": [in_json(claim_checked(blobs, {"text": "capable " * 1000}))]}
+    for prefix in ("", "/default", f"/{secret[:-1]}", f"/{secret}x", "/" + "j" * 43):
+        for action in ("decode", "encode"):
+            answer = call(f"{base}{prefix}/{action}", body, Origin=UI)
+            assert answer.status == 404, (prefix, action)
+            assert b"capable" not in answer.body and answer.json() == {"error": "not found"}
+        assert call(f"{base}{prefix}/", method="GET").status == 404
+        assert call(f"{base}{prefix}/decode", method="OPTIONS", Origin=UI).status == 404
+    for path in ("/decode", "/default/decode"):  # also under the CLI's namespace prefix
+        answer = call(f"{server.url}{path}", body, Origin=UI)
+        assert answer.status == 200
+        assert data_of(answer.json()["payloads"][0]) == {"text": "capable " * 1000}
+    assert call(f"{server.url}/decode", method="OPTIONS", Origin=UI).status == 204
+
+
+def test_another_uids_connection_is_reset_unread(codec, blobs) -> None:
+    """With `owner_uid`, the kernel's TCP table decides: this process is not the owner."""
+    import http.client
+    import os
+
+    server = codec(owner_uid=os.getuid() + 1)
+    body = json.dumps({"payloads": [in_json(claim_checked(blobs, {"text": "owned " * 1000}))]})
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    with pytest.raises((ConnectionResetError, http.client.RemoteDisconnected)):
+        connection.request("POST", "/decode", body, {"Content-Type": "application/json"})
+        connection.getresponse().read()
+    mine = codec(owner_uid=os.getuid())
+    answer = call(f"{mine.url}/decode", json.loads(body))
+    assert answer.status == 200 and data_of(answer.json()["payloads"][0]) == {"text": "owned " * 1000}
+
+
 # --- size, missing blobs, bad bodies -----------------------------------------------------------
 
 
