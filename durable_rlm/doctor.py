@@ -117,6 +117,11 @@ def platform_checks(settings: Settings) -> list[Check]:
             else f"client of {settings.temporal_address} (namespace {settings.temporal_namespace})",
         )
     )
+    if settings.embedded:
+        # Issue 33: who else on this machine could reach the shared server (server.py).
+        from durable_rlm.server import local_exposure
+
+        checks.append(Check("temporal", "other local users", *local_exposure(settings)))
     location, chosen_by = settings.describe_stores()["data directory"]
     mode = settings.data_dir.stat().st_mode & 0o777 if settings.data_dir.is_dir() else None
     checks.append(

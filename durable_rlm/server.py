@@ -361,6 +361,52 @@ def running_address(settings: Settings) -> str | None:
     return None if state is None else str(state["address"])
 
 
+def other_login_users() -> list[str]:
+    """Accounts of this machine other than ours and root's that can log in (a shell)."""
+    import pwd
+
+    me = os.getuid()
+    closed = ("nologin", "false", "sync", "halt", "shutdown")
+    return sorted(
+        entry.pw_name
+        for entry in pwd.getpwall()
+        if entry.pw_uid not in (0, me) and entry.pw_shell and not entry.pw_shell.endswith(closed)
+    )
+
+
+def private_network_possible() -> bool:
+    """Whether the server can get a network namespace of its own here (durable_rlm/private_net.py)."""
+    probe = subprocess.run(
+        [sys.executable, "-m", "durable_rlm.private_net", "--probe"], capture_output=True, timeout=30
+    )
+    return probe.returncode == 0
+
+
+def local_exposure(settings: Settings) -> tuple[str, str]:
+    """What other users of this machine can reach of the shared server: ("ok" | "warn", why),
+    for `drlm doctor`."""
+    others = other_login_users()
+    state = running_state(settings)
+    private = bool(state.get("private")) if state is not None else private_network_possible()
+    if private:
+        closed = (
+            f"its ports admit only uid {os.getuid()} (a private network namespace behind uid-checked "
+            "forwarders; the codec server also wants its capability)"
+        )
+    else:
+        closed = (
+            "no private network namespace here (unprivileged user namespaces off?): its Temporal "
+            "frontend and Web UI are open to every local user; use a secured cluster (TEMPORAL_ADDRESS)"
+        )
+    if not others:
+        return ("ok" if private else "warn"), f"no other login users; {closed}"
+    shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+    return "warn", (
+        f"other login users ({shown}): {closed}; they still see its processes and command lines "
+        "(ps), and root reads everything"
+    )
+
+
 # --- clients ------------------------------------------------------------------------------
 
 

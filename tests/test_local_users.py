@@ -253,3 +253,24 @@ def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_doctor_names_the_other_login_users_and_what_stays_open(tmp_path: Path) -> None:
+    from activities.sandbox_reaper import start_time
+    from durable_rlm.server import local_exposure, other_login_users
+
+    settings = Settings(data_dir=tmp_path / "data")
+    others = other_login_users()
+    accounts = {e.pw_name: e for e in pwd.getpwall()}
+    assert "nobody" not in others  # no shell, no login
+    assert all(accounts[name].pw_uid not in (0, os.getuid()) for name in others)
+    state, detail = local_exposure(settings)  # no server running: a namespace is tried
+    assert "admit only uid" in detail
+    if others:
+        assert state == "warn" and others[0] in detail and "(ps)" in detail
+    # A server that had to run in the open (no namespace) is said to be open.
+    files = ServerFiles.of(settings)
+    me = os.getpid()
+    files.write_state({"address": "127.0.0.1:1", "pid": me, "started": start_time(me), "private": False})
+    state, detail = local_exposure(settings)
+    assert state == "warn" and "open to every local user" in detail
