@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
+    "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
     "tests/test_repl.py",
     "tests/test_snapshots.py",
     "tests/test_recovery.py",
@@ -134,6 +135,35 @@ MECHANISMS = [
         "            if holder_alive:",
         "            if False:",
         "the supervisor counts no client's lease",
+    ),
+    # Issue 33, finding 6: another user of the machine reads nothing from the shared server.
+    Mechanism(
+        "shared server's private network",
+        "durable_rlm/server.py",
+        "        private=True,\n",
+        "        private=False,\n",
+        "the supervisor starts the dev server on the host's loopback",
+    ),
+    Mechanism(
+        "owner-uid forwarder",
+        "durable_rlm/private_net.py",
+        "            if peer_uid(sock, self.table) != self.owner:",
+        "            if False:",
+        "the forwarder admits every uid",
+    ),
+    Mechanism(
+        "codec capability",
+        "durable_rlm/codec_server.py",
+        "                if hmac.compare_digest(first.encode(), server.path_secret.encode()):",
+        "                if True:",
+        "the codec server answers without its path secret",
+    ),
+    Mechanism(
+        "codec owner uid",
+        "durable_rlm/codec_server.py",
+        "if server.owner_uid is not None and peer_uid(self.connection) != server.owner_uid:",
+        "if False:",
+        "the codec server answers every uid",
     ),
 ]
 
