@@ -203,7 +203,10 @@ def _merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     merged["rebuilt"] = bool(old.get("rebuilt")) or new["rebuilt"]
     start, end = merged.get("started_at"), merged.get("ended_at")
     if start is not None and end is not None:
-        merged["duration_s"] = round((_aware(end) - _aware(start)).total_seconds(), 6)
+        seconds = (_aware(end) - _aware(start)).total_seconds()
+        # Two workers' clocks (a step lost and run again elsewhere) can disagree: a duration
+        # below zero is unknown, never stored.
+        merged["duration_s"] = round(seconds, 6) if seconds >= 0 else None
     return merged
 
 

@@ -369,8 +369,10 @@ async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
     from durable_rlm.projection import reconcile_audit
 
     while services.engine is not None:
-        await asyncio.sleep(every_s)
+        # The first pass runs at start: a row left `running` by a worker killed while it
+        # closed an episode is settled now, not a minute later (most workers live less).
         try:
             await reconcile_audit(services.client, services.engine)
         except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
             logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)
+        await asyncio.sleep(every_s)

@@ -156,8 +156,13 @@ AUDIT_ATTEMPTS = 5
 """The audit store is a projection: a few retries, then history alone is the record."""
 
 AUDIT_CLOSE_S = 10.0
-"""Longest an ending episode waits for its audit row (all attempts): a store that is down
-delays an episode's end by this much, and `drlm audit-rebuild` writes the row later."""
+"""Longest one attempt at an ending episode's audit row may take (a worker killed mid-write
+is replaced by another attempt after this)."""
+
+AUDIT_CLOSE_PATIENCE_S = 180.0
+"""Longest an ending episode keeps trying to write its closing audit row (attempts back off
+to 15 s): a store that is down this long delays the episode's end by this much; past it,
+the reconciler (every worker runs it at start and each minute) writes the row from history."""
 
 CLOSE_SANDBOX_TIMEOUT_S = 10.0
 """Waiting for the worker that holds the sandbox at the end; idle reaping covers the rest."""

@@ -108,6 +108,9 @@ with workflow.unsafe.imports_passed_through():
     )
 
 _AUDIT_RETRY = RetryPolicy(maximum_attempts=defaults.AUDIT_ATTEMPTS)
+_AUDIT_CLOSE_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=15)
+)
 T = TypeVar("T")
 
 
@@ -1076,6 +1079,16 @@ class EpisodeWorkflow:
             if self._audit_aside
             else {"start_to_close_timeout": timedelta(seconds=30)}
         )
+        retry = _AUDIT_RETRY
+        if not running and self._audit_aside:
+            # The closing row is the one a reader trusts: each attempt is short (a worker
+            # killed mid-write is replaced at once), and attempts go on, backing off, for
+            # AUDIT_CLOSE_PATIENCE_S. Options only: the commands are those of before.
+            timeouts = {
+                "schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_PATIENCE_S),
+                "start_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S),
+            }
+            retry = _AUDIT_CLOSE_RETRY
         try:
             await workflow.execute_activity(
                 names.AUDIT_EPISODE,
@@ -1097,7 +1110,7 @@ class EpisodeWorkflow:
                     ended_at=None if running else workflow.now(),
                     events=self._action_events() if running else self._audit_events(),
                 ),
-                retry_policy=_AUDIT_RETRY,
+                retry_policy=retry,
                 summary=f"audit: {status}",
                 **timeouts,  # type: ignore[arg-type]
             )

@@ -1,0 +1,212 @@
+"""An infrastructure failure is waited out, never an ending (issue 37): a full disk under the
+SQL store stops every write of an episode's steps; the episode says it waits for the store,
+and answers right once the disk has room again. Real parts: a tmpfs of 16 MB as the disk,
+SQLite on it for the audit and blob stores, the Temporal dev server, the real sandbox and
+the real openai client against a scripted server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from activities.store_errors import store_problem
+from durable_rlm.blobs import BlobStore, SqlBackend
+from durable_rlm.runtime import Services, running_workers
+from durable_rlm.scripted import ChatRequest, Reply
+from durable_rlm.settings import Settings
+from durable_rlm.store import open_store
+from tests.conftest import request_for
+from workflows import names
+from workflows.models import EpisodeProgress, EpisodeResult
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 16 MB file system of the test's own (a tmpfs), so that it can be filled."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = Path(tempfile.mkdtemp(prefix="drlm-small-disk-", dir="/tmp"))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace')}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
+
+def fill(disk: Path) -> Path:
+    """Write zeros until the disk is full; the filler file is returned so it can be removed."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for size in (1 << 20, 4096, 1):
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_full_disk_is_a_store_outage_not_a_model_error(small_disk: Path) -> None:
+    engine = open_store(f"sqlite:///{small_disk / 'drlm.sqlite'}")
+    blobs = BlobStore(SqlBackend(engine))
+    filler = fill(small_disk)
+    with pytest.raises(sa.exc.OperationalError) as raised:
+        blobs.put(os.urandom(1 << 20))
+    assert "database or disk is full" in (store_problem(raised.value) or "")
+    filler.unlink()
+    blobs.put(os.urandom(1 << 20))  # room again: the same store works
+    assert store_problem(KeyError("sha256:00")) is None  # a missing blob is not an outage
+    assert store_problem(ValueError("blob sha256:00 is corrupt")) is None
+
+
+async def test_a_full_disk_under_the_sql_store_is_waited_out(
+    client, session_dir, scripted, small_disk
+) -> None:
+    engine = open_store(f"sqlite:///{small_disk / 'drlm.sqlite'}")
+    blobs = BlobStore(SqlBackend(engine))
+    filled: list[Path] = []
+    lock = threading.Lock()
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not request.is_root:
+            return request.last_user.upper()
+        if request.turn == 0:
+            return "```repl\nx = llm_query('shout')\nprint(len(x))\n```"
+        with lock:
+            if not filled:  # the disk fills while the model answers: its reply cannot be stored
+                filled.append(fill(small_disk))
+        return "FINAL_VAR(x)"
+
+    server = scripted(script)
+    queue = f"full-disk-{uuid.uuid4().hex[:8]}"
+    settings = Settings(task_queue=queue, data_dir=session_dir)
+    async with running_workers(Services(settings, blobs, engine, client)):
+        request = request_for(server)
+        request = request.model_copy(
+            update={"root_model": request.root_model.model_copy(update={"max_attempts": 2})}
+        )
+        handle = await client.start_workflow(
+            names.WORKFLOW,
+            request,
+            id=f"full-disk-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+            result_type=EpisodeResult,
+            execution_timeout=timedelta(minutes=4),
+        )
+        phase = ""
+        for _ in range(600):
+            progress = await handle.query("progress", result_type=EpisodeProgress)
+            phase = progress.phase
+            if phase.startswith("waiting for the store"):
+                break
+            await asyncio.sleep(0.1)
+        assert phase.startswith("waiting for the store: "), phase
+        assert "database or disk is full" in phase
+        description = await handle.describe()
+        assert description.status is not None and description.status.name == "RUNNING"
+        await asyncio.sleep(3)  # it goes on waiting: a full disk is no ending
+        assert (await handle.describe()).status.name == "RUNNING"
+        filled[0].unlink()  # the operator frees the disk
+        result = await asyncio.wait_for(handle.result(), 120)
+    assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "completed")
+    assert result.lost_cells == 0 and result.failure_cause is None
+
+
+# --- the audit store tells the truth -------------------------------------------------------
+
+
+def test_no_negative_cell_duration_is_stored() -> None:
+    """Steps of one cell written by two workers whose clocks disagree: unknown, not < 0."""
+    from datetime import UTC, datetime
+
+    from activities.audit import _merge_cell
+
+    started = {"started_at": datetime(2026, 11, 25, 12, 0, 10, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
+    ended = {"ended_at": datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
+    assert _merge_cell(started, ended)["duration_s"] is None
+    later = {"ended_at": datetime(2026, 11, 25, 12, 0, 12, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
+    assert _merge_cell(started, later)["duration_s"] == 2.0
+
+
+async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, scripted, small_disk) -> None:
+    """The audit store's disk is full when the episode ends: its closing row is retried
+    until the disk has room, and then says completed, with the answer."""
+    from durable_rlm import schema
+    from durable_rlm.blobs import DirectoryBackend
+
+    engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
+    blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
+    filled: list[Path] = []
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not filled:
+            filled.append(fill(small_disk))  # full as the model gives its answer
+        return "FINAL(forty-two)"
+
+    server = scripted(script)
+    queue = f"audit-full-{uuid.uuid4().hex[:8]}"
+    episode_id = f"audit-full-{uuid.uuid4().hex[:8]}"
+    async with running_workers(
+        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
+    ):
+        handle = await client.start_workflow(
+            names.WORKFLOW,
+            request_for(server),
+            id=episode_id,
+            task_queue=queue,
+            result_type=EpisodeResult,
+            execution_timeout=timedelta(minutes=4),
+        )
+        await asyncio.sleep(12)  # past AUDIT_CLOSE_S: the old bound would have given up
+        assert (await handle.describe()).status.name == "RUNNING"  # still writing its row
+        filled[0].unlink()
+        result = await asyncio.wait_for(handle.result(), 60)
+    assert result.answer == "forty-two"
+    with engine.connect() as conn:
+        row = conn.execute(
+            sa.select(schema.episodes).where(schema.episodes.c.episode_id == episode_id)
+        ).first()
+    assert row is not None and (row.status, row.answer) == ("completed", "forty-two")
+
+
+async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, session_dir, scripted) -> None:
+    """A worker killed while closing an episode left its row `running`: the next worker's
+    reconciler settles it at start, not a minute later."""
+    from durable_rlm import schema
+    from durable_rlm.scripted import root_and_sub
+    from tests.conftest import run_episode, workers_for
+
+    blobs, engine = store
+    server = scripted(root_and_sub(["FINAL(done)"]))
+    queue = f"settle-{uuid.uuid4().hex[:8]}"
+    async with workers_for(client, store, session_dir, queue):
+        result = await run_episode(client, request_for(server), queue)
+    where = schema.episodes.c.episode_id == result.episode_id
+    with engine.begin() as conn:
+        conn.execute(schema.episodes.update().where(where).values(status="running", answer=None))
+    async with workers_for(client, store, session_dir, f"{queue}-next"):
+        for _ in range(100):
+            with engine.connect() as conn:
+                row = conn.execute(sa.select(schema.episodes).where(where)).first()
+            if row.status != "running":
+                break
+            await asyncio.sleep(0.1)
+    assert (row.status, row.answer) == ("completed", "done")
