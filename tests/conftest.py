@@ -326,59 +326,76 @@ async def host(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[ReplActi
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
 
-@pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on 127.0.0.1, started and removed by the test."""
-    if not (PG_BIN / "initdb").exists():
-        pytest.skip("PostgreSQL 15 server binaries are not installed")
-    pytest.importorskip("psycopg")
-    root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
-    data, sock = root / "data", root / "sock"
-    data.mkdir()
-    sock.mkdir()
-    as_postgres: list[str] = []
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        for d in (data, sock):
-            shutil.chown(d, "postgres")
-        as_postgres = ["runuser", "-u", "postgres", "--"]
-    port = free_port()
-    subprocess.run(
-        [*as_postgres, str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "drlm"],
-        check=True,
-        capture_output=True,
-    )
-    subprocess.run(
-        [
-            *as_postgres,
-            str(PG_BIN / "pg_ctl"),
-            "-D",
-            str(data),
-            "-l",
-            str(root / "log"),
-            "-w",
-            "-o",
-            f"-c listen_addresses=127.0.0.1 -p {port} -k {sock}",
-            "start",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    url = f"postgresql+psycopg://drlm@127.0.0.1:{port}/postgres"
-    try:
+class PostgresCluster:
+    """A throwaway PostgreSQL cluster on 127.0.0.1 that a test may stop and start again
+    (a store outage), run as the `postgres` user when the tests run as root."""
+
+    def __init__(self) -> None:
+        if not (PG_BIN / "initdb").exists():
+            pytest.skip("PostgreSQL 15 server binaries are not installed")
+        pytest.importorskip("psycopg")
+        self.root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
+        self.data, self.sock = self.root / "data", self.root / "sock"
+        self.data.mkdir()
+        self.sock.mkdir()
+        self.as_postgres: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+            for d in (self.data, self.sock):
+                shutil.chown(d, "postgres")
+            self.as_postgres = ["runuser", "-u", "postgres", "--"]
+        self.port = free_port()
+        subprocess.run(
+            [*self.as_postgres, str(PG_BIN / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "drlm"],
+            check=True,
+            capture_output=True,
+        )
+        self.url = f"postgresql+psycopg://drlm@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        subprocess.run(
+            [
+                *self.as_postgres,
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.root / "log"),
+                "-w",
+                "-o",
+                f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.sock}",
+                "start",
+            ],
+            check=True,
+            capture_output=True,
+        )
         deadline = time.monotonic() + 20
         while True:
             try:
-                with sa.create_engine(url).connect():
-                    break
+                with sa.create_engine(self.url).connect():
+                    return
             except sa.exc.OperationalError:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        yield url
-    finally:
+
+    def stop(self, mode: str = "immediate") -> None:
         subprocess.run(
-            [*as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+            [*self.as_postgres, str(PG_BIN / "pg_ctl"), "-D", str(self.data), "-m", mode, "stop"],
             capture_output=True,
         )
-        shutil.rmtree(root, ignore_errors=True)
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A throwaway PostgreSQL cluster on 127.0.0.1, started and removed by the test."""
+    cluster = PostgresCluster()
+    try:
+        cluster.start()
+        yield cluster.url
+    finally:
+        cluster.remove()

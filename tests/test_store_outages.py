@@ -210,3 +210,58 @@ async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, se
                 break
             await asyncio.sleep(0.1)
     assert (row.status, row.answer) == ("completed", "done")
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, session_dir, scripted) -> None:
+    """Issue 37's "done when": the episode's PostgreSQL store (audit and blobs) stops for 25 s
+    while the model answers; the episode waits, says why, and answers right once it is back."""
+    from durable_rlm.store import create_engine, migrate
+    from tests.conftest import PostgresCluster
+
+    cluster = PostgresCluster()
+    cluster.start()
+    try:
+        engine = create_engine(cluster.url)
+        migrate(engine)
+        blobs = BlobStore(SqlBackend(engine))
+        stopped = threading.Event()
+
+        def script(request: ChatRequest) -> Reply | str:
+            if not request.is_root:
+                return request.last_user.upper()
+            if request.turn == 0:
+                return "```repl\nx = llm_query('shout')\nprint(len(x))\n```"
+            if not stopped.is_set():
+                stopped.set()
+                cluster.stop()  # PostgreSQL goes away as the model answers
+            return "FINAL_VAR(x)"
+
+        server = scripted(script)
+        queue = f"pg-down-{uuid.uuid4().hex[:8]}"
+        settings = Settings(task_queue=queue, data_dir=session_dir)
+        async with running_workers(Services(settings, blobs, engine, client)):
+            request = request_for(server)
+            handle = await client.start_workflow(
+                names.WORKFLOW,
+                request,
+                id=f"pg-down-{uuid.uuid4().hex[:8]}",
+                task_queue=queue,
+                result_type=EpisodeResult,
+                execution_timeout=timedelta(minutes=5),
+            )
+            phases = []
+            while not stopped.is_set():
+                await asyncio.sleep(0.1)
+            for _ in range(250):  # 25 s down
+                phases.append((await handle.query("progress", result_type=EpisodeProgress)).phase)
+                await asyncio.sleep(0.1)
+            assert (await handle.describe()).status.name == "RUNNING"
+            cluster.start()
+            result = await asyncio.wait_for(handle.result(), 120)
+        assert any(p.startswith("waiting for the store: ") for p in phases), sorted(set(phases))
+        assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "completed")
+        assert result.lost_cells == 0
+    finally:
+        cluster.remove()
