@@ -209,17 +209,19 @@ def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
     a server inside, root's (another uid) are reset."""
     import socket
 
+    from durable_rlm import private_net
     from durable_rlm.private_net import NO_NAMESPACE
 
     port = free_port()
     home = nobody_home / "www"
     home.mkdir(mode=0o755)
     (home / "index.html").write_text("inside")
-    source = str(Path(__file__).resolve().parents[1])
+    # The gate is stdlib only: a copy nobody can read runs where the source tree is root's.
+    shutil.copy(private_net.__file__, nobody_home / "private_net.py")
     gate = subprocess.Popen(
-        [SYSTEM_PYTHON, "-m", "durable_rlm.private_net", f"--forward={port}", "--",
+        [SYSTEM_PYTHON, str(nobody_home / "private_net.py"), f"--forward={port}", "--",
          SYSTEM_PYTHON, "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(home), str(port)],
-        cwd=source, env={"PYTHONPATH": source, "PATH": "/usr/bin:/bin"},
+        cwd="/", env={"PATH": "/usr/bin:/bin"},
         user=NOBODY.pw_uid, group=NOBODY.pw_gid, extra_groups=[],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
