@@ -276,3 +276,76 @@ def test_doctor_names_the_other_login_users_and_what_stays_open(tmp_path: Path) 
     files.write_state({"address": "127.0.0.1:1", "pid": me, "started": start_time(me), "private": False})
     state, detail = local_exposure(settings)
     assert state == "warn" and "open to every local user" in detail
+
+
+POST_HISTORY = r"""
+import json, socket, sys
+url, body = sys.argv[1], open(sys.argv[2], "rb").read()
+host_port, path = url.removeprefix("http://").split("/", 1)
+request = (
+    f"POST /{path}/decode HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\n"
+    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+).encode() + body
+received = b""
+try:
+    with socket.create_connection(("127.0.0.1", int(host_port.split(":")[1])), timeout=10) as sock:
+        sock.sendall(request)
+        while chunk := sock.recv(1 << 20):
+            received += chunk
+except OSError:
+    pass
+sys.stdout.write(received.decode("utf-8", "replace"))
+"""
+
+
+async def test_an_encrypted_episodes_history_posted_by_another_user_decodes_to_nothing(
+    tmp_path: Path, nobody_home: Path, scripted
+) -> None:
+    """The finding itself: with DRLM_ENCRYPTION_KEYS set, uid nobody POSTed an episode's
+    history payloads to the supervisor's codec server (capability included: `ps` shows it)
+    and got the task and the answer in clear. Now nobody gets no byte; the owner still does."""
+    import base64
+
+    from durable_rlm.api import DurableRLM
+    from durable_rlm.scripted import root_and_sub
+    from tests.test_codec_server import ui_payloads
+
+    key = base64.b64encode(os.urandom(32)).decode()
+    settings = Settings(
+        data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2, encryption_keys=f"k1={key}"
+    )
+    model = scripted(root_and_sub(["FINAL(the vault code is 4711)"]))
+    rlm = DurableRLM("scripted", base_url=model.base_url, settings=settings)
+    services = await rlm.open()
+    try:
+        episode = await rlm.start("the ledger of accounts", "Which code opens the vault?", "sealed-1")
+        assert (await episode.result()).answer == "the vault code is 4711"
+        history = await services.client.get_workflow_handle("sealed-1").fetch_history()
+        state = running_state(settings)
+        assert state is not None
+    finally:
+        await rlm.close()
+    payloads = ui_payloads(history.to_json_dict())
+    raw = json.dumps(payloads)
+    assert "4711" not in raw and "Which code" not in raw  # sealed in history
+    body = nobody_home / "history.json"
+    body.write_text(json.dumps({"payloads": payloads}))
+    body.chmod(0o644)
+
+    def post(as_nobody: bool) -> str:
+        out = subprocess.run(
+            [SYSTEM_PYTHON, "-c", POST_HISTORY, str(state["codec"]), str(body)],
+            capture_output=True, text=True, timeout=60, cwd="/",
+            **({"user": NOBODY.pw_uid, "group": NOBODY.pw_gid, "extra_groups": []} if as_nobody else {}),
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    async with shared_server(settings):  # the same supervisor, still up
+        assert running_state(settings)["pid"] == state["pid"]
+        mine, theirs = post(as_nobody=False), post(as_nobody=True)
+    assert mine.startswith("HTTP/1.1 200")
+    decoded = json.loads(mine.split("\n\n", 1)[1])["payloads"]  # text mode: \r\n read as \n
+    shown = [base64.b64decode(p["data"]).decode() for p in decoded]
+    assert any("4711" in text for text in shown) and any("Which code opens the vault?" in t for t in shown)
+    assert theirs == ""
