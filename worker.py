@@ -6,6 +6,12 @@ the data directory's shared embedded server, the one `drlm run` uses, from any d
 Settings come from the environment (README, `drlm info`). Model credentials live only here,
 in the worker's environment; they never enter workflow history.
 
+Its output never stops it: stdout carries only "worker ready" and the drain's report; every
+log record, its own, the SDK's and the SDK core's (forwarded from Rust), goes through one
+bounded path to stderr (durable_rlm/telemetry.py `LogPath`), which drops and counts rather
+than wait, and writes repeated warnings a few times a minute with a count. DRLM_LOG_LEVEL
+(default INFO) sets its level; at DEBUG the core's debug logs come too.
+
 SIGTERM (or SIGINT) drains it: it stops polling, lets the calls and REPL steps in flight
 finish for up to `defaults.DRAIN_GRACE_S`, closes its sandboxes, prints what it drained and
 exits 0; its episodes go on on other workers.
@@ -24,6 +30,7 @@ from activities.repl import ReplActivities
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.runtime import DrainReport, connect, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.telemetry import close_log_path, install_log_path
 from workflows import defaults
 
 log = logging.getLogger("worker")
@@ -44,11 +51,11 @@ async def wait_for_server(settings: Settings, stop: asyncio.Event) -> bool:
         attempt += 1
         if await answers(str(settings.temporal_address), settings.temporal_namespace):
             return True
-        print(
-            f"worker: waiting for Temporal at {settings.temporal_address} (TEMPORAL_ADDRESS; "
-            f"attempt {attempt}, next in {delay:g} s)",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            "waiting for Temporal at %s (TEMPORAL_ADDRESS; attempt %d, next in %g s)",
+            settings.temporal_address,
+            attempt,
+            delay,
         )
         try:
             await asyncio.wait_for(stop.wait(), delay)
@@ -78,7 +85,7 @@ async def serve(settings: Settings) -> None:
         layers.cancel()  # and waited for: its sandbox must be gone before the drain closes the rest
         with contextlib.suppress(BaseException):
             await layers
-        print(f"worker: draining (grace {grace:g} s; signal again to leave now)", file=sys.stderr, flush=True)
+        log.warning("draining (grace %g s; signal again to leave now)", grace)
         leave_by(loop, grace + LEAVE_AFTER_GRACE_S)
     print(f"worker {drained[0].describe()}" if drained else "worker stopped", flush=True)
 
@@ -89,15 +96,14 @@ async def report_layers(repl: ReplActivities) -> None:
     try:
         layers = await repl.probe()
     except Exception as exc:  # noqa: BLE001 - told; the first step will fail the same way
-        print(f"worker: a sandbox could not start: {exc}", file=sys.stderr, flush=True)
+        log.error("a sandbox could not start: %s", exc)
         return
     shown = ", ".join(f"{name}: {value}" for name, value in layers.items())
     weak = layers.get("network") == "none" or not layers.get("filesystem", "").startswith("private root")
-    print(
-        f"worker: sandbox layers{' (WEAKER: see drlm doctor)' if weak else ''}: {shown}",
-        file=sys.stderr,
-        flush=True,
-    )
+    if weak:
+        log.warning("sandbox layers (WEAKER: see drlm doctor): %s", shown)
+    else:
+        log.info("sandbox layers: %s", shown)
 
 
 def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
@@ -109,7 +115,8 @@ def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
     parent-death signal), and a live worker reaps their directory."""
 
     def leave(why: str) -> None:
-        print(f"worker: {why}; leaving the work in flight to other workers", file=sys.stderr, flush=True)
+        log.warning("%s; leaving the work in flight to other workers", why)
+        close_log_path(0.5)
         sys.stdout.flush()
         os._exit(1)
 
@@ -119,17 +126,19 @@ def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=os.environ.get("DRLM_LOG_LEVEL", "INFO"))
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     code = 0
     try:
+        # Before any Temporal client: the SDK core's logs are forwarded into this path too.
+        install_log_path(os.environ.get("DRLM_LOG_LEVEL", "INFO"))
+        logging.getLogger("alembic").setLevel(logging.WARNING)
         asyncio.run(serve(Settings.from_env()))
     except ConfigurationError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         code = 2
     except ServerUnavailable as exc:
-        print(f"worker: {exc}", file=sys.stderr)
+        log.error("%s", exc)
         code = 1
+    close_log_path()
     # temporalio can crash at interpreter exit after all work is done (sdk-python#300).
     sys.stdout.flush()
     sys.stderr.flush()

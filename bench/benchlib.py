@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -301,7 +302,7 @@ class BenchEnv:
             yield repl
 
     def worker_process(self, task_queue: str, **env: str) -> WorkerProcess:
-        return WorkerProcess(self.address, self.database_url, task_queue, env)
+        return WorkerProcess(self.address, self.database_url, task_queue, env, self.directory)
 
 
 @contextlib.asynccontextmanager
@@ -317,9 +318,16 @@ async def bench_env(directory: Path, tuned: bool = True) -> AsyncIterator[BenchE
 
 class WorkerProcess:
     """`python worker.py` in its own process against the bench's server (as
-    tests/conftest.py's WorkerProcess)."""
+    tests/conftest.py's WorkerProcess).
 
-    def __init__(self, address: str, database_url: str, task_queue: str, extra: dict[str, str]) -> None:
+    Its output is filed, all of it, in `worker-<pid>.log` of the bench's directory: stderr
+    straight into the file, stdout through a thread that reads every line (it watches for
+    "worker ready") and appends it there. A pipe read only for its first line fills at 64 KB,
+    and a worker writing to it stops (issue 38: N=200 stalled 7 minutes that way)."""
+
+    def __init__(
+        self, address: str, database_url: str, task_queue: str, extra: dict[str, str], directory: Path
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DRLM_"))}
         env.update(
             TEMPORAL_ADDRESS=address,
@@ -329,27 +337,61 @@ class WorkerProcess:
             **extra,
         )
         self.started_at = time.time()
-        self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "worker.py")],
-            env=env,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
+        self.log_path = directory / f"worker-{uuid.uuid4().hex[:8]}.log"
+        with open(self.log_path, "ab") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, str(ROOT / "worker.py")],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+            )
+        self.log_path = self.log_path.rename(directory / f"worker-{self.process.pid}.log")
         self.ready_at: float | None = None
+        self.first_line: str | None = None
+        self._ready = threading.Event()
+        self._drain = threading.Thread(target=self._file_stdout, name=f"drain-{self.pid}", daemon=True)
+        self._drain.start()
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    async def ready(self, timeout: float = 60) -> WorkerProcess:
+    def _file_stdout(self) -> None:
         assert self.process.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(self.process.stdout.readline), timeout)
-        if not line.startswith("worker ready"):
-            raise RuntimeError(f"worker.py did not start: {line!r} (exit {self.process.poll()})")
-        self.ready_at = time.time()
+        with open(self.log_path, "ab") as log:
+            for raw in self.process.stdout:
+                if self.first_line is None:
+                    self.first_line = raw.decode(errors="replace")
+                    if self.first_line.startswith("worker ready"):
+                        self.ready_at = time.time()
+                    self._ready.set()
+                log.write(raw)
+                log.flush()
+        self._ready.set()  # the worker ended (before it was ready, if first_line is None)
+
+    async def ready(self, timeout: float = 60) -> WorkerProcess:
+        await asyncio.wait_for(asyncio.to_thread(self._ready.wait), timeout)
+        if self.ready_at is None:
+            raise RuntimeError(
+                f"worker.py did not start: {self.first_line!r} (exit {self.process.poll()}); "
+                f"its output: {self.tail()}"
+            )
         return self
+
+    def tail(self, chars: int = 2000) -> str:
+        """The end of what the worker wrote."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def output_bytes(self) -> int:
+        """How much the worker has written (stdout and stderr)."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
 
     def kill(self) -> None:
         self.process.kill()

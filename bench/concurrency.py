@@ -14,6 +14,10 @@ Baselines, measured in the same run:
   one measured episode, so its history has (nearly) the same events; N of them at once on
   the same server. That is what the server alone takes to move N such histories.
 
+The worker's output (stdout and stderr) is filed in the bench's directory, all of it, as it
+is written (benchlib.WorkerProcess): a pipe read only for "worker ready" once filled and
+stopped the worker. Its size per minute is a figure.
+
 Also: workflow-task timeouts (WorkflowTaskTimedOut events across the N histories), the
 worker's CPU time and RSS (its process and descendants, from /proc), and memory per live
 sandbox (unique set size, Private_Clean + Private_Dirty from smaps_rollup, of the worker's
@@ -236,6 +240,13 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
             worker_hwm_kb = benchlib.status_kb(worker.pid, "VmHWM")
         finally:
             worker.stop()
+        output_bytes = worker.output_bytes()
+        # What the worker's log path held back (suppressed, over budget, dropped), in its words.
+        held_back = [
+            line.split("drlm.logs: ", 1)[1]
+            for line in worker.tail(10**7).splitlines()
+            if "drlm.logs: " in line
+        ]
     bad = [r for r in results if r.answer != f"answer to question {CELLS - 1}"]
     if bad:
         raise RuntimeError(f"{len(bad)} of {n} episodes answered wrongly, e.g. {bad[0]}")
@@ -278,6 +289,8 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
         "extra_model_requests": model_requests - n * MODEL_CALLS,
         "abandoned_requests": abandoned[0],
         "cpu_s": cpu,
+        "output_bytes": output_bytes,
+        "held_back": held_back,
         "worker_peak_rss_mb": worker_hwm_kb / 1024,
         "tree_peak_rss_mb": sampler.peak_tree_rss_kb / 1024,
         "peak_live": sampler.peak_live,
@@ -376,6 +389,14 @@ async def body(ctx: Context, section: Section) -> None:
             ),
         )
         section.add(f"cpu_{n}", f"N={n}: worker CPU time (process + sandboxes)", "s", r["cpu_s"])
+        section.add(
+            f"output_{n}",
+            f"N={n}: worker output per minute (stdout + stderr, filed by the bench)",
+            "KB",
+            r["output_bytes"] / 1024 / (r["wall_s"] / 60),
+            note=f"{r['output_bytes'] / 1024:.1f} KB in all at DRLM_LOG_LEVEL=WARNING"
+            + (f"; held back: {'; '.join(r['held_back'][:3])}" if r["held_back"] else ""),
+        )
         section.add(f"cpu_per_episode_{n}", f"N={n}: worker CPU per episode", "ms", 1000 * r["cpu_s"] / n)
         section.add(f"rss_{n}", f"N={n}: worker peak RSS (its own process)", "MB", r["worker_peak_rss_mb"])
         section.add(f"tree_rss_{n}", f"N={n}: peak RSS, worker + sandboxes", "MB", r["tree_peak_rss_mb"])
