@@ -44,6 +44,7 @@ CLONE_NEWUSER = 0x10000000
 NO_NAMESPACE = 75  # the gate's exit code: no private network here (EX_TEMPFAIL)
 NO_PORT = 76  # a host-side port is taken
 CHUNK = 256 * 1024
+_STUBS = frozenset({"03", "06"})  # SYN_RECV, TIME_WAIT in /proc/net/tcp
 
 
 class TcpTable:
@@ -64,13 +65,18 @@ class TcpTable:
         return b"".join(chunks).decode("ascii", errors="replace")
 
     def owner(self, local: tuple[str, int], remote: tuple[str, int]) -> int | None:
-        """The uid of the socket whose local end is `local` and remote end `remote`."""
+        """The uid of the socket whose local end is `local` and remote end `remote` (None:
+        no such socket, or more than one answer)."""
         want_local, want_remote = _hex(local), _hex(remote)
+        uids = set()
         for line in self._text().splitlines()[1:]:
             fields = line.split()
+            # TIME_WAIT and SYN_RECV entries are kernel stubs printed with uid 0 (a stale
+            # one may share the 4-tuple): only a full socket names its owner.
             if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote:
-                return int(fields[7])
-        return None
+                if fields[3] not in _STUBS:
+                    uids.add(int(fields[7]))
+        return uids.pop() if len(uids) == 1 else None
 
 
 def _hex(address: tuple[str, int]) -> str:

@@ -349,3 +349,28 @@ async def test_an_encrypted_episodes_history_posted_by_another_user_decodes_to_n
     shown = [base64.b64decode(p["data"]).decode() for p in decoded]
     assert any("4711" in text for text in shown) and any("Which code opens the vault?" in t for t in shown)
     assert theirs == ""
+
+
+def test_a_time_wait_stub_never_names_the_owner() -> None:
+    """/proc/net/tcp prints TIME_WAIT and SYN_RECV stubs with uid 0; a stale one sharing the
+    4-tuple of another user's connection must not make it the owner's (root's)."""
+    from durable_rlm.private_net import TcpTable
+
+    header = (
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    )
+    stub = "   0: 0100007F:A000 0100007F:1F90 06 00000000:00000000 03:00000F3C 00000000     0        0 0\n"
+    live = "   1: 0100007F:A000 0100007F:1F90 01 00000000:00000000 00:00000000 00000000 65534        0 91\n"
+    table = TcpTable()
+    try:
+        for text, uid in (
+            (header + stub + live, 65534),
+            (header + stub, None),
+            (header + live + live, 65534),
+        ):
+            table._text = lambda text=text: text  # type: ignore[method-assign]
+            assert table.owner(("127.0.0.1", 0xA000), ("127.0.0.1", 0x1F90)) == uid
+        table._text = lambda: header + live + live.replace("65534", "    0")  # type: ignore[method-assign]
+        assert table.owner(("127.0.0.1", 0xA000), ("127.0.0.1", 0x1F90)) is None
+    finally:
+        table.close()
