@@ -15,6 +15,7 @@ its sandbox, so no half-run process is left behind.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import hashlib
@@ -45,8 +46,14 @@ from activities.chains import (
     SnapshotTaken,
 )
 from activities.model_errors import compact_failures
-from activities.sandbox.child import HEADER, decode_body, encode_frame
+from activities.sandbox.child import encode_frame
 from activities.sandbox.snapshot import SNAPSHOT_PREFIX
+from activities.sandbox_files import (
+    read_sandbox_file,
+    remove_sandbox_tree,
+    sandbox_file_tail,
+    write_sandbox_file,
+)
 from activities.sandbox_processes import (
     ForkServer,
     ForkServerError,
@@ -56,6 +63,14 @@ from activities.sandbox_processes import (
     sandbox_env,
     spawn_sandbox,
     uss_bytes,
+)
+from activities.sandbox_protocol import (
+    BROKEN,
+    FRAME_OVERHEAD,
+    READ_BUFFER,
+    FrameInbox,
+    decode_frame,
+    read_frames,
 )
 from activities.sandbox_reaper import SandboxHome, reap_dead
 from activities.sandbox_slots import SandboxSlots, default_max_sandboxes
@@ -79,8 +94,6 @@ from workflows.models import (
 )
 
 log = logging.getLogger(__name__)
-
-BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame
 
 # The open step's blob writes (each activity runs in its own task, so its own context).
 _STEP_WRITES: contextvars.ContextVar[BlobBatch | None] = contextvars.ContextVar("step_writes", default=None)
@@ -128,7 +141,7 @@ class LiveSandbox:
     episode_id: str
     process: SandboxProcess
     directory: Path
-    frames: asyncio.Queue[dict[str, Any] | None]
+    frames: FrameInbox
     reader: asyncio.Task[None]
     log_head: str | None = None
     cell_index: int | None = None
@@ -201,9 +214,15 @@ class LiveSandbox:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancel that
             # arrives as the frame does, and a cancelled step would go on running.
             async with asyncio.timeout(timeout):
-                frame = await self.frames.get()
+                item = await self.frames.get()
         except TimeoutError:
             return None
+        if isinstance(item, bytes):
+            # Checked field by field; a large frame off the event loop (a bounded task).
+            big = len(item) > DECODE_INLINE_BYTES
+            frame = await asyncio.to_thread(decode_frame, item) if big else decode_frame(item)
+        else:
+            frame = item
         if frame is not None and frame.get("op") != BROKEN and frame.get("seq") != self.seq:
             return {
                 "op": BROKEN,
@@ -227,7 +246,14 @@ class LiveSandbox:
             await asyncio.to_thread(kill_uid, uid)
             if self.uids is not None:
                 self.uids.release(uid)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        # Whatever the sandbox left in its directory (a tree of any depth, links, FIFOs) is
+        # removed on threads of its own, never followed; a long removal is not waited for.
+        removal = asyncio.get_running_loop().run_in_executor(REMOVER, remove_sandbox_tree, self.directory)
+        try:
+            async with asyncio.timeout(REMOVE_WAIT_S):
+                await asyncio.shield(removal)
+        except TimeoutError:
+            log.warning("removing sandbox directory %s goes on in the background", self.directory)
 
     async def exit_code(self) -> int | None:
         with contextlib.suppress(TimeoutError):
@@ -235,43 +261,15 @@ class LiveSandbox:
         return self.process.returncode
 
 
-async def _read_frames(process: SandboxProcess, queue: asyncio.Queue, max_frame: int) -> None:
-    """Frames from the sandbox; what is not a frame is reported as what it is. The queue is
-    bounded (FRAME_QUEUE): the protocol is one answer per request, so a sandbox sending
-    frames nobody asked for fills it, and then this stops reading and the sandbox blocks on
-    its pipe, instead of the worker's memory growing."""
-    try:
-        while True:
-            header = await process.stdout.readexactly(HEADER.size)
-            (length,) = HEADER.unpack(header)
-            if length > max_frame:
-                await queue.put(
-                    {
-                        "op": BROKEN,
-                        "error": f"the sandbox sent a {length:,}-byte frame, "
-                        f"over the {max_frame:,}-byte limit",
-                    }
-                )
-                return
-            body = await process.stdout.readexactly(length)
-            try:
-                await queue.put(decode_body(body))
-            except (ValueError, UnicodeDecodeError) as exc:
-                await queue.put({"op": BROKEN, "error": f"the sandbox sent a malformed frame: {exc}"})
-                return
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass
-    finally:
-        while True:  # the end is always told: room is made by dropping the oldest frame
-            try:
-                queue.put_nowait(None)
-                break
-            except asyncio.QueueFull:
-                queue.get_nowait()
+DECODE_INLINE_BYTES = 1024 * 1024
+"""A frame larger than this is checked on a thread: the event loop serves every episode."""
 
+REMOVER = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="drlm-sandbox-rm")
+"""Threads that remove sandbox directories: a sandbox that left a million files there takes
+these, not the threads every step's store reads and writes run on."""
 
-FRAME_QUEUE = 8
-"""Frames from one sandbox waiting to be read (the protocol needs one at a time)."""
+REMOVE_WAIT_S = 5.0
+"""How long discarding a sandbox waits for its directory to go; the rest goes on behind."""
 
 
 FIELD_SLACK = 1_000
@@ -960,7 +958,7 @@ class ReplActivities:
         except (KeyError, ValueError) as exc:
             raise SnapshotRefused(f"its blob cannot be read ({exc})") from None
         name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
-        await asyncio.to_thread((box.directory / name).write_bytes, data)
+        await asyncio.to_thread(write_sandbox_file, box.directory, name, data, box.uid)
         del data
         recreate = []
         for cell in snapshot.recreate:
@@ -1038,7 +1036,15 @@ class ReplActivities:
         name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
         path = box.directory / name
         box.since_s, box.since_cells, box.since_volatile = 0.0, 0, False  # tried: not again at once
-        await box.send({"op": "snapshot", "name": name, "files_bytes": defaults.SNAPSHOT_FILES_MB * 2**20})
+        limit = defaults.SNAPSHOT_MAX_MB * 2**20
+        await box.send(
+            {
+                "op": "snapshot",
+                "name": name,
+                "files_bytes": defaults.SNAPSHOT_FILES_MB * 2**20,
+                "max_bytes": limit,
+            }
+        )
         reply = await box.receive(defaults.SNAPSHOT_TIMEOUT_S)
         if reply is None or reply.get("op") not in ("snapshotted", "snapshot_failed"):
             problem = await self._silence(box, reply, defaults.SNAPSHOT_TIMEOUT_S)
@@ -1051,10 +1057,18 @@ class ReplActivities:
                 path.unlink()
             return None
         try:
-            data = await asyncio.to_thread(path.read_bytes)
+            # The sandbox chose what is at that path: only a regular file of its own, at most
+            # `limit` bytes, is read, and never for longer than a snapshot may take.
+            async with asyncio.timeout(defaults.SNAPSHOT_TIMEOUT_S):
+                data = await asyncio.to_thread(read_sandbox_file, box.directory, name, limit, box.uid)
+        except (OSError, TimeoutError) as exc:
+            problem = str(exc) if isinstance(exc, OSError) else "reading it took too long"
+            log.warning("episode %s: snapshot refused (%s); the sandbox is discarded", episode, problem)
+            await self._discard(box)  # its log is intact: the next step rebuilds from it
+            return None
         finally:
             with contextlib.suppress(OSError):
-                path.unlink()
+                path.unlink()  # the name itself, whatever it is (a link is not followed)
         digest = await asyncio.to_thread(self._store.put, data)
         box.snapshot_cost_s = time.monotonic() - started
         recreate: dict[int, RecreateCell] = {}
@@ -1148,6 +1162,9 @@ class ReplActivities:
             "cpu_s": defaults.SANDBOX_CPU_S,
             "processes": defaults.SANDBOX_PROCESSES,
             "filesystem": self.filesystem,
+            # The sandbox refuses larger calls in the cell; a frame past them is refused here.
+            "max_prompts": defaults.MAX_PROMPTS_PER_CALL,
+            "max_call_bytes": defaults.MAX_CALL_BYTES,
         }
         if self.namespaces == "user":
             init["namespaces"] = "user"  # tests: the path of a root worker without CAP_SYS_ADMIN
@@ -1169,13 +1186,14 @@ class ReplActivities:
                 self.uids.release(uid)
             raise
         self.home.record(process.pid, "sandbox")
-        frames: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(maxsize=FRAME_QUEUE)
+        frames = FrameInbox(defaults.SANDBOX_IN_FLIGHT_BYTES)
+        max_frame = min(self.max_frame_bytes, defaults.SANDBOX_IN_FLIGHT_BYTES - FRAME_OVERHEAD)
         box = LiveSandbox(
             episode_id=ref.episode_id,
             process=process,
             directory=directory,
             frames=frames,
-            reader=asyncio.create_task(_read_frames(process, frames, self.max_frame_bytes)),
+            reader=asyncio.create_task(read_frames(process.stdout, frames, max_frame)),
             uid=uid,
             uids=self.uids,
         )
@@ -1189,7 +1207,7 @@ class ReplActivities:
             if ready is not None and ready.get("op") == "failed":
                 detail = str(ready.get("error"))
             else:
-                detail = (directory / "sandbox.err").read_text(errors="replace")[-2_000:] or "no output"
+                detail = await asyncio.to_thread(sandbox_file_tail, directory, "sandbox.err") or "no output"
             await box.kill()
             raise ApplicationError(f"the REPL sandbox failed to start: {detail}", type=names.SANDBOX_FAILURE)
         box.layers = dict(ready.get("layers") or {})
@@ -1208,12 +1226,10 @@ class ReplActivities:
             template = await self._running_template()
             if template is not None:
                 try:
-                    return await template.fork(
-                        directory, env, self.max_frame_bytes, defaults.SANDBOX_STARTUP_S
-                    )
+                    return await template.fork(directory, env, READ_BUFFER, defaults.SANDBOX_STARTUP_S)
                 except ForkServerError as exc:
                     self._fork_failed(str(exc))
-        return await spawn_sandbox(directory, env, self.max_frame_bytes)
+        return await spawn_sandbox(directory, env, READ_BUFFER)
 
     async def _running_template(self) -> ForkServer | None:
         """The template, started now if there is none or it died; None while a failed start

@@ -267,13 +267,28 @@ def die_with_parent(parent_pid: int, libc: Any) -> str:
     return "SIGKILL on worker death"
 
 
-def set_limits(memory_mb: int, file_mb: int, cpu_s: int, processes: int | None) -> str:
+FALLBACK_TASKS = 8
+"""Without a cgroup of its own, a sandbox with a uid of its own bounds its memory as
+RLIMIT_AS x RLIMIT_NPROC: at most this many processes (threads count), each with an
+address space of its budget / FALLBACK_TASKS, so all of them together stay in the budget."""
+
+
+def set_limits(memory_mb: int, file_mb: int, cpu_s: int, processes: int | None, whole: bool = False) -> str:
     """Kernel limits of the whole sandbox life: memory, file size, open files, CPU time (a
     thread a cell left spinning is stopped by it), and, when the sandbox has a uid of its
     own, processes (a fork bomb stops there; with a shared uid the count would be the
-    worker's too)."""
+    worker's too).
+
+    RLIMIT_AS is per process. When a cgroup bounds the sandbox's memory as a whole (`whole`),
+    each process may have the whole budget; otherwise, with a uid of its own, the budget is
+    split: FALLBACK_TASKS processes of budget / FALLBACK_TASKS each. With neither (a worker
+    not root, no delegated cgroup) memory is bounded per process only, and said so."""
     import resource
 
+    budget = memory_mb
+    if not whole and processes is not None:
+        processes = min(processes, FALLBACK_TASKS)
+        memory_mb = max(budget // processes, 1)
     limits = {
         "RLIMIT_AS": (resource.RLIMIT_AS, memory_mb * 1024 * 1024),
         "RLIMIT_FSIZE": (resource.RLIMIT_FSIZE, file_mb * 1024 * 1024),
@@ -289,9 +304,15 @@ def set_limits(memory_mb: int, file_mb: int, cpu_s: int, processes: int | None) 
         except (ValueError, OSError, OverflowError) as exc:
             raise LayerError(f"cannot set {label} to {value}: {exc}") from exc
     counted = f"{processes} processes" if processes is not None else "processes not limited (shared uid)"
+    if whole:
+        bound = ""
+    elif processes is not None:
+        bound = f"; no cgroup: {memory_mb} MB x {processes} processes bound the sandbox's {budget} MB"
+    else:
+        bound = "; no cgroup and a shared uid: memory is bounded per process only"
     return (
         f"address space {memory_mb} MB, files {file_mb} MB, no core, {OPEN_FILES} open files, "
-        f"CPU {cpu_s} s, {counted}"
+        f"CPU {cpu_s} s, {counted}{bound}"
     )
 
 
@@ -452,10 +473,29 @@ class Session:
         self.defined_by: dict[str, int] = {}  # name -> the last cell that bound it
         self.sandbox_dir = "."
         self.blocked_s = 0.0  # time the running cell spent waiting on the host
+        # The host's limits on one call (workflows/defaults.py, sent with init): a call past
+        # them is refused here, in the cell; the host refuses a frame past them regardless.
+        self.max_prompts: int | None = None
+        self.max_call_bytes: int | None = None
 
     def _call(self, kind: str, prompts: list[str], model: str | None = None) -> list[dict[str, Any]]:
         """Suspend the cell at calls of one kind; the workflow routes them by kind. While the
-        REPL is rebuilt, the calls are answered from the log instead, by position."""
+        REPL is rebuilt, the calls are answered from the log instead, by position. A call
+        past the host's limits raises in the cell, live or rebuilt alike."""
+        if self.max_prompts is not None and len(prompts) > self.max_prompts:
+            raise ValueError(
+                f"{kind} got {len(prompts):,} prompts; at most {self.max_prompts:,} go in one call: "
+                "split the list"
+            )
+        frame: dict[str, Any] = {"op": "call", "kind": kind, "prompts": prompts}
+        if model is not None:
+            frame["model"] = model
+        data = encode_frame({**frame, "seq": _SEQ[0]} if _SEQ[0] is not None else frame)
+        if self.max_call_bytes is not None and len(data) - HEADER.size > self.max_call_bytes:
+            raise ValueError(
+                f"{kind}: the prompts of this call take {len(data) - HEADER.size:,} bytes; at most "
+                f"{self.max_call_bytes:,} go in one call: send less, or split it"
+            )
         if self.recorded is not None:
             answers = []
             for prompt in prompts:
@@ -464,11 +504,9 @@ class Session:
                 answers.append(self.recorded.pop(0) if self.recorded else missing)
             return answers
         remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)  # model and child time is not cell time
-        frame: dict[str, Any] = {"op": "call", "kind": kind, "prompts": prompts}
-        if model is not None:
-            frame["model"] = model
         waited = _WALL()
-        write_frame(self.channel_out, frame)
+        self.channel_out.write(data)
+        self.channel_out.flush()
         reply = read_frame(self.channel_in)
         self.blocked_s += _WALL() - waited
         if reply is None:
@@ -569,6 +607,10 @@ class Session:
         )
         cap = message.get("child_batch_cap")
         self.child_batch_cap = int(cap) if cap is not None else None
+        if message.get("max_prompts") is not None:
+            self.max_prompts = int(message["max_prompts"])
+        if message.get("max_call_bytes") is not None:
+            self.max_call_bytes = int(message["max_call_bytes"])
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
@@ -694,9 +736,10 @@ class Session:
             del self.defined_by[name]
 
     def snapshot(self, message: dict[str, Any]) -> dict[str, Any]:
+        path = os.path.join(self.sandbox_dir, str(message["name"]))
         try:
             taken = snapshots().take(
-                os.path.join(self.sandbox_dir, str(message["name"])),
+                path,
                 self.namespace,
                 self.initial,
                 self.defined_by,
@@ -707,6 +750,14 @@ class Session:
             return {"op": "snapshot_failed", "error": f"no snapshot support in the sandbox: {exc}"}
         except BaseException as exc:  # noqa: BLE001 - hostile values, full disk, memory limit
             return {"op": "snapshot_failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
+        limit = message.get("max_bytes")
+        if limit is not None and taken["size"] > int(limit):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return {
+                "op": "snapshot_failed",
+                "error": f"the snapshot takes {taken['size']:,} bytes, over the worker's {int(limit):,}",
+            }
         return {"op": "snapshotted", **taken}
 
     def restore(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -831,7 +882,7 @@ class Session:
         if name not in self.namespace or name in self.reserved - {"context", "answer"}:
             return {"op": "var", "found": False}
         try:
-            return {"op": "var", "found": True, "value": str(self.namespace[name])}
+            return {"op": "var", "found": True, "value": _clip(str(self.namespace[name]))}
         except Exception as exc:  # noqa: BLE001
             return {"op": "var", "found": True, "value": f"<str() failed: {exc!r}>"}
 
@@ -903,8 +954,17 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     layers: dict[str, str] = {}
     root = os.geteuid() == 0
     _OWN_UID[0] = root and "uid" in init  # the host gave it a uid of its own
+    memory_mb, processes = int(init.get("memory_mb", 4096)), int(init.get("processes", 64))
+    # First, while /sys is in view and before any privilege goes: the limits of the cgroup the
+    # host placed it in, which bound the sandbox as a whole (activities/sandbox/cgroups.py).
+    try:
+        whole = _sibling("cgroups.py").limit_own(memory_mb, processes)
+    except OSError as exc:
+        raise LayerError(f"cannot limit the sandbox's cgroup: {exc}") from exc
+    layers["cgroup"] = whole or "none (the host placed it in no cgroup of its own)"
     if root and init.get("namespaces") != "user" and libc.unshare(k.CLONE_NEWNET) == 0:
         layers["network"] = "netns"
+        layers["ipc_pid"] = _ipc_and_pids(k, libc)
         layers["filesystem"] = _filesystem(k, libc, sandbox_dir, sources, filesystem)
         layers["uid"] = set_ids(uid)
     else:
@@ -918,22 +978,29 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
             if libc.unshare(k.CLONE_NEWNET) != 0:
                 raise OSError("unshare(CLONE_NEWNET) refused")
             layers["network"] = "userns+netns"
+            layers["ipc_pid"] = _ipc_and_pids(k, libc)
             layers["filesystem"] = _filesystem(k, libc, sandbox_dir, sources, filesystem)
             k.drop_capabilities(libc)
         except OSError as exc:
             layers.setdefault("network", "none")
+            layers.setdefault("ipc_pid", f"none (no user namespace: {exc})")
             layers.setdefault("filesystem", f"none (no user namespace: {exc})")
     layers["rlimits"] = set_limits(
-        int(init.get("memory_mb", 4096)),
+        memory_mb,
         int(init.get("file_mb", 256)),
         int(init.get("cpu_s", 3600)),
-        int(init.get("processes", 64)) if root else None,
+        processes if root else None,
+        whole=whole is not None,
     )
     layers["death_signal"] = die_with_parent(parent_pid, libc)
     try:
         layers["seccomp"] = k.install_seccomp(libc)
     except OSError as exc:
         raise LayerError(f"cannot install the seccomp filter: {exc}") from exc
+    if layers["ipc_pid"] == "ipc+pid":
+        # Last of the kernel layers, so the keeper left outside holds every one of them too.
+        k.become_pid_one(libc)
+        _OWN_UID[0] = True  # kill(-1) now reaches the namespace's processes only: strays can be swept
     os.chdir(sandbox_dir)
     _forget_libc()  # model code finds no libc handle lying around (it is refused anyway)
     if init.get("audit_hook", True):
@@ -942,6 +1009,13 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     else:  # only tests turn it off, to prove the other layers hold alone
         layers["audit_hook"] = "off"
     return layers
+
+
+def _ipc_and_pids(k: Any, libc: Any) -> str:
+    try:
+        return k.private_ipc_and_pids(libc)
+    except OSError as exc:  # a kernel without these namespaces: said, and `drlm doctor` warns
+        return f"none ({exc})"
 
 
 def _filesystem(k: Any, libc: Any, sandbox_dir: str, sources: list[str], wanted: bool) -> str:

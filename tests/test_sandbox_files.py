@@ -1,0 +1,134 @@
+"""The worker's file operations on a sandbox's directory, against what a hostile sandbox
+leaves there: links, FIFOs, hard links, files that grow, trees of any depth. (Through real
+episodes: tests/test_host_protocol.py.)"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from activities.sandbox_files import (
+    SandboxFileRefused,
+    read_sandbox_file,
+    remove_sandbox_tree,
+    sandbox_file_tail,
+    write_sandbox_file,
+)
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Path:
+    directory = tmp_path / "sandbox"
+    directory.mkdir()
+    return directory
+
+
+def test_a_regular_file_of_its_own_is_read_whole(box: Path) -> None:
+    (box / "snap").write_bytes(b"s" * 5_000)
+    assert read_sandbox_file(box, "snap", 5_000, os.getuid()) == b"s" * 5_000
+
+
+def test_a_symlink_is_never_followed(box: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"the worker's")
+    (box / "snap").symlink_to(secret)
+    with pytest.raises(OSError) as refused:
+        read_sandbox_file(box, "snap", 1_000, None)
+    assert refused.value.errno == errno.ELOOP
+
+
+def test_a_fifo_is_refused_without_waiting_for_a_writer(box: Path) -> None:
+    os.mkfifo(box / "snap")
+    with pytest.raises(SandboxFileRefused, match="not a regular file"):
+        read_sandbox_file(box, "snap", 1_000, None)
+
+
+def test_a_hard_link_to_another_file_is_refused(box: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_bytes(b"not the sandbox's")
+    os.link(elsewhere, box / "snap")
+    with pytest.raises(SandboxFileRefused, match="2 links"):
+        read_sandbox_file(box, "snap", 1_000, None)
+
+
+def test_a_file_of_another_uid_is_refused(box: Path) -> None:
+    (box / "snap").write_bytes(b"x")
+    with pytest.raises(SandboxFileRefused, match="belongs to uid"):
+        read_sandbox_file(box, "snap", 1_000, os.getuid() + 1)
+
+
+def test_a_file_over_the_limit_is_refused(box: Path) -> None:
+    (box / "snap").write_bytes(b"x" * 1_001)
+    with pytest.raises(SandboxFileRefused, match="over the 1,000-byte limit"):
+        read_sandbox_file(box, "snap", 1_000, None)
+
+
+def test_a_file_that_grows_while_read_is_cut_at_the_limit(box: Path) -> None:
+    """fstat said small, the writer goes on: the read stops one byte past the limit."""
+    path = box / "snap"
+    path.write_bytes(b"")
+    stop = threading.Event()
+
+    def grow() -> None:
+        with open(path, "ab") as sink:
+            while not stop.is_set():
+                sink.write(b"g" * 65_536)
+                sink.flush()
+
+    writer = threading.Thread(target=grow)
+    writer.start()
+    try:
+        while path.stat().st_size < 4 << 20:
+            pass
+        with pytest.raises(SandboxFileRefused):
+            read_sandbox_file(box, "snap", 2 << 20, None)
+    finally:
+        stop.set()
+        writer.join()
+
+
+def test_a_name_is_one_component(box: Path) -> None:
+    with pytest.raises(SandboxFileRefused):
+        read_sandbox_file(box, "../etc", 1_000, None)
+
+
+def test_a_tail_of_a_fifo_is_empty_not_a_wait(box: Path) -> None:
+    os.mkfifo(box / "sandbox.err")
+    assert sandbox_file_tail(box, "sandbox.err") == ""
+    (box / "other.err").write_text("e" * 10_000 + "the end")
+    assert sandbox_file_tail(box, "other.err", 7) == "the end"
+
+
+def test_a_file_is_written_only_where_nothing_is(box: Path, tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"kept")
+    (box / "snap").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        write_sandbox_file(box, "snap", b"overwritten", None)
+    assert target.read_bytes() == b"kept"
+    write_sandbox_file(box, "fresh", b"data", None)
+    assert (box / "fresh").read_bytes() == b"data"
+
+
+def test_a_tree_of_any_depth_is_removed_without_following_links(box: Path, tmp_path: Path) -> None:
+    """20,000 directories deep: shutil.rmtree recursed a descriptor per level (and past
+    Python's recursion limit); links out of the tree are removed, their targets kept."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_text("kept")
+    (box / "link").symlink_to(outside)
+    os.mkfifo(box / "fifo")
+    fd = os.open(box, os.O_RDONLY)
+    for _ in range(20_000):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.symlink(outside, "deep-link", dir_fd=fd)
+    os.close(fd)
+    assert remove_sandbox_tree(box)
+    assert not box.exists() and (outside / "kept").read_text() == "kept"
