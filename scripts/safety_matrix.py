@@ -32,6 +32,8 @@ FIRST = [
     "tests/test_answers.py",
     "tests/test_hygiene.py",
     "tests/test_everyday.py",
+    "tests/test_sandbox_files.py",  # issue 33: seconds
+    "tests/test_host_protocol.py",
 ]
 
 
@@ -164,6 +166,56 @@ MECHANISMS = [
         "if server.owner_uid is not None and peer_uid(self.connection) != server.owner_uid:",
         "if False:",
         "the codec server answers every uid",
+    ),
+    # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
+    Mechanism(
+        "sandbox file: no link followed",
+        "activities/sandbox_files.py",
+        "_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK",
+        "_READ = os.O_RDONLY | os.O_NONBLOCK",
+        "the host opens a snapshot path through a link the sandbox planted",
+    ),
+    Mechanism(
+        "sandbox file: regular files only",
+        "activities/sandbox_files.py",
+        "        if not stat.S_ISREG(info.st_mode):\n            raise",
+        "        if False:\n            raise",
+        "the host reads a FIFO or a device the sandbox left as its snapshot",
+    ),
+    Mechanism(
+        "sandbox file: bounded read",
+        "activities/sandbox_files.py",
+        "            if len(data) > limit:",
+        "            if False:",
+        "the host reads a snapshot file for as long as it grows",
+    ),
+    Mechanism(
+        "sandbox tree removal without recursion",
+        "activities/repl.py",
+        "run_in_executor(REMOVER, remove_sandbox_tree, self.directory)",
+        "run_in_executor(REMOVER, shutil.rmtree, self.directory, True)",
+        "a sandbox's directory is removed by shutil.rmtree (a descriptor and a frame per level)",
+    ),
+    Mechanism(
+        "frames bounded in bytes",
+        "activities/sandbox_protocol.py",
+        "        while self.held and self.held + size > self.budget:",
+        "        while False:",
+        "the host reads every frame a sandbox sends, however many bytes are waiting",
+    ),
+    Mechanism(
+        "frames checked field by field",
+        "activities/repl.py",
+        "            frame = await asyncio.to_thread(decode_frame, item) if big else decode_frame(item)",
+        "            frame = json.loads(item)",
+        "a frame is taken as any JSON object",
+    ),
+    Mechanism(
+        "calls capped in the cell",
+        "activities/sandbox/child.py",
+        '            self.max_prompts = int(message["max_prompts"])',
+        "            pass",
+        "a cell's llm_query_batched may carry any number of prompts",
     ),
 ]
 
