@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from activities.sandbox import CHILD_PATH, FORKSERVER_PATH
+from activities.sandbox import CHILD_PATH, FORKSERVER_PATH, cgroups
 from activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
-from activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims
+from activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims, proc_stat
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class SandboxProcess(Protocol):
 
 class SpawnedProcess:
     kind = "spawn"
+    leaf: cgroups.Leaf | None = None  # its cgroup (activities/sandbox/cgroups.py), if any
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
         self._process = process
@@ -113,6 +114,9 @@ class SpawnedProcess:
     def close(self) -> None:
         if self._process.stdin is not None:
             self._process.stdin.close()
+        if self.leaf is not None:
+            self.leaf, leaf = None, self.leaf
+            leaf.remove()
 
 
 async def spawn_sandbox(directory: Path, env: dict[str, str], limit: int) -> SpawnedProcess:
@@ -132,7 +136,9 @@ async def spawn_sandbox(directory: Path, env: dict[str, str], limit: int) -> Spa
             start_new_session=True,
             limit=limit,
         )
-    return SpawnedProcess(process)
+    spawned = SpawnedProcess(process)
+    spawned.leaf = cgroups.place(process.pid, cgroups.leaf_name(directory))  # before its init
+    return spawned
 
 
 class ForkServerError(RuntimeError):
@@ -144,6 +150,7 @@ class ForkedProcess:
     template (its parent, which reaps it) reports."""
 
     kind = "fork"
+    leaf: cgroups.Leaf | None = None  # its cgroup (activities/sandbox/cgroups.py), if any
 
     def __init__(
         self,
@@ -188,6 +195,9 @@ class ForkedProcess:
     def close(self) -> None:
         for transport in self._transports:
             transport.close()
+        if self.leaf is not None:
+            self.leaf, leaf = None, self.leaf
+            leaf.remove()
 
 
 @dataclass
@@ -313,7 +323,9 @@ class ForkServer:
             )
             transports.append(write_transport)
             writer = asyncio.StreamWriter(write_transport, write_protocol, None, loop)
-            return ForkedProcess(self, pid, writer, reader, transports, self._exits[pid])
+            forked = ForkedProcess(self, pid, writer, reader, transports, self._exits[pid])
+            forked.leaf = cgroups.place(pid, cgroups.leaf_name(directory))  # before its init
+            return forked
         except BaseException as exc:
             self._pending.pop(request_id, None)  # a late "forked" is then killed on arrival
             if pid is not None:
@@ -467,7 +479,41 @@ class ForkServer:
 
 
 def uss_bytes(pid: int) -> int | None:
-    """Unique set size: the memory only this process holds (what killing it frees)."""
+    """Unique set size: the memory only this process holds (what killing it frees), with
+    the PID namespace it keeps: a sandbox's REPL is the child of the process the host started
+    (its keeper, outside the namespace: activities/sandbox/kernel.py `become_pid_one`)."""
+    total = _uss_kb(pid)
+    if total is None:
+        return None
+    for inside in _kept_namespace(pid):
+        total += _uss_kb(inside) or 0
+    return total * 1024
+
+
+def _kept_namespace(pid: int) -> list[int]:
+    """The processes of the PID namespaces `pid` is the parent of (none for a template, whose
+    children are keepers in its own namespace)."""
+    try:
+        own = os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            found = proc_stat(int(entry.name))
+            if found is not None:
+                children.setdefault(found.ppid, []).append(int(entry.name))
+    kept: list[int] = []
+    for child in children.get(pid, []):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{child}/ns/pid") != own:
+                kept.append(child)
+    for inside in kept:  # and what they started (their namespace's)
+        kept.extend(children.get(inside, []))
+    return kept
+
+
+def _uss_kb(pid: int) -> int | None:
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
@@ -476,7 +522,7 @@ def uss_bytes(pid: int) -> int | None:
     for line in text.splitlines():
         if line.startswith(("Private_Clean:", "Private_Dirty:")):
             kb += int(line.split()[1])
-    return kb * 1024
+    return kb
 
 
 class SandboxUids:

@@ -32,6 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+try:
+    from activities.sandbox import cgroups
+except ImportError:  # this file loaded alone, as another uid's reaper (tests/test_hygiene.py)
+    cgroups = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
@@ -294,6 +299,11 @@ def reap_dead(root: Path, grace_s: float = GRACE_S) -> list[Reaped]:
             "" if done.removed else ", but some of its files could not be deleted",
         )
     forget_stale_uid_claims(root)
+    try:
+        if cgroups is not None:
+            cgroups.sweep()  # the leaves closed sandboxes could not remove, and dead workers'
+    except OSError as exc:
+        log.warning("could not sweep the sandboxes' cgroups: %s", exc)
     return reaped
 
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from activities.repl import ReplActivities
+from activities.sandbox import cgroups
 from activities.sandbox_processes import SandboxUids
 from durable_rlm.blobs import BlobStore, DirectoryBackend
 from durable_rlm.runtime import temporal_binary
@@ -70,6 +71,23 @@ async def sandbox_layers(root: Path) -> list[Check]:
             "uid",
             "ok" if (not root_worker or _own_uid(layers.get("uid", ""))) else "fail",
             layers.get("uid", "?") + (" (one per sandbox)" if root_worker else ""),
+        ),
+        Check(
+            "sandbox",
+            "ipc and pid namespaces",
+            "ok" if layers.get("ipc_pid") == "ipc+pid" else "warn",
+            "its own System V IPC (gone with it) and PIDs (it sees no other process)"
+            if layers.get("ipc_pid") == "ipc+pid"
+            else f"{layers.get('ipc_pid', '?')}: IPC objects are shared between sandboxes",
+        ),
+        Check(
+            "sandbox",
+            "memory as a whole",
+            "ok" if layers.get("cgroup", "").startswith("whole sandbox") else "warn",
+            layers.get("cgroup", "?")
+            if layers.get("cgroup", "").startswith("whole sandbox")
+            else f"no cgroup ({cgroups.support().reason or layers.get('cgroup', '?')}); "
+            + layers.get("rlimits", "?").partition("; ")[2],
         ),
         Check("sandbox", "rlimits", "ok", layers.get("rlimits", "?")),
         Check(

@@ -22,9 +22,11 @@ from pathlib import Path
 import pytest
 
 from activities.repl import ReplActivities
+from activities.sandbox import cgroups
 from activities.sandbox.kernel import readonly_sources
 from durable_rlm.blobs import BlobStore
 from tests.conftest import Episode
+from workflows.models import CloseSandboxInput
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = f"canary-{uuid.uuid4().hex}"
@@ -258,7 +260,7 @@ async def test_nothing_a_sandbox_started_outlives_it(host: ReplActivities) -> No
     if host.audit_hook:
         assert "sandbox: os.fork is not allowed" in text
         return
-    child = int(text.split("child")[1].split()[0])
+    child = _host_pid(host._live[episode.episode_id].process.pid, int(text.split("child")[1].split()[0]))
     await host.close_all()  # swept at the cell's end already when the sandbox has its own uid
     for _ in range(50):
         if not _alive(child):
@@ -267,12 +269,38 @@ async def test_nothing_a_sandbox_started_outlives_it(host: ReplActivities) -> No
     assert not _alive(child), "a process the sandbox started outlived it"
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
     try:
         with open(f"/proc/{pid}/status") as status:
             return "State:\tZ" not in status.read()
     except FileNotFoundError:
         return False
+
+
+def _host_pid(keeper: int, inside: int) -> int | None:
+    """A pid a cell printed is one of its PID namespace (the REPL is its PID 1): the host's
+    pid of that process, None if it is gone. `keeper` is the sandbox's pid as the host has it
+    (activities/sandbox/kernel.py `become_pid_one`)."""
+    own = os.readlink(f"/proc/{keeper}/ns/pid")
+    found: list[tuple[int, str, list[str]]] = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as status:
+                    fields = dict(line.split(":", 1) for line in status.read().splitlines() if ":" in line)
+                found.append((int(entry.name), os.readlink(f"/proc/{entry.name}/ns/pid"), fields))
+            except (OSError, ValueError):
+                continue
+    repl = [(pid, ns) for pid, ns, fields in found if fields.get("PPid", "").strip() == str(keeper)]
+    if not repl or repl[0][1] == own:
+        return inside if _alive(inside) else None  # no namespace of its own: pids are the host's
+    namespace = repl[0][1]
+    for pid, ns, fields in found:
+        if ns == namespace and fields.get("NSpid", "").split()[-1:] == [str(inside)]:
+            return pid
+    return None
 
 
 async def test_a_process_a_cell_forked_does_not_outlive_the_cell(host: ReplActivities) -> None:
@@ -288,7 +316,155 @@ async def test_a_process_a_cell_forked_does_not_outlive_the_cell(host: ReplActiv
     if host.audit_hook:
         assert "sandbox: os.fork is not allowed" in text
         return
-    child = int(text.split("child")[1].split()[0])
-    if ROOT_WORKER:
+    box = host._live[episode.episode_id]
+    child = _host_pid(box.process.pid, int(text.split("child")[1].split()[0]))
+    if ROOT_WORKER or box.layers.get("ipc_pid") == "ipc+pid":  # kill(-1) reaches only its own
         assert not _alive(child)  # killed and reaped before the cell's result was sent
     assert (await episode.run("print('still here')")).stdout == "still here\n"
+
+
+# --- namespaces and limits of the sandbox as a whole (issue 33) -------------------------------
+
+LIBC = "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+
+
+async def test_no_message_queue_is_shared_between_sandboxes(host: ReplActivities) -> None:
+    """System V IPC is named by a key anyone may guess: without an IPC namespace of its own,
+    one episode read another's queue by it."""
+    key = 0x7D000000 + uuid.uuid4().int % 0xFFFFFF
+    writer, reader = Episode(host), Episode(host)
+    await attack(
+        host,
+        LIBC + f"q = libc.msgget({key}, 0o1666)\nm = struct.pack('q', 1) + {CANARY.encode()!r}\n"
+        "print('queued', q, libc.msgsnd(q, m, len(m) - 8, 0))",
+        writer,
+    )
+    await attack(
+        host,
+        LIBC + f"q = libc.msgget({key}, 0)\nbuf = ctypes.create_string_buffer(256)\n"
+        "n = libc.msgrcv(q, buf, 248, 0, 0o4000) if q >= 0 else -1\n"
+        "print('ESCAPED' if n > 0 else 'refused', buf.raw[8 : 8 + max(n, 0)])",
+        reader,
+    )
+    assert key not in _sysv_keys("msg"), "the queue is on the host"
+
+
+async def test_shared_memory_goes_with_its_sandbox(host: ReplActivities) -> None:
+    """4 x 32 MB of System V shared memory outlived its sandbox (host Shmem 46 -> 177 MB):
+    its IPC namespace is freed, segments and all, when its last process exits."""
+    keys = [0x7E000000 + uuid.uuid4().int % 0xFFFFFF + i for i in range(4)]
+    episode = Episode(host)
+    try:
+        text = await attack(
+            host,
+            LIBC + "libc.shmat.restype = ctypes.c_void_p\nmade = 0\n"
+            f"for key in {keys!r}:\n"
+            "    i = libc.shmget(key, 32 << 20, 0o1666)\n"
+            "    if i >= 0:\n"
+            "        at = libc.shmat(i, None, 0)\n"
+            "        ctypes.memset(at, 1, 32 << 20)\n"
+            "        made += 1\n"
+            "print('made', made)",
+            episode,
+        )
+        if not host.audit_hook:
+            assert "made 4" in text, text  # the attack ran: the kernel let it make them, inside
+        await host.close_sandbox(CloseSandboxInput(episode_id=episode.episode_id))
+        for _ in range(100):  # a namespace is freed by a kernel worker, soon after its end
+            if not set(keys) & _sysv_keys("shm"):
+                break
+            await asyncio.sleep(0.05)
+        assert not set(keys) & _sysv_keys("shm"), "shared memory outlived its sandbox"
+    finally:
+        _remove_segments(keys)
+
+
+def _sysv_keys(kind: str) -> set[int]:
+    """The System V keys the host's IPC namespace holds (/proc/sysvipc/msg or shm)."""
+    with open(f"/proc/sysvipc/{kind}") as table:
+        return {int(line.split()[0]) for line in table.read().splitlines()[1:] if line.split()}
+
+
+def _remove_segments(keys: list[int]) -> None:
+    """A failed run leaves nothing behind on the host."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for key in keys:
+        found = libc.shmget(key, 0, 0)
+        if found >= 0:
+            libc.shmctl(found, 0, None)  # IPC_RMID
+
+
+@pytest.mark.skipif(
+    not ROOT_WORKER, reason="processes are counted per sandbox with a uid or cgroup of its own"
+)
+@pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "rlimits-only"])
+async def test_memory_is_bounded_for_the_sandbox_as_a_whole(
+    host: ReplActivities, cgroup: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RLIMIT_AS is per process: five children filling 600 MB each took 2.8 GB with a 1 GB
+    limit. The sandbox's cgroup (or, without one, RLIMIT_AS x RLIMIT_NPROC) holds all of them
+    to its budget: the kernel ends what goes past it."""
+    if not cgroup:  # as on a machine whose cgroups the worker cannot write
+        monkeypatch.setattr(cgroups, "_SUPPORT", [cgroups.Support(reason="switched off by the test")])
+    episode = Episode(host, cell_timeout_s=60)
+    text = await attack(
+        host,
+        "import os, select, time\nr, w = os.pipe()\nkids = []\n"
+        "for _ in range(5):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n"
+        "        try:\n            held = b'x' * (600 << 20)\n            os.write(w, b'1')\n"
+        "        except MemoryError:\n            os._exit(1)\n"
+        "        time.sleep(120)\n        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "os.close(w)\nfilled = 0\n"
+        "while filled < len(kids) and select.select([r], [], [], 5)[0]:\n"
+        "    got = os.read(r, 16)\n    if not got:\n        break\n    filled += len(got)\n"
+        "print('filled', filled, 'of', len(kids))",
+        episode,
+    )
+    filled = int(text.split("filled")[1].split()[0])
+    assert filled * 600 <= host.memory_mb, text  # 5 x 600 MB = 3000 MB without the bound
+    layer = host._live[episode.episode_id].layers["cgroup"]
+    # Where the worker can make one, every sandbox has its cgroup, and then one process may
+    # use most of the budget (600 MB of 1024 here); split rlimits allow 1024 / 8 MB each.
+    assert layer.startswith("whole sandbox") == cgroups.support().available, layer
+    one = await episode.run("held = b'x' * (600 << 20)\ndel held\nprint('held 600 MB')")
+    assert (one.stdout == "held 600 MB\n") == layer.startswith("whole sandbox"), (layer, one)
+    assert (await episode.run("print('still here')")).stdout == "still here\n"
+
+
+async def test_the_kernel_refuses_io_uring_memfd_and_sockets_a_repl_never_needs(host: ReplActivities) -> None:
+    for call in (
+        "libc.syscall(425, 4, ctypes.create_string_buffer(120))",  # io_uring_setup
+        "libc.syscall(319, b'x', 0)",  # memfd_create
+        "libc.syscall(323, 0)",  # userfaultfd
+        "libc.socket(16, 3, 0)",  # AF_NETLINK: the kernel's routing, audit, uevents
+        "libc.socket(17, 3, 0)",  # AF_PACKET
+        "libc.socket(40, 1, 0)",  # AF_VSOCK: to the hypervisor
+    ):
+        await attack(
+            host, LIBC + f"fd = {call}\nprint('ESCAPED' if fd >= 0 else 'refused', ctypes.get_errno())"
+        )
+
+
+async def test_no_process_outside_its_sandbox_can_be_named(host: ReplActivities) -> None:
+    """Its PID namespace: the worker, the template and other sandboxes are not there to be
+    signalled, traced or counted, whatever the uid (a worker not root shares its uid)."""
+    other = Episode(host)
+    await other.run("x = 1")
+    targets = [os.getpid(), host._live[other.episode_id].process.pid]
+    if host._template is not None:
+        targets.append(host._template.pid)
+    text = await attack(
+        host,
+        "import os\nfor pid in " + repr(targets) + ":\n"
+        "    try:\n        os.kill(pid, 0)\n        print('ESCAPED', pid)\n"
+        "    except ProcessLookupError:\n        print('none')\n"
+        "    except PermissionError as e:\n"
+        "        print('refused' if 'sandbox:' in str(e) else 'ESCAPED: it is there')",
+    )
+    if not host.audit_hook:
+        assert text.split() == ["none"] * len(targets), text

@@ -24,6 +24,7 @@ import pytest
 from activities import sandbox_processes
 from activities.repl import LiveSandbox, ReplActivities
 from activities.sandbox_processes import SandboxUids
+from activities.sandbox_reaper import proc_stat
 from durable_rlm.blobs import BlobStore
 from tests.conftest import ROOT, Episode
 from workflows.models import SandboxRef
@@ -99,6 +100,21 @@ async def until(condition, what: str, tries: int = 400) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
+def repl_pid(keeper: int) -> int:
+    """The REPL: the child of the process the host started, PID 1 of its own namespace."""
+    entries = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    children = [int(p.name) for p in entries if _ppid_or_none(p) == keeper]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def _ppid_or_none(entry: Path) -> int | None:
+    try:
+        return ppid(int(entry.name))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def fd_targets(pid: int) -> dict[int, str]:
     targets = {}
     for entry in Path(f"/proc/{pid}/fd").iterdir():
@@ -139,10 +155,15 @@ async def test_forked_and_spawned_sandboxes_report_the_same_layers(
 async def test_a_forked_sandbox_is_the_templates_child_and_a_spawned_one_the_workers(
     forking: ReplActivities, spawning: ReplActivities
 ) -> None:
-    code = "import os\nprint(os.getppid(), os.getpid() == os.getsid(0))"
+    # Seen from the host: the REPL runs as PID 1 of a PID namespace of its own, below the
+    # process the host started (activities/sandbox/kernel.py become_pid_one), which sees none.
+    code = "import os\nprint(os.getpid(), os.getppid())"
     forked, spawned = Episode(forking), Episode(spawning)
-    assert (await forked.run(code)).stdout == f"{template_pid(forking)} True\n"
-    assert (await spawned.run(code)).stdout == f"{os.getpid()} True\n"  # and each leads its session
+    assert (await forked.run(code)).stdout == "1 0\n"
+    assert (await spawned.run(code)).stdout == "1 0\n"
+    for host, episode, parent in ((forking, forked, template_pid(forking)), (spawning, spawned, os.getpid())):
+        pid = live(host, episode).process.pid
+        assert proc_stat(pid).ppid == parent and os.getsid(pid) == pid  # and each leads its session
     assert live(forking, forked).process.kind == "fork"
     assert live(spawning, spawned).process.kind == "spawn"
     assert spawning._template is None
@@ -173,7 +194,13 @@ async def test_a_forked_sandbox_holds_only_its_own_channel_and_files(forking: Re
     episode = Episode(forking)
     await episode.run("x = 1")
     box = live(forking, episode)
-    sandbox = fd_targets(box.process.pid)
+    # The process the host started keeps the sandbox's PID namespace from outside: it holds
+    # its stderr and one pipe of its own (its REPL's sign of life), not the channel.
+    keeper = set(fd_targets(box.process.pid).values())
+    kept = {t for t in keeper if t.startswith("pipe:")}
+    assert keeper == {"/dev/null", str(box.directory / "sandbox.err"), *kept} and len(kept) == 1
+    assert not kept & set(fd_targets(os.getpid()).values())
+    sandbox = fd_targets(repl_pid(box.process.pid))
     # 0 and 1 become /dev/null once the channel is moved off them; 2 is sandbox.err.
     assert sandbox[0] == sandbox[1] == "/dev/null"
     assert sandbox[2] == str(box.directory / "sandbox.err")
@@ -255,7 +282,9 @@ async def test_its_own_uid_alone_stops_reads_writes_and_signals(
     assert "PermissionError: [Errno 13] Permission denied" in (outcome.error or "")
     assert "PermissionError: [Errno 13]" in ((await episode.run("open('/etc/shadow').read()")).error or "")
     outcome = await episode.run(f"import os\nos.kill({os.getpid()}, 0)")
-    assert "PermissionError: [Errno 1] Operation not permitted" in (outcome.error or "")
+    # Refused by the uid, or (its PID namespace) the worker is not even there to be named.
+    error = outcome.error or ""
+    assert "[Errno 1] Operation not permitted" in error or "[Errno 3] No such process" in error
     outcome = await episode.run("import os\nprint(os.getuid(), os.geteuid(), os.getgid(), os.getgroups())")
     uid, euid, gid, groups = outcome.stdout.split(maxsplit=3)
     assert uid == euid == gid and int(uid) >= SandboxUids.FIRST and groups.strip() == "[]"
@@ -288,8 +317,11 @@ async def test_rlimits_and_the_death_signal(any_bare: ReplActivities) -> None:
         "import ctypes, os\nsig = ctypes.c_int()\nctypes.CDLL(None).prctl(2, ctypes.byref(sig))\n"
         "print(sig.value, os.getppid())"
     )
+    # The REPL's parent is its keeper, outside its PID namespace (so 0 to it); the keeper's
+    # parent is the template or the worker, and its death kills the REPL (the signal above).
     parent = template_pid(any_bare) if any_bare.sandbox_start == "fork" else os.getpid()
-    assert outcome.stdout == f"{int(signal.SIGKILL)} {parent}\n"
+    assert outcome.stdout == f"{int(signal.SIGKILL)} 0\n"
+    assert ppid(live(any_bare, episode).process.pid) == parent
 
 
 async def test_two_episodes_are_separate_processes_with_separate_namespaces(forking: ReplActivities) -> None:

@@ -398,7 +398,8 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
         homes = {Path(directory).parent for _, _, directory in lines}
         # The second's start reaped nothing of the live first (".uids": the uids in use).
         assert {p for p in root.iterdir() if p.name != UID_CLAIMS} == homes
-        assert len(sandbox_processes({first.pid, second.pid})) == 4
+        # Each: its template, and its sandbox's keeper and REPL (PID 1 of the sandbox's namespace)
+        assert len(sandbox_processes({first.pid, second.pid})) == 6
 
         first.kill()
         first.wait()
@@ -406,7 +407,7 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
         live = {p for p in root.iterdir() if p.name != UID_CLAIMS}
         assert live == {Path(lines[1][2]).parent, reaper.home.path}
         await until(lambda: sandbox_processes({first.pid}) == [], "the first worker's sandboxes died")
-        assert len(sandbox_processes({second.pid})) == 2
+        assert len(sandbox_processes({second.pid})) == 3
         await reaper.close_all()
     finally:
         for worker in workers:

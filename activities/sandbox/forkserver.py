@@ -200,6 +200,7 @@ def main() -> None:
     child = load_child()
     child.preload_modules()
     child.kernel().readonly_sources()  # loaded once here, not in each sandbox
+    child._sibling("cgroups.py")  # likewise: each sandbox limits its own cgroup with it
     libc = child._libc()
     child._readable_roots("/")  # warms sysconfig, which each sandbox's file guard reads
     import resource  # noqa: F401 - set_limits imports it in each sandbox

@@ -1,6 +1,7 @@
-"""The sandbox's kernel-enforced layers: a private filesystem view, a seccomp filter, and no
-capabilities left. Standard library only (the sandbox imports nothing of the worker);
-child.py loads this file by its path, before any layer is in place.
+"""The sandbox's kernel-enforced layers: a private filesystem view, private IPC and PID
+namespaces, a seccomp filter, and no capabilities left. Standard library only (the sandbox
+imports nothing of the worker); child.py loads this file by its path, before any layer is in
+place.
 
 Each layer holds without the audit hook: the hook is Python code in the same interpreter as
 the model's code, and code can get past it; the kernel cannot be argued with.
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import os
 import platform
+import select
+import signal
 import struct
 import sys
 from collections.abc import Iterable
@@ -213,6 +217,71 @@ def drop_capabilities(libc: Any) -> None:
     libc.prctl(ambient_clear_all[0], ambient_clear_all[1], 0, 0, 0)
 
 
+# --- IPC and PID namespaces ------------------------------------------------------------------
+
+
+def private_ipc_and_pids(libc: Any) -> str:
+    """An IPC namespace of its own (System V message queues, semaphores and shared memory,
+    and POSIX message queues: no other sandbox can open them by key, and the kernel frees
+    them all when the sandbox's last process exits), and a PID namespace for the processes
+    it starts next (`become_pid_one`). Needs CAP_SYS_ADMIN (root, or a user namespace of
+    our own)."""
+    _check(libc.unshare(CLONE_NEWIPC | CLONE_NEWPID), "unshare(CLONE_NEWIPC | CLONE_NEWPID)")
+    return "ipc+pid"
+
+
+def become_pid_one(libc: Any) -> None:
+    """Fork into the PID namespace `private_ipc_and_pids` made: the child returns, as its
+    PID 1, and runs the REPL; this process stays outside, waits for it and exits as it did.
+
+    So the REPL sees no process but its own and those it starts (it can signal, trace or
+    name nothing else, whatever its uid), and when it dies the kernel kills every process
+    left in the namespace: nothing a cell started outlives its sandbox. The host keeps this
+    process's pid: the parent it knows, its process group (which the REPL shares), its exit
+    code. Killing this process kills the REPL (its parent-death signal), hence the whole
+    namespace."""
+    alive_r, alive_w = os.pipe()  # the REPL sees EOF on it once its keeper is gone
+    pid = os.fork()
+    if pid != 0:
+        os.close(alive_r)
+        _keep(pid, alive_w)
+    os.close(alive_w)
+    _check(libc.prctl(1, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")  # SIGKILL; a fork cleared it
+    if select.select([alive_r], [], [], 0)[0]:
+        os._exit(3)  # the keeper died before the death signal was set: so does the sandbox
+    os.close(alive_r)
+
+
+def _keep(pid: int, alive_w: int) -> Any:
+    """The keeper's whole life: hold nothing of the sandbox's (its channel is closed here),
+    wait for the REPL, end the same way. It never returns."""
+    gc.disable()  # touches no page it shares with the REPL
+    for fd in range(3, 1024):
+        if fd != alive_w:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            os._exit(4)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            if number not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+        except (OSError, ValueError):
+            pass
+        os._exit(128 + number)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 4)
+
+
 # --- seccomp ---------------------------------------------------------------------------------
 
 _X86_64 = platform.machine() == "x86_64"
@@ -268,8 +337,22 @@ DENIED_X86_64 = {
     "fspick": 433,
     "pidfd_getfd": 438,
     "mount_setattr": 442,
+    # A kernel attack surface of its own, and I/O that steps around seccomp (io_uring's
+    # operations are not system calls a filter sees); anonymous memory files a REPL never
+    # needs (a way to stage executable code without touching the filesystem).
+    "memfd_create": 319,
+    "io_uring_setup": 425,
+    "io_uring_enter": 426,
+    "io_uring_register": 427,
+    "memfd_secret": 447,
 }
-_CLONE, _CLONE3 = 56, 435
+_CLONE, _CLONE3, _SOCKET, _SOCKETPAIR = 56, 435, 41, 53
+
+AF_NETLINK, AF_PACKET, AF_VSOCK = 16, 17, 40
+DENIED_SOCKET_FAMILIES = {"AF_NETLINK": AF_NETLINK, "AF_PACKET": AF_PACKET, "AF_VSOCK": AF_VSOCK}
+"""Socket families a REPL never needs, refused by `socket` (and `socketpair`) whatever the
+network namespace: the kernel's routing and audit interfaces, raw frames, and the channel to
+a hypervisor. They fail with EAFNOSUPPORT, as on a kernel built without them."""
 
 # BPF
 _LD_W_ABS, _JEQ_K, _JSET_K, _RET_K = 0x20, 0x15, 0x45, 0x06
@@ -283,15 +366,27 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
 
 def seccomp_program() -> bytes:
     """The filter: x86_64 only (another architecture or the x32 ABI kills the process), every
-    DENIED call fails with EPERM, clone with a namespace flag fails with EPERM, and clone3
-    with ENOSYS (its flags are out of reach of a filter; the C library then uses clone)."""
+    DENIED call fails with EPERM, socket and socketpair of a DENIED_SOCKET_FAMILIES family
+    with EAFNOSUPPORT, clone with a namespace flag with EPERM, and clone3 with ENOSYS (its
+    flags are out of reach of a filter; the C library then uses clone)."""
     eperm, enosys = _RET_ERRNO | errno.EPERM, _RET_ERRNO | errno.ENOSYS
+    eafnosupport = _RET_ERRNO | errno.EAFNOSUPPORT
     denied = sorted(DENIED_X86_64.values())
     body = [_insn(_LD_W_ABS, 0, 0, _OFF_NR)]
     for number in denied:
         body.append(_insn(_JEQ_K, 0, 1, number))
         body.append(_insn(_RET_K, 0, 0, eperm))
+    families = sorted(DENIED_SOCKET_FAMILIES.values())
+    # socket/socketpair: load the family (the low 32 bits of the first argument), refuse the
+    # denied ones, allow the rest; anything else jumps past this block with nr still loaded.
+    check = [_insn(_LD_W_ABS, 0, 0, _OFF_ARG0)]
+    for i, family in enumerate(families):
+        check.append(_insn(_JEQ_K, len(families) - i, 0, family))  # to the refusal
+    check += [_insn(_RET_K, 0, 0, _RET_ALLOW), _insn(_RET_K, 0, 0, eafnosupport)]
     body += [
+        _insn(_JEQ_K, 1, 0, _SOCKET),
+        _insn(_JEQ_K, 0, len(check), _SOCKETPAIR),
+        *check,
         _insn(_JEQ_K, 0, 1, _CLONE3),
         _insn(_RET_K, 0, 0, enosys),
         _insn(_JEQ_K, 0, 3, _CLONE),
@@ -323,4 +418,5 @@ def install_seccomp(libc: Any) -> str:
     fprog_buffer = ctypes.create_string_buffer(fprog)
     address = ctypes.c_void_p(ctypes.addressof(fprog_buffer))  # a pointer, not a C int
     _check(libc.prctl(pr_set_seccomp, seccomp_mode_filter, address, 0, 0), "prctl(PR_SET_SECCOMP)")
-    return f"{len(DENIED_X86_64)} calls refused, namespaces in clone refused"
+    families = "/".join(sorted(DENIED_SOCKET_FAMILIES))
+    return f"{len(DENIED_X86_64)} calls refused, {families} sockets refused, namespaces in clone refused"
