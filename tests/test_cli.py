@@ -331,6 +331,8 @@ def test_doctor_reports_each_sandbox_layer(tmp_path: Path) -> None:
     assert "empty network namespace" in out.stdout and "private root" in out.stdout
     if os.geteuid() == 0:
         assert "(one per sandbox)" in out.stdout
+    # Bounded as a whole: a cgroup of its own, or the rlimits' product, stated either way.
+    assert "ipc and pid namespaces" in out.stdout and "memory as a whole" in out.stdout
 
 
 def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
