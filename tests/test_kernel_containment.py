@@ -10,11 +10,15 @@ and each is followed by an honest episode on the same worker that must answer ri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
 
+from activities.sandbox import cgroups, kernel
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.timeline import episode_timeline
 from tests.conftest import request_for, run_episode
@@ -192,3 +196,61 @@ async def test_io_uring_memfd_and_kernel_sockets_are_refused(client, scripted, w
     if not hook:
         assert shown.split().count("refused") == len(calls), shown
     await then_an_honest_episode_answers(client, scripted, worker)
+
+
+# --- the pieces, alone ----------------------------------------------------------------------
+
+
+SECCOMP_PROBE = """
+import ctypes, errno, importlib.util, os, sys
+spec = importlib.util.spec_from_file_location("kernel", sys.argv[1])
+kernel = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernel)
+libc = ctypes.CDLL(None, use_errno=True)
+kernel.install_seccomp(libc)
+def tried(call):
+    result = call()
+    return "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()]
+print(tried(lambda: libc.syscall(425, 4, ctypes.create_string_buffer(120))))  # io_uring_setup
+print(tried(lambda: libc.syscall(319, b"x", 0)))  # memfd_create
+print(tried(lambda: libc.socket(16, 3, 0)))  # AF_NETLINK
+print(tried(lambda: libc.socket(17, 3, 0)))  # AF_PACKET
+print(tried(lambda: libc.socket(40, 1, 0)))  # AF_VSOCK
+print(tried(lambda: libc.socketpair(16, 3, 0, (ctypes.c_int * 2)())))  # AF_NETLINK pair
+print(tried(lambda: libc.socket(2, 1, 0)))  # AF_INET: a REPL may make one (no network anyway)
+print(tried(lambda: libc.socket(1, 1, 0)))  # AF_UNIX
+"""
+
+
+def test_the_seccomp_program_refuses_io_uring_memfd_and_three_socket_families() -> None:
+    """The filter alone, in a fresh process: refused calls fail with EPERM, the socket
+    families with EAFNOSUPPORT, and the families a REPL may use are still allowed."""
+    out = subprocess.run(
+        [sys.executable, "-c", SECCOMP_PROBE, kernel.__file__], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["EPERM", "EPERM", *["EAFNOSUPPORT"] * 4, "ok", "ok"], out
+
+
+def test_the_sweep_removes_empty_leaves_and_keeps_those_in_use() -> None:
+    """Leaves a killed worker could not remove are swept by the reaper; one a process is in
+    is never touched."""
+    if not cgroups.support().available:
+        pytest.skip(f"no cgroup for sandboxes here: {cgroups.support().reason}")
+    name = f"w-0-test.{uuid.uuid4().hex[:8]}"
+    gone, kept = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        empty, busy = cgroups.place(gone.pid, name + "-empty"), cgroups.place(kept.pid, name + "-busy")
+        assert empty is not None and busy is not None
+        gone.kill()
+        gone.wait()  # its leaf is empty now, and nobody removed it
+        cgroups.sweep(grace_s=0)
+        assert not any(os.path.exists(p) for p in empty.paths)
+        assert all(os.path.exists(p) for p in busy.paths)
+    finally:
+        for process in (gone, kept):
+            process.kill()
+            process.wait()
+        for hierarchy in cgroups.support().hierarchies:
+            for suffix in ("-empty", "-busy"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(hierarchy.base, name + suffix))

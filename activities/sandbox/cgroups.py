@@ -11,8 +11,8 @@ request (`place`, host side), so no code of the sandbox runs outside it; process
 are born inside. The sandbox writes its own limits (`limit_own`, from its init request, as
 root or its worker's uid, before it drops privileges and before its private root hides
 /sys), then can reach none of the files again. The worker removes the leaf when the sandbox
-is closed (`Leaf.remove`), killing what is left in it; leaves of dead workers are swept by
-the reaper (`sweep`).
+is closed (`Leaf.remove`), killing what is left in it; empty leaves left behind (a worker
+killed mid-way) are swept by the reaper (`sweep`).
 
 cgroup v2 is used where the worker's cgroup gives its children the memory and pids
 controllers (a delegated subtree, or the root of a cgroup namespace); otherwise the v1
@@ -133,17 +133,34 @@ def _read(path: str) -> str:
 
 
 def _v2(mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str]) -> Hierarchy | str:
+    """Leaves under the worker's cgroup when it may hand its children the controllers (the
+    root, or a cgroup without processes), else beside the worker (its cgroup's parent, when
+    that is delegated: the worker runs in a leaf of its own, e.g. under systemd
+    `Delegate=yes`)."""
     unified = [(root, mount) for kind, root, mount, _ in mounts if kind == "cgroup2"]
     if not unified or "" not in own:
         return "no cgroup v2 hierarchy"
     root, mount = unified[0]
     directory = _join(mount, root, own[""])
+    reasons = []
+    for candidate in (directory, os.path.dirname(directory)):
+        if not candidate.startswith(mount):
+            break
+        found = _v2_base(candidate)
+        if isinstance(found, Hierarchy):
+            return found
+        reasons.append(found)
+    return "; ".join(reasons)
+
+
+def _v2_base(directory: str) -> Hierarchy | str:
     try:
         offered = set(_read(os.path.join(directory, "cgroup.controllers")).split())
     except OSError as exc:
-        return f"cgroup v2: {exc.strerror}"
+        return f"cgroup v2 at {directory}: {exc.strerror}"
     if not {"memory", "pids"} <= offered:
-        return f"cgroup v2 offers no memory and pids controllers here ({' '.join(sorted(offered)) or 'none'})"
+        shown = " ".join(sorted(offered)) or "none"
+        return f"cgroup v2 offers no memory and pids controllers at {directory} ({shown})"
     wanted = {"memory", "pids"} | ({"cpu"} & offered)
     try:
         enabled = set(_read(os.path.join(directory, "cgroup.subtree_control")).split())
@@ -156,7 +173,7 @@ def _v2(mounts: list[tuple[str, str, str, set[str]]], own: dict[str, str]) -> Hi
     except OSError as exc:
         reason = exc.strerror or str(exc)
         if exc.errno == errno.EBUSY:
-            reason = "the worker's cgroup holds processes (delegate it a subtree)"
+            reason = "it holds processes"
         return f"cgroup v2 at {directory}: {reason}"
     return Hierarchy(2, frozenset(wanted), base)
 
@@ -287,8 +304,11 @@ def place(pid: int, name: str) -> Leaf | None:
 
 
 def sweep(grace_s: float = SWEEP_GRACE_S) -> int:
-    """Remove the empty leaves (older than `grace_s`) that closed or dead workers left; a
-    leaf of a dead worker still holding processes is emptied first. Returns how many went."""
+    """Remove the empty leaves (older than `grace_s`) that closed sandboxes or dead workers
+    left. A leaf still holding processes is left alone: the reaper kills a dead worker's
+    recorded processes (sandbox_reaper.py), and the leaf goes at a later sweep. It never
+    kills by leaf: a leaf may be a live worker's of another PID namespace. Returns how many
+    went."""
     found = support()
     removed = 0
     now = time.time()
@@ -298,27 +318,16 @@ def sweep(grace_s: float = SWEEP_GRACE_S) -> int:
         except OSError:
             continue
         for entry in entries:
-            if not entry.is_dir(follow_symlinks=False):
-                continue
             try:
-                if now - entry.stat().st_mtime < grace_s:
+                if not entry.is_dir(follow_symlinks=False) or now - entry.stat().st_mtime < grace_s:
                     continue
+                if _pids(entry.path):
+                    continue
+                os.rmdir(entry.path)
             except OSError:
-                continue
-            if _pids(entry.path) and _owner_alive(entry.name):
-                continue
-            if _remove(entry.path):
-                removed += 1
+                continue  # busy (a process still exiting) or gone: the next sweep
+            removed += 1
     return removed
-
-
-def _owner_alive(name: str) -> bool:
-    """A leaf is named `w-<worker pid>-<random>.<sandbox>`: is that worker still running?
-    (A pid reused since only keeps the leaf until its processes are gone.)"""
-    parts = name.split("-", 2)
-    if len(parts) < 3 or parts[0] != "w" or not parts[1].isdigit():
-        return True  # not ours to judge
-    return os.path.exists(f"/proc/{parts[1]}")
 
 
 # --- in the sandbox ---------------------------------------------------------------------------
@@ -384,6 +393,6 @@ def limit_own(memory_mb: int, tasks: int) -> str | None:
 
 
 def leaf_name(directory: os.PathLike[str] | str) -> str:
-    """`<worker home>.<sandbox directory>`: unique, and names its worker (`_owner_alive`)."""
+    """`<worker home>.<sandbox directory>`: unique, and says whose it is to a reader."""
     path = os.fspath(directory).rstrip("/")
     return f"{os.path.basename(os.path.dirname(path))}.{os.path.basename(path)}"
