@@ -114,7 +114,8 @@ def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, An
             "response": it.response or "",
             "code_blocks": [code_block(cell, blobs) for cell in it.cells],
             "final_answer": final if number == last else None,
-            "iteration_time": _seconds(it.started_at, it.ended_at),
+            # A reset's gap is not time the iteration worked (timeline.py, `reset_gap_s`).
+            "iteration_time": _seconds(it.started_at, it.ended_at, it.reset_gap_s),
             # A fork's iterations up to its branch ran in its source: marked, not re-run.
             **({"inherited_from": it.inherited_from} if it.inherited_from else {}),
         }
@@ -132,7 +133,7 @@ def code_block(cell: CellView, blobs: BlobStore) -> dict[str, Any]:
             "stdout": cell.stdout,
             "stderr": "\n".join(x for x in (cell.stderr, cell.error) if x),
             "locals": dict(cell.variables),
-            "execution_time": _seconds(cell.started_at, cell.ended_at),
+            "execution_time": _seconds(cell.started_at, cell.ended_at, cell.reset_gap_s),
             "rlm_calls": [entry for _, entry in sorted(calls, key=lambda pair: pair[0])],
             "final_answer": cell.answer,
         },
@@ -219,10 +220,10 @@ def _stamp(moment: datetime | None) -> str:
     return moment.astimezone().replace(tzinfo=None).isoformat() if moment is not None else ""
 
 
-def _seconds(start: datetime | None, end: datetime | None) -> float:
+def _seconds(start: datetime | None, end: datetime | None, stood_still: float = 0.0) -> float:
     if start is None or end is None:
         return 0.0
-    return max(0.0, (end - start).total_seconds())
+    return max(0.0, (end - start).total_seconds() - stood_still)
 
 
 def _public_url(url: str) -> str:

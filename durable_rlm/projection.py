@@ -5,6 +5,11 @@ workflow writes its own row when it can (started, completed, failed, cancelled);
 terminated or timed-out episode runs no code, so `reconcile_audit` (run by every worker
 and by `drlm list`) settles rows left "running" with the same function that
 `rebuild_audit` uses to write the table from scratch. Live and rebuilt rows are equal.
+
+Rows describe the episode's current run chain (durable_rlm/history.py): after a
+`temporal workflow reset`, the reconciler finds a running episode whose row names a run
+outside its chain and writes the episode's rows again from the reset run (the abandoned
+run's answer and steps go), with the reset as an event.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import sqlalchemy as sa
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from activities.audit import rows_of_step, upsert_episode, write_rows
+from activities.audit import Row, rows_of_step, upsert_episode, write_rows
 from durable_rlm import schema
 from durable_rlm.episodes import closing_error
+from durable_rlm.history import Reset
 from durable_rlm.settings import Settings
 from workflows import names
 from workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
@@ -45,10 +51,14 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     """The row of an episode as its latest run says, whatever way it ended."""
     handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
     description = await handle.describe()
+    started_at = None
     if first_run_id is None:
         from durable_rlm.history import episode_runs
 
-        first_run_id = (await episode_runs(client, episode_id))[0].run_id
+        # The chain's first run: a reset run's started event keeps the episode's start time
+        # (its own start time is the reset's).
+        first_run = (await episode_runs(client, episode_id))[0]
+        first_run_id, started_at = first_run.run_id, first_run.start_time
     status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
     request = await first_request(client, episode_id, first_run_id)
     result = await handle.result() if status == "completed" else None
@@ -70,15 +80,19 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         forked_at=request.fork.iteration if request.fork else None,
         depth=request.depth,
         limits=request.limits.model_dump_json(exclude_none=True),
-        started_at=first.start_time,
+        started_at=started_at or first.start_time,
         ended_at=description.close_time,
     )
 
 
-async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) -> int:
+async def rebuild_audit(
+    client: Client, engine: sa.Engine, drop: bool = True, unreadable: list[str] | None = None
+) -> int:
     """Write every audit table from histories (and the blob store) alone: each completed
     step through the function the workers used live, then, for an episode that ended
-    without writing its row (terminated, timed out), the row `reconcile_audit` writes."""
+    without writing its row (terminated, timed out), the row `reconcile_audit` writes.
+    With `unreadable`, an episode whose history cannot be decoded (a claim-checked payload's
+    blob is gone) is named there and the others are still rebuilt; without it, it raises."""
     if drop:
         await asyncio.to_thread(_clear, engine)
     first_runs: dict[str, WorkflowExecution] = {}
@@ -87,24 +101,89 @@ async def rebuild_audit(client: Client, engine: sa.Engine, drop: bool = True) ->
         if known is None or execution.start_time < known.start_time:
             first_runs[execution.id] = execution
     for episode_id in sorted(first_runs):
-        await rebuild_episode(client, engine, episode_id)
+        try:
+            await rebuild_episode(client, engine, episode_id)
+        except (LookupError, ValueError):  # a blob missing, or corrupt
+            if unreadable is None:
+                raise
+            unreadable.append(episode_id)
     await reconcile_audit(client, engine)
     return len(first_runs)
 
 
 async def rebuild_episode(client: Client, engine: sa.Engine, episode_id: str) -> None:
-    from durable_rlm.history import completed_steps
+    from durable_rlm.history import completed_steps, episode_runs, resets
 
+    runs = await episode_runs(client, episode_id)
     audited = False
-    async for step in completed_steps(client, episode_id):
+    async for step in completed_steps(client, episode_id, runs):
         rows = rows_of_step(episode_id, step.activity, step.arg, step.result)
         audited = audited or step.activity == names.AUDIT_EPISODE
         if rows:
             await asyncio.to_thread(write_rows, engine, rows)
-    if not audited:
-        # Every audit write of the episode failed (a store that was down): its row comes
-        # from the history itself, as for an episode that ended without writing it.
+    made_by_reset = resets(runs)
+    if made_by_reset:
+        await asyncio.to_thread(write_rows, engine, [reset_row(episode_id, r) for r in made_by_reset])
+    running = runs[-1].status == WorkflowExecutionStatus.RUNNING
+    if not audited or (made_by_reset and running):
+        # Every audit write of the episode failed (a store that was down), or the last one
+        # is the opening row a reset run copied from the run it left: the row comes from
+        # the history itself, as for an episode that ended without writing it.
         await asyncio.to_thread(upsert_episode, engine, await record_of(client, episode_id))
+
+
+def reset_row(episode_id: str, reset: Reset) -> Row:
+    """A reset as an audit event: who, when, why, and the run it left."""
+    return Row(
+        schema.events,
+        {
+            "episode_id": episode_id,
+            "event_key": f"reset:{reset.new_run_id}"[:80],
+            "kind": "reset",
+            "detail": reset.line,
+            "sender": reset.identity or None,
+            "at": reset.at,
+        },
+    )
+
+
+async def settle_resets(client: Client, engine: sa.Engine) -> int:
+    """Write again the rows of running episodes whose row names a run outside their chain
+    (a reset's abandoned run), from the current chain alone; a row that names an earlier
+    run of the chain (continue-as-new) only learns the current run. Returns how many were
+    written again."""
+    from durable_rlm.history import episode_runs
+
+    table = schema.episodes
+
+    def named_runs() -> dict[str, str]:
+        with engine.connect() as conn:
+            return dict(conn.execute(sa.select(table.c.episode_id, table.c.run_id)).tuples().all())
+
+    known = await asyncio.to_thread(named_runs)
+    rewritten = 0
+    query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus = "Running"'
+    async for execution in client.list_workflows(query):
+        named = known.get(execution.id)
+        if named is None or named == execution.run_id:
+            continue  # no row yet (the episode writes it), or the row is of this run
+        try:
+            chain = {run.run_id for run in await episode_runs(client, execution.id)}
+        except (LookupError, RPCError):
+            continue  # gone meanwhile
+        if named not in chain:
+            await asyncio.to_thread(_forget, engine, execution.id)
+            await rebuild_episode(client, engine, execution.id)
+            rewritten += 1
+        else:
+            await asyncio.to_thread(upsert_episode, engine, await record_of(client, execution.id))
+    return rewritten
+
+
+def _forget(engine: sa.Engine, episode_id: str) -> None:
+    with engine.begin() as conn:
+        for table in schema.AUDIT_TABLES:
+            conn.execute(table.delete().where(table.c.episode_id == episode_id))
 
 
 async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
@@ -118,6 +197,7 @@ async def reconcile_audit(client: Client, engine: sa.Engine) -> int:
                 conn.execute(sa.select(table.c.episode_id).where(table.c.status == "running")).scalars()
             )
 
+    await settle_resets(client, engine)
     settled = 0
     for episode_id in await asyncio.to_thread(running):
         try:

@@ -32,15 +32,21 @@ def open_existing(settings: Settings) -> sa.Engine | None:
 
 
 def cached_timeline(engine: sa.Engine, episode_id: str) -> Timeline | None:
-    table = schema.episode_timelines
+    """The stored timeline, if it is of the run the audit row names: a `temporal workflow
+    reset` makes a new current run, whose row (written by it, or by the reconciler) names it."""
+    table, rows = schema.episode_timelines, schema.episodes
+    current = sa.select(rows.c.run_id).where(rows.c.episode_id == episode_id).scalar_subquery()
     try:
         with engine.connect() as conn:
-            text = conn.execute(
-                sa.select(table.c.timeline).where(table.c.episode_id == episode_id)
+            found = conn.execute(
+                sa.select(table.c.timeline).where(
+                    table.c.episode_id == episode_id,
+                    sa.or_(current.is_(None), table.c.run_id == current),
+                )
             ).scalar_one_or_none()
     except sa.exc.DatabaseError:  # an older schema: no table yet
         return None
-    return None if text is None else Timeline.model_validate_json(text)
+    return None if found is None else Timeline.model_validate_json(found)
 
 
 def store_timeline(engine: sa.Engine, timeline: Timeline, run_id: str) -> bool:

@@ -1,7 +1,10 @@
 """An episode's timeline, read from its Temporal history (the audit trail itself).
 
-Every run of the episode (continue-as-new included) is read; activity inputs and results
-are decoded with the project's converter, so claim-checked payloads come back whole.
+Every run of the episode's current chain is read (continue-as-new included; runs a reset
+abandoned left out, durable_rlm/history.py); activity inputs and results are decoded with
+the project's converter, so claim-checked payloads come back whole. A `temporal workflow
+reset` is an action in the timeline: the reset run's history is a copy of its base run up to
+the workflow task it went back to, then a WorkflowTaskFailed with cause RESET_WORKFLOW.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from durable_rlm.history import decode, episode_runs, repl_marker
+from durable_rlm.history import Reset, decode, episode_runs, repl_marker, reset_of
 from workflows import names
 from workflows.fallback import ExecutionResult
 from workflows.models import (
@@ -85,6 +88,9 @@ class CellView(BaseModel):
     variables: dict[str, str] = Field(default_factory=dict, description="bounded summary after it")
     started_at: datetime | None = Field(default=None, description="its first step was scheduled")
     ended_at: datetime | None = Field(default=None, description="its last step completed")
+    reset_gap_s: float = Field(
+        default=0.0, description="of its span, the time between a reset's point and the reset"
+    )
 
 
 class IterationView(BaseModel):
@@ -110,18 +116,25 @@ class IterationView(BaseModel):
     inherited_from: str | None = Field(
         default=None, description="a fork's iteration up to its branch: the episode that ran it"
     )
+    reset_gap_s: float = Field(
+        default=0.0, description="of its span, the time between a reset's point and the reset"
+    )
 
 
 class ActionView(BaseModel):
     """A person's action on the episode, as history recorded the update that carried it."""
 
     kind: str = Field(
-        description="hint, limits, pause, resume, finish, approve, edit, reject, cancel, reward"
+        description="hint, limits, pause, resume, finish, approve, edit, reject, cancel, reward, reset"
     )
     sender: str | None = None
     at: datetime
     iteration: int = Field(description="the iteration under way when it arrived")
     detail: str = ""
+    reset_to: int | None = Field(
+        default=None, description="a reset: the workflow task (event id) it went back to"
+    )
+    abandoned_run: str | None = Field(default=None, description="a reset: the run it left from there")
 
 
 class Timeline(BaseModel):
@@ -129,6 +142,7 @@ class Timeline(BaseModel):
     status: str
     task: str = ""
     runs: int = 0
+    run_id: str | None = Field(default=None, description="the current run: what a stored copy is valid for")
     iterations: list[IterationView] = Field(default_factory=list)
     actions: list[ActionView] = Field(default_factory=list, description="steering, cancel and rewards")
     result: EpisodeResult | None = None
@@ -164,28 +178,35 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     from temporalio.api.enums.v1 import EventType
 
     runs = await episode_runs(client, episode_id)
+    current = runs[-1]
     timeline = Timeline(
         episode_id=episode_id,
-        status=runs[-1].status.name.lower(),
+        status=current.status.name.lower() if current.status is not None else "unknown",
         runs=len(runs),
+        run_id=current.run_id,
         started_at=runs[0].start_time,
-        ended_at=runs[-1].close_time,
+        ended_at=current.close_time,
     )
     iterations: dict[int, IterationView] = {}
     cells: dict[int, CellView] = {}
+    gaps: list[tuple[datetime, datetime]] = []  # (the reset's point, the reset) per reset
 
     def iteration(number: int) -> IterationView:
         return iterations.setdefault(number, IterationView(iteration=number))
 
     for run in runs:
-        history = await client.get_workflow_handle(episode_id, run_id=run.run_id).fetch_history()
         scheduled: dict[int, tuple[str, Any]] = {}
         task_started: datetime | None = None  # a local step starts within the task that runs it
-        for event in history.events:
+        last: datetime | None = None
+        for event in run.history.events:
             kind = event.event_type
             when = event.event_time.ToDatetime(tzinfo=UTC)
+            before, last = last, when
             if kind == EventType.EVENT_TYPE_WORKFLOW_TASK_STARTED:
                 task_started = when
+            elif (reset := reset_of(event)) is not None:
+                timeline.actions.append(_reset(reset, max(iterations, default=0)))
+                gaps.append((before or when, when))
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
                 attrs = event.workflow_execution_started_event_attributes
                 request = await decode(client, attrs.input, EpisodeRequest)
@@ -263,6 +284,8 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     for it in timeline.iterations:
         ends = [t for t in (it.ended_at, *(c.ended_at for c in it.cells)) if t is not None]
         it.ended_at = max(ends, default=None)
+        for view in (it, *it.cells):
+            view.reset_gap_s = _stood_still(view.started_at, view.ended_at, gaps)
     if children:
         for cell in cells.values():
             for child in cell.children:
@@ -272,6 +295,30 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     if fork is not None:
         timeline.iterations[:0] = await _inherited(client, fork.source_id, fork.iteration, children)
     return timeline
+
+
+def _reset(reset: Reset, iteration: int) -> ActionView:
+    """A reset as an action: who asked (the identity the server recorded; the CLI puts the
+    user's name before the reason), why, the workflow task it went back to, the run it left."""
+    return ActionView(
+        kind="reset",
+        sender=reset.identity or None,
+        at=reset.at,
+        iteration=iteration,
+        detail=reset.reason,
+        reset_to=reset.event_id,
+        abandoned_run=reset.base_run_id or None,
+    )
+
+
+def _stood_still(
+    started: datetime | None, ended: datetime | None, gaps: list[tuple[datetime, datetime]]
+) -> float:
+    """Seconds of [started, ended] that fell between a reset's point and the reset: the
+    reset run's copy of the history keeps the old times, and the work did not go on then."""
+    if started is None or ended is None:
+        return 0.0
+    return sum(max(0.0, (min(ended, reset) - max(started, point)).total_seconds()) for point, reset in gaps)
 
 
 async def _inherited(client: Client, source_id: str, upto: int, children: bool) -> list[IterationView]:
@@ -501,6 +548,13 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
 
 def _action_lines(action: ActionView, clip: Callable[[str | None], str]) -> str:
     by = f" by {action.sender}" if action.sender else ""
+    if action.kind == "reset":
+        left = f" (run {action.abandoned_run} abandoned from there)" if action.abandoned_run else ""
+        return (
+            f">>> reset to workflow task {action.reset_to}{by} at {action.at:%Y-%m-%d %H:%M:%S}: "
+            + clip(action.detail)
+            + left
+        )
     return f">>> {action.kind}{by} at {action.at:%Y-%m-%d %H:%M:%S}: " + clip(action.detail)
 
 
