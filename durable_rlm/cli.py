@@ -184,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("audit-rebuild", help="rebuild the SQL audit projection from the histories")
 
+    verify = sub.add_parser(
+        "verify", help="check that every blob the histories and the audit store reference is whole"
+    )
+    verify.add_argument("episode_id", nargs="?", help="one episode and its children")
+    verify.add_argument("--all", action="store_true", help="every episode")
+    verify.add_argument("--json", action="store_true")
+
     _steering_parsers(sub)
 
     deployment = sub.add_parser(
@@ -1124,10 +1131,27 @@ async def _dispatch(args: argparse.Namespace) -> int:
         from durable_rlm.connection import connect
         from durable_rlm.projection import rebuild_audit
 
+        from durable_rlm.verify import verify
+
+        unreadable: list[str] = []
         async with connect(settings) as services:
-            count = await rebuild_audit(services.client, services.engine)
+            count = await rebuild_audit(services.client, services.engine, unreadable=unreadable)
+            report = await verify(services.client, services.blobs, services.engine)
         print(f"audit store rebuilt from history: {count} episode(s)")
-        return EXIT_OK
+        # The rebuild reads only what its rows need: a missing blob is reported, not passed over.
+        for episode_id in unreadable:
+            _stderr(f"drlm: {episode_id}: its history could not be read whole; its rows are missing")
+        if not report.ok:
+            _stderr("drlm: blobs the histories reference are missing or corrupt (drlm verify --all):")
+            for line in report.lines():
+                _stderr(f"  {line}")
+        return EXIT_OK if report.ok and not unreadable else EXIT_FAILED
+    if args.command == "verify":
+        from durable_rlm.verify import verify_command
+
+        if (args.episode_id is None) == (not args.all):
+            raise ConfigurationError("give an episode id or --all")
+        return await verify_command(settings, args.episode_id, args.json)
     commands = {
         "ui": _ui,
         "show": _show,
