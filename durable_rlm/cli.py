@@ -1130,7 +1130,6 @@ async def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "audit-rebuild":
         from durable_rlm.connection import connect
         from durable_rlm.projection import rebuild_audit
-
         from durable_rlm.verify import verify
 
         unreadable: list[str] = []
