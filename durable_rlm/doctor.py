@@ -78,7 +78,7 @@ async def sandbox_layers(root: Path) -> list[Check]:
             "ok" if layers.get("ipc_pid") == "ipc+pid" else "warn",
             "its own System V IPC (gone with it) and PIDs (it sees no other process)"
             if layers.get("ipc_pid") == "ipc+pid"
-            else f"{layers.get('ipc_pid', '?')}: IPC objects are shared between sandboxes",
+            else f"{layers.get('ipc_pid', '?')}: IPC objects or processes are visible across sandboxes",
         ),
         Check(
             "sandbox",

@@ -219,6 +219,8 @@ def drop_capabilities(libc: Any) -> None:
 
 # --- IPC and PID namespaces ------------------------------------------------------------------
 
+SANDBOX_NAMESPACES = CLONE_NEWIPC | CLONE_NEWPID
+
 
 def private_ipc_and_pids(libc: Any) -> str:
     """An IPC namespace of its own (System V message queues, semaphores and shared memory,
@@ -226,8 +228,8 @@ def private_ipc_and_pids(libc: Any) -> str:
     them all when the sandbox's last process exits), and a PID namespace for the processes
     it starts next (`become_pid_one`). Needs CAP_SYS_ADMIN (root, or a user namespace of
     our own)."""
-    _check(libc.unshare(CLONE_NEWIPC | CLONE_NEWPID), "unshare(CLONE_NEWIPC | CLONE_NEWPID)")
-    return "ipc+pid"
+    _check(libc.unshare(SANDBOX_NAMESPACES), "unshare(CLONE_NEWIPC | CLONE_NEWPID)")
+    return "ipc+pid" if SANDBOX_NAMESPACES & CLONE_NEWPID else "ipc"
 
 
 def become_pid_one(libc: Any) -> None:
