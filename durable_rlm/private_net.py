@@ -12,8 +12,9 @@ UI. So the supervisor starts it through this small gate (`python -m durable_rlm.
    services, membership) exists only in that namespace, where nothing else lives.
 2. For each connection to a host-side listener, the gate asks the kernel's TCP table which
    uid owns the connecting socket (loopback: both ends are on this machine) and forwards to
-   the same port inside the namespace only when it is the owner's uid; any other uid's
-   connection is closed before a byte is read or written.
+   the same port inside the namespace only when it is the owner's uid (or root's: root reads
+   the data directory anyway, and `sudo drlm` must not find the server "down" and replace
+   it); any other uid's connection is reset before a byte is read or written.
 
 Clients change nothing: the Python SDK, the `temporal` CLI and a browser of the owner
 connect to 127.0.0.1:<port> as before. What stays open: root (who can read the data
@@ -150,7 +151,7 @@ class Gate:
     """Host-side listeners that forward the owner's connections into the namespace."""
 
     def __init__(self, ports: list[int], owner: int) -> None:
-        self.owner = owner
+        self.admitted = frozenset({owner, 0})
         self.table = TcpTable()
         self.listeners: list[socket.socket] = []
         for port in ports:
@@ -171,7 +172,7 @@ class Gate:
     def _handler(self, port: int):  # noqa: ANN202 - an asyncio stream callback
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sock = writer.get_extra_info("socket")
-            if peer_uid(sock, self.table) != self.owner:
+            if peer_uid(sock, self.table) not in self.admitted:
                 self.refused += 1
                 # RST, not FIN: nothing is said, not even an orderly goodbye.
                 with contextlib.suppress(OSError):
