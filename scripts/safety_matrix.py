@@ -149,7 +149,7 @@ MECHANISMS = [
     Mechanism(
         "owner-uid forwarder",
         "durable_rlm/private_net.py",
-        "            if peer_uid(sock, self.table) != self.owner:",
+        "            if peer_uid(sock, self.table) not in self.admitted:",
         "            if False:",
         "the forwarder admits every uid",
     ),
