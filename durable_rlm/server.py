@@ -19,7 +19,7 @@ Files, all under `<data dir>/server/`:
   ("codec"), to the owner's clients.
 
 Other users of the machine get nothing from it: the server's ports live in a network
-namespace of its own behind forwarders that admit only the owner's uid
+namespace of its own behind forwarders that admit only the owner's uid (and root's)
 (durable_rlm/private_net.py), and the codec server wants both the owner's uid and the
 capability. Where no namespace can be made, the server runs in the open and `state.json`
 says so ("private": false; `drlm doctor` warns).
@@ -390,8 +390,8 @@ def local_exposure(settings: Settings) -> tuple[str, str]:
     private = bool(state.get("private")) if state is not None else private_network_possible()
     if private:
         closed = (
-            f"its ports admit only uid {os.getuid()} (a private network namespace behind uid-checked "
-            "forwarders; the codec server also wants its capability)"
+            f"its ports admit only uid {os.getuid()} and root (a private network namespace behind "
+            "uid-checked forwarders; the codec server also wants its capability)"
         )
     else:
         closed = (
