@@ -16,11 +16,17 @@ UI. So the supervisor starts it through this small gate (`python -m durable_rlm.
    the data directory anyway, and `sudo drlm` must not find the server "down" and replace
    it); any other uid's connection is reset before a byte is read or written.
 
+3. On the Web UI's port (`--forward-http`), the first request of a connection must name
+   the host as an IP address or `localhost`: a web page that rebinds its own domain name to
+   127.0.0.1 (DNS rebinding) would otherwise read the UI's API, histories included, from the
+   owner's browser. (A browser keeps connections per host name, so the first request's
+   Host speaks for the connection.)
+
 Clients change nothing: the Python SDK, the `temporal` CLI and a browser of the owner
 connect to 127.0.0.1:<port> as before. What stays open: root (who can read the data
 directory anyway), and any program running as the owner, such as a web page in the
-owner's browser (DNS rebinding, cross-site requests), as with any unauthenticated local
-UI.
+owner's browser sending requests it cannot read the answers of (cross-site requests), as
+with any local UI without a login.
 
 If no namespace can be made (unprivileged user namespaces disabled), the gate exits with
 `NO_NAMESPACE` before starting anything and the caller starts the server in the open.
@@ -33,6 +39,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import os
 import signal
 import socket
@@ -45,6 +52,12 @@ CLONE_NEWUSER = 0x10000000
 NO_NAMESPACE = 75  # the gate's exit code: no private network here (EX_TEMPFAIL)
 NO_PORT = 76  # a host-side port is taken
 CHUNK = 256 * 1024
+HEAD_TIMEOUT_S = 30.0  # for a request head on the UI's port
+_WHY = b"open the Web UI at 127.0.0.1 or localhost, not a host name"
+MISDIRECTED = (
+    b"HTTP/1.1 421 Misdirected Request\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_WHY), _WHY)
+)
 _STUBS = frozenset({"03", "06"})  # SYN_RECV, TIME_WAIT in /proc/net/tcp
 
 
@@ -150,8 +163,10 @@ def _tied_to_parent() -> None:
 class Gate:
     """Host-side listeners that forward the owner's connections into the namespace."""
 
-    def __init__(self, ports: list[int], owner: int) -> None:
+    def __init__(self, ports: list[int], owner: int, http_ports: list[int] | None = None) -> None:
         self.admitted = frozenset({owner, 0})
+        self.http_ports = frozenset(http_ports or ())
+        ports = [*ports, *self.http_ports]
         self.table = TcpTable()
         self.listeners: list[socket.socket] = []
         for port in ports:
@@ -179,17 +194,54 @@ class Gate:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 writer.close()
                 return
+            head = b""
+            if port in self.http_ports:
+                try:
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
+                    writer.close()
+                    return
+                if not loopback_host(head):
+                    self.refused += 1
+                    writer.write(MISDIRECTED)
+                    with contextlib.suppress(OSError):
+                        await writer.drain()
+                    writer.close()
+                    return
             try:
                 inner_reader, inner_writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:
                 writer.close()
                 return
+            inner_writer.write(head)
             for end in (sock, inner_writer.get_extra_info("socket")):
                 with contextlib.suppress(OSError):
                     end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             await asyncio.gather(_pipe(reader, inner_writer), _pipe(inner_reader, writer))
 
         return handle
+
+
+def loopback_host(head: bytes) -> bool:
+    """Whether a request head's Host is an IP address or `localhost` (or absent: not a
+    browser), never a name a web page controls."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() != b"host":
+            continue
+        host = value.strip().decode("latin-1")
+        if host.startswith("["):  # [::1]:8233
+            host = host[1 : host.find("]")] if "]" in host else host
+        elif host.count(":") == 1:
+            host = host.split(":", 1)[0]
+        if host.lower().rstrip(".") == "localhost":
+            return True
+        try:
+            ipaddress.ip_address(host)
+            return True
+        except ValueError:
+            return False
+    return True
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -237,6 +289,9 @@ def main() -> None:
     parser.add_argument(
         "--forward", type=int, action="append", default=[], help="a port to forward (repeatable)"
     )
+    parser.add_argument(
+        "--forward-http", type=int, action="append", default=[], help="a Web UI port: its Host is checked"
+    )
     parser.add_argument("--probe", action="store_true", help="only say whether a private network can be made")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the server's command line")
     args = parser.parse_args()
@@ -250,7 +305,7 @@ def main() -> None:
             sys.exit(NO_NAMESPACE)
         sys.exit(0)
     try:
-        gate = Gate(args.forward, owner)  # bound in the host's network, before leaving it
+        gate = Gate(args.forward, owner, args.forward_http)  # bound in the host's network, before leaving it
     except OSError as exc:
         print(f"cannot listen on 127.0.0.1 for the server: {exc}", file=sys.stderr)
         sys.exit(NO_PORT)

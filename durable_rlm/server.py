@@ -177,9 +177,10 @@ class EmbeddedServer:
         ]
         if not self.private:
             return command
-        forwards = [str(self.port)] + ([] if self.ui_port is None else [str(self.ui_port)])
-        gate = [sys.executable, "-m", "durable_rlm.private_net"]
-        return [*gate, *(f"--forward={port}" for port in forwards), "--", *command]
+        gate = [sys.executable, "-m", "durable_rlm.private_net", f"--forward={self.port}"]
+        if self.ui_port is not None:
+            gate.append(f"--forward-http={self.ui_port}")
+        return [*gate, "--", *command]
 
     async def start(self) -> str:
         from durable_rlm.private_net import NO_NAMESPACE

@@ -203,6 +203,32 @@ async def test_the_web_ui_is_given_the_codec_capability(tmp_path: Path) -> None:
             assert refused.value.code == 404
 
 
+async def test_the_web_ui_answers_loopback_names_only(tmp_path: Path) -> None:
+    """DNS rebinding: a page of evil.example whose name resolves to 127.0.0.1 would read the
+    UI's API from the owner's own browser; its Host gives it away."""
+    import http.client
+
+    settings = Settings(data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2)
+    async with shared_server(settings) as lease:
+        port = int(str(lease.ui).rsplit(":", 1)[1])
+
+        def get(host: str) -> tuple[int, bytes]:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                connection.request("GET", "/api/v1/settings", headers={"Host": host})
+                answer = connection.getresponse()
+                return answer.status, answer.read()
+            finally:
+                connection.close()
+
+        for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io:80", "localhostx"):
+            status, body = get(host)
+            assert status == 421 and b"Codec" not in body, host
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost:9000", f"[::1]:{port}"):
+            status, body = get(host)
+            assert status == 200 and b"Codec" in body, (host, status, body[:200])
+
+
 def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
     """As nobody (a user namespace owns its network): nobody's connections are forwarded to
     a server inside, and root's (root reads everything anyway); another uid's are reset."""
