@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import threading
 import uuid
 from pathlib import Path
@@ -40,15 +39,39 @@ def status(field: str) -> int:
     raise KeyError(field)
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+class RssPeak:
+    """The worker's largest resident size (MB) while the block runs, sampled: the process's
+    own peak (getrusage) is over its whole life, so an earlier test's would hide this one's."""
+
+    async def __aenter__(self) -> RssPeak:
+        self.start = self.peak = status("VmRSS") / 1024
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    async def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, status("VmRSS") / 1024)
+            await asyncio.sleep(0.02)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        self.peak = max(self.peak, status("VmRSS") / 1024)
+
+    @property
+    def growth(self) -> float:
+        return self.peak - self.start
 
 
-def hostile_script(cell: str):
+def hostile_script(cell: str, think_s: float = 0.0):
+    """The attack, then AFTER (`think_s` later: what the attack does meanwhile counts),
+    then the answer."""
+
     def script(request: ChatRequest) -> Reply | str:
         if not request.is_root:
             return request.last_user.upper()
-        return [f"```repl\n{cell}\n```", AFTER, "FINAL(survived)"][min(request.turn, 2)]
+        return [f"```repl\n{cell}\n```", Reply(AFTER, delay_s=think_s), "FINAL(survived)"][
+            min(request.turn, 2)
+        ]
 
     return script
 
@@ -59,11 +82,12 @@ def honest_script(request: ChatRequest) -> Reply | str:
     return ["```repl\nr = llm_query('ping')\n```", "FINAL_VAR(r)"][min(request.turn, 1)]
 
 
-async def run_hostile(client, worker, scripted, cell: str) -> tuple[EpisodeResult, str]:
+async def run_hostile(
+    client, worker, scripted, cell: str, limits: EpisodeLimits = LIMITS, think_s: float = 0.0
+) -> tuple[EpisodeResult, str]:
     episode_id = f"hostile-{uuid.uuid4().hex[:8]}"
-    result = await run_episode(
-        client, request_for(scripted(hostile_script(cell)), limits=LIMITS), worker.task_queue, episode_id
-    )
+    script = scripted(hostile_script(cell, think_s))
+    result = await run_episode(client, request_for(script, limits=limits), worker.task_queue, episode_id)
     return result, episode_id
 
 
@@ -195,25 +219,27 @@ def forge(message):
 async def test_a_flood_of_large_frames_is_held_within_the_byte_budget(
     hostile_worker, client, scripted
 ) -> None:
-    """The cell's end, then 24 frames of 20 MB nobody asked for: the worker holds at most
+    """The cell's end, then 10 frames of 60 MB nobody asked for: the worker holds at most
     SANDBOX_IN_FLIGHT_BYTES of them (by count, 8 frames and the pipe's buffer were held).
     Only the live run floods: its rebuild (the sandbox spoke unasked) re-runs it quietly."""
     cell = FORGE + (
         "if session.recorded is None:\n"
         "    forge({'op': 'done', 'status': 'ok', 'stdout': 'flooded'})\n"
-        "    big = {'op': 'done', 'status': 'ok', 'stdout': 'x' * (20 << 20)}\n"
-        "    for _ in range(24):\n"
+        "    big = {'op': 'done', 'status': 'ok', 'stdout': 'x' * (60 << 20)}\n"
+        "    for _ in range(10):\n"
         "        forge(big)"
     )
-    before = peak_rss_mb()
-    result, episode_id = await run_hostile(client, hostile_worker, scripted, cell)
+    # The model takes 4 s over its next turn: the flood is all written by then, or blocked.
+    async with RssPeak() as rss:
+        result, episode_id = await run_hostile(client, hostile_worker, scripted, cell, think_s=4)
     assert result.answer == "survived", result
     attack, after = await first_cell(client, episode_id)
     assert attack.stdout.startswith("flooded")
     # The next cell runs in a rebuilt sandbox, or meets the flood first (out of turn).
     assert after.stdout.startswith("PING") or "out of turn" in (after.error or ""), after
     budget_mb = defaults.SANDBOX_IN_FLIGHT_BYTES / 2**20
-    assert peak_rss_mb() - before < budget_mb + 3 * 20 + 64, (peak_rss_mb(), before)
+    # The budget and one frame's copy at most (measured: 64 MB; by count it was 182 MB).
+    assert rss.growth < budget_mb + 60, rss.growth
     await hostile_worker.baseline.honest_episode_answers(client, hostile_worker, scripted)
     await hostile_worker.baseline.check()
 
@@ -298,3 +324,30 @@ def test_the_limits_fit_each_other() -> None:
 
     assert defaults.MAX_CALL_BYTES + FRAME_OVERHEAD < defaults.SANDBOX_IN_FLIGHT_BYTES
     assert defaults.SANDBOX_IN_FLIGHT_BYTES <= defaults.MAX_FRAME_BYTES
+
+
+# --- what the sandbox leaves in its directory --------------------------------------------------
+
+
+async def test_a_tree_deeper_than_recursion_goes_with_its_sandbox(hostile_worker, client, scripted) -> None:
+    """1,500 nested directories (each deeper mkdir is slower in the sandbox: 2,000 took 6 s):
+    shutil.rmtree recursed a frame per level and raised RecursionError out of the sandbox's
+    close, leaving the tree on the worker's disk."""
+    cell = (
+        "import os\nfd = os.open('.', os.O_RDONLY)\nfor _ in range(1_500):\n"
+        "    os.mkdir('d', dir_fd=fd)\n    inner = os.open('d', os.O_RDONLY, dir_fd=fd)\n"
+        "    os.close(fd)\n    fd = inner\nprint('deep')"
+    )
+    limits = EpisodeLimits(max_iterations=5, cell_timeout_s=30)
+    result, episode_id = await run_hostile(client, hostile_worker, scripted, cell, limits)
+    assert result.answer == "survived", result
+    attack, _ = await first_cell(client, episode_id)
+    assert attack.stdout.startswith("deep"), attack.error
+    for _ in range(300):  # the episode's end closes its sandbox
+        left = [p for p in hostile_worker.home.path.iterdir() if p.name.startswith(episode_id)]
+        if not left and episode_id not in hostile_worker.live_episodes():
+            break
+        await asyncio.sleep(0.1)
+    assert not left, left
+    await hostile_worker.baseline.honest_episode_answers(client, hostile_worker, scripted)
+    await hostile_worker.baseline.check()
