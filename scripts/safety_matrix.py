@@ -167,6 +167,13 @@ MECHANISMS = [
         "if False:",
         "the codec server answers every uid",
     ),
+    Mechanism(
+        "UI host check",
+        "durable_rlm/private_net.py",
+        "                if not loopback_host(head):",
+        "                if False:",
+        "the UI's port answers any Host (DNS rebinding)",
+    ),
     # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
     Mechanism(
         "sandbox file: no link followed",
