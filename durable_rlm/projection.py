@@ -155,28 +155,39 @@ async def settle_resets(client: Client, engine: sa.Engine) -> int:
     from durable_rlm.history import episode_runs
 
     table = schema.episodes
-
-    def named_runs() -> dict[str, str]:
-        with engine.connect() as conn:
-            return dict(conn.execute(sa.select(table.c.episode_id, table.c.run_id)).tuples().all())
-
-    known = await asyncio.to_thread(named_runs)
-    rewritten = 0
+    current: dict[str, str] = {}
     query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus = "Running"'
     async for execution in client.list_workflows(query):
-        named = known.get(execution.id)
-        if named is None or named == execution.run_id:
+        current[execution.id] = execution.run_id
+
+    def named_runs(ids: list[str]) -> dict[str, str]:
+        with engine.connect() as conn:
+            return {
+                episode_id: run_id
+                for start in range(0, len(ids), 500)  # a bounded IN list per query
+                for episode_id, run_id in conn.execute(
+                    sa.select(table.c.episode_id, table.c.run_id).where(
+                        table.c.episode_id.in_(ids[start : start + 500])
+                    )
+                ).tuples()
+            }
+
+    known = await asyncio.to_thread(named_runs, sorted(current))
+    rewritten = 0
+    for episode_id, run_id in sorted(current.items()):
+        named = known.get(episode_id)
+        if named is None or named == run_id:
             continue  # no row yet (the episode writes it), or the row is of this run
         try:
-            chain = {run.run_id for run in await episode_runs(client, execution.id)}
+            chain = {run.run_id for run in await episode_runs(client, episode_id)}
         except (LookupError, RPCError):
             continue  # gone meanwhile
         if named not in chain:
-            await asyncio.to_thread(_forget, engine, execution.id)
-            await rebuild_episode(client, engine, execution.id)
+            await asyncio.to_thread(_forget, engine, episode_id)
+            await rebuild_episode(client, engine, episode_id)
             rewritten += 1
         else:
-            await asyncio.to_thread(upsert_episode, engine, await record_of(client, execution.id))
+            await asyncio.to_thread(upsert_episode, engine, await record_of(client, episode_id))
     return rewritten
 
 
