@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.store_errors import store_problem, store_unavailable
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
 from workflows.models import CellOutcome, StepEcho
@@ -83,4 +86,72 @@ async def echoed(echo: StepEcho) -> AsyncIterator[Callable[[CellOutcome], CellOu
     except Exception as exc:  # a broken pipe, a locked database: retryable, and still echoed
         if not local:
             raise
+        problem = store_problem(exc)
+        if problem is not None:  # waited out by the workflow, like a remote step's
+            failure = store_unavailable(problem)
+            raise ApplicationError(failure.message, echo, type=failure.type) from None
         raise ApplicationError(str(exc) or type(exc).__name__, echo, type=type(exc).__name__) from exc
+
+
+# --- a paused worker checks before it pays --------------------------------------------------
+
+
+class AttemptClock:
+    """How long this attempt of a remote activity has run, and since its last heartbeat, by
+    this process's monotonic clock (which counts a SIGSTOP). Past its start-to-close or its
+    heartbeat timeout the server has given the attempt up and scheduled another: a model
+    request sent now would be paid twice (`ensure_current`)."""
+
+    def __init__(self) -> None:
+        self.started = self.last_beat = time.monotonic()
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+        activity.heartbeat()
+
+    def stale(self) -> str | None:
+        """Why the server no longer takes this attempt's result, or None."""
+        if not activity.in_activity():
+            return None
+        info = activity.info()
+        if info.is_local:
+            return None  # a local step's result goes with its workflow task: checked there
+        now = time.monotonic()
+        limit = info.start_to_close_timeout.total_seconds() if info.start_to_close_timeout else None
+        if limit and now - self.started > limit:
+            return f"it ran past its start-to-close timeout ({limit:g} s)"
+        beat = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else None
+        if beat and now - self.last_beat > beat:
+            return f"it sent no heartbeat for {now - self.last_beat:.1f} s (its timeout: {beat:g} s)"
+        if activity.is_cancelled():
+            return "the server cancelled it"
+        return None
+
+    def ensure_current(self, what: str) -> None:
+        """Raise instead of paying for `what` when this attempt is no longer current."""
+        why = self.stale()
+        if why is not None:
+            raise ApplicationError(
+                f"{what} not sent: this attempt is no longer current ({why}; the worker was "
+                "paused or starved); another attempt makes the call",
+                type=names.STALE_ATTEMPT,
+            )
+
+
+_CLOCK: contextvars.ContextVar[AttemptClock | None] = contextvars.ContextVar(
+    "drlm_attempt_clock", default=None
+)
+
+
+def start_attempt_clock() -> AttemptClock:
+    """At the top of a model activity: its clock starts now (each activity runs in a task of
+    its own, so the context variable is the attempt's)."""
+    clock = AttemptClock()
+    _CLOCK.set(clock)
+    return clock
+
+
+def attempt_clock() -> AttemptClock:
+    """This attempt's clock; one starting now if the activity did not start one."""
+    clock = _CLOCK.get()
+    return clock if clock is not None else start_attempt_clock()

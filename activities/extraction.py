@@ -9,6 +9,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
+from activities.attempts import start_attempt_clock
 from activities.llm import ModelActivities
 from activities.model_errors import compact_failures
 from durable_rlm.blobs import BlobStore
@@ -25,6 +26,7 @@ class ExtractionActivities:
 
     @activity.defn(name=names.EXTRACT_FALLBACK)
     async def extract_fallback(self, request: ExtractionInput) -> ExtractionReply:
+        start_attempt_clock()
         with compact_failures():  # a failure the server can keep whole (activities/model_errors.py)
             return await self._extract_fallback(request)
 

@@ -10,6 +10,7 @@ JSONDecodeError.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -28,6 +29,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
+from activities.attempts import attempt_clock, start_attempt_clock
 from activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
@@ -51,13 +53,14 @@ T = TypeVar("T")
 async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
     """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives."""
     task = asyncio.ensure_future(work)
+    clock = attempt_clock() if activity.in_activity() else None
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=every_s)
             if done:
                 return task.result()
-            if activity.in_activity():
-                activity.heartbeat()
+            if clock is not None:
+                clock.beat()
     finally:
         if not task.done():
             task.cancel()
@@ -200,7 +203,15 @@ class ModelActivities:
     async def _send(self, settings: ModelSettings, base_url: str, request: Awaitable[Any]) -> tuple[Any, Any]:
         """The parsed reply and the raw response (to quote a body that is not a reply).
         Client errors become the ApplicationError Temporal should retry or not, `from None`:
-        their chain is too long for the server to keep (activities/model_errors.py)."""
+        their chain is too long for the server to keep (activities/model_errors.py). A
+        paused worker whose attempt the server gave up sends nothing (AttemptClock)."""
+        if activity.in_activity():
+            try:
+                attempt_clock().ensure_current(f"the request to model {settings.model!r}")
+            except ApplicationError:
+                with contextlib.suppress(Exception):
+                    request.close()  # type: ignore[attr-defined]  # the coroutine was never awaited
+                raise
         try:
             raw = await with_heartbeats(request)
         except (openai.OpenAIError, anthropic.AnthropicError) as exc:
@@ -267,6 +278,7 @@ class ModelActivities:
 
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:
+        start_attempt_clock()
         with compact_failures():
             return await self._root_completion(request)
 
@@ -289,6 +301,7 @@ class ModelActivities:
 
     @activity.defn(name=names.SUB_QUERY)
     async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
+        start_attempt_clock()
         with compact_failures():
             done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
         return SubQueryReply(
@@ -299,6 +312,7 @@ class ModelActivities:
     async def compact_conversation(self, request: CompactionInput) -> CompactionReply:
         """Replace the middle of the conversation by a summary the model writes; the system
         prompt, the task and the latest turns stay verbatim. Recorded as its own step."""
+        start_attempt_clock()
         with compact_failures():
             return await self._compact_conversation(request)
 

@@ -204,6 +204,9 @@ class compact_failures:  # noqa: N801 - used as a context manager, like contextl
         if exc is None or not isinstance(exc, Exception):
             return False  # asyncio's CancelledError is a BaseException: an activity cancelled
         if isinstance(exc, ApplicationError):
+            problem = store_problem(exc.__cause__) if exc.__cause__ is not None else None
+            if problem is not None and exc.type != names.STORE_UNAVAILABLE:
+                raise store_unavailable(problem) from None  # raised from a store failure
             chained = exc.__cause__ is not None or (
                 exc.__context__ is not None and not exc.__suppress_context__
             )

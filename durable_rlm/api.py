@@ -33,6 +33,7 @@ from durable_rlm.episodes import (
     EpisodeEnd,
     cancel_episode,
     follow,
+    own_task_queue,
     retry_credentials,
     send_reward,
     start_episode,
@@ -270,7 +271,11 @@ class DurableRLM:
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
-        return await stack.enter_async_context(session(self.settings, self.credentials, work))
+        settings = self.settings
+        if work and settings.embedded:
+            # This session's episodes, and only they, are its worker's work (own_task_queue).
+            settings = settings.model_copy(update={"task_queue": own_task_queue(settings.task_queue)})
+        return await stack.enter_async_context(session(settings, self.credentials, work))
 
     async def close(self) -> None:
         stack, self._stack, self._services = self._stack, None, None
@@ -307,7 +312,7 @@ class DurableRLM:
         if ref is None:
             ref = await asyncio.to_thread(store_context, services.blobs, context)
         handle = await start_episode(
-            services.client, self.request(ref, root_prompt), self.settings.task_queue, episode_id
+            services.client, self.request(ref, root_prompt), services.settings.task_queue, episode_id
         )
         return Episode(services, handle)
 
@@ -335,7 +340,7 @@ class DurableRLM:
 
         handle, _ = await fork_episode(
             self._services.client,
-            self.settings.task_queue,
+            self._services.settings.task_queue,
             source_id,
             at,
             episode_id=episode_id,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -514,7 +515,7 @@ def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
     result = end.result
     if result is not None and result.ended_by == "cancelled":
         return EXIT_CANCELLED
-    if result is None or result.ended_by == "model_error":
+    if result is None or result.status == "failed":
         return EXIT_FAILED
     if result.answer is None:
         return EXIT_NO_ANSWER
@@ -569,7 +570,7 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
             return EXIT_OK
         _FOLLOWING.append(handle.id)
         if not args.json:
-            _stderr(f"episode {handle.id} started on task queue {settings.task_queue}")
+            _stderr(f"episode {handle.id} started on task queue {services.settings.task_queue}")
             url = services.episode_url(handle.id, handle.first_execution_run_id)
             if url:
                 _stderr(f"watch it in the Temporal UI: {url}")
@@ -655,14 +656,22 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
 
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
     """Follow without working on it: any number of watchers, from anywhere."""
+    from temporalio.client import WorkflowExecutionStatus
+
     from durable_rlm.connection import connect
-    from durable_rlm.episodes import describe_episode, follow
+    from durable_rlm.episodes import describe_episode, follow, workers_polling
     from workflows.models import EpisodeResult
 
     async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await describe_episode(handle)  # an unknown id is a usage error now, not a wait
+        description = await describe_episode(handle)  # an unknown id is a usage error now, not a wait
         _FOLLOWING.append(args.episode_id)
+        running = description.status == WorkflowExecutionStatus.RUNNING
+        if running and not await workers_polling(services.client, description.task_queue):
+            _stderr(
+                f"no worker runs episode {args.episode_id} (none polls its task queue "
+                f"{description.task_queue}): `drlm resume {args.episode_id}` works on it"
+            )
         if args.json or args.plain or not sys.stderr.isatty():
             end = await follow(handle, None if args.json else _stderr)
         else:
@@ -855,7 +864,8 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
         )
     async with connect(settings) as services:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-        await describe_episode(handle)  # an unknown id is a usage error now, not a wait
+        description = await describe_episode(handle)  # an unknown id is a usage error now, not a wait
+        services = _polling(services, description.task_queue)  # a session's own queue, or the shared one
         credentials = {}
         if args.api_key:
             from durable_rlm.projection import first_request
@@ -877,10 +887,23 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
 STEER_HEAD_START_S = 1.0  # how long an action waits for a worker already running the episode
 
 
-async def _attended(settings: Settings, services: Services, work: Awaitable[T]) -> tuple[T, bool]:
+def _polling(services: Services, task_queue: str) -> Services:
+    """The same services, for a worker that polls `task_queue` (an episode's own queue)."""
+    if task_queue == services.settings.task_queue:
+        return services
+    return dataclasses.replace(
+        services, settings=services.settings.model_copy(update={"task_queue": task_queue})
+    )
+
+
+async def _attended(
+    settings: Settings, services: Services, work: Awaitable[T], episode_id: str | None = None
+) -> tuple[T, bool]:
     """Run an update or query that a worker must answer: (its value, whether a worker of
     another process answered). Embedded, when none answers within a head start, this
-    process's worker does (and stops with the command: the episode then waits for one)."""
+    process's worker does, on the episode's own task queue (and stops with the command:
+    the episode then waits for one)."""
+    from durable_rlm.episodes import episode_task_queue
     from durable_rlm.runtime import running_workers
 
     task = asyncio.ensure_future(work)
@@ -889,6 +912,9 @@ async def _attended(settings: Settings, services: Services, work: Awaitable[T]) 
     await asyncio.wait({task}, timeout=STEER_HEAD_START_S)
     if task.done():
         return task.result(), True
+    if episode_id is not None:
+        with contextlib.suppress(LookupError):
+            services = _polling(services, await episode_task_queue(services.client, episode_id))
     try:
         async with running_workers(services):
             return await task, False
@@ -930,7 +956,8 @@ async def _steer(settings: Settings, args: argparse.Namespace) -> int:
             work = steering.decide_cell(client, args.approval_id, True, args.sender, code)
         else:
             work = steering.decide_cell(client, args.approval_id, False, args.sender, reason=args.reason)
-        outcome, attended = await _attended(settings, services, work)
+        target = args.approval_id.rsplit("#", 1)[0] if command in ("approve", "reject") else args.episode_id
+        outcome, attended = await _attended(settings, services, work, target)
     if not outcome.accepted:
         _stderr(f"drlm: {outcome.message}")
         return EXIT_USAGE
@@ -1219,7 +1246,7 @@ def _interrupted() -> int:
     _stderr(
         f"drlm: interrupted; episode {episode} goes on (its history keeps every step).\n"
         f"  follow it:   drlm watch {episode}\n"
-        f"  work on it:  drlm resume {episode}   (without TEMPORAL_ADDRESS no worker runs it until then)\n"
+        f"  work on it:  drlm resume {episode}   (until then only a worker on its task queue does)\n"
         f"  stop it:     drlm cancel {episode}"
     )
     return EXIT_INTERRUPTED

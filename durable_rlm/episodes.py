@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -347,6 +349,33 @@ async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutco
     )
 
 
+def own_task_queue(shared: str) -> str:
+    """A task queue of this process's own, beside the shared one: an embedded session (a
+    `drlm run`, a script's `completion()`) starts its episodes there and its worker polls
+    only there, so a short-lived process never takes up another person's episode and
+    leaves it mid-call when it exits. Its episodes go on with `drlm resume ID`, which polls
+    the episode's own queue (`episode_task_queue`)."""
+    return f"{shared}.own-{uuid.uuid4().hex[:12]}"
+
+
+async def episode_task_queue(client: Client, episode_id: str) -> str:
+    """The task queue an episode's workflow tasks go to (shared, or a session's own)."""
+    return (await describe_episode(client.get_workflow_handle(episode_id))).task_queue
+
+
+async def workers_polling(client: Client, task_queue: str) -> int:
+    """How many workers polled `task_queue` for workflow tasks lately (the server forgets a
+    poller about a minute after its last poll)."""
+    reply = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return len(reply.pollers)
+
+
 async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:
     """The episode's description; an id the server does not know is a LookupError."""
     try:
@@ -372,6 +401,11 @@ async def update_running(
     except WorkflowUpdateFailedError as exc:
         cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
         return None, f"episode {episode_id}: {cause}"
+    except RPCError as exc:
+        # It ended between the look and the update (a worker finished it meanwhile).
+        if exc.status == RPCStatusCode.NOT_FOUND or "already completed" in str(exc):
+            return None, f"episode {episode_id} has already ended; {unchanged}"
+        raise
 
 
 class CancelOutcome(BaseModel):

@@ -368,3 +368,36 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
     )
     missing = drlm(tmp_path, "run", "t", DRLM_TOOL_MODULES="no.such.tools")
     assert missing.returncode == 2 and "DRLM_TOOL_MODULES: cannot import 'no.such.tools'" in missing.stderr
+
+
+def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, context_file: Path) -> None:
+    """Issue 37: an episode nobody runs (started with --no-wait, or left by Ctrl-C) is not
+    taken up by an unrelated `drlm run`, which would leave it mid-call as it exits (the
+    call paid again). `drlm watch` of it says no worker runs it; `drlm resume` does."""
+    server = scripted(lambda request: "FINAL(done)" if request.is_root else "x")
+    waiting = f"left-{uuid.uuid4().hex[:6]}"
+    started = drlm(
+        tmp_path,
+        "run",
+        "the left one",
+        "--base-url",
+        server.base_url,
+        "--model",
+        "left",
+        "--id",
+        waiting,
+        "--no-wait",
+    )
+    assert started.returncode == 0, started.stderr
+    for _ in range(2):  # two unrelated runs, one after the other, each on a server that knows it
+        other = drlm(tmp_path, "run", "another", "--base-url", server.base_url, "--model", "other", "--json")
+        assert other.returncode == 0 and other.stdout.strip(), (other.returncode, other.stdout, other.stderr)
+        assert json.loads(other.stdout)["answer"] == "done"
+    assert [r.model for r in server.requests if r.model == "left"] == []  # nobody took it up
+    with pytest.raises(subprocess.TimeoutExpired) as watched:  # it follows until the end: stopped
+        drlm(tmp_path, "watch", waiting, "--plain", timeout=15)
+    said = watched.value.stderr.decode() if isinstance(watched.value.stderr, bytes) else watched.value.stderr
+    assert f"no worker runs episode {waiting}" in (said or "") and f"drlm resume {waiting}" in said
+    resumed = drlm(tmp_path, "resume", waiting, "--json")
+    assert resumed.returncode == 0 and json.loads(resumed.stdout)["answer"] == "done", resumed.stderr
+    assert len([r for r in server.requests if r.model == "left"]) == 1  # paid once

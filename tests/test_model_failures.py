@@ -397,3 +397,46 @@ async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None
     error = info.value
     assert error.type == names.TOOL_FAILED and error.message.startswith("RuntimeError: search failed: sss")
     assert error.__cause__ is None and failure_size(error) < SERVER_LIMIT // 2
+
+
+# --- a paused worker checks before it pays (issue 37) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("paused_s", "heartbeat_s", "start_to_close_s", "why"),
+    [(5.0, 2.0, 60.0, "sent no heartbeat"), (5.0, None, 3.0, "start-to-close"), (0.0, 2.0, 60.0, None)],
+)
+async def test_a_stale_attempt_sends_no_model_request(
+    models: ModelActivities, scripted, paused_s, heartbeat_s, start_to_close_s, why
+) -> None:
+    """A worker stopped (SIGSTOP, a starved loop) between an attempt's start and its model
+    request: past its heartbeat or start-to-close timeout the server has scheduled another
+    attempt, so this one must not pay. The SDK's ActivityEnvironment runs the real
+    activity code; the real openai client would reach the scripted server."""
+    import dataclasses
+    import time
+    from datetime import timedelta
+
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.attempts import start_attempt_clock
+
+    server = scripted(lambda r: "fine")
+
+    async def attempt() -> str:
+        clock = start_attempt_clock()
+        clock.started = clock.last_beat = time.monotonic() - paused_s  # the pause, by the clock
+        return (await models.complete(openai_model(server), USER)).text
+
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(
+        env.info,
+        heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
+        start_to_close_timeout=timedelta(seconds=start_to_close_s),
+    )
+    if why is None:
+        assert await env.run(attempt) == "fine" and len(server.requests) == 1
+        return
+    error = await raised(env.run(attempt))
+    assert error.type == names.STALE_ATTEMPT and why in error.message
+    assert server.requests == []  # nothing paid

@@ -265,3 +265,42 @@ async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, ses
         assert result.lost_cells == 0
     finally:
         cluster.remove()
+
+
+async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scripted, small_disk) -> None:
+    """The disk fills while a cell waits for its sub-call: the REPL step that resumes the cell
+    cannot write the cell log. It waits for the store and goes on; the cell is not lost."""
+    engine = open_store(f"sqlite:///{small_disk / 'drlm.sqlite'}")
+    blobs = BlobStore(SqlBackend(engine))
+    filled: list[Path] = []
+
+    def script(request: ChatRequest) -> Reply | str:
+        if request.is_root:
+            return ["```repl\nx = llm_query('shout')\ny = x + '!'\n```", "FINAL_VAR(y)"][min(request.turn, 1)]
+        if not filled:
+            filled.append(fill(small_disk))
+        return request.last_user.upper()
+
+    server = scripted(script)
+    queue = f"full-cell-{uuid.uuid4().hex[:8]}"
+    async with running_workers(
+        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
+    ):
+        handle = await client.start_workflow(
+            names.WORKFLOW,
+            request_for(server),
+            id=f"full-cell-{uuid.uuid4().hex[:8]}",
+            task_queue=queue,
+            result_type=EpisodeResult,
+            execution_timeout=timedelta(minutes=4),
+        )
+        phase = ""
+        for _ in range(600):
+            phase = (await handle.query("progress", result_type=EpisodeProgress)).phase
+            if phase.startswith("waiting for the store"):
+                break
+            await asyncio.sleep(0.1)
+        assert phase.startswith("waiting for the store: "), phase
+        filled[0].unlink()
+        result = await asyncio.wait_for(handle.result(), 120)
+    assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "completed")
