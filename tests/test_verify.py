@@ -19,6 +19,7 @@ from durable_rlm.blobs import text_digest
 from durable_rlm.codec import ENCODING as CLAIM_CHECK
 from durable_rlm.episodes import store_context
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.settings import Settings
 from durable_rlm.timeline import episode_timeline
 from durable_rlm.verify import verify
 from tests.conftest import request_for, run_episode
@@ -161,3 +162,34 @@ async def test_a_childs_missing_prompt_breaks_the_child_and_its_parent(
         (child.episode_id, "context"),
     }
     assert set(report.episodes) == {result.episode_id, child.episode_id}
+
+
+async def test_an_encrypted_store_is_verified_through_its_seals(
+    temporal_address: str, tmp_path: Path, scripted
+) -> None:
+    """Payloads and blobs sealed (DRLM_ENCRYPTION_KEYS): each is opened before it is checked,
+    so a sealed blob is whole and the context named inside a sealed request is found."""
+    import base64
+
+    from durable_rlm.connection import connect
+    from durable_rlm.runtime import running_workers
+
+    queue = f"enc-{uuid.uuid4().hex[:8]}"
+    settings = Settings(
+        temporal_address=temporal_address,
+        task_queue=queue,
+        data_dir=tmp_path,
+        database_url=f"sqlite:///{tmp_path / 'store.sqlite'}",
+        encryption_keys="k1=" + base64.b64encode(os.urandom(32)).decode(),
+        claim_check_threshold=256,
+    )
+    server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
+    text = f"sealed\ncontext {uuid.uuid4().hex}\n"
+    async with connect(settings) as services, running_workers(services):
+        request = request_for(server, context=store_context(services.blobs, text))
+        result = await run_episode(services.client, request, queue)
+        assert (await verify(services.client, services.blobs, services.engine, result.episode_id)).ok
+        delete_blob(services.engine, text_digest(text))
+        report = await verify(services.client, services.blobs, services.engine, result.episode_id)
+    assert [(p.digest, p.state) for p in report.problems.values()] == [(text_digest(text), "missing")]
+    assert not report.unreadable
