@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-import anthropic
-import openai
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities import chains
 from activities.attempts import attempt_clock, start_attempt_clock
 from activities.model_errors import bad_reply, classify, compact_failures
+from activities.providers import client_library, error_types
 from durable_rlm.blobs import BlobStore
 from workflows import defaults, names
 from workflows.models import (
@@ -145,7 +144,10 @@ class ModelActivities:
         cache_key = (settings.provider, base_url, key, settings.request_timeout_s)
         client = self._clients.get(cache_key)
         if client is None:
-            kind = anthropic.AsyncAnthropic if settings.provider == "anthropic" else openai.AsyncOpenAI
+            if settings.provider == "anthropic":
+                kind = client_library("anthropic").AsyncAnthropic
+            else:
+                kind = client_library("openai").AsyncOpenAI
             client = kind(api_key=key, base_url=base_url, max_retries=0, timeout=settings.request_timeout_s)
             self._clients[cache_key] = client
         return client
@@ -214,13 +216,13 @@ class ModelActivities:
                 raise
         try:
             raw = await with_heartbeats(request)
-        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
+        except error_types("OpenAIError", "AnthropicError") as exc:
             raise classify(exc, settings, base_url) from None
         try:
             parsed = raw.parse()
             if inspect.isawaitable(parsed):  # anthropic's async raw responses parse asynchronously
                 parsed = await parsed
-        except (openai.OpenAIError, anthropic.AnthropicError) as exc:
+        except error_types("OpenAIError", "AnthropicError") as exc:
             raise classify(exc, settings, base_url) from None
         except ValueError:  # JSONDecodeError: declared JSON, but it is not
             raise bad_reply(settings, base_url, "a body that is not JSON", body_text(raw)) from None

@@ -22,10 +22,9 @@ from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any
 
-import anthropic
-import openai
 from temporalio.exceptions import ApplicationError, FailureError
 
+from activities.providers import error_types
 from activities.store_errors import store_problem, store_unavailable
 from workflows import names
 from workflows.models import ModelSettings
@@ -47,9 +46,6 @@ _OVERFLOW_TEXT = re.compile(
     r"|exceeds? context limit",
     re.IGNORECASE,
 )
-StatusError = (openai.APIStatusError, anthropic.APIStatusError)
-TimeoutErrors = (openai.APITimeoutError, anthropic.APITimeoutError)
-ConnectionErrors = (openai.APIConnectionError, anthropic.APIConnectionError)
 
 
 def retry_after(headers: Mapping[str, str] | None) -> timedelta | None:
@@ -149,7 +145,7 @@ def classify(exc: Exception, settings: ModelSettings, base_url: str) -> Applicat
     """Turn a client exception into the error Temporal should (or should not) retry, its
     message cause first and bounded. Raise it `from None`: the chain would not fit."""
     where = f"model {settings.model!r} at {base_url}"
-    if isinstance(exc, StatusError):
+    if isinstance(exc, error_types("APIStatusError")):
         status = exc.status_code
         detail = clip(_provider_message(exc), DETAIL_CHARS)
         if is_context_overflow(exc):
@@ -178,12 +174,12 @@ def classify(exc: Exception, settings: ModelSettings, base_url: str) -> Applicat
             type=names.MODEL_UNAVAILABLE,
             next_retry_delay=retry_after(exc.response.headers if exc.response else None),
         )
-    if isinstance(exc, TimeoutErrors):
+    if isinstance(exc, error_types("APITimeoutError")):
         return ApplicationError(
             f"{where} timed out after {settings.request_timeout_s:g} s (request_timeout_s)",
             type=names.MODEL_UNAVAILABLE,
         )
-    if isinstance(exc, ConnectionErrors):
+    if isinstance(exc, error_types("APIConnectionError")):
         return ApplicationError(
             f"cannot reach {where}: {connection_cause(exc)}", type=names.MODEL_UNAVAILABLE
         )
