@@ -112,6 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(dem)
     dem.add_argument("--json", action="store_true")
 
+    scripted = sub.add_parser(
+        "scripted-server",
+        help="serve the demo's scripted model (OpenAI's chat API on 127.0.0.1): try drlm run without a key",
+    )
+    scripted.add_argument("--port", type=int, default=0, help="the port (default: a free one)")
+    scripted.add_argument(
+        "--log", type=Path, help="also write the demo's log here, a context its transcript fits"
+    )
+
     show = sub.add_parser("show", help="an episode's timeline from its history")
     show.add_argument("episode_id")
     show.add_argument("--json", action="store_true")
@@ -620,6 +629,33 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
             service, count = demo.expected_answer(demo.demo_log())
             _stderr(f"demo: ground truth is {service} with {count} ERROR lines")
         return code
+
+
+async def _scripted_server(args: argparse.Namespace) -> int:
+    """The demo's scripted model as a server of its own, until Ctrl-C or SIGTERM: its base
+    URL alone on stdout's first line (for scripts), how to use it on stderr."""
+    import signal
+
+    from durable_rlm import demo
+    from durable_rlm.scripted import ScriptedModelServer
+
+    if args.log is not None:
+        args.log.write_text(demo.demo_log() + "\n", encoding="utf-8")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    with ScriptedModelServer(demo.demo_script(), port=args.port) as server:
+        print(server.base_url, flush=True)
+        context = str(args.log) if args.log is not None else "demo.log  (write it with --log demo.log)"
+        _stderr(
+            "a SCRIPTED model (it plays the demo's RLM transcript, and really counts the ERROR lines "
+            "its sub-calls are given); any key is accepted. Try:\n"
+            f'  drlm run "{demo.TASK}" --base-url {server.base_url} '
+            f"--context {context}\n(Ctrl-C stops it)"
+        )
+        await stop.wait()
+    return EXIT_OK
 
 
 async def _show(settings: Settings, args: argparse.Namespace) -> int:
@@ -1144,6 +1180,8 @@ async def _dispatch(args: argparse.Namespace) -> int:
         return await _run_episode(settings, args, context)
     if args.command == "demo":
         return await _demo(settings, args)
+    if args.command == "scripted-server":
+        return await _scripted_server(args)
     if args.command == "info":
         return _info(settings, args)
     if args.command == "config":

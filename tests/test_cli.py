@@ -401,3 +401,29 @@ def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, con
     resumed = drlm(tmp_path, "resume", waiting, "--json")
     assert resumed.returncode == 0 and json.loads(resumed.stdout)["answer"] == "done", resumed.stderr
     assert len([r for r in server.requests if r.model == "left"]) == 1  # paid once
+
+
+def test_scripted_server_lets_a_new_user_run_without_a_key(tmp_path: Path) -> None:
+    """Issue 36: `drlm scripted-server` prints its base URL; the README's `drlm run` against
+    it answers the demo's question right, with no key of a real provider."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
+    environ.update(DRLM_DATA_DIR=str(tmp_path), DRLM_SERVER_IDLE_S="2")
+    log = tmp_path / "demo.log"
+    server = subprocess.Popen(
+        [DRLM, "scripted-server", "--log", str(log)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environ,
+    )
+    try:
+        assert server.stdout is not None
+        base_url = server.stdout.readline().strip()
+        assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1"), base_url
+        out = drlm(tmp_path, "run", demo.TASK, "--base-url", base_url, "--context", str(log), "--json")
+        assert out.returncode == 0, out.stderr
+        service, count = demo.expected_answer(log.read_text())
+        assert json.loads(out.stdout)["answer"] == f"{service} logged the most ERROR lines: {count}"
+    finally:
+        server.terminate()
+        assert server.wait(timeout=10) == 0  # SIGTERM stops it cleanly
