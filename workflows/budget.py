@@ -19,6 +19,10 @@ from workflows.models import COST_DIGITS, EpisodeCarry, EpisodeRequest
 MIN_CHILD_CALLS_WITH_EXTRACTION = 2
 """A child that may have to extract needs one call to work and one held back to extract."""
 
+MIN_REPLY_TOKENS = 32
+"""A call whose reply could not be even this long within the token budget is not started:
+the budget cannot cover it (patch budget-fits)."""
+
 
 def extraction_reserve(request: EpisodeRequest) -> int:
     return 1 if request.fallback_extraction and request.limits.max_model_calls is not None else 0
@@ -63,32 +67,52 @@ class CallEstimate:
 
     tokens: int
     cost_usd: float
+    prompt_tokens: int = 0
 
     @classmethod
-    def of(cls, request: EpisodeRequest, state: EpisodeCarry) -> CallEstimate:
+    def of(cls, request: EpisodeRequest, state: EpisodeCarry, room: int | None = None) -> CallEstimate:
+        """With `room` (tokens the budget has left; patch budget-fits) the reply is expected
+        to be no longer than the room its prompt leaves, and at least MIN_REPLY_TOKENS: a
+        reply guess of REPLY_TOKENS_ESTIMATE alone must not refuse a call a small budget
+        can pay for."""
         model = request.root_model
         queued = sum(len(m.content) for m in state.pending) // defaults.CHARS_PER_TOKEN
         prompt = state.last_prompt_tokens + state.last_reply_tokens + queued
         reply = model.max_tokens or state.last_reply_tokens or defaults.REPLY_TOKENS_ESTIMATE
+        if room is not None:
+            reply = max(min(reply, room - prompt), MIN_REPLY_TOKENS)
         cost = model.price.cost(prompt, reply) if model.price is not None else 0.0
-        return cls(tokens=prompt + reply, cost_usd=cost)
+        return cls(tokens=prompt + reply, cost_usd=cost, prompt_tokens=prompt)
+
+
+def nothing_to_extract(state: EpisodeCarry) -> bool:
+    """No root reply yet: an extraction would read only the task, so the first call keeps
+    nothing back for one (patch budget-fits)."""
+    return state.model_calls == 0 and state.iteration == 0
 
 
 def root_call_limit(
-    request: EpisodeRequest, state: EpisodeCarry, calls: int = 1, reserve: bool = False
+    request: EpisodeRequest, state: EpisodeCarry, calls: int = 1, reserve: bool = False, fits: bool = False
 ) -> FallbackReason | None:
     """Whether the next root step (`calls` model calls) would pass the episode's budgets.
     With `reserve` (patch budget-reserve) the token and cost budgets must also cover the
-    step's estimate and one extraction, so a budget ends the loop while extraction can run."""
+    step's estimate and one extraction, so a budget ends the loop while extraction can run.
+    With `fits` (patch budget-fits) the first step needs only to fit what is left (nothing
+    is kept for an extraction that would have nothing to read), and a reply is expected to
+    fit the room its prompt leaves: a 2,500-token budget makes its root calls."""
     limits = request.limits
     room = model_calls_room(request, state)
     if room is not None and room < calls:
         return FallbackReason(
             kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls or 0
         )
-    need = CallEstimate.of(request, state) if reserve else CallEstimate(0, 0.0)
-    extraction = 1 if request.fallback_extraction else 0
     left = tokens_left(request, state)
+    first = fits and nothing_to_extract(state)
+    if not reserve:
+        need = CallEstimate(0, 0.0)
+    else:
+        need = CallEstimate.of(request, state, room=left if first else None)
+    extraction = 1 if request.fallback_extraction and not first else 0
     if left is not None and (left <= 0 or left < need.tokens * (calls + extraction)):
         return FallbackReason(kind="max_tokens", value=tokens_spent(state), limit=limits.max_tokens or 0)
     money = cost_left(request, state)
@@ -97,10 +121,18 @@ def root_call_limit(
     return None
 
 
-def extraction_refusal(request: EpisodeRequest, state: EpisodeCarry, reserve: bool = False) -> str | None:
-    """Why no extraction call may be made once a limit is hit, or None when it may."""
-    need = CallEstimate.of(request, state) if reserve else CallEstimate(1, 0.0)
+def extraction_refusal(
+    request: EpisodeRequest, state: EpisodeCarry, reserve: bool = False, fits: bool = False
+) -> str | None:
+    """Why no extraction call may be made once a limit is hit, or None when it may. With
+    `fits` the extraction's reply is expected to be no longer than what is left (the call
+    is sent with that cap: `extraction_reply_cap`), so what is held back for it never
+    exceeds what the budget has."""
     left = tokens_left(request, state)
+    if reserve:
+        need = CallEstimate.of(request, state, room=left if fits else None)
+    else:
+        need = CallEstimate(1, 0.0)
     if left is not None and left < need.tokens:
         if left <= 0:
             return "the token budget is spent, so no extraction call was made"
@@ -118,6 +150,18 @@ def extraction_refusal(request: EpisodeRequest, state: EpisodeCarry, reserve: bo
     if calls is not None and state.model_calls >= calls:
         return "the model-call budget is spent, so no extraction call was made"
     return None
+
+
+def extraction_reply_cap(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
+    """The longest extraction reply the token budget still pays for (patch budget-fits), or
+    None when the model's own max_tokens already fits (or there is no token budget)."""
+    left = tokens_left(request, state)
+    if left is None:
+        return None
+    prompt = CallEstimate.of(request, state).prompt_tokens
+    cap = max(left - prompt, MIN_REPLY_TOKENS)
+    own = request.root_model.max_tokens
+    return None if own is not None and own <= cap else cap
 
 
 def sub_call_refusal(request: EpisodeRequest, state: EpisodeCarry) -> str | None:
@@ -175,7 +219,11 @@ def child_budgets(
 
 
 def limit_reached(
-    request: EpisodeRequest, state: EpisodeCarry, elapsed: timedelta, reserve: bool = False
+    request: EpisodeRequest,
+    state: EpisodeCarry,
+    elapsed: timedelta,
+    reserve: bool = False,
+    fits: bool = False,
 ) -> FallbackReason | None:
     """The limit that stops the loop before its next root call, or None: the loop's own
     check at each iteration, and `drlm fork`'s before a fork starts from `state`."""
@@ -184,4 +232,4 @@ def limit_reached(
     reason = trigger.should_trigger(
         ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
     )
-    return reason or root_call_limit(request, state, reserve=reserve)
+    return reason or root_call_limit(request, state, reserve=reserve, fits=fits)

@@ -34,7 +34,13 @@ from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, forks, legacy, metadata, names, prompts, steering
-    from workflows.budget import cost_spent, extraction_refusal, limit_reached, root_call_limit
+    from workflows.budget import (
+        cost_spent,
+        extraction_refusal,
+        extraction_reply_cap,
+        limit_reached,
+        root_call_limit,
+    )
     from workflows.compaction import needs_compaction, summary_input_chars
     from workflows.ending import (
         CANCELLED,
@@ -147,6 +153,7 @@ class EpisodeWorkflow:
         self._phase_before_pause = ""
         self._search = False  # upsert the UI's search attributes (started with them, patched)
         self._reserve = False  # token and cost budgets keep room for an extraction (patched)
+        self._fits = False  # the first call needs only to fit; extraction fits what is left (patched)
         self._audit_aside = False  # the opening audit runs beside the loop, the closing one bounded
         self._opening_audit: asyncio.Future[None] | None = None
         # Steering (a person's updates; workflows/steering.py). They may arrive before the
@@ -185,6 +192,7 @@ class EpisodeWorkflow:
         limits = request.limits
         if limits.max_tokens is not None or limits.max_cost_usd is not None:
             self._reserve = workflow.patched(names.PATCH_BUDGET_RESERVE)
+            self._fits = self._reserve and workflow.patched(names.PATCH_BUDGET_FITS)
         if workflow.patched(names.PATCH_UI_METADATA):
             workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
             self._search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
@@ -567,7 +575,7 @@ class EpisodeWorkflow:
                 if asked is not None:
                     return asked
             limits = request.limits  # a person may change them (set_limits)
-            reason = limit_reached(request, s, self._elapsed(request), reserve=self._reserve)
+            reason = limit_reached(request, s, self._elapsed(request), reserve=self._reserve, fits=self._fits)
             if reason is not None:
                 if self._honest:
                     return LimitReached(reason)
@@ -606,7 +614,7 @@ class EpisodeWorkflow:
         """The root model's next reply. A context overflow compacts and retries once."""
         s = self._state
         if self._honest and needs_compaction(s, s.pending, request.limits, request.root_model):
-            over = root_call_limit(request, s, calls=2, reserve=self._reserve)
+            over = root_call_limit(request, s, calls=2, reserve=self._reserve, fits=self._fits)
             if over is not None:
                 return LimitReached(over)
             share = f"{request.limits.compact_at:.0%}"
@@ -620,7 +628,7 @@ class EpisodeWorkflow:
                 raise_if_cancelled(err)
             if not (self._honest and is_context_overflow(err)):
                 return model_error_ending(describe_failure(err), failure_cause(err))
-        over = root_call_limit(request, s, calls=2, reserve=self._reserve)
+        over = root_call_limit(request, s, calls=2, reserve=self._reserve, fits=self._fits)
         if over is not None:
             return LimitReached(over)
         failed = await self._compact(request, "the model said the request exceeds its context window", keep=0)
@@ -981,11 +989,14 @@ class EpisodeWorkflow:
             return Ending(LIMIT_ENDED_BY[reason.kind], None, "none", str(reason), None)
         if not request.fallback_extraction:
             return unextracted_ending(reason, "fallback extraction is disabled")
-        refusal = extraction_refusal(request, s, reserve=self._reserve)
+        refusal = extraction_refusal(request, s, reserve=self._reserve, fits=self._fits)
         if refusal is not None:
             return unextracted_ending(reason, refusal)
         fields = request.output_fields or ANSWER_FIELDS
         model = request.root_model
+        cap = extraction_reply_cap(request, s) if self._fits else None
+        if cap is not None:  # the reply stays within what the token budget has left
+            model = model.model_copy(update={"max_tokens": cap})
         self._set_phase(f"extracting ({reason})")
         try:
             reply = await self._through_store_outages(

@@ -66,6 +66,9 @@ PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call unt
 PATCH_UI_METADATA = "ui-metadata"
 # Token and cost budgets end the loop while they can still pay for an extraction (budget.py).
 PATCH_BUDGET_RESERVE = "budget-reserve"
+# A budget pays for the first root call it can cover (no extraction reserve before there is
+# anything to extract) and an extraction's reply is capped at what is left (budget.py).
+PATCH_BUDGET_FITS = "budget-fits"
 # The opening audit row is written beside the loop; the closing one within AUDIT_CLOSE_S.
 PATCH_AUDIT_ASIDE = "audit-aside"
 # Steering (workflows/steering.py): the durable timer follows a changed deadline; cells may

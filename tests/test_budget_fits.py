@@ -1,0 +1,86 @@
+"""Budgets that work at any size (issue 36, patch budget-fits): a token budget pays for the
+first root call it can cover, and what is held back for an extraction never exceeds what is
+left. Real episodes on the dev server against the scripted model."""
+
+from __future__ import annotations
+
+from durable_rlm.scripted import root_and_sub
+from tests.conftest import request_for, run_episode
+from workflows.budget import CallEstimate, extraction_refusal, root_call_limit
+from workflows.models import EpisodeCarry, EpisodeLimits, Message
+
+
+def limits(max_tokens: int) -> EpisodeLimits:
+    return EpisodeLimits(max_iterations=8, max_tokens=max_tokens, cell_timeout_s=10)
+
+
+async def test_a_2500_token_budget_makes_its_root_calls_and_answers(client, scripted, worker) -> None:
+    server = scripted(root_and_sub(["```repl\nx = 6 * 7\nprint(x)\n```", "FINAL_VAR(x)"]))
+    result = await run_episode(client, request_for(server, limits=limits(2_500)), worker.task_queue)
+    assert len(server.root_requests()) == 2 and server.extraction_requests() == []
+    assert (result.answer, result.ended_by) == ("42", "final_var")
+    assert result.usage.total_tokens <= 2_500
+
+
+async def test_a_1000_token_budget_makes_its_first_call_and_still_answers(client, scripted, worker) -> None:
+    # Before: the first call's estimate (prompt + a 1,000-token reply) was refused, and so
+    # was the extraction: no call at all, no answer. Now the first call is made, the next
+    # one would leave no room to extract, so the extraction answers within the budget.
+    server = scripted(
+        root_and_sub(["```repl\nx = 'hello'\n```", "FINAL_VAR(x)"], extract=lambda p: '{"answer": "hello"}')
+    )
+    result = await run_episode(client, request_for(server, limits=limits(1_000)), worker.task_queue)
+    assert len(server.root_requests()) >= 1
+    assert result.answer == "hello"
+    assert result.usage.total_tokens <= 1_000
+
+
+async def test_a_small_budget_extracts_with_a_reply_capped_at_what_is_left(client, scripted, worker) -> None:
+    # Never answers: the budget runs low, the loop stops, extraction gets what is left.
+    looking = "```repl\nprint('still looking at the context, nothing yet')\n```"
+    server = scripted(root_and_sub([looking], extract=lambda p: '{"answer": "partial"}'))
+    result = await run_episode(client, request_for(server, limits=limits(2_500)), worker.task_queue)
+    assert len(server.root_requests()) >= 2
+    assert result.ended_by == "max_tokens" and result.answer == "partial"
+    (extraction,) = server.extraction_requests()
+    cap = extraction.body.get("max_tokens") or extraction.body.get("max_completion_tokens")
+    spent_before = result.usage.total_tokens - extraction_tokens(extraction)
+    assert cap is not None and cap <= 2_500 - spent_before
+
+
+def extraction_tokens(request) -> int:
+    # The scripted server counts chars // 4 for the prompt and the reply.
+    prompt = sum(len(str(m.get("content", ""))) for m in request.messages) // 4
+    return prompt + len('{"answer": "partial"}') // 4
+
+
+def test_the_first_call_keeps_nothing_back_for_an_extraction_with_nothing_to_read() -> None:
+    opening = [Message(role="system", content="s" * 1_500), Message(role="user", content="u" * 100)]
+    request = request_for_unit(2_500)
+    state = EpisodeCarry(seed=1, deadline="2030-01-01T00:00:00Z", pending=opening)
+    # Before the patch the estimate (prompt + 1,000-token reply) twice passed 2,500.
+    assert root_call_limit(request, state, reserve=True) is not None
+    assert root_call_limit(request, state, reserve=True, fits=True) is None
+    # 400 prompt tokens and the shortest reply worth a call (MIN_REPLY_TOKENS).
+    assert root_call_limit(request_for_unit(432), state, reserve=True, fits=True) is None
+    assert root_call_limit(request_for_unit(431), state, reserve=True, fits=True) is not None
+
+
+def test_an_extraction_is_refused_only_when_its_prompt_cannot_fit() -> None:
+    state = EpisodeCarry(seed=1, deadline="2030-01-01T00:00:00Z", iteration=2, model_calls=2)
+    state.last_prompt_tokens, state.last_reply_tokens = 600, 0
+    request = request_for_unit(1_000)
+    state.usage = state.usage.model_copy(update={"prompt_tokens": 300})
+    assert CallEstimate.of(request, state).tokens > 700  # the 1,000-token reply guess
+    assert extraction_refusal(request, state, reserve=True) is not None
+    assert extraction_refusal(request, state, reserve=True, fits=True) is None
+    state.usage = state.usage.model_copy(update={"prompt_tokens": 400})
+    assert extraction_refusal(request, state, reserve=True, fits=True) is not None
+
+
+class _Server:
+    base_url = "http://127.0.0.1:9/v1"
+
+
+def request_for_unit(max_tokens: int):
+    return request_for(_Server(), limits=limits(max_tokens))  # type: ignore[arg-type]
