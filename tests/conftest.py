@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -205,6 +206,20 @@ class WorkerProcess:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         assert line.startswith("worker ready"), line
+        # Its output is read as it comes (a worker whose pipe fills stops: issue 38), and kept.
+        self._said: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
+        for text in stream:
+            self._said.append(text)
+
+    def output(self) -> str:
+        """What it printed after "worker ready", once it has exited (everything so far before)."""
+        if self.process.poll() is not None:
+            self._reader.join(timeout=10)
+        return "".join(self._said)
 
     def kill(self) -> None:
         self.process.kill()

@@ -135,8 +135,7 @@ async def test_a_drained_worker_finishes_its_call_and_its_episode_goes_on_elsewh
 
     assert result.answer == "42!"  # turn 1's cell ran on the successor, its REPL rebuilt
     assert code == 0 and drained_in < defaults.DRAIN_GRACE_S
-    assert draining.process.stdout is not None
-    said = draining.process.stdout.read()
+    said = draining.output()
     assert "1 in flight finished (drlm.root_completion)" in said and "1 sandbox closed" in said, said
     sandboxes = Path(tempfile.gettempdir()) / "drlm-sandboxes"
     assert not list(sandboxes.glob(f"w-{draining.process.pid}-*"))  # closed, not left to a reaper
