@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -351,3 +352,30 @@ async def test_a_tree_deeper_than_recursion_goes_with_its_sandbox(hostile_worker
     assert not left, left
     await hostile_worker.baseline.honest_episode_answers(client, hostile_worker, scripted)
     await hostile_worker.baseline.check()
+
+
+# --- a worker process ----------------------------------------------------------------------------
+
+
+async def test_a_worker_that_served_hostile_episodes_still_drains_on_sigterm(
+    client, scripted, worker_processes
+) -> None:
+    """`python worker.py` after three FIFO attacks: an honest episode answers right, and
+    SIGTERM drains it (a thread blocked on a FIFO kept the process alive for ever: the
+    loop's executor is joined at exit)."""
+    process = worker_processes()
+    cell = replace_snapshot_writer("os.mkfifo(path)")
+    runs = [
+        run_episode(
+            client, request_for(scripted(hostile_script(cell)), limits=LIMITS), worker_processes.queue
+        )
+        for _ in range(3)
+    ]
+    for result in await asyncio.gather(*runs):
+        assert result.answer == "survived", result
+    honest = await run_episode(client, request_for(scripted(honest_script)), worker_processes.queue)
+    assert honest.answer == "PING", honest
+    process.process.send_signal(signal.SIGTERM)
+    # A bound on liveness, not a speed: the drain's own grace, and room to close.
+    code = await asyncio.to_thread(process.process.wait, defaults.DRAIN_GRACE_S + 30)
+    assert code == 0
