@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
     "tests/test_repl.py",
+    "tests/test_escape.py",  # the kernel layers, attacked with the audit hook on and off
     "tests/test_snapshots.py",
     "tests/test_recovery.py",
     "tests/test_replay.py",
@@ -223,6 +224,48 @@ MECHANISMS = [
         '            self.max_prompts = int(message["max_prompts"])',
         "            pass",
         "a cell's llm_query_batched may carry any number of prompts",
+    ),
+    Mechanism(
+        "IPC namespace",
+        "activities/sandbox/kernel.py",
+        "SANDBOX_NAMESPACES = CLONE_NEWIPC | CLONE_NEWPID\n",
+        "SANDBOX_NAMESPACES = CLONE_NEWPID\n",
+        "sandboxes share the host's System V IPC",
+    ),
+    Mechanism(
+        "PID namespace",
+        "activities/sandbox/kernel.py",
+        "SANDBOX_NAMESPACES = CLONE_NEWIPC | CLONE_NEWPID\n",
+        "SANDBOX_NAMESPACES = CLONE_NEWIPC\n",
+        "the REPL sees and may name every process of the host",
+    ),
+    Mechanism(
+        "sandbox cgroup",
+        "activities/sandbox/cgroups.py",
+        '            _write(os.path.join(path, "cgroup.procs"), str(pid))\n',
+        "",
+        "leaves are made, but no sandbox is moved into one",
+    ),
+    Mechanism(
+        "RLIMIT_AS x RLIMIT_NPROC",
+        "activities/sandbox/child.py",
+        "    if not whole and processes is not None:\n",
+        "    if False:\n",
+        "without a cgroup, each process may have the whole budget",
+    ),
+    Mechanism(
+        "seccomp: io_uring and memfd",
+        "activities/sandbox/kernel.py",
+        '    "memfd_create": 319,\n    "io_uring_setup": 425,\n',
+        "",
+        "io_uring_setup and memfd_create are allowed",
+    ),
+    Mechanism(
+        "seccomp: socket families",
+        "activities/sandbox/kernel.py",
+        'DENIED_SOCKET_FAMILIES = {"AF_NETLINK": AF_NETLINK, "AF_PACKET": AF_PACKET, "AF_VSOCK": AF_VSOCK}',
+        'DENIED_SOCKET_FAMILIES = {"AF_PACKET": AF_PACKET}',
+        "netlink and vsock sockets are allowed",
     ),
 ]
 
