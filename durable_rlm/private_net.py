@@ -51,8 +51,8 @@ CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
 NO_NAMESPACE = 75  # the gate's exit code: no private network here (EX_TEMPFAIL)
 NO_PORT = 76  # a host-side port is taken
-CHUNK = 256 * 1024
 HEAD_TIMEOUT_S = 30.0  # for a request head on the UI's port
+HEAD_LIMIT = 64 * 1024  # bytes of a request head, or held before the inner side is up
 _WHY = b"open the Web UI at 127.0.0.1 or localhost, not a host name"
 MISDIRECTED = (
     b"HTTP/1.1 421 Misdirected Request\r\nContent-Type: text/plain\r\n"
@@ -178,48 +178,134 @@ class Gate:
         self.refused = 0
 
     async def serve(self) -> list[asyncio.Server]:
+        loop = asyncio.get_running_loop()
         servers = []
         for listener in self.listeners:
             port = listener.getsockname()[1]
-            servers.append(await asyncio.start_server(self._handler(port), sock=listener))
+            check_host = port in self.http_ports
+            servers.append(
+                await loop.create_server(lambda p=port, h=check_host: _Outer(self, p, h), sock=listener)
+            )
         return servers
 
-    def _handler(self, port: int):  # noqa: ANN202 - an asyncio stream callback
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sock = writer.get_extra_info("socket")
-            if peer_uid(sock, self.table) not in self.admitted:
-                self.refused += 1
-                # RST, not FIN: nothing is said, not even an orderly goodbye.
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.close()
-                return
-            head = b""
-            if port in self.http_ports:
-                try:
-                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-                    writer.close()
-                    return
-                if not loopback_host(head):
-                    self.refused += 1
-                    writer.write(MISDIRECTED)
-                    with contextlib.suppress(OSError):
-                        await writer.drain()
-                    writer.close()
-                    return
-            try:
-                inner_reader, inner_writer = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                writer.close()
-                return
-            inner_writer.write(head)
-            for end in (sock, inner_writer.get_extra_info("socket")):
-                with contextlib.suppress(OSError):
-                    end.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            await asyncio.gather(_pipe(reader, inner_writer), _pipe(inner_reader, writer))
 
-        return handle
+class _Half(asyncio.Protocol):
+    """One side of a forwarded connection: what it receives is written to the other side,
+    and it stops reading while the other side's buffer is full (protocol callbacks, not a
+    coroutine per chunk: the gate sits on every round trip of every client)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.other: _Half | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        with contextlib.suppress(OSError, AttributeError):
+            transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.write(data)
+
+    def eof_received(self) -> bool:
+        other = self.other.transport if self.other is not None else None
+        if other is not None and other.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                other.write_eof()
+            return True  # half-closed: the answer may still come back
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.close()
+
+    def pause_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+
+class _Outer(_Half):
+    """The client's side: the uid (and, on the UI's port, the Host) decide; until the inner
+    connection is up, what the client sends is held (reading paused past the head)."""
+
+    def __init__(self, gate: Gate, port: int, check_host: bool) -> None:
+        super().__init__()
+        self.gate, self.port, self.check_host = gate, port, check_host
+        self.held = bytearray()
+        self.open = False  # forwarding: the checks passed and the inner side is connected
+        self.head_timer: asyncio.TimerHandle | None = None
+        self.opening: asyncio.Task | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if peer_uid(sock, self.gate.table) not in self.gate.admitted:
+            self.gate.refused += 1
+            # RST, not FIN: nothing is said, not even an orderly goodbye.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+            return
+        if self.check_host:
+            self.head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, transport.abort)
+        else:
+            self._connect()
+
+    def data_received(self, data: bytes) -> None:
+        if self.open:
+            super().data_received(data)
+            return
+        self.held += data
+        if self.check_host and self.head_timer is not None:
+            if b"\r\n\r\n" not in self.held:
+                if len(self.held) > HEAD_LIMIT:
+                    self.transport.abort()  # type: ignore[union-attr]
+                return
+            self.head_timer.cancel()
+            self.head_timer = None
+            if not loopback_host(bytes(self.held)):
+                self.gate.refused += 1
+                self.transport.write(MISDIRECTED)  # type: ignore[union-attr]
+                self.transport.close()  # type: ignore[union-attr]
+                return
+            self._connect()
+        elif len(self.held) > HEAD_LIMIT:
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def _connect(self) -> None:
+        self.opening = asyncio.get_running_loop().create_task(self._open_inner())  # held: not collected
+
+    async def _open_inner(self) -> None:
+        inner = _Half()
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: inner, "127.0.0.1", self.port)
+        except OSError:
+            self.transport.close()  # type: ignore[union-attr]
+            return
+        if self.transport is None or self.transport.is_closing():
+            inner.transport.close()  # type: ignore[union-attr]
+            return
+        self.other, inner.other = inner, self
+        self.open = True
+        if self.held:
+            inner.transport.write(bytes(self.held))  # type: ignore[union-attr]
+            self.held.clear()
+        self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        if not self.open:
+            self.transport.close()  # type: ignore[union-attr]
+            return False
+        return super().eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+        super().connection_lost(exc)
 
 
 def loopback_host(head: bytes) -> bool:
@@ -242,20 +328,6 @@ def loopback_host(head: bytes) -> bool:
         except ValueError:
             return False
     return True
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while chunk := await reader.read(CHUNK):
-            writer.write(chunk)
-            await writer.drain()
-    except (OSError, asyncio.IncompleteReadError):
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            if writer.can_write_eof():
-                writer.write_eof()
-        writer.close()
 
 
 async def _run(gate: Gate, command: list[str]) -> int:
