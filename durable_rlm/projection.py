@@ -15,6 +15,7 @@ run's answer and steps go), with the reset as an event.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
@@ -173,7 +174,7 @@ async def settle_resets(client: Client, engine: sa.Engine) -> int:
             }
 
     known = await asyncio.to_thread(named_runs, sorted(current))
-    rewritten = 0
+    rewritten = await _settle_ended_resets(client, engine)
     for episode_id, run_id in sorted(current.items()):
         named = known.get(episode_id)
         if named is None or named == run_id:
@@ -183,12 +184,61 @@ async def settle_resets(client: Client, engine: sa.Engine) -> int:
         except (LookupError, RPCError):
             continue  # gone meanwhile
         if named not in chain:
-            await asyncio.to_thread(_forget, engine, episode_id)
-            await rebuild_episode(client, engine, episode_id)
+            await _rewrite(client, engine, episode_id)
             rewritten += 1
         else:
             await asyncio.to_thread(upsert_episode, engine, await record_of(client, episode_id))
     return rewritten
+
+
+RESET_WINDOW = timedelta(minutes=15)
+"""How far back the reconciler looks for reset runs that ended before it saw them running."""
+
+
+async def _settle_ended_resets(client: Client, engine: sa.Engine) -> int:
+    """A reset run that ended before a reconciler saw it running wrote its own closing row,
+    but rows of its abandoned run's later steps may remain: an episode that ended within
+    RESET_WINDOW, whose current run a reset made (`last_reset_time`) and whose rows hold no
+    event of that reset yet, is written again from its chain. One describe per episode."""
+    since = (datetime.now(UTC) - RESET_WINDOW).strftime("%Y-%m-%dT%H:%M:%SZ")
+    query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus != "Running" AND CloseTime > "{since}"'
+    ended: set[str] = set()
+    async for execution in client.list_workflows(query):
+        ended.add(execution.id)
+    rewritten = 0
+    for episode_id in sorted(ended):
+        try:
+            description = await client.get_workflow_handle(episode_id).describe()
+        except RPCError:
+            continue
+        extended = description.raw_description.workflow_extended_info
+        if description.status == WorkflowExecutionStatus.RUNNING or not extended.HasField("last_reset_time"):
+            continue
+        key = f"reset:{description.run_id}"[:80]
+        if await asyncio.to_thread(_has_event, engine, episode_id, key):
+            continue
+        await _rewrite(client, engine, episode_id)
+        rewritten += 1
+    return rewritten
+
+
+async def _rewrite(client: Client, engine: sa.Engine, episode_id: str) -> None:
+    """The episode's rows again, from its chain alone: the abandoned run's rows go."""
+    await asyncio.to_thread(_forget, engine, episode_id)
+    try:
+        await rebuild_episode(client, engine, episode_id)
+    except (LookupError, ValueError):
+        # A blob its history needs is gone (drlm verify names it): the episode's row at least.
+        await asyncio.to_thread(upsert_episode, engine, await record_of(client, episode_id))
+
+
+def _has_event(engine: sa.Engine, episode_id: str, key: str) -> bool:
+    table = schema.events
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.select(table.c.event_key).where(table.c.episode_id == episode_id, table.c.event_key == key)
+        ).first()
+    return found is not None
 
 
 def _forget(engine: sa.Engine, episode_id: str) -> None:

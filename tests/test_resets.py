@@ -22,8 +22,9 @@ from durable_rlm.export import rlms_log
 from durable_rlm.history import episode_runs
 from durable_rlm.projection import _forget, rebuild_episode, reconcile_audit
 from durable_rlm.runtime import temporal_binary
+from durable_rlm.scripted import ChatRequest
 from durable_rlm.timeline import episode_timeline, render
-from tests.conftest import run_episode, workers_for
+from tests.conftest import request_for, run_episode, workers_for
 from tests.test_recursion import by_model, tree_request
 from workflows import names
 
@@ -200,3 +201,57 @@ async def test_a_reset_episode_with_children_reads_as_its_reset_run(
 async def _forget_and_rebuild(client: Client, engine: sa.Engine, episode_id: str) -> None:
     _forget(engine, episode_id)
     await rebuild_episode(client, engine, episode_id)
+
+
+def audit_keys(engine: sa.Engine, episode_id: str) -> dict[str, set[tuple[Any, ...]]]:
+    """The keys of every audit row of the episode, per table."""
+    keys: dict[str, set[tuple[Any, ...]]] = {}
+    with engine.connect() as conn:
+        for table in schema.AUDIT_TABLES:
+            columns = [c for c in table.primary_key.columns]
+            rows = conn.execute(sa.select(*columns).where(table.c.episode_id == episode_id)).all()
+            keys[table.name] = {tuple(r) for r in rows}
+    return keys
+
+
+async def test_the_rows_of_steps_a_reset_abandoned_go_even_when_the_reset_run_ended_unseen(
+    client: Client, scripted, store, worker, temporal_address: str
+) -> None:
+    """The reset run ends before any reconciler saw it running: its closing row is right,
+    but the abandoned run's later steps left rows (a third iteration, a second cell) that the
+    reconciler removes by writing the episode's rows again from its chain."""
+    _, engine = store
+    reset_done = {"yes": False}
+
+    def script(request: ChatRequest) -> str:
+        if request.is_extraction:
+            return '{"answer": "none"}'
+        if request.turn == 0:
+            return "```repl\nx = 1\n```"
+        if request.turn == 1 and reset_done["yes"]:
+            return "FINAL(short)"  # the reset run answers at once
+        return "```repl\ny = x + 1\n```" if request.turn == 1 else "FINAL_VAR(y)"
+
+    server = scripted(script)
+    episode_id = f"reset-{uuid.uuid4().hex[:8]}"
+    first = await run_episode(client, request_for(server), worker.task_queue, episode_id)
+    assert (first.answer, first.iterations) == ("2", 3)
+    point = reset_point(await client.get_workflow_handle(episode_id).fetch_history())
+    reset_done["yes"] = True
+    temporal_reset(temporal_address, episode_id, point, "answer sooner")
+    result = await client.get_workflow_handle(episode_id).result()
+    assert (result["answer"], result["iterations"]) == ("short", 2)
+
+    left = audit_keys(engine, episode_id)
+    assert (episode_id, 3) in left["audit_iterations"]  # the abandoned run's third iteration
+    assert episode_row(engine, episode_id)["answer"] == "short"
+
+    await reconcile_audit(client, engine)
+    settled = audit_keys(engine, episode_id)
+    assert (episode_id, 3) not in settled["audit_iterations"]
+    assert (episode_id, 2) not in settled["audit_cells"]
+    assert len(reset_events(engine, episode_id)) == 1
+    row = episode_row(engine, episode_id)
+    assert (row["answer"], row["iterations"], row["status"]) == ("short", 2, "completed")
+    await _forget_and_rebuild(client, engine, episode_id)
+    assert audit_keys(engine, episode_id) == settled
