@@ -46,7 +46,7 @@ from workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
 
 CELLS = 5
 MODEL_CALLS = 2 * CELLS + 1
-SIZES = (10, 50, 200)
+SIZES = (200, 400, 1000)  # 400 and 1,000: far past one worker's capacity (issue 38, item 6)
 LATENCY_S = 2.0
 TARGET_N = 200
 TARGET_WALL_S = 38.0
@@ -207,6 +207,18 @@ class Sampler:
         self._task.cancel()
 
 
+def admission_said(log: str) -> str:
+    """What the worker's admission said (durable_rlm/admission.py): how often it stopped
+    taking new episodes, and its last state."""
+    said = [
+        line.split("durable_rlm.admission: ", 1)[1]
+        for line in log.splitlines()
+        if "durable_rlm.admission: " in line
+    ]
+    stopped = sum(1 for line in said if line.startswith("overloaded"))
+    return f"stopped taking new episodes {stopped} times; last: {said[-1]}" if said else ""
+
+
 # --- one size ---------------------------------------------------------------------------------------
 
 
@@ -256,6 +268,18 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
     wft_timeouts = sum(
         benchlib.count_events(ev, EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT) for ev in all_events
     )
+    # start-to-close: a task taken and not completed in time (work done too late, thrown away);
+    # schedule-to-start: a task that waited on this worker's sticky queue past its 1 s, and went
+    # back to the shared queue (waited, nothing lost).
+    wft_timeout_kinds = collections.Counter(
+        TimeoutType.Name(e.workflow_task_timed_out_event_attributes.timeout_type)
+        .removeprefix("TIMEOUT_TYPE_")
+        .lower()
+        .replace("_", "-")
+        for ev in all_events
+        for e in ev
+        if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+    )
     wft_failed = sum(
         benchlib.count_events(ev, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED) for ev in all_events
     )
@@ -282,6 +306,8 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
         "events_per_episode": statistics.median(events),
         "noop_events": noop_events,
         "wft_timeouts": wft_timeouts,
+        "wft_late": wft_timeout_kinds.get("start-to-close", 0),
+        "wft_timeout_kinds": dict(wft_timeout_kinds),
         "wft_failed": wft_failed,
         "activity_timeouts": act_timeouts,
         "activity_retries": retries,
@@ -291,6 +317,7 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
         "cpu_s": cpu,
         "output_bytes": output_bytes,
         "held_back": held_back,
+        "admission": admission_said(worker.tail(10**7)),
         "worker_peak_rss_mb": worker_hwm_kb / 1024,
         "tree_peak_rss_mb": sampler.peak_tree_rss_kb / 1024,
         "peak_live": sampler.peak_live,
@@ -370,9 +397,22 @@ async def body(ctx: Context, section: Section) -> None:
             f"N={n}: workflow-task timeouts (all histories)",
             "count",
             r["wft_timeouts"],
+            target=Target("<=", 0, on="max", text="0") if at_target else None,
+            note="by kind: "
+            + (", ".join(f"{k} x{v}" for k, v in sorted(r["wft_timeout_kinds"].items())) or "none")
+            + f"; workflow-task failures {r['wft_failed']}",
+        )
+        late_activities = r["activity_timeouts"] + sum(
+            v for k, v in r["retry_causes"].items() if k.endswith("timeout")
+        )
+        section.add(
+            f"late_{n}",
+            f"N={n}: tasks past their timeout (workflow tasks start-to-close + activity attempts)",
+            "count",
+            r["wft_late"] + late_activities,
             target=Target("<=", 0, on="max", text="0") if judged else None,
-            note=f"workflow-task failures {r['wft_failed']}, activities that failed by timeout "
-            f"{r['activity_timeouts']}",
+            note=f"workflow tasks {r['wft_late']}, activity attempts {late_activities}; the worker's "
+            f"admission: {r['admission'] or 'never overloaded'}",
         )
         section.add(
             f"retries_{n}",

@@ -20,12 +20,13 @@ from temporalio.client import Client
 from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentConfig, WorkerTuner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities.audit import AuditActivities, AuditInterceptor
+from activities.audit import UNSETTLED, AuditActivities, AuditInterceptor, take_unsettled
 from activities.extraction import ExtractionActivities
 from activities.llm import ModelActivities
 from activities.repl import ReplActivities
 from activities.sandbox_slots import WorkflowSlots
 from activities.tools import run_tool
+from durable_rlm.admission import AdmittingWorkflowSlots
 from durable_rlm.blobs import BlobStore
 from durable_rlm.connection import (  # noqa: F401 - re-exported: one import for the worker side
     Services,
@@ -117,6 +118,7 @@ def build_workers(
     max_sandboxes: int | None = None,
     deployment: WorkerDeploymentConfig | None = None,
     hold_new_episodes: bool = False,
+    admission: AdmittingWorkflowSlots | None = None,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -138,6 +140,8 @@ def build_workers(
     observe_sandboxes(repl.slots, worker_queue)
     models = ModelActivities(blobs, credentials)
     audit = AuditActivities(engine)
+    if admission is None:  # unmeasured, it admits at its first rate
+        admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
     interceptors = [AuditInterceptor(audit.writer), *worker_interceptors()]
     extraction = ExtractionActivities(models, blobs)
@@ -161,16 +165,14 @@ def build_workers(
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
         deployment_config=deployment,
-        # With `hold_new_episodes`, workflow tasks of episodes new to this worker wait while
-        # its sandboxes are all running steps (activities/sandbox_slots.py). Off by default:
-        # every poll then waits on this process's event loop, which under CPU saturation
-        # made 5x more workflow tasks time out (bench/concurrency.py, N=200: 697 vs 134).
+        # New episodes are taken while the worker's measured capacity allows
+        # (durable_rlm/admission.py); the rest wait on the server, where no clock runs. With
+        # `hold_new_episodes`, instead, tasks of episodes new to this worker wait while its
+        # sandboxes are all running steps (activities/sandbox_slots.py).
         # Each live episode may run one local REPL step at a time.
         tuner=WorkerTuner.create_composite(
             workflow_supplier=(
-                WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots)
-                if hold_new_episodes
-                else FixedSizeSlotSupplier(defaults.WORKFLOW_TASK_SLOTS)
+                WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots) if hold_new_episodes else admission
             ),
             activity_supplier=FixedSizeSlotSupplier(activity_slots),
             local_activity_supplier=FixedSizeSlotSupplier(capacity),
@@ -188,6 +190,7 @@ def build_workers(
         max_heartbeat_throttle_interval=timedelta(seconds=1),
         default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
+    admission.live = lambda: _cached_episodes(shared)
     # REPL steps of episodes from before local steps come back here, to their sandbox.
     own = Worker(
         client,
@@ -212,6 +215,7 @@ async def running_workers(
     `on_drained` told what was. A grace of 0 (in-process workers) cancels calls in flight
     at once: their episodes go on when a worker next runs."""
     settings = services.settings
+    admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     workers, repl = build_workers(
         services.client,
         settings.task_queue,
@@ -231,9 +235,11 @@ async def running_workers(
         max_sandboxes=settings.max_sandboxes,
         deployment=settings.worker_deployment(),
         hold_new_episodes=settings.hold_new_episodes,
+        admission=admission,
     )
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
+    chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
     if settings.deployment_name is not None and settings.build_id is not None:
         chores.append(
             asyncio.create_task(_first_build(services, settings.deployment_name, settings.build_id))
@@ -323,6 +329,12 @@ def _in_flight(workers: Sequence[Worker]) -> dict[bytes, str]:
     return running
 
 
+def _cached_episodes(worker: Worker) -> int:
+    """The episodes a worker holds in its cache. The SDK has no public count: read its own
+    table, and count none if that ever moves."""
+    return len(getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {})
+
+
 def _listed(names: Sequence[str]) -> str:
     """Names with their counts, in parentheses: ` (drlm.root_completion, drlm.sub_query x3)`."""
     counts = sorted(collections.Counter(names).items())
@@ -364,15 +376,23 @@ async def _first_build(services: Services, name: str, build_id: str) -> None:
         )
 
 
+SETTLE_EVERY_S = 2.0
+
+
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
     """Audit rows of episodes that ended without running code (terminated, timed out)."""
-    from durable_rlm.projection import reconcile_audit
+    from durable_rlm.projection import rebuild_episode, reconcile_audit
 
     while services.engine is not None:
         # The first pass runs at start: a row left `running` by a worker killed while it
         # closed an episode is settled now, not a minute later (most workers live less).
         try:
             await reconcile_audit(services.client, services.engine)
+            for episode_id in take_unsettled():  # steps whose rows were fenced off (audit.py)
+                await rebuild_episode(services.client, services.engine, episode_id)
         except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
             logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)
-        await asyncio.sleep(every_s)
+        waited = 0.0
+        while waited < every_s and not UNSETTLED:  # fenced rows are settled within seconds
+            await asyncio.sleep(SETTLE_EVERY_S)
+            waited += SETTLE_EVERY_S

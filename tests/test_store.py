@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from temporalio.api.common.v1 import Payload
-from temporalio.worker import FixedSizeSlotSupplier
 
+from durable_rlm.admission import AdmittingWorkflowSlots
 from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
 from durable_rlm.codec import ENCODING, ClaimCheckCodec
 from durable_rlm.schema import metadata
@@ -154,7 +154,8 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     assert config["max_cached_workflows"] == 20
     tuner = config["tuner"]
     assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.num_slots) == (20, 30)
-    assert isinstance(tuner.workflow_slot_supplier, FixedSizeSlotSupplier) and repl.slots.limit == 12
+    # Workflow tasks: admission by measured capacity (durable_rlm/admission.py).
+    assert isinstance(tuner.workflow_slot_supplier, AdmittingWorkflowSlots) and repl.slots.limit == 12
     held, held_repl = build_workers(
         client, "q-held", blobs, None, sandbox_root=sandboxes, hold_new_episodes=True
     )

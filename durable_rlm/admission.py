@@ -1,0 +1,215 @@
+"""Admission by measured capacity: how many episodes one worker process holds at once.
+
+A worker process runs every workflow task, activity, local REPL step and heartbeat of its
+episodes on one event loop, one core (the GIL), and its blob-store and REPL work on the
+loop's few executor threads. Each episode it holds costs it work every step until the
+episode ends. With nothing but fixed slots it takes every episode the server offers; past
+its capacity their clocks run while they wait inside it: a workflow task not completed in
+its timeout (10 s) is given again and its work thrown away, heartbeats leave late, live
+calls are presumed dead and paid again (issue 38: 400 episodes on one worker, 288 failed on
+heartbeat timeouts). A task that waits on the server costs nothing: its clock starts when a
+worker takes it (no schedule-to-start timeout on the shared queue).
+
+So a worker holds at most a window of episodes, and the window follows what it measures
+each second:
+- how late its event loop runs a timer, and how long a job waits for a thread of the
+  loop's executor: everything the worker does waits on one or the other, so this is the
+  backlog its tasks, heartbeats and calls see;
+- how long the workflow tasks it took stayed in it (taken to completed, the 90th
+  percentile: the completion's round trip is in it, so a saturated server shows too),
+  against a target well below the task timeout (a task running a long local REPL step
+  stays long without overload; one of them does not move the percentile).
+Past either target the window becomes two thirds of what the worker holds, and no task from
+the shared queue is taken until a measurement is back below; below half of both, with tasks
+waiting at a full window, it grows by a tenth. Tasks of the episodes it holds (sticky
+polls) are never held back: once in, an episode is served, and the rest wait in the shared
+queue for this worker or another. (A task from the shared queue is a new episode, or one
+moving in from elsewhere; the SDK does not say which before taking it.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from temporalio.worker import (
+    CustomSlotSupplier,
+    SlotMarkUsedContext,
+    SlotPermit,
+    SlotReleaseContext,
+    SlotReserveContext,
+)
+
+log = logging.getLogger(__name__)
+
+TICK_S = 1.0
+WAKE_CHECK_S = 0.2  # how often a waiting reservation looks again, whatever it was told
+
+
+class _Permit(SlotPermit):
+    def __init__(self) -> None:
+        self.taken_at: float | None = None  # when the slot got its task (mark_slot_used)
+
+
+@dataclass
+class Capacity:
+    """How many episodes the worker holds at most (its window), and what set it."""
+
+    window: int = 8
+    floor: int = 2
+    ceiling: int = 1000
+    # Workflow tasks at once, all kinds: the window bounds what comes in from the shared queue,
+    # this what the loop is asked to hold at once, whoever asks.
+    limit: int = 16
+    limit_floor: int = 4
+    limit_ceiling: int = 100
+    # Taken to completed includes the completion's round trip: a slow server shows here too.
+    task_target_s: float = 1.0  # a tenth of the default workflow-task timeout (10 s)
+    lag_target_s: float = 0.5  # heartbeats leave every second; a 5 s timeout must never see a late one
+    # what the last tick measured
+    task_s: float = 0.0
+    lag_s: float = 0.0
+    overloaded: bool = False
+    cuts: int = 0
+    held_back: int = 0  # reservations from the shared queue that waited to be admitted
+    admitted: int = 0
+
+    live: int = 0
+
+    def adjust(
+        self, task_s: float, lag_s: float, live: int, wanted_more: bool, wanted_slots: bool = False
+    ) -> None:
+        """One tick: past a target, a window of two thirds of what is held (or of the window,
+        if less) and a limit of two thirds; below half of both, a tenth more of either when
+        more waited for it."""
+        self.task_s, self.lag_s, self.live = task_s, lag_s, live
+        self.overloaded = task_s > self.task_target_s or lag_s > self.lag_target_s
+        if self.overloaded:
+            self.window = max(self.floor, min(self.window, live) * 2 // 3)
+            self.limit = max(self.limit_floor, self.limit * 2 // 3)
+            self.cuts += 1
+        elif task_s < self.task_target_s / 2 and lag_s < self.lag_target_s / 2:
+            if wanted_more:
+                self.window = min(self.ceiling, self.window + max(1, self.window // 10))
+            if wanted_slots:
+                self.limit = min(self.limit_ceiling, self.limit + max(1, self.limit // 10))
+
+    def describe(self) -> str:
+        return (
+            f"{self.live} episodes held, window {self.window}, {self.limit} tasks at once "
+            f"(cut {self.cuts} times; "
+            f"{self.admitted} tasks admitted from the shared queue, {self.held_back} waited), "
+            f"tasks {self.task_s:.2f} s, lag {self.lag_s:.2f} s"
+        )
+
+
+class AdmittingWorkflowSlots(CustomSlotSupplier):
+    """Workflow-task slots: up to `limit` at once; those of sticky polls always, those of the
+    shared queue while the worker holds fewer episodes than its window, and is not over its
+    targets (see the module's docstring). `live` counts the episodes held; unset, those
+    admitted since the last tick count.
+
+    The SDK may call `try_reserve_slot`, `mark_slot_used` and `release_slot` from its own
+    threads: the counts are guarded by a thread lock, and waiters are woken through the event
+    loop. `run` measures, on the loop, and must run while the worker does; unmeasured, the
+    window stays at its first value."""
+
+    def __init__(self, limit: int, capacity: Capacity | None = None) -> None:
+        self.capacity = capacity or Capacity(limit_ceiling=limit)
+        self.live: Callable[[], int] = lambda: 0  # episodes held (the worker's cache), once it runs
+        self._guard = threading.Lock()
+        self._used = 0
+        self._held = 0  # episodes held at the last tick, plus those admitted since
+        self._durations: list[float] = []  # of tasks completed since the last tick
+        self._waited = False  # a shared-queue reservation found no admission since the last tick
+        self._short = False  # a reservation found every slot taken since the last tick
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Future[None] | None = None
+
+    def _take(self, sticky: bool) -> bool:
+        with self._guard:
+            if self._used >= self.capacity.limit:
+                self._short = True
+                return False
+            if not sticky:
+                if self.capacity.overloaded or self._held >= self.capacity.window:
+                    self._waited = True
+                    return False
+                self._held += 1
+                self.capacity.admitted += 1
+            self._used += 1
+            return True
+
+    async def reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit:
+        self._loop = asyncio.get_running_loop()
+        counted = False
+        while not self._take(ctx.is_sticky):
+            if not counted and not ctx.is_sticky:
+                counted = True
+                self.capacity.held_back += 1
+            if self._wake is None or self._wake.done():
+                self._wake = self._loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(WAKE_CHECK_S):  # admissions also come with a tick
+                    await asyncio.shield(self._wake)
+        return _Permit()
+
+    def try_reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit | None:
+        return _Permit() if self._take(ctx.is_sticky) else None
+
+    def mark_slot_used(self, ctx: SlotMarkUsedContext) -> None:
+        if isinstance(ctx.permit, _Permit):
+            ctx.permit.taken_at = time.monotonic()
+
+    def release_slot(self, ctx: SlotReleaseContext) -> None:
+        taken_at = getattr(ctx.permit, "taken_at", None)
+        with self._guard:
+            self._used -= 1
+            if taken_at is not None:
+                self._durations.append(time.monotonic() - taken_at)
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake_waiters)
+
+    def _wake_waiters(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def tick(self, lag_s: float) -> None:
+        """Measure the last tick's tasks and the episodes held, and adjust the window."""
+        with self._guard:
+            durations, self._durations = self._durations, []
+            wanted_more, self._waited = self._waited, False
+            wanted_slots, self._short = self._short, False
+        durations.sort()
+        p90 = durations[int(0.9 * (len(durations) - 1))] if durations else 0.0
+        live = self.live()
+        was = self.capacity.overloaded
+        self.capacity.adjust(p90, lag_s, live, wanted_more, wanted_slots)
+        with self._guard:
+            self._held = live
+        if self.capacity.overloaded and not was:
+            log.warning("overloaded, taking no new episode: %s", self.capacity.describe())
+        elif was and not self.capacity.overloaded:
+            log.warning("no longer overloaded: %s", self.capacity.describe())
+        self._wake_waiters()
+
+    async def run(self) -> None:
+        """Every TICK_S: how late the loop woke this task, and how long a job waited for a
+        thread of the loop's default executor (every `asyncio.to_thread` of the blob store
+        and the REPL host queues there); then `tick`."""
+        loop = self._loop = asyncio.get_running_loop()
+        while True:
+            began = time.monotonic()
+            await asyncio.sleep(TICK_S)
+            loop_lag = max(0.0, time.monotonic() - began - TICK_S)
+            submitted = time.monotonic()
+            started = await loop.run_in_executor(None, time.monotonic)
+            self.tick(max(loop_lag, started - submitted))
