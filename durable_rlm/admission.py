@@ -10,8 +10,7 @@ calls are presumed dead and paid again (issue 38: 400 episodes on one worker, 28
 heartbeat timeouts). A task that waits on the server costs nothing: its clock starts when a
 worker takes it (no schedule-to-start timeout on the shared queue).
 
-So a worker holds at most a window of episodes, and the window follows what it measures
-each second:
+So two limits follow what a worker measures each second:
 - how late its event loop runs a timer, and how long a job waits for a thread of the
   loop's executor: everything the worker does waits on one or the other, so this is the
   backlog its tasks, heartbeats and calls see;
@@ -19,12 +18,18 @@ each second:
   percentile: the completion's round trip is in it, so a saturated server shows too),
   against a target well below the task timeout (a task running a long local REPL step
   stays long without overload; one of them does not move the percentile).
-Past either target the window becomes two thirds of what the worker holds, and no task from
-the shared queue is taken until a measurement is back below; below half of both, with tasks
-waiting at a full window, it grows by a tenth. Tasks of the episodes it holds (sticky
-polls) are never held back: once in, an episode is served, and the rest wait in the shared
-queue for this worker or another. (A task from the shared queue is a new episode, or one
-moving in from elsewhere; the SDK does not say which before taking it.)
+The limits: workflow tasks at once (every kind), and a window of episodes held, which a
+reservation the SDK marks as not sticky (the shared queue: a new episode, or one moving
+in) must find room in, and which it never gets while the worker is over a target. Past
+either target both become two thirds (the window, of what is held); below half of both,
+each grows by a tenth when a reservation waited for it. Nothing here deadlocks: tasks of
+held episodes wait for no window, only for a slot, and slots come back as tasks complete.
+
+Measured (bench/concurrency.py, N=400 on one worker): the tasks-at-once limit settles at
+5-16 and is what keeps task and heartbeat clocks short; the window does not bound the
+episodes held (180-250 of 400): far fewer reservations came marked not sticky than
+episodes came in (7 against 180 in one run), so the SDK's core apparently does not mark a
+reservation by the queue its task will come from (not checked in its source).
 """
 
 from __future__ import annotations
@@ -109,8 +114,8 @@ class Capacity:
 
 
 class AdmittingWorkflowSlots(CustomSlotSupplier):
-    """Workflow-task slots: up to `limit` at once; those of sticky polls always, those of the
-    shared queue while the worker holds fewer episodes than its window, and is not over its
+    """Workflow-task slots: up to `capacity.limit` at once; a reservation marked not sticky
+    also needs the worker to hold fewer episodes than its window, and to be below its
     targets (see the module's docstring). `live` counts the episodes held; unset, those
     admitted since the last tick count.
 
@@ -119,8 +124,8 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
     loop. `run` measures, on the loop, and must run while the worker does; unmeasured, the
     window stays at its first value."""
 
-    def __init__(self, limit: int, capacity: Capacity | None = None) -> None:
-        self.capacity = capacity or Capacity(limit_ceiling=limit)
+    def __init__(self, ceiling: int, capacity: Capacity | None = None) -> None:
+        self.capacity = capacity or Capacity(limit_ceiling=ceiling)
         self.live: Callable[[], int] = lambda: 0  # episodes held (the worker's cache), once it runs
         self._guard = threading.Lock()
         self._used = 0

@@ -67,7 +67,7 @@ def test_the_window_never_grows_past_its_ceiling() -> None:
 
 
 def test_new_episodes_are_admitted_up_to_the_window_and_its_own_always() -> None:
-    slots = AdmittingWorkflowSlots(limit=100, capacity=Capacity(window=2, limit=100))
+    slots = AdmittingWorkflowSlots(ceiling=100, capacity=Capacity(window=2, limit=100))
     held = [0]
     slots.live = lambda: held[0]
     assert [slots.try_reserve_slot(NEW) is not None for _ in range(3)] == [True, True, False]
@@ -82,7 +82,7 @@ def test_new_episodes_are_admitted_up_to_the_window_and_its_own_always() -> None
 
 
 def test_no_slot_past_the_limit_even_for_its_own_episodes() -> None:
-    slots = AdmittingWorkflowSlots(limit=100, capacity=Capacity(window=10, limit=2))
+    slots = AdmittingWorkflowSlots(ceiling=100, capacity=Capacity(window=10, limit=2))
     permits = [slots.try_reserve_slot(OWN) for _ in range(3)]
     assert permits[2] is None
     slots.release_slot(Used(permits[0]))
@@ -90,7 +90,7 @@ def test_no_slot_past_the_limit_even_for_its_own_episodes() -> None:
 
 
 def test_an_overloaded_worker_takes_no_new_episode_but_serves_its_own() -> None:
-    slots = AdmittingWorkflowSlots(limit=100, capacity=Capacity(window=10, limit=100))
+    slots = AdmittingWorkflowSlots(ceiling=100, capacity=Capacity(window=10, limit=100))
     slots.tick(lag_s=5.0)  # the loop ran 5 s late
     assert slots.capacity.overloaded
     assert slots.try_reserve_slot(NEW) is None  # the shared queue waits
@@ -100,7 +100,7 @@ def test_an_overloaded_worker_takes_no_new_episode_but_serves_its_own() -> None:
 
 
 def test_task_times_are_measured_from_taken_to_released() -> None:
-    slots = AdmittingWorkflowSlots(limit=100, capacity=Capacity(window=8, limit=100))
+    slots = AdmittingWorkflowSlots(ceiling=100, capacity=Capacity(window=8, limit=100))
     slots.live = lambda: 6
     permit = slots.try_reserve_slot(OWN)
     slots.mark_slot_used(Used(permit))
