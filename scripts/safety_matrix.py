@@ -150,8 +150,8 @@ MECHANISMS = [
     Mechanism(
         "owner-uid forwarder",
         "durable_rlm/private_net.py",
-        "            if peer_uid(sock, self.table) not in self.admitted:",
-        "            if False:",
+        "        if peer_uid(sock, self.gate.table) not in self.gate.admitted:",
+        "        if False:",
         "the forwarder admits every uid",
     ),
     Mechanism(
@@ -171,8 +171,8 @@ MECHANISMS = [
     Mechanism(
         "UI host check",
         "durable_rlm/private_net.py",
-        "                if not loopback_host(head):",
-        "                if False:",
+        "            if not loopback_host(bytes(self.held)):",
+        "            if False:",
         "the UI's port answers any Host (DNS rebinding)",
     ),
     # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
