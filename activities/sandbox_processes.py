@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -497,12 +498,9 @@ def _kept_namespace(pid: int) -> list[int]:
         own = os.readlink(f"/proc/{pid}/ns/pid")
     except OSError:
         return []
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            found = proc_stat(int(entry.name))
-            if found is not None:
-                children.setdefault(found.ppid, []).append(int(entry.name))
+    children = _children()
+    if pid not in children:  # started since the last scan: a keeper always has its REPL
+        children = _children(fresh=True)
     kept: list[int] = []
     for child in children.get(pid, []):
         with contextlib.suppress(OSError):
@@ -511,6 +509,27 @@ def _kept_namespace(pid: int) -> list[int]:
     for inside in kept:  # and what they started (their namespace's)
         kept.extend(children.get(inside, []))
     return kept
+
+
+_CHILDREN: list[tuple[float, dict[int, list[int]]]] = []
+CHILDREN_FRESH_S = 1.0
+"""One scan of /proc serves every sandbox measured within this long (a memory report of a
+thousand sandboxes would otherwise scan it a thousand times)."""
+
+
+def _children(fresh: bool = False) -> dict[int, list[int]]:
+    """Each process's children, by pid (there is no /proc/PID/task/TID/children here)."""
+    now = time.monotonic()
+    if not fresh and _CHILDREN and now - _CHILDREN[0][0] < CHILDREN_FRESH_S:
+        return _CHILDREN[0][1]
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            found = proc_stat(int(entry.name))
+            if found is not None:
+                children.setdefault(found.ppid, []).append(int(entry.name))
+    _CHILDREN[:] = [(now, children)]
+    return children
 
 
 def _uss_kb(pid: int) -> int | None:
