@@ -11,6 +11,15 @@ from typing import Any
 _EXPORTS = {
     "DurableRLM": "durable_rlm.api",
     "Episode": "durable_rlm.api",
+    # rlms's API: `from rlm import RLM` becomes `from durable_rlm import RLM`.
+    "RLM": "durable_rlm.rlms_compat",
+    "RLMLogger": "durable_rlm.rlms_compat",
+    "RLMChatCompletion": "durable_rlm.rlms_compat",
+    "BudgetExceededError": "durable_rlm.rlms_compat",
+    "TimeoutExceededError": "durable_rlm.rlms_compat",
+    "TokenLimitExceededError": "durable_rlm.rlms_compat",
+    "ErrorThresholdExceededError": "durable_rlm.rlms_compat",
+    "CancellationError": "durable_rlm.rlms_compat",
     "DurableRLMError": "durable_rlm.errors",
     "ConfigurationError": "durable_rlm.errors",
     "InvalidRequestError": "durable_rlm.errors",

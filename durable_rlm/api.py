@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -54,15 +55,7 @@ from durable_rlm.steering import (
     send_hint,
     waiting_cell,
 )
-from durable_rlm.tools import (
-    RegisteredTool,
-    ToolRegistrationError,
-    import_tool_modules,
-    registered,
-    registered_as,
-    tool,
-    tool_specs,
-)
+from durable_rlm.tools import ToolsArgument, import_tool_modules, offered, tool_specs
 from workflows import defaults, prompts
 from workflows.episode import episode_policy
 from workflows.fallback import fields_from_json_schema
@@ -141,7 +134,10 @@ class DurableRLM:
         policy_scans_output: bool = False,
         reward_function: str = "none",
         output_schema: dict[str, Any] | None = None,
-        tools: Sequence[Callable[..., Any] | str] | None = None,
+        tools: ToolsArgument = None,
+        sub_tools: ToolsArgument = None,
+        system_prompt: str | None = None,
+        setup_code: str | None = None,
         sampling: dict[str, Any] | None = None,
         sub_sampling: dict[str, Any] | None = None,
         request_timeout_s: float = defaults.REQUEST_TIMEOUT_S,
@@ -152,9 +148,14 @@ class DurableRLM:
         approve: str = "none",
         api_key: str | None = None,
         settings: Settings | None = None,
+        **limit_values: Any,
     ) -> None:
         """Everything is checked here, before anything starts: a bad limit, policy, tool,
-        sampling key or output schema raises ConfigurationError or InvalidRequestError."""
+        sampling key or output schema raises ConfigurationError or InvalidRequestError.
+        Limits come as `limits={...}` or as keywords (`max_iterations=10`), which win.
+        `tools` / `sub_tools` (what child episodes offer) take functions, registered tool
+        names, or rlms's dict of name -> function or data. `setup_code` is the REPL's first
+        cell; `system_prompt` replaces the built-in one."""
         self.settings = settings or Settings.from_env()
         import_policy_modules(self.settings.policy_module_names)
         import_tool_modules(self.settings.tool_module_names)
@@ -163,6 +164,7 @@ class DurableRLM:
                 "api_key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
                 "the key to the worker process (in its environment)"
             )
+        offer = _offered(tools)
         try:
             output_fields = fields_from_json_schema(output_schema) if output_schema is not None else None
         except ValueError as exc:
@@ -193,7 +195,7 @@ class DurableRLM:
                 sub_model=sub,
                 other_models=[prices.priced(model_settings(name, shared)) for name in other_models],
                 max_depth=max_depth,
-                limits=EpisodeLimits.model_validate(limits or {}),
+                limits=_limits(limits, limit_values),
                 code_fences=list(code_fences),
                 termination=TerminationSpec(
                     name=policy, config=policy_config or {}, scan_printed_output=policy_scans_output
@@ -201,7 +203,10 @@ class DurableRLM:
                 reward=RewardSpec(function=reward_function),
                 output_fields=output_fields,
                 fallback_extraction=fallback_extraction,
-                tools=_tool_specs(tools),
+                tools=offer.specs,
+                sub_tools=None if sub_tools is None else _offered(sub_tools).specs,
+                system_prompt=system_prompt,
+                setup_code=_joined(offer.setup_code, setup_code),
                 approve=approve,
             )
         except ValidationError as exc:
@@ -481,26 +486,30 @@ def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in keys}
 
 
-def _tool_specs(tools: Sequence[Callable[..., Any] | str] | None) -> list[Any]:
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    specs: list[Any]
+    setup_code: str | None
+
+
+def _offered(tools: ToolsArgument) -> _Offer:
     """Functions are registered on first use (this process's worker runs them); names
-    must be registered already. None offers every registered tool."""
-    if tools is None:
-        return tool_specs(None)
-    names = []
-    for item in tools:
-        if isinstance(item, str):
-            names.append(item)
-            continue
-        known = registered_as(item)
-        if known is None:
-            name = getattr(item, "__name__", "")
-            taken: RegisteredTool | None = registered(name)
-            if taken is not None:
-                raise ConfigurationError(f"a different tool is already registered as {name!r}")
-            try:
-                known = tool(item) and registered_as(item)
-            except ToolRegistrationError as exc:
-                raise ConfigurationError(str(exc)) from exc
-        assert known is not None
-        names.append(known)
-    return tool_specs(names)
+    must be registered already; data values are bound by the setup cell. None offers
+    every registered tool."""
+    offer = offered(tools)
+    return _Offer(tool_specs(offer.names), offer.setup_code())
+
+
+def _joined(*cells: str | None) -> str | None:
+    code = "\n".join(c for c in cells if c)
+    return code or None
+
+
+def _limits(limits: EpisodeLimits | dict[str, Any] | None, values: dict[str, Any]) -> EpisodeLimits:
+    """`limits` with the keyword limits over it; an unknown keyword is named with the known."""
+    unknown = sorted(set(values) - set(EpisodeLimits.model_fields))
+    if unknown:
+        known = ", ".join(EpisodeLimits.model_fields)
+        raise ConfigurationError(f"unknown argument(s) {', '.join(unknown)}; limits: {known}")
+    base = limits.model_dump() if isinstance(limits, EpisodeLimits) else dict(limits or {})
+    return EpisodeLimits.model_validate({**base, **values})

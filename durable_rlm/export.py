@@ -102,9 +102,12 @@ def _fork(fork: ForkOrigin) -> dict[str, Any]:
 
 
 def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, Any]]:
-    """One logger entry per iteration (`RLMIteration.to_dict()` plus type, number, time)."""
+    """One logger entry per iteration (`RLMIteration.to_dict()` plus type, number, time).
+    The setup cell (iteration 0: environment_kwargs' setup_code) is no iteration: rlms runs
+    it when it makes the environment."""
     final = _final_answer(timeline)
-    last = len(timeline.iterations)
+    turns = [it for it in timeline.iterations if it.iteration > 0]
+    last = len(turns)
     return [
         {
             "type": "iteration",
@@ -119,7 +122,7 @@ def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, An
             # A fork's iterations up to its branch ran in its source: marked, not re-run.
             **({"inherited_from": it.inherited_from} if it.inherited_from else {}),
         }
-        for number, it in enumerate(timeline.iterations, start=1)
+        for number, it in enumerate(turns, start=1)
     ]
 
 

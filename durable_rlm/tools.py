@@ -11,16 +11,23 @@ Register them in a module that the workers (and the CLI, which offers them to ep
 import: name it in DRLM_TOOL_MODULES. Inside the REPL each tool is a function of the same
 name, parameters and docstring; a call suspends the cell like `llm_query`, the workflow runs
 the tool as an activity on the shared queue, and the result is recorded, so a rebuilt REPL
-gets it from the log instead of calling again. Arguments and results must be JSON values.
+gets it from the log instead of calling again. Arguments must be JSON values; a result that
+is not one reaches the cell as the object's repr, with a note saying so (as rlms hands back
+the object itself, the model still sees what it is).
+
+rlms's form is a dict, `custom_tools={"name": fn_or_data}` (`offered`): functions become
+tools under the dict's names, data values (JSON values) become REPL variables set by the
+REPL's setup cell, so a rebuilt REPL has them too.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from durable_rlm.settings import ConfigurationError
@@ -34,6 +41,8 @@ RESERVED = names.REPL_RESERVED
 class RegisteredTool:
     fn: Callable[..., Any]
     spec: ToolSpec
+    source: Callable[..., Any] | None = field(default=None, compare=False)
+    """The function as the caller gave it (`fn` wraps it so a non-JSON result is a repr)."""
 
     @property
     def is_async(self) -> bool:
@@ -58,10 +67,44 @@ def tool(
 
     def register(function: Callable[..., Any]) -> Callable[..., Any]:
         spec = spec_of(function, name or function.__name__, timeout_s, max_attempts)
-        _REGISTRY[spec.name] = RegisteredTool(function, spec)
+        _REGISTRY[spec.name] = RegisteredTool(json_results(spec.name, function), spec, function)
         return function
 
     return register(fn) if fn is not None else register
+
+
+NOT_JSON_NOTE = "[note: {name} returned a {type}, which is not a JSON value; this is its repr]"
+
+
+def as_json_value(name: str, value: Any) -> Any:
+    """`value` when it is a JSON value, else its repr with a note (the REPL runs in another
+    process: only JSON crosses, and rlms's users expect to see what the tool returned)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        try:
+            shown = repr(value)
+        except Exception:  # noqa: BLE001 - a hostile __repr__ still gives the model an answer
+            shown = f"<{type(value).__name__}>"
+        return f"{shown}\n{NOT_JSON_NOTE.format(name=name, type=type(value).__name__)}"
+    return value
+
+
+def json_results(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` with its result made a JSON value (`as_json_value`); same signature."""
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            return as_json_value(name, await function(*args, **kwargs))
+
+        return run_async
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return as_json_value(name, function(*args, **kwargs))
+
+    return run
 
 
 def spec_of(function: Callable[..., Any], name: str, timeout_s: float, max_attempts: int) -> ToolSpec:
@@ -106,7 +149,98 @@ def registered(name: str) -> RegisteredTool | None:
 
 def registered_as(fn: Callable[..., Any]) -> str | None:
     """The name a function is registered under (it may differ from its __name__)."""
-    return next((name for name, entry in _REGISTRY.items() if entry.fn is fn), None)
+    return next((name for name, entry in _REGISTRY.items() if fn in (entry.fn, entry.source)), None)
+
+
+ToolsArgument = Sequence[Callable[..., Any] | str] | Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
+class OfferedTools:
+    """What `tools=` / `custom_tools=` asks the REPL to offer: tool names (registered) and
+    data values by name (set by the setup cell)."""
+
+    names: list[str] | None
+    data: dict[str, Any]
+
+    def setup_code(self) -> str | None:
+        """The cell that binds the data values: JSON text in the cell, so the cell log holds
+        the values themselves."""
+        if not self.data:
+            return None
+        lines = ["import json as _drlm_json"]
+        lines += [f"{name} = _drlm_json.loads({json.dumps(value)!r})" for name, value in self.data.items()]
+        lines.append("del _drlm_json")
+        return "\n".join(lines)
+
+
+def offered(tools: ToolsArgument) -> OfferedTools:
+    """Check and register what `tools` names. A sequence holds functions (registered on
+    first use) and names of registered tools; rlms's dict maps a name to a function (a tool
+    of that name) or to data (a REPL variable). Every misuse is a ConfigurationError that
+    names the tool. None offers every registered tool."""
+    if tools is None:
+        return OfferedTools(None, {})
+    if isinstance(tools, Mapping):
+        return _offered_dict(tools)
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise ConfigurationError(
+            f"tools must be a list of functions or tool names, or a dict of name -> function or "
+            f"data (rlms's custom_tools), not {type(tools).__name__}"
+        )
+    names: list[str] = []
+    for position, item in enumerate(tools):
+        if isinstance(item, str):
+            names.append(item)
+        elif callable(item):
+            names.append(_registered_function(getattr(item, "__name__", ""), item, bare=True))
+        else:
+            raise ConfigurationError(
+                f"tool {item!r} (at position {position}, a {type(item).__name__}) is neither a "
+                "function nor the name of a registered tool"
+            )
+    return OfferedTools(names, {})
+
+
+def _offered_dict(tools: Mapping[Any, Any]) -> OfferedTools:
+    names: list[str] = []
+    data: dict[str, Any] = {}
+    for name, value in tools.items():
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ConfigurationError(f"tool name {name!r} is not a Python identifier the REPL can bind")
+        if name in RESERVED:
+            raise ConfigurationError(f"tool name {name!r} is taken by the REPL itself")
+        if isinstance(value, dict) and "tool" in value:
+            value = value["tool"]  # rlms also takes {"tool": fn_or_data, "description": ...}
+        if callable(value) and not isinstance(value, type):
+            names.append(_registered_function(name, value, bare=False))
+            continue
+        try:
+            json.loads(json.dumps(value, allow_nan=False))
+        except (TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"tool {name!r}: its data ({type(value).__name__}) is not a JSON value, and only "
+                f"JSON values reach the REPL, which runs in a process of its own ({exc})"
+            ) from None
+        data[name] = value
+    return OfferedTools(names, data)
+
+
+def _registered_function(name: str, fn: Callable[..., Any], bare: bool) -> str:
+    """The name `fn` is registered under, registering it as `name` on first use."""
+    known = registered_as(fn)
+    if known is not None and (bare or known == name):
+        return known
+    taken = registered(name)
+    if taken is not None:
+        raise ConfigurationError(f"tool {name!r}: a different tool is already registered as {name!r}")
+    try:
+        tool(fn, name=name)
+    except ToolRegistrationError as exc:
+        raise ConfigurationError(str(exc)) from exc
+    except (TypeError, ValueError) as exc:  # inspect.signature of a builtin without one
+        raise ConfigurationError(f"tool {name!r}: cannot read its signature ({exc})") from exc
+    return name
 
 
 def tool_specs(names: list[str] | None = None) -> list[ToolSpec]:

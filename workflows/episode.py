@@ -493,6 +493,7 @@ class EpisodeWorkflow:
                 output_fields=request.output_fields,
                 child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
                 tools=request.tools,
+                system_prompt=request.system_prompt,
             ),
         )
 
@@ -569,6 +570,9 @@ class EpisodeWorkflow:
 
     async def _loop(self, request: EpisodeRequest) -> Ending | LimitReached:
         s = self._state
+        if request.setup_code and s.iteration == 0 and s.cell_count == 0:
+            if workflow.patched(names.PATCH_SETUP_CODE):
+                await self._setup(request, request.setup_code)
         while True:
             if self._steering:
                 asked = await self._checkpoint(request)
@@ -607,6 +611,18 @@ class EpisodeWorkflow:
             if ending is not None:
                 return ending
             s.pending.extend(turn)
+
+    async def _setup(self, request: EpisodeRequest, code: str) -> None:
+        """rlms's setup_code: the REPL's first cell, before the model's first turn. It is in
+        the cell log like any cell, so a rebuilt REPL runs it again; if it fails, the model
+        reads why in its first turn."""
+        s = self._state
+        assert self._repl is not None
+        s.cell_count += 1
+        self._set_phase("setup code")
+        ran = await self._repl.run_cell(0, s.cell_count, code)
+        if ran.error is not None:
+            s.pending.append(Message(role="user", content=prompts.SETUP_FAILED.format(error=ran.error)))
 
     # --- ask --------------------------------------------------------------------------------
 

@@ -297,6 +297,19 @@ class EpisodeRequest(StrictModel):
         default=None, description="an absolute deadline over max_duration (a child gets its parent's)"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools the REPL offers")
+    sub_tools: list[ToolSpec] | None = Field(
+        default=None,
+        description="the tools child episodes (rlm_query) offer instead of `tools`, and pass on "
+        "to theirs (rlms's custom_sub_tools); None: children offer `tools`",
+    )
+    system_prompt: str | None = Field(
+        default=None, description="replaces the built-in system prompt (rlms's custom_system_prompt)"
+    )
+    setup_code: str | None = Field(
+        default=None,
+        description="the REPL's first cell, run before the first root call (rlms's "
+        "environment_kwargs setup_code); in the cell log, so a rebuild runs it again",
+    )
     approve: ApproveMode = Field(
         default="none", description="cells that wait for a person's approval before they run"
     )

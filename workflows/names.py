@@ -69,6 +69,8 @@ PATCH_BUDGET_RESERVE = "budget-reserve"
 # A budget pays for the first root call it can cover (no extraction reserve before there is
 # anything to extract) and an extraction's reply is capped at what is left (budget.py).
 PATCH_BUDGET_FITS = "budget-fits"
+# environment_kwargs' setup_code (rlms) runs as the REPL's first cell before the first root call.
+PATCH_SETUP_CODE = "setup-code"
 # The opening audit row is written beside the loop; the closing one within AUDIT_CLOSE_S.
 PATCH_AUDIT_ASIDE = "audit-aside"
 # Steering (workflows/steering.py): the durable timer follows a changed deadline; cells may

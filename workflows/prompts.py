@@ -112,6 +112,9 @@ def describe_context(context: ContextRef | None) -> str:
     return f"a {context.type_name} of {context.size:,} characters."
 
 
+SETUP_FAILED = "The REPL's setup code failed; names it should have defined may be missing:\n{error}"
+
+
 def opening_messages(
     task: str,
     context: ContextRef | None,
@@ -120,14 +123,18 @@ def opening_messages(
     output_fields: list[FieldSpec] | None = None,
     child_batch_cap: int | None = None,
     tools: list[ToolSpec] | None = None,
+    system_prompt: str | None = None,
 ) -> list[Message]:
-    """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it)."""
+    """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it). A
+    `system_prompt` (rlms's custom_system_prompt) replaces the built-in one as it is."""
     recursion = "" if child_batch_cap is None else RECURSION.format(cap=child_batch_cap)
     if tools:
         recursion += TOOLS + "".join(_tool_line(t) for t in tools)
     system = SYSTEM_PROMPT.format(
         context_description=describe_context(context), fence=fence, recursion=recursion
     )
+    if system_prompt is not None:
+        system = system_prompt
     if output_fields:
         system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:

@@ -1,0 +1,284 @@
+"""rlms's API (issue 36): `from rlm import RLM` becomes `from durable_rlm import RLM` and the
+program runs unchanged. The same script runs under rlms itself (installed by the dev extra)
+and under durable-rlm against one scripted server, and must give the same response and the
+same model calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from durable_rlm import (
+    RLM,
+    ConfigurationError,
+    DurableRLM,
+    DurableRLMError,
+    ErrorThresholdExceededError,
+    RLMLogger,
+    TokenLimitExceededError,
+)
+from durable_rlm.scripted import ChatRequest, Reply
+from durable_rlm.settings import Settings
+
+TASK = "How many are late?"
+
+SCRIPT = """
+import json, sys
+from rlm import RLM
+rlm = RLM(
+    backend="openai",
+    backend_kwargs={"model_name": "gpt-x", "base_url": sys.argv[1], "api_key": "sk-scripted"},
+    max_iterations=5,
+    max_depth=int(sys.argv[2]),
+)
+result = rlm.completion("a late\\nb on time\\nc late", root_prompt="How many are late?")
+usage = {m: s.total_calls for m, s in result.usage_summary.model_usage_summaries.items()}
+print(json.dumps({"response": result.response, "calls": usage, "seconds": result.execution_time}))
+"""
+
+EPISODES = {
+    "plain": (
+        1,
+        [
+            "```repl\nn = sum(1 for line in context.splitlines() if 'late' in line)\nprint(n)\n```",
+            "```repl\nanswer['content'] = n\nanswer['ready'] = True\n```",
+        ],
+        "2",
+    ),
+    "batched sub-calls": (
+        1,
+        [
+            "```repl\nparts = llm_query_batched(['x', 'y'])\nprint(parts)\n```",
+            "```repl\nanswer['content'] = ' | '.join(parts)\nanswer['ready'] = True\n```",
+        ],
+        "<x> | <y>",
+    ),
+    "depth-2 recursion": (
+        2,
+        [
+            "```repl\nr = rlm_query('1,2,3')\nprint(r)\n```",
+            "```repl\nanswer['content'] = 'sum ' + r\nanswer['ready'] = True\n```",
+        ],
+        "sum 6",
+    ),
+}
+CHILD_TURN = (
+    "```repl\nanswer['content'] = str(sum(int(x) for x in context.split(',')))\nanswer['ready'] = True\n```"
+)
+
+
+def tree_script(root_turns: list[str]):
+    """Root turns for the episode that was asked TASK; a child (rlm_query) sums its context;
+    a plain sub-call echoes its prompt."""
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not request.is_root:
+            return f"<{request.last_user}>"
+        if any(TASK in str(m.get("content", "")) for m in request.messages):
+            return root_turns[min(request.turn, len(root_turns) - 1)]
+        return CHILD_TURN
+
+    return script
+
+
+def run_script(code: str, base_url: str, depth: int, data_dir: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
+    env["DRLM_DATA_DIR"] = str(data_dir)
+    out = subprocess.run(
+        [sys.executable, "-c", code, base_url, str(depth)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(EPISODES))
+def test_one_changed_import_gives_rlms_response(name: str, scripted, tmp_path: Path) -> None:
+    depth, turns, expected = EPISODES[name]
+    server = scripted(tree_script(turns))
+    theirs = run_script(SCRIPT, server.base_url, depth, tmp_path)
+    rlms_calls = len(server.requests)
+    ours = run_script(
+        SCRIPT.replace("from rlm import", "from durable_rlm import"), server.base_url, depth, tmp_path
+    )
+    assert theirs["response"] == expected
+    assert ours["response"] == theirs["response"]
+    assert len(server.requests) - rlms_calls == rlms_calls  # the same model calls, none repeated
+    # Ours counts the whole tree; rlms's summary leaves a child RLM's calls out.
+    assert sum(ours["calls"].values()) == rlms_calls
+    if depth == 1:
+        assert ours["calls"] == theirs["calls"]
+    assert isinstance(ours["seconds"], float) and ours["seconds"] > 0
+
+
+# --- the constructor: rlms's names; what cannot work here is a clear error ---------------------
+
+
+def rlm(tmp_path: Path, **kwargs) -> RLM:
+    backend_kwargs = kwargs.pop(
+        "backend_kwargs", {"model_name": "gpt-x", "base_url": "http://127.0.0.1:9/v1"}
+    )
+    return RLM(backend_kwargs=backend_kwargs, settings=Settings(data_dir=tmp_path), **kwargs)
+
+
+def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
+    made = rlm(tmp_path, max_iterations=7, max_tokens=5_000, max_timeout=30, max_concurrent_subcalls=2)
+    limits = made.template.limits
+    assert (limits.max_iterations, limits.max_tokens, limits.max_duration.total_seconds()) == (7, 5_000, 30)
+    assert limits.max_parallel_subcalls == 2
+    assert made.template.max_depth == 1  # rlms's default: sub-calls are plain model calls
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"environment": "docker"}, "environment 'docker' is not available.*'local'"),
+        ({"persistent": True}, "persistent=True is not implemented yet"),
+        ({"backend": "portkey"}, "backend 'portkey' is not available: durable-rlm speaks openai, vllm"),
+        ({"backend": "vllm", "backend_kwargs": {"model_name": "m"}}, "'vllm': backend_kwargs needs base_url"),
+        ({"backend_kwargs": {"base_url": "http://x/v1"}}, "backend_kwargs needs model_name"),
+        (
+            {"backend_kwargs": {"model_name": "m", "organisation": "o"}},
+            "backend_kwargs organisation are not used",
+        ),
+        ({"environment_kwargs": {"image": "x"}}, "environment_kwargs image are not used here"),
+        ({"other_backends": ["openai", "openai"]}, "other_backends takes one backend"),
+        ({"custom_tools": {"llm_query": len}}, "tool name 'llm_query' is taken by the REPL"),
+        ({"custom_tools": {"conn": object()}}, "tool 'conn': its data \\(object\\) is not a JSON value"),
+        ({"backend": "azure_openai", "backend_kwargs": {"model_name": "m"}}, "needs azure_endpoint"),
+    ],
+)
+def test_what_cannot_work_here_is_a_configuration_error(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        rlm(tmp_path, **kwargs)
+
+
+def test_backends_reach_their_openai_compatible_endpoints(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("AZURE_OPENAI_ENDPOINT", raising=False)
+    router = rlm(tmp_path, backend="openrouter", backend_kwargs={"model_name": "meta/llama"})
+    assert router.template.root_model.base_url == "https://openrouter.ai/api/v1"
+    assert router.template.root_model.api_key_env == "OPENROUTER_API_KEY"
+    gemini = rlm(tmp_path, backend="gemini", backend_kwargs={})
+    assert gemini.template.root_model.model == "gemini-2.5-flash"
+    assert "generativelanguage.googleapis.com" in str(gemini.template.root_model.base_url)
+    azure = rlm(
+        tmp_path,
+        backend="azure_openai",
+        backend_kwargs={"azure_deployment": "gpt4o", "azure_endpoint": "https://r.openai.azure.com"},
+    )
+    assert azure.template.root_model.base_url == "https://r.openai.azure.com/openai/v1/"
+    claude = rlm(tmp_path, backend="anthropic", backend_kwargs={"model_name": "claude-x", "api_key": "k"})
+    assert claude.template.root_model.provider == "anthropic"
+    assert claude.credentials == {"ANTHROPIC_API_KEY": "k"}
+    sub = rlm(tmp_path, other_backends=["openai"], other_backend_kwargs=[{"model_name": "small"}])
+    assert sub.template.sub_model is not None and sub.template.sub_model.model == "small"
+
+
+def test_durable_rlm_takes_limits_as_keywords(tmp_path: Path) -> None:
+    made = DurableRLM("m", max_iterations=10, max_tokens=900, settings=Settings(data_dir=tmp_path))
+    assert (made.template.limits.max_iterations, made.template.limits.max_tokens) == (10, 900)
+    both = DurableRLM(
+        "m",
+        limits={"max_iterations": 3, "max_llm_calls": 4},
+        max_iterations=9,
+        settings=Settings(data_dir=tmp_path),
+    )
+    assert (both.template.limits.max_iterations, both.template.limits.max_llm_calls) == (9, 4)
+    with pytest.raises(
+        ConfigurationError, match="unknown argument\\(s\\) max_iteration; limits: max_iterations"
+    ):
+        DurableRLM("m", max_iteration=10, settings=Settings(data_dir=tmp_path))
+
+
+def test_rlms_exceptions_are_durable_rlm_errors() -> None:
+    error = TokenLimitExceededError(10, 5, "partial")
+    assert isinstance(error, DurableRLMError)
+    assert (error.tokens_used, error.token_limit, error.partial_answer) == (10, 5, "partial")
+
+
+# --- episodes in this process (the test's worker) --------------------------------------------
+
+
+def api_settings(temporal_address: str, session_dir: Path, queue: str) -> Settings:
+    return Settings(temporal_address=temporal_address, task_queue=queue, data_dir=session_dir)
+
+
+async def test_max_errors_raises_rlms_error_threshold(
+    temporal_address, session_dir, scripted, worker
+) -> None:
+    server = scripted(tree_script(["```repl\n1 / 0\n```"]))
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_errors=2,
+        max_iterations=6,
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    with pytest.raises(ErrorThresholdExceededError, match="2 consecutive errors \\(limit: 2\\)") as info:
+        await asyncio.to_thread(made.completion, "ctx", TASK)
+    assert info.value.threshold == 2
+    assert len(server.root_requests()) == 2
+
+
+async def test_max_tokens_raises_rlms_token_limit(temporal_address, session_dir, scripted, worker) -> None:
+    server = scripted(tree_script(["```repl\nprint('looking')\n```"]))
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_tokens=2_500,
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    with pytest.raises(TokenLimitExceededError) as info:
+        await asyncio.to_thread(made.completion, "ctx", TASK)
+    assert info.value.token_limit == 2_500 and 0 < info.value.tokens_used <= 2_500
+    assert server.root_requests()  # the budget paid for root calls before it ran out
+
+
+async def test_setup_code_tools_callbacks_and_logger(
+    temporal_address, session_dir, scripted, worker, tmp_path: Path
+) -> None:
+    turns = [
+        "```repl\nprint(base + table['a'], double(21), odd())\n```",
+        "```repl\nanswer['content'] = str(base + double(table['a']))\nanswer['ready'] = True\n```",
+    ]
+    server = scripted(tree_script(turns))
+    events: list[tuple] = []
+    logger = RLMLogger(log_dir=str(tmp_path / "logs"))
+
+    def double(x: int) -> int:
+        return 2 * x
+
+    def odd() -> object:
+        return {3, 4}
+
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        environment_kwargs={"setup_code": "base = 100"},
+        custom_tools={"double": double, "odd": odd, "table": {"a": 1}},
+        custom_system_prompt="You are a careful REPL user.",
+        logger=logger,
+        on_iteration_start=lambda depth, i: events.append(("start", depth, i)),
+        on_iteration_complete=lambda depth, i, took: events.append(("done", depth, i)),
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    result = await asyncio.to_thread(made.completion, "ctx", TASK)
+
+    assert result.response == "102"
+    assert result.ended_by == "answer_ready" and result.episode_id
+    output = server.root_requests()[1].last_user
+    assert "101 42 {3, 4}" in output
+    assert "[note: odd returned a set, which is not a JSON value; this is its repr]" in output
+    assert server.root_requests()[0].messages[0]["content"].startswith("You are a careful REPL user.")
+    assert events == [("start", 0, 1), ("done", 0, 1), ("start", 0, 2), ("done", 0, 2)]
+    (log_file,) = (tmp_path / "logs").glob("rlm_*.jsonl")
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    assert [line["type"] for line in lines] == ["metadata", "iteration", "iteration"], lines
+    assert result.metadata["iterations"][1]["code_blocks"][0]["result"]["final_answer"] == "102"
+    assert result.usage_summary.model_usage_summaries["gpt-x"].total_calls == 2
