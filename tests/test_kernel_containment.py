@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -254,3 +256,72 @@ def test_the_sweep_removes_empty_leaves_and_keeps_those_in_use() -> None:
             for suffix in ("-empty", "-busy"):
                 with contextlib.suppress(OSError):
                     os.rmdir(os.path.join(hierarchy.base, name + suffix))
+
+
+NOT_ROOT = """
+import json, os, struct, subprocess, sys
+directory, child, worker = sys.argv[1], sys.argv[2], int(sys.argv[3])
+process = subprocess.Popen(
+    [sys.executable, "-s", "-P", child, str(os.getpid()), directory], stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE, cwd=directory, env={"PATH": "/usr/bin:/bin", "HOME": directory},
+    start_new_session=True,
+)
+def send(message):
+    body = json.dumps(message).encode()
+    process.stdin.write(struct.pack(">I", len(body)) + body)
+    process.stdin.flush()
+def receive():
+    (length,) = struct.unpack(">I", process.stdout.read(4))
+    return json.loads(process.stdout.read(length))
+send({"op": "init", "seed": 1, "memory_mb": 1024, "audit_hook": False, "processes": 64, "seq": 1})
+layers = receive()["layers"]
+code = f"import os\\ntry:\\n    os.kill({worker}, 0)\\nexcept ProcessLookupError:\\n    print('none')"
+send({"op": "exec", "code": code, "cell_name": "<cell 1>", "timeout": 10, "limit": 1000, "seq": 2})
+print(json.dumps({"layers": layers, "stdout": receive()["stdout"]}))
+process.kill()
+"""
+
+
+def test_a_worker_that_is_not_root_still_gets_ipc_and_pid_namespaces_and_says_what_it_lacks(
+    sandboxes: Path,
+) -> None:
+    """The path of a worker running as an ordinary user (uid `nobody` here, with the system's
+    Python, standard library only as the sandbox is): its sandboxes share its uid, so the
+    PID namespace is what keeps them from signalling it; with no cgroup it can write, the
+    layers say memory is bounded per process only."""
+    python = "/usr/bin/python3"
+    setpriv = "/usr/bin/setpriv"
+    if not (os.path.exists(python) and os.path.exists(setpriv)):
+        pytest.skip("needs /usr/bin/python3 and setpriv to run as another user")
+    version = subprocess.run(
+        [python, "-c", "import sys; print(sys.version_info[:2] >= (3, 11))"], text=True, capture_output=True
+    )
+    if version.stdout.strip() != "True":
+        pytest.skip("the system's Python is older than the sandbox's code")
+    directory = sandboxes / "not-root"  # under /tmp, traversable by anyone
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)
+    out = subprocess.run(
+        [
+            setpriv,
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            python,
+            "-c",
+            NOT_ROOT,
+            str(directory),
+            str(Path(kernel.__file__).with_name("child.py")),
+            str(os.getpid()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    layers = seen["layers"]
+    assert layers["ipc_pid"] == "ipc+pid" and layers["network"] == "userns+netns", layers
+    assert "memory is bounded per process only" in layers["rlimits"], layers
+    assert layers["cgroup"].startswith("none"), layers
+    assert seen["stdout"] == "none\n"  # the worker, same uid, is not there to be signalled
