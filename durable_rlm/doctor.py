@@ -87,7 +87,7 @@ async def sandbox_layers(root: Path) -> list[Check]:
             layers.get("cgroup", "?")
             if layers.get("cgroup", "").startswith("whole sandbox")
             else f"no cgroup ({cgroups.support().reason or layers.get('cgroup', '?')}); "
-            + layers.get("rlimits", "?").partition("; ")[2],
+            + layers.get("rlimits", "?").partition("; ")[2].removeprefix("no cgroup: "),
         ),
         Check("sandbox", "rlimits", "ok", layers.get("rlimits", "?")),
         Check(
