@@ -9,6 +9,7 @@ store, which holds the conversation each root call was sent.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import sys
@@ -93,8 +94,15 @@ def run_metadata(timeline: Timeline) -> dict[str, Any]:
         "backend_kwargs": backend_kwargs,
         "environment_type": ENVIRONMENT_TYPE,
         "environment_kwargs": {},
-        "other_backends": [request.sub_model.provider] if request.sub_model is not None else None,
+        "other_backends": other_backends(request),
     }
+
+
+def other_backends(request: EpisodeRequest) -> list[str] | None:
+    """The backends the REPL's calls could use besides the root's: the sub-model (rlms's
+    other backend) and every `--other-model`; None when there are none, as rlms writes it."""
+    others = [*([request.sub_model] if request.sub_model is not None else []), *request.other_models]
+    return [m.provider for m in others] or None
 
 
 def _fork(fork: ForkOrigin) -> dict[str, Any]:
@@ -135,12 +143,38 @@ def code_block(cell: CellView, blobs: BlobStore) -> dict[str, Any]:
         "result": {
             "stdout": cell.stdout,
             "stderr": "\n".join(x for x in (cell.stderr, cell.error) if x),
-            "locals": dict(cell.variables),
+            "locals": {name: json_local(text) for name, text in cell.variables.items()},
             "execution_time": _seconds(cell.started_at, cell.ended_at, cell.reset_gap_s),
             "rlm_calls": [entry for _, entry in sorted(calls, key=lambda pair: pair[0])],
             "final_answer": cell.answer,
         },
     }
+
+
+def json_local(text: str) -> Any:
+    """A REPL variable as rlms's log holds it: a JSON value (rlms's `_serialize_value`),
+    the text itself for what is not a Python literal (a string, or an object's repr).
+    The history keeps each variable's bounded text view (strings as they are, numbers by
+    str, the rest by repr): a literal there is read back as the value it shows."""
+    if len(text) > 10_000 or "..." in text:  # a view cut by reprlib is not the value
+        return text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+    return _serialized(value)
+
+
+def _serialized(value: Any) -> Any:
+    """rlms 0.1.3's `_serialize_value` (rlm/core/types.py): JSON values stay, tuples are
+    lists, dict keys strings, and anything else its repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_serialized(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _serialized(v) for k, v in value.items()}
+    return repr(value)
 
 
 def sub_call(call: SubCall) -> dict[str, Any]:

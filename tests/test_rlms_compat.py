@@ -282,3 +282,32 @@ async def test_setup_code_tools_callbacks_and_logger(
     assert [line["type"] for line in lines] == ["metadata", "iteration", "iteration"], lines
     assert result.metadata["iterations"][1]["code_blocks"][0]["result"]["final_answer"] == "102"
     assert result.usage_summary.model_usage_summaries["gpt-x"].total_calls == 2
+
+
+# --- `drlm export --format rlms`: what rlms's own log holds -----------------------------------
+
+
+async def test_rlms_export_holds_locals_as_json_values_and_the_other_backends(
+    client, scripted, worker, blobs
+) -> None:
+    from durable_rlm.export import export_text
+    from durable_rlm.timeline import episode_timeline
+    from tests.conftest import request_for, run_episode
+    from tests.test_export import reserialised
+    from workflows.models import ModelSettings
+
+    cell = "```repl\nn = 42\nxs = [1, 2, (3, 4)]\nd = {'a': 1.5, 'b': None}\nname = 'late'\nseen = {7}\n```"
+    server = scripted(tree_script([cell, "FINAL(done)"]))
+    other = ModelSettings(model="other-m", base_url=server.base_url, provider="anthropic")
+    request = request_for(server, TASK, other_models=[other])
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.answer == "done"
+    timeline = await episode_timeline(client, result.episode_id)
+    lines = [json.loads(line) for line in export_text(timeline, blobs, "rlms").splitlines()]
+
+    assert lines[0]["other_backends"] == ["anthropic"]
+    local = lines[1]["code_blocks"][0]["result"]["locals"]
+    assert local["n"] == 42 and local["xs"] == [1, 2, [3, 4]] and local["d"] == {"a": 1.5, "b": None}
+    assert local["name"] == "late"
+    assert local["seen"] == "{7}"  # JSON cannot hold a set: its repr, as rlms writes it
+    assert reserialised(lines) == lines  # rlms's own classes read every line back
