@@ -104,6 +104,22 @@ class AttemptClock:
 
     def __init__(self) -> None:
         self.started = self.last_beat = time.monotonic()
+        PAUSES.watch()
+
+    def in_doubt(self) -> str | None:
+        """Why this attempt's result may be one the server no longer takes (a zombie's):
+        stale, or the process stood still for PAUSE_FENCE_S or more while it ran (a SIGSTOP,
+        a starved loop), long enough for a workflow task or heartbeat timeout to pass. Its
+        audit rows are then not written: the episode's rows are settled from history."""
+        why = self.stale()
+        if why is not None:
+            return why
+        # A step that began just after a stall may serve a task that went stale during it
+        # (handed to this worker's poll before the stall, delivered after): in doubt too.
+        longest = PAUSES.longest_since(self.started - PAUSE_FENCE_WINDOW_S)
+        if longest >= PAUSE_FENCE_S:
+            return f"the process stood still for {longest:.1f} s while it ran, or just before"
+        return None
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()
@@ -136,6 +152,60 @@ class AttemptClock:
                 "paused or starved); another attempt makes the call",
                 type=names.STALE_ATTEMPT,
             )
+
+
+PAUSE_FENCE_S = 2.0
+"""A stall of the worker's event loop this long during a step, or ending less than
+PAUSE_FENCE_WINDOW_S before it began, puts its result in doubt for the audit store (the
+shortest workflow task timeout the tests use is 2 s)."""
+
+PAUSE_FENCE_WINDOW_S = 5.0
+
+
+class PauseWatch:
+    """Notices when this process stood still: a task on the event loop ticks every TICK_S
+    and records every gap far longer than that (a SIGSTOP, a loop blocked or starved),
+    by the monotonic clock, which counts a stop. Bounded: the latest MAX_PAUSES."""
+
+    TICK_S = 0.25
+    MAX_PAUSES = 256
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []  # (start, end) of each long gap
+        self.last_tick = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self) -> None:
+        """Start ticking on the running loop (once per loop; a no-op outside one)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
+            return
+        self.last_tick = time.monotonic()
+        self._task = loop.create_task(self._tick(), name="drlm-pause-watch")
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.TICK_S)
+            now = time.monotonic()
+            if now - self.last_tick >= 4 * self.TICK_S:
+                self.pauses.append((self.last_tick, now))
+                del self.pauses[: -self.MAX_PAUSES]
+            self.last_tick = now
+
+    def longest_since(self, moment: float) -> float:
+        """The longest stall that ended after `moment` (the part after it), in seconds;
+        a stall still going on is counted up to now."""
+        now = time.monotonic()
+        # Just woken from a stall, this code may run before the tick that records it.
+        ongoing = now - max(self.last_tick, moment) if now - self.last_tick >= 4 * self.TICK_S else 0.0
+        longest = max((end - max(start, moment) for start, end in self.pauses if end > moment), default=0.0)
+        return max(longest, ongoing, 0.0)
+
+
+PAUSES = PauseWatch()
 
 
 _CLOCK: contextvars.ContextVar[AttemptClock | None] = contextvars.ContextVar(

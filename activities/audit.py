@@ -29,6 +29,7 @@ from temporalio.worker import (
     Interceptor,
 )
 
+from activities.attempts import attempt_clock, start_attempt_clock
 from durable_rlm import schema
 from workflows import names
 from workflows.models import (
@@ -434,9 +435,20 @@ class _AuditInbound(ActivityInboundInterceptor):
         self.writer = writer
 
     async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        start_attempt_clock()  # the step's life, for the fence below
         result = await super().execute_activity(input)
         info = activity.info()
         if info.activity_type == names.AUDIT_EPISODE or not input.args:
+            return result
+        doubt = attempt_clock().in_doubt()
+        if doubt is not None:
+            # Fenced: a zombie's rows must never stand over the accepted attempt's. Not
+            # knowing which this is, it writes none; the reconciler settles the episode's
+            # rows from its history (which holds the accepted result) on its next pass.
+            UNSETTLED.add(info.workflow_id or "")
+            log.info(
+                "audit rows of %s in %s left to history: %s", info.activity_type, info.workflow_id, doubt
+            )
             return result
         try:
             await self.writer.write(
@@ -447,6 +459,18 @@ class _AuditInbound(ActivityInboundInterceptor):
             # rebuild restores them), even if a cancel arrived while they were written.
             log.warning("audit rows of %s in %s not written: %r", info.activity_type, info.workflow_id, exc)
         return result
+
+
+UNSETTLED: set[str] = set()
+"""Episodes some of whose step rows this process fenced off (`_AuditInbound`): the
+reconciler (durable_rlm/runtime.py) rewrites their rows from history, then forgets them."""
+
+
+def take_unsettled() -> list[str]:
+    """The fenced episodes so far, forgotten here (the caller settles them)."""
+    taken = sorted(episode for episode in UNSETTLED if episode)
+    UNSETTLED.clear()
+    return taken
 
 
 def upsert_episode(engine: sa.Engine, record: AuditEpisodeInput) -> None:

@@ -254,6 +254,11 @@ async def running_workers(
                 await chore
         report = await drain(workers, runs, repl, drain_grace_s)
         forget_sandboxes(repl.slots)
+        if services.engine is not None and UNSETTLED:
+            # Rows this process fenced off are settled before it goes (audit.py): bounded,
+            # and best effort (any other worker's reconciler, or audit-rebuild, can too).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_settle(services), SETTLE_AT_EXIT_S)
         if on_drained is not None:
             on_drained(report)
 
@@ -377,19 +382,28 @@ async def _first_build(services: Services, name: str, build_id: str) -> None:
 
 
 SETTLE_EVERY_S = 2.0
+SETTLE_AT_EXIT_S = 15.0
+
+
+async def _settle(services: Services) -> None:
+    """Rewrite from history the rows of episodes whose steps' rows were fenced off."""
+    from durable_rlm.projection import rebuild_episode
+
+    assert services.engine is not None
+    for episode_id in take_unsettled():
+        await rebuild_episode(services.client, services.engine, episode_id)
 
 
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
     """Audit rows of episodes that ended without running code (terminated, timed out)."""
-    from durable_rlm.projection import rebuild_episode, reconcile_audit
+    from durable_rlm.projection import reconcile_audit
 
     while services.engine is not None:
         # The first pass runs at start: a row left `running` by a worker killed while it
         # closed an episode is settled now, not a minute later (most workers live less).
         try:
             await reconcile_audit(services.client, services.engine)
-            for episode_id in take_unsettled():  # steps whose rows were fenced off (audit.py)
-                await rebuild_episode(services.client, services.engine, episode_id)
+            await _settle(services)  # steps whose rows were fenced off (audit.py)
         except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
             logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)
         waited = 0.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import tempfile
 import threading
@@ -19,16 +20,21 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from temporalio.client import Client
 
 from activities.store_errors import store_problem
 from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.runtime import Services, running_workers
+from durable_rlm.codec import data_converter
+from durable_rlm.episodes import start_episode
+from durable_rlm.projection import rebuild_audit
+from durable_rlm.runtime import EmbeddedServer, Services, running_workers
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.settings import Settings
-from durable_rlm.store import open_store
-from tests.conftest import request_for
+from durable_rlm.store import create_engine, open_store
+from tests.conftest import WorkerProcess, request_for
+from tests.test_audit import table_rows
 from workflows import names
-from workflows.models import EpisodeProgress, EpisodeResult
+from workflows.models import DurabilitySettings, EpisodeProgress, EpisodeResult
 
 
 @pytest.fixture
@@ -304,3 +310,48 @@ async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scri
         filled[0].unlink()
         result = await asyncio.wait_for(handle.result(), 120)
     assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "completed")
+
+
+@pytest.mark.chaos
+async def test_a_paused_worker_s_rows_never_stand_over_the_accepted_ones(tmp_path: Path, scripted) -> None:
+    """A worker stopped (SIGSTOP) while its root call waits for the model: the call's attempt
+    times out, another worker makes it again and finishes the episode. Resumed, the first
+    completes its stale attempt (the server refuses it): its rows are fenced off (it stood
+    still far past its heartbeat timeout), the episode's rows come from history, and a
+    rebuild of the audit store finds nothing to change."""
+    url = f"sqlite:///{tmp_path / 'audit.sqlite'}"
+    engine = open_store(url)
+    blobs = BlobStore(SqlBackend(engine))
+    turns = [Reply("```repl\nx = 5\n```", delay_s=4), "FINAL_VAR(x)"]
+    server = scripted(lambda r: turns[min(r.turn, 1)] if r.is_root else "-")
+    async with EmbeddedServer(tmp_path / "temporal.sqlite") as address:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        queue = f"zombie-{uuid.uuid4().hex[:6]}"
+        request = request_for(server, durability=DurabilitySettings(task_timeout_s=2, heartbeat_timeout_s=3))
+        first = WorkerProcess(address, url, queue)
+        second = None
+        try:
+            handle = await start_episode(client, request, queue, f"zombie-{uuid.uuid4().hex[:6]}")
+            for _ in range(300):
+                if server.root_requests():
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # the root call waits for the model's reply
+            first.process.send_signal(signal.SIGSTOP)
+            second = WorkerProcess(address, url, queue)
+            result = await asyncio.wait_for(handle.result(), 90)
+            first.process.send_signal(signal.SIGCONT)  # its step completes now: a zombie's
+            await asyncio.sleep(6)  # its reconciler settles what it fenced (every 2 s)
+        finally:
+            first.process.send_signal(signal.SIGCONT)
+            first.stop()
+            if second is not None:
+                second.stop()
+        assert result.answer == "5"
+        live = table_rows(engine)
+        await rebuild_audit(client, engine)
+        rebuilt = table_rows(create_engine(url))
+    for table in live:
+        assert rebuilt[table] == live[table], table
+    durations = [r["duration_s"] for r in live["audit_cells"]]
+    assert durations and all(d is None or d >= 0 for d in durations)

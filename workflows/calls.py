@@ -45,9 +45,9 @@ from workflows.retries import (
     ending_of,
     is_timeout,
     model_step_options,
+    model_step_outage,
     raise_if_cancelled,
     waits_for_credentials,
-    waits_for_store,
 )
 
 
@@ -115,8 +115,9 @@ async def sub_model_call(
             if site.wait_for_credentials is not None and waits_for_credentials(err):
                 await site.wait_for_credentials(describe_failure(err))
                 continue
-            if site.wait_for_store is not None and waits_for_store(err):
-                await site.wait_for_store(describe_failure(err), outages)
+            outage = model_step_outage(err) if site.wait_for_store is not None else None
+            if outage is not None and site.wait_for_store is not None:
+                await site.wait_for_store(outage, outages)
                 outages += 1
                 continue
             return CallResult(ok=False, text=describe_failure(err))

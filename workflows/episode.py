@@ -98,10 +98,10 @@ with workflow.unsafe.imports_passed_through():
         failure_cause,
         is_context_overflow,
         model_step_options,
+        model_step_outage,
         raise_if_cancelled,
         store_pause,
         waits_for_credentials,
-        waits_for_store,
     )
     from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
     from workflows.termination import (
@@ -736,8 +736,9 @@ class EpisodeWorkflow:
             try:
                 return await call()
             except ActivityError as err:
-                if waits_for_store(err):
-                    await self._wait_for_store(describe_failure(err), outages)
+                outage = model_step_outage(err)
+                if outage is not None:
+                    await self._wait_for_store(outage, outages)
                     outages += 1
                     continue
                 if not waits_for_credentials(err):
@@ -751,20 +752,22 @@ class EpisodeWorkflow:
             try:
                 return await call()
             except ActivityError as err:
-                if not waits_for_store(err):
+                outage = model_step_outage(err)
+                if outage is None:
                     raise
-                await self._wait_for_store(describe_failure(err), outages)
+                await self._wait_for_store(outage, outages)
                 outages += 1
 
     async def _wait_for_store(self, problem: str, outages: int) -> None:
-        """The store failed a step: say so (progress, `drlm watch`, the status attribute) and
-        wait before the step is asked again. Never an ending: only the deadline (which
-        cancels the loop, and this wait with it) or a person ends a waiting episode."""
+        """The store (or a worker) failed a step: say so (progress, `drlm watch`, the status
+        attribute) and wait before the step is asked again. Never an ending: only the
+        deadline (which cancels the loop, and this wait with it) or a person ends a waiting
+        episode. `problem` is the phase's text ("waiting for the store: ...")."""
         if self._store_waits == 0:
             self._phase_before_store = self._phase
             self._show_progress("waiting")
         self._store_waits += 1
-        self._waiting_for = f"waiting for the store: {problem}"
+        self._waiting_for = problem
         self._set_phase(self._waiting_for)
         try:
             await workflow.sleep(store_pause(outages))

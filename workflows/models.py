@@ -69,6 +69,11 @@ class ModelSettings(StrictModel):
     price: ModelPrice | None = Field(
         default=None, description="set from the price table when the request is made; None: cost unknown"
     )
+    reports_cost: bool = Field(
+        default=False,
+        description="the provider returns each call's cost (usage.cost: OpenRouter, LiteLLM proxies); "
+        "that figure is used, so max_cost_usd needs no price for this model",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -380,7 +385,7 @@ class EpisodeRequest(StrictModel):
         if self.limits.max_cost_usd is None:
             return self
         models = (self.root_model, self.effective_sub_model, *self.other_models)
-        unpriced = [m.model for m in models if m.price is None]
+        unpriced = [m.model for m in models if m.price is None and not m.reports_cost]
         if unpriced:
             raise ValueError(
                 f"max_cost_usd needs a price for every model the episode can call; none for "
@@ -446,6 +451,11 @@ class TokenUsage(StrictModel):
     cost_usd: float | None = Field(
         default=0.0, description="USD from the model's price; None once any call's price is unknown"
     )
+    cost_source: Literal["provider", "price_table"] | None = Field(
+        default=None,
+        description="where a call's cost_usd comes from: the provider's reply (usage.cost) or the "
+        "price table; None for a sum of calls or an unknown cost",
+    )
 
     @property
     def total_tokens(self) -> int:
@@ -455,7 +465,25 @@ class TokenUsage(StrictModel):
     def priced(cls, prompt_tokens: int, completion_tokens: int, price: ModelPrice | None) -> TokenUsage:
         """A call's usage and its cost: null for a model without a price, never a guess."""
         cost = None if price is None else price.cost(prompt_tokens, completion_tokens)
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cost_usd=cost)
+        source = None if price is None else "price_table"
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cost_usd=cost,
+            cost_source=source,
+        )
+
+    def with_reported_cost(self, reported: Any) -> TokenUsage:
+        """The provider's own figure for this call (`usage.cost`, as OpenRouter and LiteLLM
+        proxies return it) over the price table's; anything but a finite, non-negative
+        number is no report."""
+        if isinstance(reported, bool) or not isinstance(reported, (int, float)):
+            return self
+        if not 0 <= reported < float("inf"):  # also false for NaN
+            return self
+        return self.model_copy(
+            update={"cost_usd": round(float(reported), COST_DIGITS), "cost_source": "provider"}
+        )
 
     def add(self, other: TokenUsage) -> TokenUsage:
         known = self.cost_usd is not None and other.cost_usd is not None

@@ -79,6 +79,9 @@ PATCH_STEERING = "steering"
 # Seed 001: FINAL("hello") answers "hello", quotes included. Episodes recorded before kept
 # the answer with the quotes stripped (an answer can change a typed episode's next turn).
 PATCH_FINAL_AS_WRITTEN = "final-as-written"
+# A model step whose every attempt lost its worker (heartbeat timeout) waits for a worker
+# and is asked again; before, the episode ended (an infrastructure failure).
+PATCH_WAIT_OUT_LOST_WORKERS = "wait-out-lost-workers"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

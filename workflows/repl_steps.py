@@ -243,7 +243,7 @@ class ReplSteps:
                     state.repl_queue = None
                     continue
                 if self.wait_for_store is not None and waits_for_store(err):
-                    await self.wait_for_store(describe_failure(err), outages)
+                    await self.wait_for_store(f"waiting for the store: {describe_failure(err)}", outages)
                     outages += 1
                     continue
                 raise
@@ -277,7 +277,7 @@ class ReplSteps:
                 if self.wait_for_store is not None and waits_for_store(err):
                     # The store failed the step on every attempt: not the cell's fault, so
                     # not a lost cell. Wait for the store and ask the same step again.
-                    await self.wait_for_store(describe_failure(err), outages)
+                    await self.wait_for_store(f"waiting for the store: {describe_failure(err)}", outages)
                     outages += 1
                     continue
                 if error_type(err) != names.SANDBOXES_BUSY:
