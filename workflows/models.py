@@ -928,19 +928,21 @@ class LimitsUpdate(SteeringUpdate):
     """New values for some limits; those left None keep theirs. Lowering one below what is
     spent ends the episode by the normal limit path (fallback extraction)."""
 
-    max_iterations: int | None = Field(default=None, ge=1)
-    max_llm_calls: int | None = Field(default=None, ge=0)
+    max_iterations: int | None = None
+    max_llm_calls: int | None = None
     max_duration: timedelta | None = Field(default=None, description="counted from submission")
-    max_model_calls: int | None = Field(default=None, ge=2)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_cost_usd: float | None = Field(default=None, gt=0)
+    max_model_calls: int | None = None
+    max_tokens: int | None = None
+    max_cost_usd: float | None = None
 
-    @field_validator("max_duration")
-    @classmethod
-    def _positive(cls, value: timedelta | None) -> timedelta | None:
-        if value is not None and value <= timedelta(0):
-            raise ValueError("max_duration must be positive")
-        return value
+    @model_validator(mode="after")
+    def _within_the_limits_bounds(self) -> LimitsUpdate:
+        """One truth: each new value is checked by EpisodeLimits' own field (its bounds,
+        its validators), not by a second copy of them here."""
+        changes = self.changes()
+        if changes:
+            EpisodeLimits.model_validate(changes)
+        return self
 
     def changes(self) -> dict[str, Any]:
         return self.model_dump(exclude={"sender"}, exclude_none=True)

@@ -69,7 +69,8 @@ def limits_problem(request: EpisodeRequest, update: LimitsUpdate) -> str | None:
 
 
 def changed_limits(limits: EpisodeLimits, update: LimitsUpdate) -> EpisodeLimits:
-    return limits.model_copy(update=update.changes())
+    """The limits with the update applied, validated as a whole (model_copy would not)."""
+    return EpisodeLimits.model_validate({**limits.model_dump(), **update.changes()})
 
 
 def moved_deadline(deadline: datetime, old: timedelta, new: timedelta, cap: datetime | None) -> datetime:
