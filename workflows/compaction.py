@@ -1,5 +1,6 @@
 """When the conversation must be compacted to keep the next request inside the model's
-context window. Pure: the summary itself is a model call (activities/compaction.py).
+context window. Pure: the summary itself is a model call (`ModelActivities.compact_conversation`
+in activities/llm.py).
 
 rlms compacts when input tokens pass a share of the window; its users hit overflows
 because the reply's max_tokens was not reserved. Here the reply is reserved first.

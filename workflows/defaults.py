@@ -210,6 +210,8 @@ HARD_KILL_GRACE_S = 5.0
 """After a cell's timeout, how long its interrupt has before the process is killed."""
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+"""Largest single frame the worker reads from a sandbox's channel (a snapshot is the largest
+honest one); a longer one is a protocol error that kills that sandbox."""
 
 SANDBOX_FIELD_CHARS = 1_000_000
 """Longest error, answer, stderr or stdout a worker takes from a sandbox (the sandbox cuts
