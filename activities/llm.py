@@ -199,7 +199,7 @@ class ModelActivities:
             getattr(response.usage, "prompt_tokens", 0) or 0,
             getattr(response.usage, "completion_tokens", 0) or 0,
             settings.price,
-        )
+        ).with_reported_cost(getattr(response.usage, "cost", None))
         return Completion(message.content or "", usage, elapsed, mean_logprob(choice))
 
     async def _send(self, settings: ModelSettings, base_url: str, request: Awaitable[Any]) -> tuple[Any, Any]:

@@ -25,6 +25,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -105,6 +106,15 @@ def model_settings(
     return ModelSettings(**{**data, **(sampling or {}), "model": name})
 
 
+COST_REPORTING_HOSTS = ("openrouter.ai",)
+"""Endpoints known to return each call's cost (usage.cost); others say so with reports_cost."""
+
+
+def cost_reported_by(base_url: str | None) -> bool:
+    host = urlsplit(base_url).hostname or "" if base_url else ""
+    return any(host == known or host.endswith("." + known) for known in COST_REPORTING_HOSTS)
+
+
 def missing_key(model: ModelSettings, credentials: dict[str, str]) -> str | None:
     """Why the worker could not call `model` (no key and no local endpoint), or None."""
 
@@ -147,6 +157,7 @@ class DurableRLM:
         fallback_extraction: bool = True,
         approve: str = "none",
         api_key: str | None = None,
+        reports_cost: bool | None = None,
         settings: Settings | None = None,
         **limit_values: Any,
     ) -> None:
@@ -155,7 +166,9 @@ class DurableRLM:
         Limits come as `limits={...}` or as keywords (`max_iterations=10`), which win.
         `tools` / `sub_tools` (what child episodes offer) take functions, registered tool
         names, or rlms's dict of name -> function or data. `setup_code` is the REPL's first
-        cell; `system_prompt` replaces the built-in one."""
+        cell; `system_prompt` replaces the built-in one. `reports_cost`: the provider returns
+        each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
+        price for these models."""
         self.settings = settings or Settings.from_env()
         import_policy_modules(self.settings.policy_module_names)
         import_tool_modules(self.settings.tool_module_names)
@@ -175,6 +188,7 @@ class DurableRLM:
                 "request_timeout_s": request_timeout_s,
                 "max_attempts": max_attempts,
                 "logprobs": logprobs,
+                "reports_cost": reports_cost if reports_cost is not None else cost_reported_by(base_url),
             }
             prices = PriceTable.load(self.settings)
             root = prices.priced(model_settings(model, base, sampling, provider))
@@ -184,7 +198,8 @@ class DurableRLM:
                 # Given its own sampling, the sub-model does not inherit the root's.
                 sub_data = shared if sub_sampling is None else _without(shared, SAMPLING_KEYS)
                 if sub_base_url is not None:
-                    sub_data = {**sub_data, "base_url": sub_base_url}
+                    reported = reports_cost if reports_cost is not None else cost_reported_by(sub_base_url)
+                    sub_data = {**sub_data, "base_url": sub_base_url, "reports_cost": reported}
                 sub = model_settings(sub_model or model, sub_data, sub_sampling)
                 if sub_base_url is not None and sub.base_url != sub_base_url:
                     sub = ModelSettings(**(sub.model_dump() | {"base_url": sub_base_url}))

@@ -314,13 +314,14 @@ class Backend:
     base_url: str | None
     key_env: str
     needs_base_url: bool = False
+    reports_cost: bool = False  # usage.cost in each reply: max_budget needs no price table
 
 
 BACKENDS = {
     "openai": Backend("openai", None, "OPENAI_API_KEY"),
     "vllm": Backend("openai", None, "OPENAI_API_KEY", needs_base_url=True),
-    "litellm": Backend("openai", None, "LITELLM_API_KEY", needs_base_url=True),
-    "openrouter": Backend("openai", "https://openrouter.ai/api/v1", "OPENROUTER_API_KEY"),
+    "litellm": Backend("openai", None, "LITELLM_API_KEY", needs_base_url=True, reports_cost=True),
+    "openrouter": Backend("openai", "https://openrouter.ai/api/v1", "OPENROUTER_API_KEY", reports_cost=True),
     "vercel": Backend("openai", "https://ai-gateway.vercel.sh/v1", "AI_GATEWAY_API_KEY"),
     "gemini": Backend("openai", "https://generativelanguage.googleapis.com/v1beta/openai/", "GEMINI_API_KEY"),
     # Azure's v1 API is OpenAI-compatible at <endpoint>/openai/v1/ (azure_endpoint below).
@@ -338,6 +339,7 @@ class ModelChoice:
     key_env: str
     api_key: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
+    reports_cost: bool = False
 
 
 def model_choice(backend: str, kwargs: dict[str, Any] | None, what: str = "backend") -> ModelChoice:
@@ -377,7 +379,7 @@ def model_choice(backend: str, kwargs: dict[str, Any] | None, what: str = "backe
             f"{what} {backend!r}: backend_kwargs {', '.join(sorted(data))} are not used here "
             "(known: model_name, base_url, api_key, sampling_args; azure_endpoint for azure_openai)"
         )
-    return ModelChoice(name, spec.provider, base_url, spec.key_env, api_key, sampling)
+    return ModelChoice(name, spec.provider, base_url, spec.key_env, api_key, sampling, spec.reports_cost)
 
 
 # --- RLM -------------------------------------------------------------------------------------
@@ -491,6 +493,7 @@ class RLM(DurableRLM):
             sampling=sampling or None,
             sub_sampling=sub_sampling,
             api_key=root.api_key,
+            reports_cost=root.reports_cost or None,
             settings=settings,
         )
         self._key_variables(root, sub)

@@ -33,6 +33,7 @@ class Reply:
     raw: str | None = None
     content_type: str = "application/json"
     reset: bool = False  # the connection is reset (RST) instead of any reply
+    cost: float | None = None  # sent as usage.cost, as OpenRouter and LiteLLM proxies report it
 
 
 @dataclass
@@ -337,6 +338,7 @@ class ScriptedModelServer:
                             "prompt_tokens": prompt_chars // 4,
                             "completion_tokens": len(reply.text) // 4,
                             "total_tokens": prompt_chars // 4 + len(reply.text) // 4,
+                            **({"cost": reply.cost} if reply.cost is not None else {}),
                         },
                     },
                     reply.headers,

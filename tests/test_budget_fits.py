@@ -4,6 +4,8 @@ left. Real episodes on the dev server against the scripted model."""
 
 from __future__ import annotations
 
+import pytest
+
 from durable_rlm.scripted import root_and_sub
 from tests.conftest import request_for, run_episode
 from workflows.budget import CallEstimate, extraction_refusal, root_call_limit
@@ -84,3 +86,44 @@ class _Server:
 
 def request_for_unit(max_tokens: int):
     return request_for(_Server(), limits=limits(max_tokens))  # type: ignore[arg-type]
+
+
+# --- provider-reported cost: used when present, the price table otherwise ---------------------
+
+
+async def test_a_cost_budget_counts_the_cost_the_provider_reports(client, scripted, worker) -> None:
+    from durable_rlm.scripted import Reply
+    from durable_rlm.timeline import episode_timeline
+    from workflows.models import EpisodeRequest
+
+    # No price for this model: max_cost_usd works because the provider reports each cost.
+    server = scripted(root_and_sub([Reply(text="```repl\nprint(1)\n```", cost=0.02)]))
+    data = request_for(server).model_dump()
+    data["limits"] = EpisodeLimits(max_iterations=8, max_cost_usd=0.05, cell_timeout_s=10).model_dump()
+    with pytest.raises(ValueError, match="max_cost_usd needs a price"):
+        EpisodeRequest.model_validate(data)
+    data["root_model"]["reports_cost"] = True
+    request = EpisodeRequest.model_validate(data)
+    result = await run_episode(client, request, worker.task_queue)
+
+    assert result.ended_by == "max_cost_usd"
+    assert len(server.root_requests()) == 3  # 0.02 each: the third passes 0.05, then nothing more
+    assert result.usage.cost_usd == pytest.approx(0.06)
+    timeline = await episode_timeline(client, result.episode_id)
+    assert [it.usage.cost_source for it in timeline.iterations if it.usage] == ["provider"] * 3
+
+
+async def test_without_a_reported_cost_the_price_table_prices_the_call(client, scripted, worker) -> None:
+    from durable_rlm.timeline import episode_timeline
+    from workflows.models import EpisodeRequest, ModelPrice
+
+    server = scripted(root_and_sub(["```repl\nx = 1\n```", "FINAL_VAR(x)"]))
+    data = request_for(server).model_dump()
+    data["limits"] = EpisodeLimits(max_iterations=4, max_cost_usd=1.0, cell_timeout_s=10).model_dump()
+    data["root_model"]["price"] = ModelPrice(input_usd_per_mtok=1.0, output_usd_per_mtok=2.0).model_dump()
+    request = EpisodeRequest.model_validate(data)
+    result = await run_episode(client, request, worker.task_queue)
+    timeline = await episode_timeline(client, result.episode_id)
+    usages = [it.usage for it in timeline.iterations if it.usage]
+    assert [u.cost_source for u in usages] == ["price_table"] * 2
+    assert result.usage.cost_usd == pytest.approx(sum(u.cost_usd for u in usages))
