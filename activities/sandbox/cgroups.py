@@ -31,8 +31,10 @@ import errno
 import logging
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -236,12 +238,40 @@ class Leaf:
     paths: list[str]
 
     def remove(self) -> bool:
-        """Kill what is left in it and remove it; False if a directory stays (a process
-        still exiting: the reaper's `sweep` removes it later)."""
-        removed = True
-        for path in self.paths:
-            removed &= _remove(path)
-        return removed
+        """Kill what is left in it and remove it. Called on the worker's event loop, a leaf
+        still busy (its last process exiting) is tried again later on the loop, never waited
+        for; elsewhere the wait is a few tens of ms. False if a directory stays for now (the
+        reaper's `sweep` removes what is left for good)."""
+        busy = [path for path in self.paths if not _remove(path, attempts=1)]
+        if not busy:
+            return True
+        loop = _running_loop()
+        if loop is None:
+            return all(_remove(path) for path in busy)
+        for path in busy:
+            loop.call_later(RETRY_S, _retry, loop, path, 1)
+        return False
+
+
+RETRY_S = 0.05
+RETRIES = 20
+
+
+def _retry(loop: Any, path: str, attempt: int) -> None:
+    if not _remove(path, attempts=1) and attempt < RETRIES:
+        loop.call_later(RETRY_S * attempt, _retry, loop, path, attempt + 1)
+
+
+def _running_loop() -> Any:
+    """The running asyncio loop, if this is a worker's thread running one (the sandbox, which
+    loads this file too, never imports asyncio)."""
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is None:
+        return None
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _pids(path: str) -> list[int]:
@@ -268,7 +298,8 @@ def _remove(path: str, attempts: int = 3) -> bool:
         for pid in _pids(path):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01 * (attempt + 1))  # the killed are exiting; the next rmdir usually holds
+        if attempt + 1 < attempts:
+            time.sleep(0.01 * (attempt + 1))  # the killed are exiting; the next rmdir usually holds
     return False
 
 
