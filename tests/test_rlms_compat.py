@@ -311,3 +311,91 @@ async def test_rlms_export_holds_locals_as_json_values_and_the_other_backends(
     assert local["name"] == "late"
     assert local["seen"] == "{7}"  # JSON cannot hold a set: its repr, as rlms writes it
     assert reserialised(lines) == lines  # rlms's own classes read every line back
+
+
+# --- tools as rlms has them ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tools", "message"),
+    [
+        ([42], "tool 42 \\(at position 0, a int\\) is neither a function nor the name"),
+        ("lookup", "tools must be a list of functions or tool names, or a dict"),
+        ({"1bad": len}, "tool name '1bad' is not a Python identifier"),
+        ({"_private": 1}, "tool name '_private' is not a Python identifier"),
+        (["no_such_tool"], "unknown tool\\(s\\) no_such_tool"),
+    ],
+)
+def test_every_tool_misuse_is_a_configuration_error_naming_the_tool(
+    tmp_path: Path, tools, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        DurableRLM("m", tools=tools, settings=Settings(data_dir=tmp_path))
+
+
+async def test_sub_tools_reach_child_episodes_only(client, scripted, worker) -> None:
+    from durable_rlm.tools import tool_specs
+    from tests import tool_plugins
+    from tests.conftest import request_for, run_episode
+
+    assert tool_plugins.PRICES
+    seen = "print('{who}', 'lookup_price' in globals(), 'not_json' in globals())"
+    root_turns = [f"```repl\n{seen.format(who='ROOT')}\nr = rlm_query('c')\n```", "FINAL(done)"]
+    child_turns = [f"```repl\n{seen.format(who='CHILD')}\n```", "FINAL(child)"]
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not request.is_root:
+            return "sub"
+        turns = (
+            root_turns if any(TASK in str(m.get("content", "")) for m in request.messages) else child_turns
+        )
+        return turns[min(request.turn, 1)]
+
+    server = scripted(script)
+    request = request_for(
+        server, TASK, tools=tool_specs(["lookup_price"]), sub_tools=tool_specs(["not_json"]), max_depth=2
+    )
+    result = await run_episode(client, request, worker.task_queue)
+    assert result.answer == "done"
+    root_seen = [r.last_user for r in server.root_requests() if r.turn == 1 and TASK in str(r.messages)]
+    child_seen = [r.last_user for r in server.root_requests() if r.turn == 1 and TASK not in str(r.messages)]
+    assert "ROOT True False" in root_seen[0]
+    assert "CHILD False True" in child_seen[0]
+
+
+async def test_max_budget_raises_rlms_budget_exceeded_with_the_cost_the_provider_reports(
+    temporal_address, session_dir, scripted, worker
+) -> None:
+    from durable_rlm import BudgetExceededError
+
+    server = scripted(lambda request: Reply(text="```repl\nprint(1)\n```", cost=0.02))
+    made = RLM(
+        backend="litellm",  # an OpenAI-compatible proxy that reports each call's cost
+        backend_kwargs={"model_name": "unpriced-model", "base_url": server.base_url},
+        max_budget=0.05,
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    with pytest.raises(BudgetExceededError) as info:
+        await asyncio.to_thread(made.completion, "ctx", TASK)
+    assert info.value.budget == 0.05 and info.value.spent == pytest.approx(0.06)
+
+
+@pytest.mark.chaos
+async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
+    client, scripted, worker_processes
+) -> None:
+    from durable_rlm.episodes import start_episode
+    from tests.conftest import request_for
+    from tests.test_crash import wait_until
+
+    turns = [Reply(text="```repl\nprint('base is', base)\n```", delay_s=4), "FINAL(done)"]
+    server = scripted(tree_script(turns))
+    first = worker_processes()
+    request = request_for(server, TASK, setup_code="base = 100")
+    handle = await start_episode(client, request, worker_processes.queue, f"setup-{os.getpid()}-{id(server)}")
+    await wait_until(lambda: len(server.root_requests()) == 1)  # the setup cell ran before this call
+    first.kill()  # its sandbox, and the namespace the setup cell made, are gone
+    worker_processes()
+    result = await asyncio.wait_for(handle.result(), 90)
+    assert result.answer == "done"
+    assert "base is 100" in server.root_requests()[-1].last_user  # the rebuilt REPL ran it again
