@@ -584,7 +584,7 @@ class RLM(DurableRLM):
         elapsed = time.perf_counter() - started
         usage = usage_by_model(timeline, result, self.root_model_name)
         self._replay_to_logger(services, timeline)
-        self._subcall_callbacks(timeline)
+        self._subcall_callbacks(services, timeline)
         self._raise_for_limit(result, elapsed)
         response = result.answer if result.answer is not None else ""
         if self.verbose:
@@ -641,7 +641,7 @@ class RLM(DurableRLM):
             body = {k: v for k, v in entry.items() if k not in ("type", "iteration", "timestamp")}
             self.logger.log(_Logged(body))
 
-    def _subcall_callbacks(self, timeline: Timeline) -> None:
+    def _subcall_callbacks(self, services: Services, timeline: Timeline) -> None:
         """rlms fires these around each child RLM; here each child episode is reported
         once its history is read, with the time it ran."""
         if not (self.on_subcall_start or self.on_subcall_complete):
@@ -649,7 +649,7 @@ class RLM(DurableRLM):
         for it in timeline.iterations:
             for cell in it.cells:
                 for child in cell.children:
-                    prompt = ""
+                    prompt = services.blobs.get_text(child.context.digest) if child.context else ""
                     _quietly(self.on_subcall_start, 1, child.model, prompt[:80])
                     t = child.timeline
                     took = (

@@ -399,3 +399,28 @@ async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
     result = await asyncio.wait_for(handle.result(), 90)
     assert result.answer == "done"
     assert "base is 100" in server.root_requests()[-1].last_user  # the rebuilt REPL ran it again
+
+
+async def test_max_timeout_raises_rlms_timeout_and_subcalls_and_verbose_are_reported(
+    temporal_address, session_dir, scripted, worker, capsys
+) -> None:
+    from durable_rlm import TimeoutExceededError
+
+    turns = ["```repl\nr = rlm_query('1,2,3')\nprint(r)\n```", Reply(text="FINAL(late)", delay_s=30)]
+    server = scripted(tree_script(turns))
+    subcalls: list[tuple] = []
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_depth=2,
+        max_timeout=8,
+        verbose=True,
+        on_subcall_start=lambda depth, model, preview: subcalls.append(("start", depth, model, preview)),
+        on_subcall_complete=lambda depth, model, took, error: subcalls.append(("done", depth, model, error)),
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    with pytest.raises(TimeoutExceededError) as info:
+        await asyncio.to_thread(made.completion, "ctx", TASK)
+    assert info.value.timeout == 8
+    assert subcalls == [("start", 1, "gpt-x", "1,2,3"), ("done", 1, "gpt-x", None)]
+    printed = capsys.readouterr().out
+    assert "[durable-rlm] iteration 1:" in printed and "[durable-rlm] iteration 2:" in printed
