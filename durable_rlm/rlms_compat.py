@@ -621,9 +621,20 @@ class RLM(DurableRLM):
                 if self.verbose and progress is not None:
                     print(f"[durable-rlm] iteration {seen}: {progress.phase}")
             if done:
-                if seen:
+                end = ending.result()
+                # Iterations too quick for a poll to see are reported when the end says so.
+                last = max(seen, end.result.iterations if end.result is not None else 0)
+                while seen <= last and seen:
                     _quietly(self.on_iteration_complete, 0, seen, time.perf_counter() - since)
-                return ending.result()
+                    if seen == last:
+                        break
+                    seen, since = seen + 1, time.perf_counter()
+                    _quietly(self.on_iteration_start, 0, seen)
+                if not seen and last:
+                    for number in range(1, last + 1):
+                        _quietly(self.on_iteration_start, 0, number)
+                        _quietly(self.on_iteration_complete, 0, number, 0.0)
+                return end
 
     async def _timeline(self, services: Services, episode_id: str) -> Timeline:
         from durable_rlm.timeline import episode_timeline
