@@ -16,6 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client
 from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentConfig, WorkerTuner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
@@ -252,7 +254,7 @@ async def running_workers(
         for chore in chores:
             with contextlib.suppress(BaseException):
                 await chore
-        report = await drain(workers, runs, repl, drain_grace_s)
+        report = await drain(workers, runs, repl, drain_grace_s, services.client)
         forget_sandboxes(repl.slots)
         if services.engine is not None and UNSETTLED:
             # Rows this process fenced off are settled before it goes (audit.py): bounded,
@@ -289,7 +291,11 @@ LOCAL_MARK = " (local)"
 
 
 async def drain(
-    workers: Sequence[Worker], runs: Sequence[asyncio.Task[None]], repl: ReplActivities, grace_s: float
+    workers: Sequence[Worker],
+    runs: Sequence[asyncio.Task[None]],
+    repl: ReplActivities,
+    grace_s: float,
+    client: Client | None = None,
 ) -> DrainReport:
     """Stop polling, let the work in flight finish, then close the sandboxes.
 
@@ -303,6 +309,7 @@ async def drain(
     began = time.monotonic()
     in_flight = _in_flight(workers)
     stopping = asyncio.gather(*(w.shutdown() for w in workers))
+    handing_back = asyncio.ensure_future(_hand_back_sticky(client, workers, stopping)) if client else None
     await asyncio.wait([stopping], timeout=grace_s)
     overran = _in_flight(workers) if not stopping.done() else {}
     with contextlib.suppress(BaseException):  # a worker's fatal error was logged by the SDK
@@ -310,6 +317,10 @@ async def drain(
     for run in runs:
         with contextlib.suppress(BaseException):
             await run
+    if handing_back is not None:
+        handing_back.cancel()
+        with contextlib.suppress(BaseException):
+            await handing_back
     sandboxes = len(repl.live_episodes())
     await repl.close_all()
     return DrainReport(
@@ -332,6 +343,42 @@ def _in_flight(workers: Sequence[Worker]) -> dict[bytes, str]:
             name = str(getattr(info, "activity_type", "activity"))
             running[token] = name + LOCAL_MARK if getattr(info, "is_local", False) else name
     return running
+
+
+HAND_BACK_EVERY_S = 0.2
+
+
+async def _hand_back_sticky(client: Client, workers: Sequence[Worker], stopping: asyncio.Future) -> None:
+    """While a worker drains, its episodes' next workflow tasks must not go to its sticky
+    queue, which nobody polls any more: each would wait there for its schedule-to-start
+    timeout (a WorkflowTaskTimedOut in history) before the server moves it. The SDK tells the
+    server only once the drain is over, after the calls in flight have completed and made
+    those tasks. So, from the drain's start, the stickiness of every episode this worker
+    holds (or runs an activity of) is reset, again each HAND_BACK_EVERY_S while a task it
+    is still completing may set it again: the next task goes to the shared queue at once."""
+    while not stopping.done():
+        executions: set[tuple[str, str]] = set()
+        for worker in workers:
+            table = getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None)
+            for run_id, running in list(dict(table or {}).items()):
+                executions.add((str(getattr(running, "workflow_id", "")), str(run_id)))
+            activities = getattr(getattr(worker, "_activity_worker", None), "_running_activities", None)
+            for activity in list(dict(activities or {}).values()):
+                info = getattr(activity, "info", None)
+                if info is not None and not getattr(info, "is_local", False):
+                    executions.add((str(info.workflow_id), str(info.workflow_run_id)))
+        resets = [
+            client.workflow_service.reset_sticky_task_queue(
+                ResetStickyTaskQueueRequest(
+                    namespace=client.namespace,
+                    execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
+                )
+            )
+            for workflow_id, run_id in executions
+            if workflow_id
+        ]
+        await asyncio.gather(*resets, return_exceptions=True)  # an ended episode: nothing to do
+        await asyncio.wait([stopping], timeout=HAND_BACK_EVERY_S)
 
 
 def _cached_episodes(worker: Worker) -> int:
