@@ -103,3 +103,12 @@ def test_the_risk_benchmark_prints_its_ratio_to_parsing() -> None:
 def test_the_time_travel_benchmark_prints_its_ratios() -> None:
     out = run_bench("time_travel.py", "--iterations", "4", timeout=600)
     assert re.search(r"\s+4\s+\d+ \(\s*6\)\s+\d+\s+\d+\s+\d+ \(1\)\s+\d+\s+[0-9.]+x\s+[0-9.]+x", out), out
+
+
+@pytest.mark.slow
+def test_the_concurrency_benchmark_files_its_worker_output_and_counts_late_tasks() -> None:
+    """A small N (5 episodes at 0.5 s): the worker's output is filed and measured, and the
+    tasks past their timeout are counted apart from waits (issue 38)."""
+    out = run_bench("concurrency.py", "--quick", timeout=600)
+    assert re.search(r"N=5: tasks past their timeout .*?\s0\s", out), out
+    assert "N=5: worker output per minute" in out and "N=5: episodes per minute" in out
