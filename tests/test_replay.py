@@ -167,6 +167,8 @@ LATER = [
     "steering",
     "fork",
     "final_as_written",
+    "token_budget_fits",
+    "setup_code",
 ]  # recorded after the ui-metadata patch: they carry its marker too
 
 
@@ -186,6 +188,8 @@ def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
             "steering",
             "fork",
             "final_as_written",
+            "token_budget_fits",
+            "setup_code",
         )  # recorded after it
         assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
@@ -197,9 +201,35 @@ def test_a_history_of_an_episode_ended_by_its_cost_budget_is_stored() -> None:
     # episodes without such a budget never ask for it, so no other history has the marker.
     for path in HISTORIES:
         marked = _has_patch_marker(path.name, names.PATCH_BUDGET_RESERVE)
-        assert marked == (path.stem == "cost_budget"), path.stem
+        assert marked == (path.stem in ("cost_budget", "token_budget_fits")), path.stem
     assert names.EXTRACT_FALLBACK in _activity_types("cost_budget.json")
     assert "WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in "".join(_event_types("cost_budget.json"))
+
+
+def test_both_sides_of_the_budget_fits_patch_are_stored() -> None:
+    # Recorded before it: a budget kept an extraction's room from the first call on.
+    assert not _has_patch_marker("cost_budget.json", names.PATCH_BUDGET_FITS)
+    # Recorded after: a 2,500-token budget makes its root calls, then extracts.
+    assert _has_patch_marker("token_budget_fits.json", names.PATCH_BUDGET_FITS)
+    types = _activity_types("token_budget_fits.json")
+    assert types.count(names.ROOT_COMPLETION) >= 2 and types[-2:].count(names.EXTRACT_FALLBACK) >= 1
+
+
+def test_a_history_with_setup_code_runs_it_before_the_first_root_call() -> None:
+    assert _has_patch_marker("setup_code.json", names.PATCH_SETUP_CODE)
+    assert not any(
+        _has_patch_marker(p.name, names.PATCH_SETUP_CODE) for p in HISTORIES if p.stem != "setup_code"
+    )
+    events = json.loads((HISTORIES[0].parent / "setup_code.json").read_text())["events"]
+    steps = []  # REPL steps here are local activities (markers); model calls are scheduled
+    for event in events:
+        marker = event.get("markerRecordedEventAttributes", {})
+        if marker.get("markerName") == "core_local_activity":
+            data = json.loads(base64.b64decode(marker["details"]["data"]["payloads"][0]["data"]))
+            steps.append(data["activity_type"])
+        elif "activityTaskScheduledEventAttributes" in event:
+            steps.append(event["activityTaskScheduledEventAttributes"]["activityType"]["name"])
+    assert steps.index(names.REPL_EXECUTE) < steps.index(names.ROOT_COMPLETION)
 
 
 def test_a_history_with_a_step_that_waited_for_a_sandbox_is_stored() -> None:

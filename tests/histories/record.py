@@ -360,6 +360,38 @@ async def record_budgets(client: Client, only: set[str]) -> None:
         (HERE / "cost_budget.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def record_rlms_compat(client: Client, only: set[str]) -> None:
+    """Issue 36's patches: a 2,500-token budget that makes its root calls and extracts
+    (budget-fits), and rlms's setup_code as the REPL's first cell (setup-code)."""
+    if "token_budget_fits" in only:
+        script = root_and_sub(["```repl\nprint('looking')\n```"], extract=lambda p: '{"answer": "1"}')
+        with ScriptedModelServer(script) as server:
+            request = EpisodeRequest(
+                task="record a history",
+                root_model=ModelSettings(model="scripted", base_url=server.base_url),
+                limits=EpisodeLimits(max_iterations=8, max_tokens=2_500),
+                seed=1,
+            )
+            result = await save_history(client, "token_budget_fits", request)
+            assert result.ended_by == "max_tokens" and result.answer_source == "extraction", result
+    if "setup_code" in only:
+        script = root_and_sub(
+            [
+                "```repl\nprint(base)\n```",
+                "```repl\nanswer['content'] = base + 1\nanswer['ready'] = True\n```",
+            ]
+        )
+        with ScriptedModelServer(script) as server:
+            request = EpisodeRequest(
+                task="record a history",
+                root_model=ModelSettings(model="scripted", base_url=server.base_url),
+                setup_code="base = 41",
+                seed=1,
+            )
+            result = await save_history(client, "setup_code", request)
+            assert result.answer == "42", result
+
+
 async def record_audit_aside(client: Client, only: set[str]) -> None:
     """The opening audit written beside the loop, the closing one bounded (audit-aside)."""
     if "audit_aside" not in only:
@@ -539,6 +571,7 @@ async def record(only: set[str]) -> None:
             await record_local_steps(client, blobs, work, only)
             await record_snapshots(client, blobs, only)
             await record_budgets(client, only)
+            await record_rlms_compat(client, only)
             await record_audit_aside(client, only)
             await record_steering(client, only)
             await record_fork(client, only)
