@@ -26,6 +26,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 from google.protobuf.message import DecodeError
 from temporalio.api.common.v1 import Payload
@@ -343,8 +344,11 @@ class CodecServer:
         threshold: int = DEFAULT_THRESHOLD,
         path_secret: str | None = None,
         owner_uid: int | None = None,
+        pages: Any | None = None,
     ) -> None:
         self.blobs = blobs
+        # The episode pages (durable_rlm/episode_page.py): served under the same capability.
+        self.pages = pages
         if path_secret is not None and (not path_secret or "/" in path_secret):
             raise ConfigurationError("a codec server's path secret is one non-empty path segment")
         self.path_secret = path_secret
@@ -398,6 +402,8 @@ class CodecServer:
             self._thread.join(5)
             self._thread = None
         self._server.server_close()
+        if self.pages is not None:
+            self.pages.close()
 
     def __enter__(self) -> CodecServer:
         return self.start()
@@ -504,6 +510,9 @@ class CodecServer:
             def do_GET(self) -> None:  # noqa: N802
                 if not self._capable():
                     return
+                if server.pages is not None and server.pages.owns(self._path()):
+                    self._page(lambda: server.pages.get(self._path(), self._query(), self._base()))
+                    return
                 if self._path() == "/":
                     self._send(
                         200, {"service": "drlm codec server", "endpoints": ["POST /decode", "POST /encode"]}
@@ -533,8 +542,49 @@ class CodecServer:
                 last = self._path().rsplit("/", 1)[-1]
                 return last if last in ("decode", "encode") else None
 
+            def _body(self) -> bytes | None:
+                """A page action's body (small: 64 KB at most), or None after an error."""
+                length = self.headers.get("Content-Length")
+                if length is None or not length.isdigit() or int(length) > 64 * 1024:
+                    self._error(411 if length is None else 413, "a JSON body of at most 64 KB")
+                    return None
+                return self.rfile.read(int(length))
+
+            def _query(self) -> dict[str, list[str]]:
+                return parse_qs(self.path.partition("?")[2])
+
+            def _base(self) -> str:
+                return f"/{server.path_secret}" if server.path_secret else ""
+
+            def _page(self, answer: Any) -> None:
+                """An episode page's answer, with the page's security headers."""
+                from durable_rlm.episode_page import SECURITY_HEADERS
+
+                try:
+                    response = answer()
+                except Exception as exc:  # one line to the browser, the traceback to the log
+                    log.exception("episode page: %s failed", self._path())
+                    self._error(
+                        500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    )
+                    return
+                self.send_response(response.status)
+                self.send_header("Content-Type", response.content_type)
+                self.send_header("Content-Length", str(len(response.body)))
+                for key, value in {**SECURITY_HEADERS, **response.headers}.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(response.body)
+
             def _post(self) -> None:
-                if not self._capable() or self._origin_refused():
+                if not self._capable():
+                    return
+                if server.pages is not None and server.pages.owns(self._path()):
+                    body = self._body()
+                    if body is not None:
+                        self._page(lambda: server.pages.post(self._path(), body, self.headers, server.port))
+                    return
+                if self._origin_refused():
                     return
                 action = self._action()
                 if action is None:

@@ -552,14 +552,16 @@ def _codec_server(settings: Settings, ui: int, secret: str) -> Any:
     to the owner's uid with the capability only (it opens DRLM_ENCRYPTION_KEYS' payloads)."""
     from durable_rlm.codec_server import CodecServer, ui_origins
     from durable_rlm.connection import open_stores
+    from durable_rlm.episode_page import EpisodePages
 
-    blobs, _ = open_stores(settings)
+    blobs, engine = open_stores(settings)
     return CodecServer(
         blobs,
         origins=ui_origins(ui),
         threshold=settings.claim_check_threshold,
         path_secret=secret,
         owner_uid=os.getuid(),
+        pages=EpisodePages(settings, blobs, engine),  # the episode pages, behind the same capability
     ).start()
 
 

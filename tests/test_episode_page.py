@@ -1,0 +1,372 @@
+"""The episode page (durable_rlm/episode_page.py), served by the shared server's supervisor
+beside its codec server, read and steered by a real browser.
+
+Episodes run for real (embedded server, in-process worker, the scripted OpenAI-compatible
+server); the page is fetched over HTTP from the supervisor, and headless Chromium (Debian's
+`chromium`; `.ci/run` installs it) is driven over the DevTools protocol on a pipe: it reads
+the pages, clicks Approve on a pending cell and sees the cell run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import itertools
+import json
+import os
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from durable_rlm.api import DurableRLM
+from durable_rlm.runtime import free_port
+from durable_rlm.scripted import SCRIPTED_SUMMARY, ChatRequest, Reply
+from durable_rlm.server import ServerFiles
+from durable_rlm.settings import Settings
+from durable_rlm.timeline import Timeline, episode_timeline
+from tests.test_viewer import browser
+
+ROOT = Path(__file__).resolve().parents[1]
+HOSTILE = "<script>alert('pwned')</script><img src=x onerror=alert(1)>"
+PRINT_BIG = "```repl\nchunk = 'x' * 6000\nprint(chunk)\n```"
+ROOT_TURNS = [
+    "Let me **look** at the task first.\n\n```repl\nr = llm_query('say hi')\nprint('sub said', r)\n```",
+    *[PRINT_BIG] * 5,
+    f"A child should do it. {HOSTILE}\n\n```repl\nc = rlm_query('count to three', model='child-m')\n"
+    "print('child said', c)\n```",
+    "FINAL(the child counted: one two three)",
+]
+
+
+def tree_script() -> Any:
+    """Root turns by how many root calls came before (compaction rewrites the history)."""
+    counter = itertools.count()
+
+    def script(request: ChatRequest) -> Reply | str:
+        if request.is_compaction:
+            return SCRIPTED_SUMMARY
+        if request.is_root and request.model == "child-m":
+            return "FINAL(one two three)"
+        if request.is_root:
+            return ROOT_TURNS[min(next(counter), len(ROOT_TURNS) - 1)]
+        return request.last_user.upper()
+
+    return script
+
+
+@contextlib.asynccontextmanager
+async def session(tmp_path: Path, base_url: str, **options: Any) -> Any:
+    settings = Settings(data_dir=tmp_path, ui_port=free_port(), server_idle_s=30)
+    rlm = DurableRLM("root-m", base_url=base_url, other_models=["child-m"], settings=settings, **options)
+    services = await rlm.open()
+    try:
+        yield rlm, services, settings
+    finally:
+        await rlm.close()
+
+
+def page_base(settings: Settings) -> str:
+    """The codec endpoint (with its capability) the supervisor wrote into state.json."""
+    state = ServerFiles.of(settings).read_state()
+    assert state is not None and state.get("codec"), state
+    return str(state["codec"])
+
+
+def fetch(url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url, data=data, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class _Text(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts: list[str] = []
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def text_of(page: str) -> str:
+    parser = _Text()
+    parser.feed(page)
+    return "".join(parser.parts)
+
+
+def show_items(timeline: Timeline) -> Iterator[str]:
+    """Each thing `drlm show` prints about an episode, as text a reader must find on its page."""
+    yield timeline.episode_id
+    yield timeline.task
+    for it in timeline.iterations:
+        yield f"Iteration {it.iteration}"
+        yield from it.compactions
+        if it.response is not None:
+            yield it.response
+        for cell in it.cells:
+            yield f"cell {cell.cell_index}"
+            yield cell.code
+            yield from (x for x in (cell.stdout, cell.stderr, cell.error) if x)
+            for call in cell.sub_calls:
+                yield call.prompt
+                yield call.reply or ""
+            for child in cell.children:
+                yield child.episode_id
+                if child.timeline is not None and child.timeline.result is not None:
+                    yield f"answer: {child.timeline.result.answer}"
+    for action in timeline.actions:
+        yield action.kind
+        yield action.detail
+    r = timeline.result
+    if r is not None:
+        yield from (str(r.answer), r.ended_by, r.stop_reason, f"{r.iterations} iteration(s)")
+        yield f"{r.usage.total_tokens:,} tokens"
+
+
+async def test_the_page_shows_everything_drlm_show_prints_and_only_to_its_owner(
+    tmp_path: Path, scripted
+) -> None:
+    server = scripted(tree_script(), context_window_tokens=6_000)
+    async with session(
+        tmp_path, server.base_url, max_depth=2, sampling={"max_tokens": 500}, context_window_tokens=6_000
+    ) as (rlm, services, settings):
+        episode = await rlm.start("numbers", "Count to three, with help.", "paged-tree")
+        result = await episode.result()
+        assert result.answer == "the child counted: one two three"
+        assert result.compactions >= 1 and len(result.children) == 1
+        timeline = await episode_timeline(services.client, "paged-tree")
+        base = page_base(settings)
+        status, page = fetch(f"{base}/episodes/paged-tree")
+        child_id = result.children[0].episode_id
+        child_status, child_page = fetch(f"{base}/episodes/{urllib.parse.quote(child_id, safe='')}")
+        list_status, listing = fetch(f"{base}/episodes?q=count+to+three")
+        none_status, none = fetch(f"{base}/episodes?q=no+such+task")
+        secretless = fetch(base.rsplit("/", 1)[0] + "/episodes/paged-tree")[0]
+        # An action must come from the page itself (its origin, a JSON body).
+        act = f"{base}/episodes/paged-tree/act/hint"
+        body = json.dumps({"text": "hello"}).encode()
+        no_origin = fetch(act, body, {"Content-Type": "application/json"})
+        other_origin = fetch(act, body, {"Content-Type": "application/json", "Origin": "http://evil.example"})
+        port = base.split(":")[2].split("/")[0]
+        ours = {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
+        as_form = fetch(act, body, {**ours, "Content-Type": "text/plain"})
+        ended = fetch(act, body, ours)
+
+    assert status == 200 and child_status == 200 and list_status == 200 and none_status == 200
+    text = text_of(page)
+    missing = [item for item in show_items(timeline) if item.strip() not in text]
+    assert not missing, missing
+    assert "compacted" in text and SCRIPTED_SUMMARY in text
+    # The reply is rendered Markdown, and the model's HTML stays text.
+    assert "<strong>look</strong>" in page
+    assert "<script>alert" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;" in page
+    # Code is highlighted; the child is a link to its own page; budgets are bars.
+    assert '<div class="hl">' in page and "<meter" in page
+    assert f'href="/{base.rsplit("/", 1)[1]}/episodes/{urllib.parse.quote(child_id, safe="")}"' in page
+    assert "one two three" in text_of(child_page) and "child of" in text_of(child_page)
+    assert 'data-episode="paged-tree"' in listing and "Count to three, with help." in listing
+    assert 'data-episode="paged-tree"' not in none
+    assert secretless == 404
+    assert no_origin[0] == 403 and other_origin[0] == 403 and as_form[0] == 403
+    assert ended[0] == 200 and json.loads(ended[1])["accepted"] is False  # it had ended: refused
+
+
+# --- a real browser -------------------------------------------------------------------------
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4)."""
+
+    def __init__(self, width: int = 1200, height: int = 1400) -> None:
+        to_chrome_r, self._out = os.pipe()
+        self._in, from_chrome_w = os.pipe()
+
+        def fds() -> None:
+            os.dup2(to_chrome_r, 3)
+            os.dup2(from_chrome_w, 4)
+
+        self.process = subprocess.Popen(
+            [
+                browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                "--remote-debugging-pipe", f"--window-size={width},{height}", "about:blank",
+            ],
+            preexec_fn=fds, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        os.close(to_chrome_r)
+        os.close(from_chrome_w)
+        self._ids = itertools.count(1)
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._arrived = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Page.enable", session=True)
+
+    def _read(self) -> None:
+        buffer = b""
+        while chunk := os.read(self._in, 1 << 16):
+            buffer += chunk
+            *messages, buffer = buffer.split(b"\0")
+            for raw in messages:
+                message = json.loads(raw)
+                if "id" in message:
+                    with self._arrived:
+                        self._answers[message["id"]] = message
+                        self._arrived.notify_all()
+
+    def call(self, method: str, session: bool = False, **params: Any) -> dict[str, Any]:
+        number = next(self._ids)
+        message: dict[str, Any] = {"id": number, "method": method, "params": params}
+        if session:
+            message["sessionId"] = self.session
+        os.write(self._out, json.dumps(message).encode() + b"\0")
+        with self._arrived:
+            assert self._arrived.wait_for(lambda: number in self._answers, 60), method
+            answer = self._answers.pop(number)
+        assert "error" not in answer, answer
+        return answer["result"]
+
+    def go(self, url: str) -> None:
+        self.call("Page.navigate", session=True, url=url)
+        self.wait_for("document.readyState === 'complete'")
+
+    def js(self, expression: str) -> Any:
+        result = self.call("Runtime.evaluate", session=True, expression=expression, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def wait_for(self, condition: str, within_s: float = 60) -> None:
+        deadline = time.monotonic() + within_s
+        # False while a navigation has no document yet.
+        while not self.js(
+            f"(() => {{ try {{ return Boolean({condition}); }} catch (e) {{ return false; }} }})()"
+        ):
+            assert time.monotonic() < deadline, f"the page never showed: {condition}"
+            time.sleep(0.25)
+
+    def click(self, selector: str) -> None:
+        """A mouse click where the element is, as a person makes it."""
+        box = self.js(
+            f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView();"
+            " const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
+        for kind in ("mousePressed", "mouseReleased"):
+            self.call(
+                "Input.dispatchMouseEvent", session=True, type=kind, x=box[0], y=box[1],
+                button="left", clickCount=1,
+            )  # fmt: skip
+
+    def screenshot(self, path: Path) -> None:
+        shot = self.call("Page.captureScreenshot", session=True, format="png", captureBeyondViewport=False)
+        path.write_bytes(base64.b64decode(shot["data"]))
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait(10)
+        os.close(self._out)
+
+
+APPROVED_CODE = "print('approved and ran:', 6 * 7)"
+
+
+async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_path: Path, scripted) -> None:
+    browser()
+    server = scripted(tree_script(), context_window_tokens=6_000)
+    docs = ROOT / "docs"
+    async with session(
+        tmp_path, server.base_url, max_depth=2, sampling={"max_tokens": 500}, context_window_tokens=6_000
+    ) as (rlm, services, settings):
+        episode = await rlm.start("numbers", "Count to three, with help.", "browsed-tree")
+        await episode.result()
+        base = page_base(settings)
+
+        def read_finished() -> dict[str, Any]:
+            chromium = Chromium()
+            try:
+                chromium.go(f"{base}/episodes/browsed-tree")
+                chromium.wait_for("document.querySelector('.ending .answer')")
+                found = chromium.js(
+                    "({text: document.body.innerText,"
+                    " cells: document.querySelectorAll('.cell .code .hl').length,"
+                    " subcalls: document.querySelectorAll('details.subcall').length,"
+                    " children: [...document.querySelectorAll('details.child a')].map(a => a.href),"
+                    " compactions: document.querySelectorAll('.compaction').length,"
+                    " meters: document.querySelectorAll('.budgets meter').length,"
+                    " strong: document.querySelector('.markdown strong')?.textContent,"
+                    " scripts: document.scripts.length,"
+                    " controls: document.getElementById('controls').hidden})"
+                )
+                chromium.screenshot(docs / "episode-page.png")
+                chromium.click("details.child a")
+                chromium.wait_for("document.body.innerText.includes('child of')")
+                found["child_page"] = chromium.js("document.body.innerText")
+                return found
+            finally:
+                chromium.close()
+
+        finished = await asyncio.to_thread(read_finished)
+
+    server2 = scripted(
+        lambda request: (
+            f"```repl\n{APPROVED_CODE}\n```" if request.turn == 0 else "FINAL(approved from the page)"
+        )
+    )
+    async with session(tmp_path, server2.base_url, approve="all") as (rlm, services, settings):
+        episode = await rlm.start("numbers", "Print the answer, once approved.", "waiting-one")
+        base = page_base(settings)
+
+        def approve_in_page() -> dict[str, Any]:
+            chromium = Chromium()
+            try:
+                chromium.go(f"{base}/episodes/waiting-one")
+                chromium.wait_for("!document.getElementById('pending').hidden")  # polled in, no reload
+                seen: dict[str, Any] = chromium.js(
+                    "({code: document.getElementById('pending-code').value,"
+                    " badge: document.body.innerText.includes('waits for approval')})"
+                )
+                chromium.screenshot(docs / "episode-page-pending.png")
+                chromium.js("window.marker = 'same page'")  # gone if the page reloads
+                chromium.click("#approve")
+                chromium.wait_for("document.body.innerText.includes('approved and ran: 42')")
+                chromium.wait_for("document.body.innerText.includes('approved from the page')")
+                seen["same_page"] = chromium.js("window.marker")
+                seen["text"] = chromium.js("document.body.innerText")
+                return seen
+            finally:
+                chromium.close()
+
+        approved = await asyncio.to_thread(approve_in_page)
+        result = await episode.result()
+
+    text = finished["text"]
+    assert "Count to three, with help." in text and "the child counted: one two three" in text
+    assert finished["cells"] >= 4 and finished["subcalls"] == 1 and finished["compactions"] >= 1
+    assert finished["meters"] >= 3 and finished["strong"] == "look"
+    assert len(finished["children"]) == 1 and finished["controls"] is True
+    assert "alert('pwned')" in text and finished["scripts"] == 2  # the model's <script> is text
+    assert "one two three" in finished["child_page"]
+    assert APPROVED_CODE in approved["code"] and approved["badge"]
+    assert approved["same_page"] == "same page"
+    assert result.answer == "approved from the page"
+    from durable_rlm.steering import default_sender
+
+    assert f"approve by {default_sender()}".lower() in approved["text"].lower()
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """urllib must reach 127.0.0.1 directly."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
