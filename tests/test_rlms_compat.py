@@ -424,3 +424,46 @@ async def test_max_timeout_raises_rlms_timeout_and_subcalls_and_verbose_are_repo
     assert subcalls == [("start", 1, "gpt-x", "1,2,3"), ("done", 1, "gpt-x", None)]
     printed = capsys.readouterr().out
     assert "[durable-rlm] iteration 1:" in printed and "[durable-rlm] iteration 2:" in printed
+
+
+def rlms_readme_example() -> str:
+    """The first example of rlms 0.1.3's README (its package metadata), as its users have it."""
+    from importlib.metadata import metadata
+
+    readme = metadata("rlms").get_payload()  # type: ignore[attr-defined]
+    start = readme.index("```python\nfrom rlm import RLM")
+    return readme[start + len("```python\n") : readme.index("```", start + 10)]
+
+
+async def test_rlms_readme_example_runs_with_one_changed_import(
+    temporal_address, session_dir, scripted, worker, monkeypatch, capsys
+) -> None:
+    from rlm.logger import RLMLogger as RlmsOwnLogger
+
+    powers = (
+        "```repl\nanswer['content'] = '\\n'.join(str(2 ** i) for i in range(100))\n"
+        "answer['ready'] = True\n```"
+    )
+    server = scripted(lambda request: powers if request.is_root else "sub")
+    example = rlms_readme_example()
+    assert 'backend_kwargs={"model_name": "gpt-5-nano"}' in example and "verbose=True" in example
+    # The user's environment: their key and endpoint, and (for this test) the test's server and worker.
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-scripted")
+    monkeypatch.setenv("TEMPORAL_ADDRESS", temporal_address)
+    monkeypatch.setenv("DRLM_TASK_QUEUE", worker.task_queue)
+    monkeypatch.setenv("DRLM_DATA_DIR", str(session_dir))
+    code = example.replace("from rlm import RLM", "from durable_rlm import RLM")
+    await asyncio.to_thread(exec, code, {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-100:] == [str(2**i) for i in range(100)]
+    assert server.root_requests()[0].model == "gpt-5-nano"
+
+    # rlms's own logger (its import left as it was) takes our iterations.
+    logger = RlmsOwnLogger()
+    made = RLM(backend_kwargs={"model_name": "gpt-5-nano"}, logger=logger)
+    result = await asyncio.to_thread(made.completion, "ctx", TASK)
+    trajectory = logger.get_trajectory()
+    assert trajectory is not None and trajectory["run_metadata"]["root_model"] == "gpt-5-nano"
+    assert [i["iteration"] for i in trajectory["iterations"]] == [1]
+    assert result.metadata == trajectory
