@@ -139,8 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="progress as lines, not the live view (the default when stderr is not a terminal)",
     )
 
-    ui = sub.add_parser("ui", help="the Temporal Web UI's address: of the episode list, or of one episode")
+    ui = sub.add_parser(
+        "ui", help="the episode page of one episode (--temporal: its Temporal UI page), or the UI's list"
+    )
     ui.add_argument("episode_id", nargs="?")
+    ui.add_argument(
+        "--temporal", action="store_true", help="the episode's Temporal UI page (its raw events) instead"
+    )
     ui.add_argument("--open", action="store_true", help="open it in the browser too")
     ui.add_argument(
         "--keep", action="store_true", help="keep the embedded server (and its UI) up until Ctrl-C"
@@ -742,6 +747,8 @@ async def _ui(settings: Settings, args: argparse.Namespace) -> int:
         if args.episode_id:
             handle = services.client.get_workflow_handle(args.episode_id)
             url = services.episode_url(args.episode_id, (await describe_episode(handle)).run_id)
+            if not args.temporal:
+                url = _episode_page(settings, args.episode_id)
         else:
             url = f"{services.ui.rstrip('/')}/namespaces/{settings.temporal_namespace}/workflows"
         print(url, flush=True)
@@ -753,6 +760,21 @@ async def _ui(settings: Settings, args: argparse.Namespace) -> int:
             _stderr("keeping the embedded server and its UI up; Ctrl-C to let it go")
             await asyncio.Event().wait()
     return EXIT_OK
+
+
+def _episode_page(settings: Settings, episode_id: str) -> str:
+    """The episode page the shared server's supervisor serves (durable_rlm/episode_page.py)."""
+    from urllib.parse import quote
+
+    from durable_rlm.server import running_state
+
+    codec = (running_state(settings) or {}).get("codec") if settings.embedded else None
+    if not codec:
+        raise ConfigurationError(
+            "no episode page here: the embedded server's supervisor serves it (use --temporal for "
+            "the Temporal UI page)"
+        )
+    return f"{codec}/episodes/{quote(episode_id, safe='')}"
 
 
 def _codec_server(settings: Settings, args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ answer as text: claim-checked payloads are decoded by the codec server the super
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -91,8 +92,13 @@ def test_drlm_run_and_drlm_ui_print_the_pages(tmp_path: Path, scripted) -> None:
     assert page.startswith(f"http://127.0.0.1:{port}/namespaces/default/workflows/paged/")
     listing = drlm(tmp_path, tmp_path, "ui", DRLM_UI_PORT=port)
     assert listing.stdout.strip() == f"http://127.0.0.1:{port}/namespaces/default/workflows"
-    one = drlm(tmp_path, tmp_path, "ui", "paged", DRLM_UI_PORT=port)
+    one = drlm(tmp_path, tmp_path, "ui", "paged", "--temporal", DRLM_UI_PORT=port)
     assert one.stdout.strip() == page
+    episode_page = drlm(tmp_path, tmp_path, "ui", "paged", DRLM_UI_PORT=port).stdout.strip()
+    # The episode page (tests/test_episode_page.py), under the codec server's capability.
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/[\w-]{32,}/episodes/paged", episode_page), episode_page
+    with urllib.request.urlopen(episode_page, timeout=30) as answer:
+        assert answer.status == 200 and b"Episode <span" in answer.read()
     with urllib.request.urlopen(page, timeout=30) as answer:  # the UI serves the page
         assert answer.status == 200
     off = drlm(tmp_path / "off", tmp_path, "ui", DRLM_UI="0")
