@@ -708,7 +708,14 @@ class RLM(DurableRLM):
             raise CancellationError(partial, result.stop_reason or None)
 
     def close(self) -> None:  # type: ignore[override]
-        """rlms's close(): nothing is held between completion() calls."""
+        """rlms's close(), which is not awaited: nothing is held between completion() calls
+        (an open session is closed by `async with rlm:` or `aclose()`)."""
+
+    async def aclose(self) -> None:
+        await DurableRLM.close(self)
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def __enter__(self) -> RLM:
         return self

@@ -136,6 +136,7 @@ def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
     assert (limits.max_iterations, limits.max_tokens, limits.max_duration.total_seconds()) == (7, 5_000, 30)
     assert limits.max_parallel_subcalls == 2
     assert made.template.max_depth == 1  # rlms's default: sub-calls are plain model calls
+    assert rlm(tmp_path, compaction=True, compaction_threshold_pct=0.6).template.limits.compact_at == 0.6
 
 
 @pytest.mark.parametrize(
@@ -210,6 +211,19 @@ def test_rlms_exceptions_are_durable_rlm_errors() -> None:
 
 def api_settings(temporal_address: str, session_dir: Path, queue: str) -> Settings:
     return Settings(temporal_address=temporal_address, task_queue=queue, data_dir=session_dir)
+
+
+async def test_an_rlm_opened_as_a_session_closes_it(temporal_address, session_dir, scripted, worker) -> None:
+    server = scripted(tree_script(["```repl\nanswer['content'] = 'ok'\nanswer['ready'] = True\n```"]))
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    async with made:
+        assert made._services is not None
+        assert (await made.acompletion("ctx", TASK)).response == "ok"
+    assert made._services is None
+    made.close()  # rlms's close(): nothing to do, and no coroutine left unawaited
 
 
 async def test_max_errors_raises_rlms_error_threshold(
