@@ -19,11 +19,14 @@ import hashlib
 import html
 import json
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
@@ -583,6 +586,7 @@ class EpisodePages:
         self._client: Client | None = None
         self._lock = threading.Lock()
         self._last_seen = 0.0
+        self._lease: Path | None = None
 
     # -- plumbing
 
@@ -621,6 +625,8 @@ class EpisodePages:
         return self._client
 
     def close(self) -> None:
+        if self._lease is not None:
+            self._lease.unlink(missing_ok=True)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
@@ -628,12 +634,41 @@ class EpisodePages:
     def owns(path: str) -> bool:
         return path == PREFIX or path.startswith(PREFIX + "/")
 
+    def touched(self) -> None:
+        """An open page holds a lease on the shared server (its script pings while it is
+        open): the server outlives `drlm ui`, and idles out PAGE_LEASE_S after the last page
+        went away. The lease is the supervisor's own (its pid), so it dies with it."""
+        from activities.sandbox_reaper import start_time
+        from durable_rlm.server import ServerFiles
+        from durable_rlm.settings import private_file
+
+        with self._lock:
+            self._last_seen = time.monotonic()
+            if self._lease is not None and self._lease.exists():
+                return
+            me = os.getpid()
+            self._lease = ServerFiles.of(self.settings).leases / f"{me}-{start_time(me)}-episode-page"
+            private_file(self._lease)
+            threading.Thread(target=self._expire, name="episode-page-lease", daemon=True).start()
+
+    def _expire(self) -> None:
+        while True:
+            time.sleep(min(PAGE_LEASE_S / 4, 5.0))
+            with self._lock:
+                if time.monotonic() - self._last_seen >= PAGE_LEASE_S and self._lease is not None:
+                    self._lease.unlink(missing_ok=True)
+                    self._lease = None
+                    return
+
     # -- GET
 
     def get(self, path: str, query: dict[str, list[str]], base: str) -> PageResponse:
+        self.touched()
         rest = path[len(PREFIX) :].lstrip("/")
         if not rest:
             return self._list(query, base)
+        if rest == "lease":
+            return _json(200, {"lease_s": PAGE_LEASE_S})
         if rest.startswith("static/") and rest.removeprefix("static/") in STATIC:
             return self._static(rest.removeprefix("static/"))
         segment, _, tail = rest.partition("/")
@@ -714,7 +749,8 @@ class EpisodePages:
             except Exception as exc:  # noqa: BLE001 - the list still shows without the live flags
                 log.warning("episode list: live states unavailable: %s", exc)
         return _html(
-            200, episode_document("episodes — drlm", base, list_body(base, rows, q, live, error), {})
+            200,
+            episode_document("episodes — drlm", base, list_body(base, rows, q, live, error), {"base": base}),
         )
 
     def _rows(self, q: ListQuery) -> list[Any]:

@@ -370,3 +370,24 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
 def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     """urllib must reach 127.0.0.1 directly."""
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+async def test_an_open_page_keeps_the_shared_server_up(tmp_path: Path, scripted) -> None:
+    """`drlm ui` prints the address and exits: the page's own requests hold the server."""
+    server = scripted(lambda request: "FINAL(kept)")
+    settings = Settings(data_dir=tmp_path, ui_port=free_port(), server_idle_s=1)
+    rlm = DurableRLM("root-m", base_url=server.base_url, settings=settings)
+    await rlm.open()
+    try:
+        await (await rlm.start("c", "Say kept.", "kept-up")).result()
+        base = page_base(settings)
+        assert fetch(f"{base}/episodes/kept-up")[0] == 200  # the page is opened
+    finally:
+        await rlm.close()  # the last client's lease goes
+    await asyncio.sleep(4)  # four idle periods: without the page's lease the server stops in one
+    status, page = fetch(f"{base}/episodes/kept-up")
+    assert status == 200 and "kept" in text_of(page)
+    # The lease is the supervisor's own: it counts only while the supervisor lives.
+    supervisor = ServerFiles.of(settings).read_state()["pid"]
+    leases = [p.name for p in ServerFiles.of(settings).live_leases()]
+    assert [name.split("-")[0] for name in leases if name.endswith("-episode-page")] == [str(supervisor)]

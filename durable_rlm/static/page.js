@@ -6,6 +6,9 @@
   const dataNode = document.getElementById("page-data");
   if (!dataNode) return;
   let state = JSON.parse(dataNode.textContent || "{}");
+  // While the page is open it holds the shared server (durable_rlm/episode_page.py).
+  const lease = state.base + "/episodes/lease";
+  setInterval(() => { fetch(lease, { cache: "no-store" }).catch(() => {}); }, 15000);
   if (!state.episode_id) return;
   const here = location.pathname.replace(/\/+$/, "");
   const main = document.getElementById("timeline");
