@@ -338,6 +338,15 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                     " badge: document.body.innerText.includes('waits for approval')})"
                 )
                 chromium.screenshot(docs / "episode-page-pending.png")
+                # The list marks it: a cell waits for a person.
+                chromium.go(f"{base}/episodes")
+                seen["listed"] = chromium.js(
+                    "document.querySelector('tr[data-episode=\"waiting-one\"]').className + ' ' +"
+                    " document.querySelector('tr[data-episode=\"waiting-one\"]').innerText"
+                )
+                chromium.screenshot(docs / "episode-list.png")
+                chromium.go(f"{base}/episodes/waiting-one")
+                chromium.wait_for("!document.getElementById('pending').hidden")
                 chromium.js("window.marker = 'same page'")  # gone if the page reloads
                 chromium.click("#approve")
                 chromium.wait_for("document.body.innerText.includes('approved and ran: 42')")
@@ -360,6 +369,7 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
     assert "one two three" in finished["child_page"]
     assert APPROVED_CODE in approved["code"] and approved["badge"]
     assert approved["same_page"] == "same page"
+    assert "attention" in approved["listed"] and "cell 1 waits for approval" in approved["listed"]
     assert result.answer == "approved from the page"
     from durable_rlm.steering import default_sender
 
@@ -391,3 +401,52 @@ async def test_an_open_page_keeps_the_shared_server_up(tmp_path: Path, scripted)
     supervisor = ServerFiles.of(settings).read_state()["pid"]
     leases = [p.name for p in ServerFiles.of(settings).live_leases()]
     assert [name.split("-")[0] for name in leases if name.endswith("-episode-page")] == [str(supervisor)]
+
+
+async def test_each_action_of_the_page_reaches_the_episode_with_its_sender(tmp_path: Path, scripted) -> None:
+    """Hint, limits, pause, resume, reject and cancel, POSTed as the page does: each is the
+    CLI's update, recorded in history with the name the page gave."""
+    server = scripted(lambda request: f"```repl\n{APPROVED_CODE}\n```")
+    async with session(tmp_path, server.base_url, approve="all") as (rlm, services, settings):
+        episode = await rlm.start("c", "Wait for a person.", "steered")
+        base = page_base(settings)
+        port = base.split(":")[2].split("/")[0]
+        headers = {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
+
+        def post(action: str, **form: Any) -> dict[str, Any]:
+            status, body = fetch(
+                f"{base}/episodes/steered/act/{action}",
+                json.dumps({"sender": "ada", **form}).encode(),
+                headers,
+            )
+            assert status == 200, body
+            return json.loads(body)
+
+        async def waiting() -> None:
+            while (await services.client.get_workflow_handle("steered").query("progress")).get(
+                "pending_cell"
+            ) is None:
+                await asyncio.sleep(0.2)
+
+        await asyncio.wait_for(waiting(), 60)
+        outcomes = {
+            "hint": await asyncio.to_thread(post, "hint", text="look at the tail"),
+            "limits": await asyncio.to_thread(post, "limits", max_iterations="7", max_cost_usd=""),
+            "pause": await asyncio.to_thread(post, "pause", reason="lunch"),
+            "resume": await asyncio.to_thread(post, "resume"),
+            "reject": await asyncio.to_thread(post, "reject", cell=1, reason="not that"),
+        }
+        outcomes["cancel"] = await asyncio.to_thread(post, "cancel", reason="enough")
+        result = await episode.result()
+        timeline = await episode_timeline(services.client, "steered")
+
+    assert {k: v["accepted"] for k, v in outcomes.items()} == dict.fromkeys(outcomes, True), outcomes
+    assert result.ended_by == "cancelled"
+    seen = [(a.kind, a.sender) for a in timeline.actions]
+    for kind in ("hint", "limits", "pause", "resume", "reject"):
+        assert (kind, "ada") in seen, seen
+    assert any(
+        a.kind == "cancel" and "cancelled by ada from the episode page: enough" in a.detail
+        for a in timeline.actions
+    )
+    assert any(a.kind == "limits" and "max_iterations=7" in a.detail for a in timeline.actions)
