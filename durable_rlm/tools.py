@@ -22,6 +22,7 @@ REPL's setup cell, so a rebuilt REPL has them too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -210,10 +211,18 @@ def _offered_dict(tools: Mapping[Any, Any]) -> OfferedTools:
             raise ConfigurationError(f"tool name {name!r} is not a Python identifier the REPL can bind")
         if name in RESERVED:
             raise ConfigurationError(f"tool name {name!r} is taken by the REPL itself")
+        description = None
         if isinstance(value, dict) and "tool" in value:
-            value = value["tool"]  # rlms also takes {"tool": fn_or_data, "description": ...}
+            # rlms also takes {"tool": fn_or_data, "description": ...}
+            description = value.get("description") if isinstance(value.get("description"), str) else None
+            value = value["tool"]
         if callable(value) and not isinstance(value, type):
             names.append(_registered_function(name, value, bare=False))
+            entry = _REGISTRY[name]
+            if description and entry.spec.doc != description:  # what the model reads about it
+                _REGISTRY[name] = dataclasses.replace(
+                    entry, spec=entry.spec.model_copy(update={"doc": description})
+                )
             continue
         try:
             json.loads(json.dumps(value, allow_nan=False))

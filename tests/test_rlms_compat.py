@@ -330,6 +330,15 @@ async def test_rlms_export_holds_locals_as_json_values_and_the_other_backends(
 # --- tools as rlms has them ---------------------------------------------------------------------
 
 
+def test_a_dict_tool_with_a_description_shows_it_to_the_model(tmp_path: Path) -> None:
+    def convert(amount: float) -> float:
+        return amount * 1.1
+
+    made = rlm(tmp_path, custom_tools={"convert": {"tool": convert, "description": "EUR to USD"}})
+    (spec,) = made.template.tools
+    assert (spec.name, spec.doc, spec.signature) == ("convert", "EUR to USD", "(amount)")
+
+
 @pytest.mark.parametrize(
     ("tools", "message"),
     [
