@@ -178,6 +178,13 @@ class DurableRLM:
                 "the key to the worker process (in its environment)"
             )
         offer = _offered(tools)
+        sub_offer = None if sub_tools is None else _offered(sub_tools)
+        if sub_offer is not None and sub_offer.setup_code:
+            # Children run the parent's setup cell; data of their own has no cell yet.
+            raise ConfigurationError(
+                "sub_tools (custom_sub_tools) take functions only here: give data values in "
+                "tools (custom_tools), which child episodes receive too"
+            )
         try:
             output_fields = fields_from_json_schema(output_schema) if output_schema is not None else None
         except ValueError as exc:
@@ -219,7 +226,7 @@ class DurableRLM:
                 output_fields=output_fields,
                 fallback_extraction=fallback_extraction,
                 tools=offer.specs,
-                sub_tools=None if sub_tools is None else _offered(sub_tools).specs,
+                sub_tools=None if sub_offer is None else sub_offer.specs,
                 system_prompt=system_prompt,
                 setup_code=_joined(offer.setup_code, setup_code),
                 approve=approve,

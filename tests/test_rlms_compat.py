@@ -155,6 +155,7 @@ def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
         ({"other_backends": ["openai", "openai"]}, "other_backends takes one backend"),
         ({"custom_tools": {"llm_query": len}}, "tool name 'llm_query' is taken by the REPL"),
         ({"custom_tools": {"conn": object()}}, "tool 'conn': its data \\(object\\) is not a JSON value"),
+        ({"custom_sub_tools": {"rows": [1, 2]}}, "custom_sub_tools\\) take functions only here"),
         ({"backend": "azure_openai", "backend_kwargs": {"model_name": "m"}}, "needs azure_endpoint"),
     ],
 )
