@@ -404,7 +404,7 @@ class TimelineView:
             source = r.answer_source + (f" ({r.answer_policy})" if r.answer_policy else "")
             out.append(
                 f'<div class="answer"><span class="label">Answer ({esc(source)})</span>'
-                f"<pre>{esc(r.answer)}</pre></div>"
+                f"<pre>{esc(r.answer) if r.answer is not None else '(no answer)'}</pre></div>"
             )
             facts = [
                 f"Ended by <b>{esc(r.ended_by)}</b> after {r.iterations} iteration(s), {r.model_calls} model "

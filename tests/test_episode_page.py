@@ -33,7 +33,7 @@ from durable_rlm.runtime import free_port
 from durable_rlm.scripted import SCRIPTED_SUMMARY, ChatRequest, Reply
 from durable_rlm.server import ServerFiles
 from durable_rlm.settings import Settings
-from durable_rlm.timeline import Timeline, episode_timeline
+from durable_rlm.timeline import Timeline, describe_execution, episode_timeline, fork_line
 from tests.test_viewer import browser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,9 +110,14 @@ def show_items(timeline: Timeline) -> Iterator[str]:
     """Each thing `drlm show` prints about an episode, as text a reader must find on its page."""
     yield timeline.episode_id
     yield timeline.task
+    if timeline.request is not None and timeline.request.fork is not None:
+        yield fork_line(timeline.request.fork)
+    if timeline.failure:
+        yield timeline.failure
     for it in timeline.iterations:
         yield f"Iteration {it.iteration}"
         yield from it.compactions
+        yield it.model_error or ""
         if it.response is not None:
             yield it.response
         for cell in it.cells:
@@ -122,6 +127,12 @@ def show_items(timeline: Timeline) -> Iterator[str]:
             for call in cell.sub_calls:
                 yield call.prompt
                 yield call.reply or ""
+                yield call.error or ""
+            if cell.rebuild is not None:
+                yield from cell.rebuild.notes
+                yield f"{cell.rebuild.cells_rerun} cell(s) re-run"
+            if cell.snapshot is not None:
+                yield f"snapshot after this cell: {cell.snapshot.size:,} bytes"
             for child in cell.children:
                 yield child.episode_id
                 if child.timeline is not None and child.timeline.result is not None:
@@ -131,7 +142,12 @@ def show_items(timeline: Timeline) -> Iterator[str]:
         yield action.detail
     r = timeline.result
     if r is not None:
-        yield from (str(r.answer), r.ended_by, r.stop_reason, f"{r.iterations} iteration(s)")
+        yield r.answer if r.answer is not None else "(no answer)"
+        yield from (r.ended_by, r.stop_reason, f"{r.iterations} iteration(s)", r.error or "")
+        if r.termination is not None:
+            yield r.termination.reason
+        if r.execution is not None:
+            yield describe_execution(r.execution)
         yield f"{r.usage.total_tokens:,} tokens"
 
 
@@ -450,3 +466,109 @@ async def test_each_action_of_the_page_reaches_the_episode_with_its_sender(tmp_p
         for a in timeline.actions
     )
     assert any(a.kind == "limits" and "max_iterations=7" in a.detail for a in timeline.actions)
+
+
+HISTORIES = sorted(p for p in (ROOT / "tests" / "histories").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", HISTORIES, ids=[p.stem for p in HISTORIES])
+async def test_the_page_and_drlm_show_agree_on_every_stored_history(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recorded histories of tests/histories/ (the replay tests' own) cannot be loaded
+    into a Temporal server, so their runs are handed to `episode_timeline` as the server
+    would return them; everything else (decoding, the timeline, the page) is the real code."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    from durable_rlm import history, timeline
+    from durable_rlm.episode_page import Renderer, TimelineView
+
+    recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
+    endings = {
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED: WorkflowExecutionStatus.COMPLETED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED: WorkflowExecutionStatus.FAILED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED: WorkflowExecutionStatus.CANCELED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED: WorkflowExecutionStatus.TERMINATED,
+        EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TIMED_OUT: WorkflowExecutionStatus.TIMED_OUT,
+    }
+    last = recorded.events[-1]
+
+    async def runs(client: Any, episode_id: str) -> list[history.EpisodeRun]:
+        if episode_id != recorded.workflow_id:
+            raise LookupError(episode_id)  # a child or a fork's source: recorded apart
+        return [
+            history.EpisodeRun(
+                run_id="recorded",
+                status=endings.get(last.event_type, WorkflowExecutionStatus.RUNNING),
+                start_time=recorded.events[0].event_time.ToDatetime(),
+                close_time=last.event_time.ToDatetime() if last.event_type in endings else None,
+                history=recorded,
+            )
+        ]
+
+    monkeypatch.setattr(timeline, "episode_runs", runs)
+    client = type("RecordedClient", (), {"data_converter": pydantic_data_converter})()
+    shown = await timeline.episode_timeline(client, recorded.workflow_id)  # type: ignore[arg-type]
+    assert timeline.render(shown)  # what `drlm show` prints, from the same model
+    page = TimelineView(Renderer(), "/secret").body(shown)
+    text = text_of(page)
+    missing = [item for item in show_items(shown) if item.strip() not in text]
+    assert not missing, missing
+    assert "<script" not in page
+
+
+class _Tags(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, attrs))
+
+
+PAGE_TAGS = {
+    "a", "b", "blockquote", "br", "code", "details", "div", "em", "h1", "h2", "h3", "h4", "h5", "h6",
+    "header", "hr", "li", "meter", "ol", "p", "pre", "section", "span", "strong", "summary", "table",
+    "td", "th", "tr", "ul",
+}  # fmt: skip
+
+
+def test_hostile_model_text_stays_text_everywhere_on_the_page() -> None:
+    """Markup, links, images and script in every string a model or a sandbox writes."""
+    from durable_rlm.episode_page import Renderer, TimelineView, episode_document
+    from durable_rlm.timeline import CellView, ChildView, IterationView, SubCall
+
+    evil = (
+        "<script>alert(1)</script><img src=x onerror=alert(2)> [click](javascript:alert(3)) "
+        "![i](http://evil.example/t.png) <http://evil.example> </pre></details><iframe src=//e>"
+        ' "><svg onload=alert(4)>'
+    )
+    cell = CellView(
+        cell_index=1, code=evil, stdout=evil, stderr=evil, error=evil, answer=evil,
+        sub_calls=[SubCall(call_index=0, prompt=evil, reply=evil, model=evil)],
+        children=[ChildView(episode_id=evil, call_index=0, model=evil)],
+    )  # fmt: skip
+    shown = Timeline(
+        episode_id=evil,
+        status="running",
+        task=evil,
+        iterations=[
+            IterationView(iteration=1, response=f"# {evil}\n\n```repl\n{evil}\n```\n{evil}", cells=[cell])
+        ],
+    )
+    body = TimelineView(Renderer(), "/secret").body(shown)
+    page = episode_document(evil, "/secret", body, {"episode_id": evil, "html": body})
+    parser = _Tags()
+    parser.feed(page)
+    tags = [tag for tag, _ in parser.tags]
+    assert set(tags) - PAGE_TAGS == {"html", "head", "meta", "title", "link", "body", "script"}
+    assert tags.count("script") == 2  # the page's data (JSON) and its own script file
+    for tag, attrs in parser.tags:
+        for name, value in attrs:
+            assert not name.startswith("on"), (tag, name)
+            assert not (value or "").lstrip().lower().startswith(("javascript:", "http:", "//")), (tag, value)
+    assert "javascript:alert(3)" in text_of(body) and "alert(1)" in text_of(body)  # shown, as text
+    data = page.split('id="page-data">', 1)[1].split("</script>", 1)[0]
+    assert json.loads(data)["episode_id"] == evil  # the JSON holds it whole and closes no element
