@@ -229,6 +229,7 @@ class DurableRLM:
                 sub_tools=None if sub_offer is None else sub_offer.specs,
                 system_prompt=system_prompt,
                 setup_code=_joined(offer.setup_code, setup_code),
+                repl_values=offer.values,
                 approve=approve,
             )
         except ValidationError as exc:
@@ -512,6 +513,7 @@ def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
 class _Offer:
     specs: list[Any]
     setup_code: str | None
+    values: list[str]
 
 
 def _offered(tools: ToolsArgument) -> _Offer:
@@ -519,7 +521,7 @@ def _offered(tools: ToolsArgument) -> _Offer:
     must be registered already; data values are bound by the setup cell. None offers
     every registered tool."""
     offer = offered(tools)
-    return _Offer(tool_specs(offer.names), offer.setup_code())
+    return _Offer(tool_specs(offer.names), offer.setup_code(), offer.value_lines())
 
 
 def _joined(*cells: str | None) -> str | None:

@@ -163,6 +163,15 @@ class OfferedTools:
 
     names: list[str] | None
     data: dict[str, Any]
+    descriptions: dict[str, str] = field(default_factory=dict)
+
+    def value_lines(self) -> list[str]:
+        """What the model reads about each data value: name, type, and its description."""
+        lines = []
+        for name, value in self.data.items():
+            about = self.descriptions.get(name)
+            lines.append(f"`{name}` ({type(value).__name__})" + (f" - {about}" if about else ""))
+        return lines
 
     def setup_code(self) -> str | None:
         """The cell that binds the data values: JSON text in the cell, so the cell log holds
@@ -206,6 +215,7 @@ def offered(tools: ToolsArgument) -> OfferedTools:
 def _offered_dict(tools: Mapping[Any, Any]) -> OfferedTools:
     names: list[str] = []
     data: dict[str, Any] = {}
+    descriptions: dict[str, str] = {}
     for name, value in tools.items():
         if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
             raise ConfigurationError(f"tool name {name!r} is not a Python identifier the REPL can bind")
@@ -232,7 +242,9 @@ def _offered_dict(tools: Mapping[Any, Any]) -> OfferedTools:
                 f"JSON values reach the REPL, which runs in a process of its own ({exc})"
             ) from None
         data[name] = value
-    return OfferedTools(names, data)
+        if description:
+            descriptions[name] = description
+    return OfferedTools(names, data, descriptions)
 
 
 def _registered_function(name: str, fn: Callable[..., Any], bare: bool) -> str:

@@ -276,8 +276,8 @@ async def test_setup_code_tools_callbacks_and_logger(
     made = RLM(
         backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
         environment_kwargs={"setup_code": "base = 100"},
-        custom_tools={"double": double, "odd": odd, "table": {"a": 1}},
-        custom_system_prompt="You are a careful REPL user.",
+        custom_tools={"double": double, "odd": odd, "table": {"tool": {"a": 1}, "description": "the rates"}},
+        custom_system_prompt="You are a careful REPL user.{custom_tools_section}",
         logger=logger,
         on_iteration_start=lambda depth, i: events.append(("start", depth, i)),
         on_iteration_complete=lambda depth, i, took: events.append(("done", depth, i)),
@@ -290,7 +290,9 @@ async def test_setup_code_tools_callbacks_and_logger(
     output = server.root_requests()[1].last_user
     assert "101 42 {3, 4}" in output
     assert "[note: odd returned a set, which is not a JSON value; this is its repr]" in output
-    assert server.root_requests()[0].messages[0]["content"].startswith("You are a careful REPL user.")
+    system = server.root_requests()[0].messages[0]["content"]
+    assert system.startswith("You are a careful REPL user.\nCustom tools")  # rlms's template filled
+    assert "- `double(x)`" in system and "- `table` (dict) - the rates" in system
     assert events == [("start", 0, 1), ("done", 0, 1), ("start", 0, 2), ("done", 0, 2)]
     (log_file,) = (tmp_path / "logs").glob("rlm_*.jsonl")
     lines = [json.loads(line) for line in log_file.read_text().splitlines()]

@@ -158,6 +158,7 @@ def child_request(
         sub_tools=parent.sub_tools,
         system_prompt=parent.system_prompt,
         setup_code=parent.setup_code,
+        repl_values=parent.repl_values,
         fallback_extraction=parent.fallback_extraction,
         max_depth=parent.max_depth,
         depth=parent.depth + 1,

@@ -494,6 +494,7 @@ class EpisodeWorkflow:
                 child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
                 tools=request.tools,
                 system_prompt=request.system_prompt,
+                repl_values=request.repl_values,
             ),
         )
 

@@ -315,6 +315,11 @@ class EpisodeRequest(StrictModel):
         description="the REPL's first cell, run before the first root call (rlms's "
         "environment_kwargs setup_code); in the cell log, so a rebuild runs it again",
     )
+    repl_values: list[str] = Field(
+        default_factory=list,
+        description="the variables the setup cell binds from data tools (rlms's custom_tools "
+        "values), one line each, as the system prompt lists them",
+    )
     approve: ApproveMode = Field(
         default="none", description="cells that wait for a person's approval before they run"
     )

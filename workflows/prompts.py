@@ -50,6 +50,9 @@ Custom tools (each runs on the worker; a failure raises `ToolError`, which you m
 Arguments and results are JSON values:"""
 
 
+VALUES = "\nData the REPL holds for you as variables (set before your first turn):"
+
+
 def _tool_line(spec: ToolSpec) -> str:
     doc = spec.doc.strip().splitlines()[0] if spec.doc.strip() else "(no description)"
     return f"\n- `{spec.name}{spec.signature}` - {doc}"
@@ -115,6 +118,15 @@ def describe_context(context: ContextRef | None) -> str:
 SETUP_FAILED = "The REPL's setup code failed; names it should have defined may be missing:\n{error}"
 
 
+def custom_system_prompt(template: str, offered: str) -> str:
+    """rlms's custom_system_prompt is a str.format template whose `{custom_tools_section}`
+    lists the tools and data; a text that is no such template is used as it is."""
+    try:
+        return template.format(custom_tools_section=offered)
+    except (KeyError, IndexError, ValueError):
+        return template
+
+
 def opening_messages(
     task: str,
     context: ContextRef | None,
@@ -124,17 +136,19 @@ def opening_messages(
     child_batch_cap: int | None = None,
     tools: list[ToolSpec] | None = None,
     system_prompt: str | None = None,
+    repl_values: list[str] | None = None,
 ) -> list[Message]:
     """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it). A
     `system_prompt` (rlms's custom_system_prompt) replaces the built-in one as it is."""
+    offered = TOOLS + "".join(_tool_line(t) for t in tools) if tools else ""
+    if repl_values:
+        offered += VALUES + "".join(f"\n- {line}" for line in repl_values)
     recursion = "" if child_batch_cap is None else RECURSION.format(cap=child_batch_cap)
-    if tools:
-        recursion += TOOLS + "".join(_tool_line(t) for t in tools)
     system = SYSTEM_PROMPT.format(
-        context_description=describe_context(context), fence=fence, recursion=recursion
+        context_description=describe_context(context), fence=fence, recursion=recursion + offered
     )
     if system_prompt is not None:
-        system = system_prompt
+        system = custom_system_prompt(system_prompt, offered)
     if output_fields:
         system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:
