@@ -104,6 +104,7 @@ class AttemptClock:
 
     def __init__(self) -> None:
         self.started = self.last_beat = time.monotonic()
+        self.beats = 0
         PAUSES.watch()
 
     def in_doubt(self) -> str | None:
@@ -123,6 +124,7 @@ class AttemptClock:
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()
+        self.beats += 1
         activity.heartbeat()
 
     def stale(self) -> str | None:
@@ -134,11 +136,16 @@ class AttemptClock:
             return None  # a local step's result goes with its workflow task: checked there
         now = time.monotonic()
         limit = info.start_to_close_timeout.total_seconds() if info.start_to_close_timeout else None
-        if limit and now - self.started > limit:
-            return f"it ran past its start-to-close timeout ({limit:g} s)"
         beat = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else None
-        if beat and now - self.last_beat > beat:
-            return f"it sent no heartbeat for {now - self.last_beat:.1f} s (its timeout: {beat:g} s)"
+        # By the server's clock too: a task handed to this worker's poll while the worker
+        # stood still (a SIGSTOP) began its clocks then, before this process saw it at all.
+        # (The server's clock and this machine's are compared: SERVER_CLOCK_SLACK_S apart.)
+        waited = (datetime.now(UTC) - info.started_time).total_seconds() - SERVER_CLOCK_SLACK_S
+        if limit and max(now - self.started, waited) > limit:
+            return f"it ran past its start-to-close timeout ({limit:g} s)"
+        silent = now - self.last_beat if self.beats else max(now - self.last_beat, waited)
+        if beat and silent > beat:
+            return f"it sent no heartbeat for {silent:.1f} s (its timeout: {beat:g} s)"
         if activity.is_cancelled():
             return "the server cancelled it"
         return None
@@ -153,6 +160,9 @@ class AttemptClock:
                 type=names.STALE_ATTEMPT,
             )
 
+
+SERVER_CLOCK_SLACK_S = 1.0
+"""How far the server's clock (an attempt's start time) may be from this machine's."""
 
 PAUSE_FENCE_S = 2.0
 """A stall of the worker's event loop this long during a step, or ending less than

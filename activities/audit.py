@@ -197,8 +197,11 @@ def _cell_rows(
 
 def _merge_cell(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     merged = {**old, **new}
-    # Order-free: steps of one cell may be written by two workers (a step lost, run again).
-    if old.get("status") == "completed":
+    # A step that did not complete the cell (its first, still running) never undoes one that
+    # did, whatever the order their rows arrive in. A later completion wins: the cell was
+    # run again after the worker that first completed it was lost before its task did (a
+    # SIGKILL), and history holds the later run (a zombie's rows are fenced: see below).
+    if old.get("status") == "completed" and new.get("status") != "completed":
         merged.update({k: old[k] for k in ("status", "stdout", "stderr", "error", "ended_at")})
     merged["sub_calls"] = max(old.get("sub_calls") or 0, new["sub_calls"])
     merged["rebuilt"] = bool(old.get("rebuilt")) or new["rebuilt"]
@@ -455,8 +458,10 @@ class _AuditInbound(ActivityInboundInterceptor):
                 rows_of_step(info.workflow_id or "", info.activity_type, input.args[0], result)
             )
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001
-            # The step is done: its result goes back whatever became of its audit rows (a
-            # rebuild restores them), even if a cancel arrived while they were written.
+            # The step is done: its result goes back whatever became of its audit rows, even
+            # if a cancel arrived while they were written; the reconciler writes them from
+            # history once the store answers again (a store down, a write too slow).
+            UNSETTLED.add(info.workflow_id or "")
             log.warning("audit rows of %s in %s not written: %r", info.activity_type, info.workflow_id, exc)
         return result
 

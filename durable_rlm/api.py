@@ -56,6 +56,7 @@ from durable_rlm.steering import (
     send_hint,
     waiting_cell,
 )
+from durable_rlm.telemetry import forward_core_logs
 from durable_rlm.tools import ToolsArgument, import_tool_modules, offered, tool_specs
 from workflows import defaults, prompts
 from workflows.episode import episode_policy
@@ -299,6 +300,7 @@ class DurableRLM:
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
+        forward_core_logs()  # the script's stdout is its own
         settings = self.settings
         if work and settings.embedded:
             # This session's episodes, and only they, are its worker's work (own_task_queue).

@@ -1182,10 +1182,18 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# Commands that never reach Temporal: they need no Runtime of the SDK's.
+_OFFLINE_COMMANDS = frozenset({"info", "config", "scripted-server"})
+
+
 async def _dispatch(args: argparse.Namespace) -> int:
     # The metrics endpoint is a worker's (python worker.py): CLI processes, many at once,
     # would contend for its port.
     settings = Settings.from_env().model_copy(update={"metrics_address": None})
+    if args.command not in _OFFLINE_COMMANDS:
+        from durable_rlm.telemetry import forward_core_logs  # the SDK's Runtime: not for --help
+
+        forward_core_logs()  # stdout is the command's own (`--json`): the core's logs are records
     if args.command in ("run", "demo", "fork", "rerun"):
         from durable_rlm.runtime import import_policy_modules
         from durable_rlm.tools import import_tool_modules

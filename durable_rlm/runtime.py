@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import importlib
 import logging
 import tempfile
@@ -437,8 +438,13 @@ async def _settle(services: Services) -> None:
     from durable_rlm.projection import rebuild_episode
 
     assert services.engine is not None
-    for episode_id in take_unsettled():
-        await rebuild_episode(services.client, services.engine, episode_id)
+    pending = take_unsettled()
+    try:
+        while pending:
+            await rebuild_episode(services.client, services.engine, pending[0])
+            pending.pop(0)
+    finally:
+        UNSETTLED.update(pending)  # the store still failing: the next pass tries them again
 
 
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
@@ -448,12 +454,18 @@ async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
     while services.engine is not None:
         # The first pass runs at start: a row left `running` by a worker killed while it
         # closed an episode is settled now, not a minute later (most workers live less).
-        try:
-            await reconcile_audit(services.client, services.engine)
-            await _settle(services)  # steps whose rows were fenced off (audit.py)
-        except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
-            logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)
+        passes = (
+            functools.partial(reconcile_audit, services.client, services.engine),
+            functools.partial(_settle, services),  # steps whose rows were fenced off or refused
+        )
+        for chore in passes:
+            try:
+                await chore()
+            except Exception:  # noqa: BLE001 - the projection is best effort; history is the record
+                logging.getLogger(__name__).warning("audit reconciliation failed", exc_info=True)
         waited = 0.0
-        while waited < every_s and not UNSETTLED:  # fenced rows are settled within seconds
+        while waited < every_s:  # rows left unsettled are looked at again within seconds
             await asyncio.sleep(SETTLE_EVERY_S)
             waited += SETTLE_EVERY_S
+            if UNSETTLED:
+                break

@@ -19,6 +19,7 @@ SDK_LOGGERS = (
     "temporalio.worker._activity",
     "temporalio.worker._workflow",
     "temporalio.worker._workflow_instance",
+    "temporalio.core",  # the SDK core's own records (durable_rlm.telemetry.forward_core_logs)
 )
 
 

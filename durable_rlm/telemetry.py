@@ -948,6 +948,28 @@ def install_log_path(level: str | int = logging.INFO, stream: Any = None) -> Log
     return path
 
 
+def forward_core_logs() -> bool:
+    """Have the SDK core hand its logs to Python logging (`temporalio.core`) instead of
+    writing them to stdout itself: a `drlm run --json` or a user's script keeps its stdout
+    for its own output, and a level the user sets decides what shows. Only before the
+    process's first Temporal client (the default Runtime is made then): False when too late."""
+    global _core_logging
+    if _core_logging is LoggingConfig.default:
+        _core_logging = LoggingConfig(
+            filter=TelemetryFilter(core_level="WARN", other_level="ERROR"),
+            forwarding=LogForwardingConfig(
+                logger=logging.getLogger(CORE_LOGGER), append_target_to_name=False
+            ),
+        )
+    try:
+        Runtime.set_default(
+            Runtime(telemetry=TelemetryConfig(logging=_core_logging)), error_if_already_set=True
+        )
+    except RuntimeError:
+        return False  # a client exists already: its Runtime stays
+    return True
+
+
 def close_log_path(timeout_s: float = 2.0) -> None:
     """Write what the log path holds, for up to `timeout_s` (before the process exits)."""
     if _log_path is not None:

@@ -403,19 +403,25 @@ async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None
 
 
 @pytest.mark.parametrize(
-    ("paused_s", "heartbeat_s", "start_to_close_s", "why"),
-    [(5.0, 2.0, 60.0, "sent no heartbeat"), (5.0, None, 3.0, "start-to-close"), (0.0, 2.0, 60.0, None)],
+    ("paused_s", "handed_s", "heartbeat_s", "start_to_close_s", "why"),
+    [
+        (5.0, 5.0, 2.0, 60.0, "sent no heartbeat"),  # stopped after the attempt began
+        (5.0, 5.0, None, 3.0, "start-to-close"),
+        (0.0, 5.0, 2.0, 60.0, "sent no heartbeat"),  # handed to its poll while it stood still
+        (0.0, 0.0, 2.0, 60.0, None),
+    ],
 )
 async def test_a_stale_attempt_sends_no_model_request(
-    models: ModelActivities, scripted, paused_s, heartbeat_s, start_to_close_s, why
+    models: ModelActivities, scripted, paused_s, handed_s, heartbeat_s, start_to_close_s, why
 ) -> None:
     """A worker stopped (SIGSTOP, a starved loop) between an attempt's start and its model
-    request: past its heartbeat or start-to-close timeout the server has scheduled another
-    attempt, so this one must not pay. The SDK's ActivityEnvironment runs the real
-    activity code; the real openai client would reach the scripted server."""
+    request, or handed the attempt while it stood still: past its heartbeat or
+    start-to-close timeout the server has scheduled another attempt, so this one must not
+    pay. The SDK's ActivityEnvironment runs the real activity code; the real openai client
+    would reach the scripted server."""
     import dataclasses
     import time
-    from datetime import timedelta
+    from datetime import UTC, datetime, timedelta
 
     from temporalio.testing import ActivityEnvironment
 
@@ -433,6 +439,7 @@ async def test_a_stale_attempt_sends_no_model_request(
         env.info,
         heartbeat_timeout=timedelta(seconds=heartbeat_s) if heartbeat_s else None,
         start_to_close_timeout=timedelta(seconds=start_to_close_s),
+        started_time=datetime.now(UTC) - timedelta(seconds=handed_s),  # the server's start
     )
     if why is None:
         assert await env.run(attempt) == "fine" and len(server.requests) == 1

@@ -355,3 +355,100 @@ async def test_a_paused_worker_s_rows_never_stand_over_the_accepted_ones(tmp_pat
         assert rebuilt[table] == live[table], table
     durations = [r["duration_s"] for r in live["audit_cells"]]
     assert durations and all(d is None or d >= 0 for d in durations)
+
+
+def test_a_cell_run_again_after_its_worker_was_killed_keeps_the_later_run() -> None:
+    """Worker A completes a cell and dies (SIGKILL) before its task reaches the server; B
+    runs the cell again, and history holds B's run. The later completion wins the row; a
+    step that did not complete the cell never undoes one that did."""
+    from datetime import UTC, datetime
+
+    from activities.audit import _merge_cell
+
+    def at(second: int) -> datetime:
+        return datetime(2026, 11, 25, 12, 0, second, tzinfo=UTC)
+
+    first = {
+        "status": "completed",
+        "stdout": "a",
+        "stderr": "",
+        "error": None,
+        "sub_calls": 0,
+        "rebuilt": False,
+    }
+    first |= {"started_at": at(0), "ended_at": at(1)}
+    again = {
+        "status": "completed",
+        "stdout": "b",
+        "stderr": "",
+        "error": None,
+        "sub_calls": 0,
+        "rebuilt": True,
+    }
+    again |= {"started_at": at(10), "ended_at": at(12)}
+    merged = _merge_cell(first, again)
+    assert (merged["stdout"], merged["ended_at"], merged["duration_s"]) == ("b", at(12), 2.0)
+    running = {"status": "running", "sub_calls": 2, "rebuilt": False, "started_at": at(10)}
+    kept = _merge_cell(merged, running)
+    assert (kept["status"], kept["stdout"], kept["ended_at"], kept["sub_calls"]) == (
+        "completed",
+        "b",
+        at(12),
+        2,
+    )
+
+
+async def test_rows_the_store_refused_are_settled_once_it_is_back(
+    client, session_dir, scripted, small_disk
+) -> None:
+    """A step's rows that could not be written (the audit store's disk full) are written
+    from history by the worker's reconciler once the store answers again."""
+    from durable_rlm import schema
+    from durable_rlm.blobs import DirectoryBackend
+
+    engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
+    blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
+    filled: list[Path] = []
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not request.is_root:
+            if not filled:
+                filled.append(fill(small_disk))  # full while the sub-call's row is written
+            return request.last_user.upper()
+        return ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"][min(request.turn, 1)]
+
+    server = scripted(script)
+    queue = f"settle-full-{uuid.uuid4().hex[:8]}"
+    episode_id = f"settle-full-{uuid.uuid4().hex[:8]}"
+    async with running_workers(
+        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
+    ):
+        handle = await client.start_workflow(
+            names.WORKFLOW,
+            request_for(server),
+            id=episode_id,
+            task_queue=queue,
+            result_type=EpisodeResult,
+            execution_timeout=timedelta(minutes=4),
+        )
+        for _ in range(300):
+            if filled:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(3)
+        filled[0].unlink()
+        assert (await asyncio.wait_for(handle.result(), 120)).answer == "SHOUT"
+        calls: list[str] = []
+        for _ in range(100):  # the reconciler looks every 2 s while something is unsettled
+            with engine.connect() as conn:
+                calls = list(
+                    conn.execute(
+                        sa.select(schema.model_calls.c.call_id).where(
+                            schema.model_calls.c.episode_id == episode_id
+                        )
+                    ).scalars()
+                )
+            if "sub:1.0" in calls:
+                break
+            await asyncio.sleep(0.2)
+    assert "sub:1.0" in calls, calls
