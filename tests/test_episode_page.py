@@ -351,7 +351,8 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                 chromium.wait_for("!document.getElementById('pending').hidden")  # polled in, no reload
                 seen: dict[str, Any] = chromium.js(
                     "({code: document.getElementById('pending-code').value,"
-                    " badge: document.body.innerText.includes('waits for approval')})"
+                    " badge: document.body.innerText.includes('waits for approval'),"
+                    " in_timeline: document.querySelector('#timeline .pending-cell')?.innerText})"
                 )
                 chromium.screenshot(docs / "episode-page-pending.png")
                 # The list marks it: a cell waits for a person.
@@ -361,6 +362,12 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                     " document.querySelector('tr[data-episode=\"waiting-one\"]').innerText"
                 )
                 chromium.screenshot(docs / "episode-list.png")
+                chromium.js("document.querySelector('input[name=q]').value = 'once approved'")
+                chromium.click("form.search button")
+                chromium.wait_for("location.search.includes('q=once+approved')")
+                seen["found"] = chromium.js(
+                    "[...document.querySelectorAll('tr[data-episode]')].map(r => r.dataset.episode)"
+                )
                 chromium.go(f"{base}/episodes/waiting-one")
                 chromium.wait_for("!document.getElementById('pending').hidden")
                 chromium.js("window.marker = 'same page'")  # gone if the page reloads
@@ -385,6 +392,8 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
     assert "one two three" in finished["child_page"]
     assert APPROVED_CODE in approved["code"] and approved["badge"]
     assert approved["same_page"] == "same page"
+    assert approved["found"] == ["waiting-one"]  # searched by task text, in the browser
+    assert APPROVED_CODE in approved["in_timeline"]
     assert "attention" in approved["listed"] and "cell 1 waits for approval" in approved["listed"]
     assert result.answer == "approved from the page"
     from durable_rlm.steering import default_sender

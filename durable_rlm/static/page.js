@@ -26,7 +26,14 @@
   }
 
   function apply(next, html) {
-    if (html !== undefined && next.version !== state.version) {
+    if (html !== undefined && next.version === state.version) {
+      // Only the clock moved: replace its row, keep the rest (and any selection) as it is.
+      const fresh = document.createElement("template");
+      fresh.innerHTML = html;  // rendered and escaped by the server
+      const row = fresh.content.querySelector('tr[data-budget="time"]');
+      const old = main.querySelector('tr[data-budget="time"]');
+      if (row && old) old.replaceWith(row);
+    } else if (html !== undefined) {
       const keys = openKeys();
       const closed = new Set();
       main.querySelectorAll("details[data-key]").forEach((d) => { if (!d.open) closed.add(d.dataset.key); });
