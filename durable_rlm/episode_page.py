@@ -638,7 +638,9 @@ class EpisodePages:
             converter = data_converter(
                 self.blobs, self.settings.claim_check_threshold, self.settings.keyring()
             )
-            self._client = await connect_client(address, self.settings, converter, [])
+            # A worker's metrics port is not the supervisor's to take.
+            settings = self.settings.model_copy(update={"metrics_address": None})
+            self._client = await connect_client(address, settings, converter, [])
         return self._client
 
     def close(self) -> None:

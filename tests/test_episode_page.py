@@ -326,6 +326,8 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                     " controls: document.getElementById('controls').hidden})"
                 )
                 chromium.screenshot(docs / "episode-page.png")
+                chromium.js("document.querySelector('details.child').scrollIntoView()")
+                chromium.screenshot(docs / "episode-page-tree.png")
                 chromium.click("details.child a")
                 chromium.wait_for("document.body.innerText.includes('child of')")
                 found["child_page"] = chromium.js("document.body.innerText")
