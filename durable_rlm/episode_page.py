@@ -57,6 +57,7 @@ _CLOCK_ROW = re.compile(r'<tr class="budget" data-budget="time">.*?</tr>', re.S)
 STATIC = ("page.js", "page.css")
 SUMMARY_CHARS = 120  # of a folded text shown in its summary line
 FOLD_CHARS = 1_500  # text longer than this is folded (<details>)
+MARKDOWN_CHARS = 200_000  # a reply longer than this is not rendered as Markdown
 LIST_LIMIT = 500  # audit rows searched by the list page
 LIVE_QUERIES = 20  # running episodes the list asks whether they are paused or waiting
 CALL_TIMEOUT_S = 60.0
@@ -105,36 +106,35 @@ class Renderer:
     def __init__(self) -> None:
         from markdown_it import MarkdownIt
         from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
 
-        self._formatter = HtmlFormatter(cssclass="hl", nowrap=False)
+        self._lexer = PythonLexer()
+        self._formatter = HtmlFormatter(cssclass="hl")
+        self._inline = HtmlFormatter(nowrap=True)
         self._md = MarkdownIt("commonmark", {"html": False, "highlight": self._fence})
         self._md.disable(["link", "image", "autolink", "html_inline", "html_block"])
 
     def style(self) -> str:
         return str(self._formatter.get_style_defs(".hl"))
 
-    def code(self, source: str, language: str = "python") -> str:
+    def code(self, source: str) -> str:
+        """A cell's code (all cells are Python), highlighted; pygments escapes it."""
         from pygments import highlight
-        from pygments.lexers import get_lexer_by_name
-        from pygments.util import ClassNotFound
 
-        try:
-            lexer = get_lexer_by_name(language or "text")
-        except ClassNotFound:
-            return f"<pre>{esc(source)}</pre>"
-        return str(highlight(source, lexer, self._formatter))
+        return str(highlight(source, self._lexer, self._formatter))
 
     def _fence(self, source: str, language: str, _attrs: Any) -> str:
         if language not in ("repl", "py", "python", "python3"):
             return ""  # markdown-it escapes it as a plain block
         from pygments import highlight
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
 
         # Starts with <pre, so markdown-it takes it as the whole block (pygments escapes).
-        return f'<pre class="hl">{highlight(source, PythonLexer(), HtmlFormatter(nowrap=True))}</pre>'
+        return f'<pre class="hl">{highlight(source, self._lexer, self._inline)}</pre>'
 
     def markdown(self, text: str) -> str:
+        """A reply as Markdown; one too long to render is shown as sent (it is below too)."""
+        if len(text) > MARKDOWN_CHARS:
+            return f"<pre>{esc(text[:MARKDOWN_CHARS])}…</pre>"
         return str(self._md.render(text))
 
 
