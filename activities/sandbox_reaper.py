@@ -34,8 +34,10 @@ from typing import Literal
 
 try:
     from activities.sandbox import cgroups
+    from activities.sandbox_files import remove_sandbox_tree
 except ImportError:  # this file loaded alone, as another uid's reaper (tests/test_hygiene.py)
     cgroups = None  # type: ignore[assignment]
+    remove_sandbox_tree = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
 
@@ -381,13 +383,25 @@ def kill_recorded(home: Path, owner_pid: int | None) -> list[int]:
 
 
 def remove_tree(path: Path) -> bool:
-    """Delete a sandbox tree, even one whose sandbox made parts of it read-only; True once
-    nothing of it is left."""
+    """Delete a sandbox tree, even one whose sandbox made parts of it read-only or deep;
+    True once nothing of it is left. The tree is the sandbox's writing: it is removed
+    without recursion and without following a link (activities/sandbox_files.py), so a
+    1,500-deep tree or a planted link cannot stop a reaper or lead it out."""
+    if not os.path.lexists(path):
+        return True
+    if os.path.islink(path):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return not os.path.lexists(path)
+    if remove_sandbox_tree is not None:
+        remove_sandbox_tree(path)
+        return not os.path.lexists(path)
+    # Loaded alone (another uid's reaper, standard library only): the plain removal, and
+    # when that leaves something (not root: a directory the sandbox made read-only), write
+    # and search given back on every directory of it, never following a link, and again.
     shutil.rmtree(path, ignore_errors=True)
     if not os.path.lexists(path):
         return True
-    # Not root (root deletes whatever the mode): give ourselves back write and search on
-    # every directory of it, never following a link out of it, and try again.
     with contextlib.suppress(OSError):
         os.chmod(path, 0o700)
     for directory, subdirectories, _ in os.walk(path):

@@ -114,3 +114,25 @@ def test_a_tree_of_any_depth_is_removed_without_following_links(box: Path, tmp_p
     os.close(fd)
     assert remove_sandbox_tree(box)
     assert not box.exists() and (outside / "kept").read_text() == "kept"
+
+
+def test_a_reaper_removes_a_deep_tree_and_never_follows_a_link(tmp_path: Path) -> None:
+    """A dead worker's sandbox home may hold what a hostile cell left: a tree deeper than
+    Python's recursion limit, a link out of it. The reaper removes the tree, not the target."""
+    from activities import sandbox_reaper
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the sandbox's")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "link").symlink_to(outside)
+    fd = os.open(home, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(1_500):  # deeper than PATH_MAX allows by name: made a level at a time
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    assert sandbox_reaper.remove_tree(home)
+    assert not home.exists() and (outside / "keep.txt").read_text() == "not the sandbox's"
