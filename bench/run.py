@@ -44,6 +44,7 @@ SECTIONS = {
     "rebuild": "rebuild",
     "recovery": "recovery",
     "snapshots": "snapshots",
+    "containment": "containment",
 }
 
 

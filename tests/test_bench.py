@@ -100,6 +100,13 @@ def test_the_risk_benchmark_prints_its_ratio_to_parsing() -> None:
 
 
 @pytest.mark.slow
+def test_the_containment_benchmark_judges_the_worker_after_hostile_episodes() -> None:
+    out = run_bench("containment.py", "--quick", timeout=600)
+    assert "hostile episodes the worker served to their end" in out, out
+    assert re.search(r"worker RSS growth over the whole run\s.*(PASS|MISS)", out), out
+
+
+@pytest.mark.slow
 def test_the_time_travel_benchmark_prints_its_ratios() -> None:
     out = run_bench("time_travel.py", "--iterations", "4", timeout=600)
     assert re.search(r"\s+4\s+\d+ \(\s*6\)\s+\d+\s+\d+\s+\d+ \(1\)\s+\d+\s+[0-9.]+x\s+[0-9.]+x", out), out
