@@ -48,7 +48,7 @@ ROOT_TURNS = [
 ]
 
 
-def tree_script() -> Any:
+def tree_script(turns: list[str] = ROOT_TURNS) -> Any:
     """Root turns by how many root calls came before (compaction rewrites the history)."""
     counter = itertools.count()
 
@@ -58,7 +58,7 @@ def tree_script() -> Any:
         if request.is_root and request.model == "child-m":
             return "FINAL(one two three)"
         if request.is_root:
-            return ROOT_TURNS[min(next(counter), len(ROOT_TURNS) - 1)]
+            return turns[min(next(counter), len(turns) - 1)]
         return request.last_user.upper()
 
     return script
@@ -296,6 +296,13 @@ class Chromium:
 
 
 APPROVED_CODE = "print('approved and ran:', 6 * 7)"
+RISKY_CODE = "open('answer.txt', 'w').write('42')\n" + APPROVED_CODE  # a file write: it waits
+RUNNING_TURNS = [
+    "```repl\nc = rlm_query('count to three', model='child-m')\nprint('child said', c)\n```",
+    *[PRINT_BIG] * 5,
+    f"```repl\n{RISKY_CODE}\n```",
+    "FINAL(approved from the page)",
+]
 
 
 async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_path: Path, scripted) -> None:
@@ -337,12 +344,16 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
 
         finished = await asyncio.to_thread(read_finished)
 
-    server2 = scripted(
-        lambda request: (
-            f"```repl\n{APPROVED_CODE}\n```" if request.turn == 0 else "FINAL(approved from the page)"
-        )
-    )
-    async with session(tmp_path, server2.base_url, approve="all") as (rlm, services, settings):
+    # A running episode, with a child and compactions, whose risky cell waits for a person.
+    server2 = scripted(tree_script(RUNNING_TURNS), context_window_tokens=6_000)
+    async with session(
+        tmp_path,
+        server2.base_url,
+        approve="risky",
+        max_depth=2,
+        sampling={"max_tokens": 500},
+        context_window_tokens=6_000,
+    ) as (rlm, services, settings):
         episode = await rlm.start("numbers", "Print the answer, once approved.", "waiting-one")
         base = page_base(settings)
 
@@ -354,8 +365,11 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                 seen: dict[str, Any] = chromium.js(
                     "({code: document.getElementById('pending-code').value,"
                     " badge: document.body.innerText.includes('waits for approval'),"
-                    " in_timeline: document.querySelector('#timeline .pending-cell')?.innerText})"
+                    " in_timeline: document.querySelector('#timeline .pending-cell')?.innerText,"
+                    " children: document.querySelectorAll('#timeline details.child a').length,"
+                    " compactions: document.querySelectorAll('#timeline .compaction').length})"
                 )
+                chromium.js("document.querySelector('#timeline .pending-cell').scrollIntoView()")
                 chromium.screenshot(docs / "episode-page-pending.png")
                 # The list marks it: a cell waits for a person.
                 chromium.go(f"{base}/episodes")
@@ -392,11 +406,12 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
     assert len(finished["children"]) == 1 and finished["controls"] is True
     assert "alert('pwned')" in text and finished["scripts"] == 2  # the model's <script> is text
     assert "one two three" in finished["child_page"]
-    assert APPROVED_CODE in approved["code"] and approved["badge"]
+    assert RISKY_CODE in approved["code"] and approved["badge"]
+    assert approved["children"] == 1 and approved["compactions"] >= 1
     assert approved["same_page"] == "same page"
     assert approved["found"] == ["waiting-one"]  # searched by task text, in the browser
-    assert APPROVED_CODE in approved["in_timeline"]
-    assert "attention" in approved["listed"] and "cell 1 waits for approval" in approved["listed"]
+    assert RISKY_CODE in approved["in_timeline"] and "writes a file" in approved["in_timeline"]
+    assert "attention" in approved["listed"] and "waits for approval" in approved["listed"]
     assert result.answer == "approved from the page"
     from durable_rlm.steering import default_sender
 
