@@ -564,9 +564,8 @@ class CodecServer:
                     response = answer()
                 except Exception as exc:  # one line to the browser, the traceback to the log
                     log.exception("episode page: %s failed", self._path())
-                    self._error(
-                        500, f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                    )
+                    first = (str(exc).splitlines() or [""])[0][:300]
+                    self._error(500, f"internal error: {type(exc).__name__}: {first}")
                     return
                 self.send_response(response.status)
                 self.send_header("Content-Type", response.content_type)
