@@ -207,12 +207,12 @@ class PauseWatch:
             self.last_tick = now
 
     def longest_since(self, moment: float) -> float:
-        """The longest stall that ended after `moment` (the part after it), in seconds;
-        a stall still going on is counted up to now."""
+        """The longest stall that ended after `moment` (or is still going on), whole: its
+        length is what lets a timeout pass, wherever it began."""
         now = time.monotonic()
         # Just woken from a stall, this code may run before the tick that records it.
-        ongoing = now - max(self.last_tick, moment) if now - self.last_tick >= 4 * self.TICK_S else 0.0
-        longest = max((end - max(start, moment) for start, end in self.pauses if end > moment), default=0.0)
+        ongoing = now - self.last_tick if now - self.last_tick >= 4 * self.TICK_S else 0.0
+        longest = max((end - start for start, end in self.pauses if end > moment), default=0.0)
         return max(longest, ongoing, 0.0)
 
 

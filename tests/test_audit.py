@@ -29,6 +29,7 @@ from durable_rlm.store import create_engine, downgrade, migrate
 from tests.conftest import WorkerProcess, request_for, run_episode, workers_for
 from tests.test_crash import wait_until
 from tests.test_recursion import by_model, tree_request
+from workflows import defaults
 from workflows.models import EpisodeLimits, ModelPrice
 
 KINDS = ("tree", "long", "killed", "costly", "ended")
@@ -191,8 +192,9 @@ async def test_a_locked_audit_store_delays_no_episode_and_a_rebuild_restores_it(
             holder.execute("ROLLBACK")
             holder.close()
         assert result.answer == "A"
-        # Four steps wait 2 s each at most, the closing row 10 s at most: not the store's 30 s.
-        assert took < 40, took  # the store's own wait is 30 s a write, and a row has 5 attempts
+        # Four steps wait 2 s each at most, the closing row AUDIT_CLOSE_PATIENCE_S at most: not
+        # the store's own 30 s a write, attempt after attempt.
+        assert took < 4 * 2 + defaults.AUDIT_CLOSE_PATIENCE_S + 15, took
         await rebuild_audit(client, engine)
         rows = table_rows(engine)
     assert [r["status"] for r in rows["episodes"]] == ["completed"]

@@ -51,6 +51,10 @@ def sandbox_pids(episode_id: str) -> list[int]:
     return pids
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 async def left_mid_call(host: ReplActivities, code: str) -> Episode:
     """An episode with `kept = 1`, then a cell suspended in llm_query whose head it keeps."""
     episode = Episode(host)
@@ -127,7 +131,10 @@ async def test_a_cancelled_rebuild_leaves_no_sandbox_behind(host: ReplActivities
 async def test_a_sandbox_whose_limits_cannot_be_set_does_not_start(blob_store, sandboxes: Path) -> None:
     host = ReplActivities(blob_store, "q", sandboxes, memory_mb=2**44)  # 2**64 bytes: refused
     with pytest.raises(
-        ApplicationError, match="the REPL sandbox failed to start: LayerError: cannot set RLIMIT_AS"
+        ApplicationError,
+        # The whole-sandbox bound (its cgroup) refuses first where there is one; else RLIMIT_AS.
+        match="the REPL sandbox failed to start: LayerError: cannot "
+        "(set RLIMIT_AS|limit the sandbox's cgroup)",
     ) as info:
         await Episode(host).run("x = 1")
     assert info.value.type == names.SANDBOX_FAILURE
@@ -270,7 +277,10 @@ async def test_a_sandbox_killed_mid_cell_costs_only_that_cell(client, worker, sc
     while len(server.root_requests()) < 2:
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
-    (pid,) = sandbox_pids(episode_id)
+    # The sandbox: its keeper (the worker's child) and the REPL it keeps (PID 1 of their PID
+    # namespace), both in the sandbox's directory. The keeper is killed: the REPL goes with it.
+    pids = sandbox_pids(episode_id)
+    (pid,) = [p for p in pids if parent_of(p) not in pids]
     os.kill(pid, signal.SIGKILL)
     result = await asyncio.wait_for(task, 90)
     assert result.answer == "earlier"

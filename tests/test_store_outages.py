@@ -13,6 +13,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import timedelta
@@ -338,8 +339,11 @@ async def test_a_paused_worker_s_rows_never_stand_over_the_accepted_ones(tmp_pat
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # the root call waits for the model's reply
             first.process.send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
             second = WorkerProcess(address, url, queue)
             result = await asyncio.wait_for(handle.result(), 90)
+            # Stopped past the fence's threshold, as a SIGSTOP of a worker usually is.
+            await asyncio.sleep(max(0.0, 8.0 - (time.monotonic() - stopped)))
             first.process.send_signal(signal.SIGCONT)  # its step completes now: a zombie's
             await asyncio.sleep(6)  # its reconciler settles what it fenced (every 2 s)
         finally:
@@ -352,7 +356,7 @@ async def test_a_paused_worker_s_rows_never_stand_over_the_accepted_ones(tmp_pat
         await rebuild_audit(client, engine)
         rebuilt = table_rows(create_engine(url))
     for table in live:
-        assert rebuilt[table] == live[table], table
+        assert rebuilt[table] == live[table], f"{table}: live {live[table]} rebuilt {rebuilt[table]}"
     durations = [r["duration_s"] for r in live["audit_cells"]]
     assert durations and all(d is None or d >= 0 for d in durations)
 

@@ -159,10 +159,12 @@ AUDIT_CLOSE_S = 10.0
 """Longest one attempt at an ending episode's audit row may take (a worker killed mid-write
 is replaced by another attempt after this)."""
 
-AUDIT_CLOSE_PATIENCE_S = 180.0
-"""Longest an ending episode keeps trying to write its closing audit row (attempts back off
-to 15 s): a store that is down this long delays the episode's end by this much; past it,
-the reconciler (every worker runs it at start and each minute) writes the row from history."""
+AUDIT_CLOSE_PATIENCE_S = 20.0
+"""Longest an ending episode keeps trying to write its closing audit row (short attempts,
+backing off): a store restarting or locked for a moment still gets the row from the
+episode itself; a store down for longer delays the episode's end by this much only, and the
+reconciler (every worker runs it at start and each minute) writes the row from history once
+the store is back. The audit store is a projection: it never holds an answer back long."""
 
 CLOSE_SANDBOX_TIMEOUT_S = 10.0
 """Waiting for the worker that holds the sandbox at the end; idle reaping covers the rest."""
