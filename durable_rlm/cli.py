@@ -1157,7 +1157,10 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
         async with connect(settings) as services:
             assert services.engine is not None
-            await reconcile_audit(services.client, services.engine)
+            try:
+                await reconcile_audit(services.client, services.engine)
+            except Exception as exc:  # noqa: BLE001 - a store that cannot be written: list what it holds
+                _stderr(f"drlm: rows not settled (the store refused the write): {type(exc).__name__}")
     engine = readonly.open_existing(settings)
     where = readonly.EpisodeFilter(
         status=args.status,
@@ -1169,6 +1172,8 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         roots_only=args.roots,
     )
     rows = [] if engine is None else readonly.episode_rows(engine, args.limit, where)
+    if args.refresh and rows:
+        rows = await _with_live_status(settings, rows)
     if args.json:
         for row in rows:
             print(json.dumps(dict(row._mapping), default=str))
@@ -1180,6 +1185,38 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
 
     print_table(episode_table(rows))
     return EXIT_OK
+
+
+async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:
+    """With --refresh, a running episode's status as it says it itself (the `DrlmStatus`
+    search attribute: waiting for the store, paused, awaiting approval), which its audit row
+    cannot say while the store it waits for is down."""
+    from types import SimpleNamespace
+
+    from durable_rlm.connection import connect
+    from workflows import metadata
+
+    running = [row.episode_id for row in rows if row.status == "running"]
+    if not running:
+        return rows
+    live: dict[str, str] = {}
+    async with connect(settings) as services:
+        quoted = ", ".join(json.dumps(episode_id) for episode_id in running[:200])
+        with contextlib.suppress(Exception):  # a server without the attribute: rows as stored
+            async for execution in services.client.list_workflows(f"WorkflowId IN ({quoted})"):
+                status = execution.typed_search_attributes.get(metadata.STATUS)
+                if status and status != "running":
+                    live[execution.id] = status
+    updated = []
+    for row in rows:
+        if row.episode_id not in live:
+            updated.append(row)
+            continue
+        mapping = {**row._mapping, "status": live[row.episode_id]}
+        shown = SimpleNamespace(**mapping)
+        shown._mapping = mapping  # as a Row has: --json prints it
+        updated.append(shown)
+    return updated
 
 
 # Commands that never reach Temporal: they need no Runtime of the SDK's.
@@ -1293,6 +1330,12 @@ def _report(exc: Exception) -> int:
     rpc = sys.modules.get("temporalio.service")
     if isinstance(exc, ServerUnavailable):
         _stderr(f"drlm: {exc}")
+        return EXIT_FAILED
+    from activities.store_errors import store_problem  # only on this error path
+
+    problem = store_problem(exc)
+    if problem is not None:  # one line, not a traceback: wait for the store, or free it
+        _stderr(f"drlm: the store is unavailable: {problem}")
         return EXIT_FAILED
     if isinstance(exc, DurableRLMError | ValidationError) or (policy and isinstance(exc, policy.PolicyError)):
         _stderr(f"drlm: {_explain(exc)}")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -456,3 +458,64 @@ async def test_rows_the_store_refused_are_settled_once_it_is_back(
                 break
             await asyncio.sleep(0.2)
     assert "sub:1.0" in calls, calls
+
+
+async def test_drlm_list_refreshed_shows_what_a_running_episode_says_of_itself(
+    tmp_path: Path, scripted
+) -> None:
+    """`drlm list --refresh` takes a running episode's status from the episode itself (its
+    DrlmStatus attribute: waiting for the store, paused, awaiting approval), which its audit
+    row cannot say (while it waits for the store, that row's store is the one down). Shown
+    here with a pause; and during a store outage, a CLI says so in one line."""
+    from durable_rlm.steering import pause_episode
+    from workflows.metadata import SEARCH_ATTRIBUTES
+
+    url = f"sqlite:///{tmp_path / 'drlm.sqlite'}"
+    engine = open_store(url)
+    blobs = BlobStore(SqlBackend(engine))
+    server = scripted(lambda r: Reply("```repl\nx = 1\n```", delay_s=0.5))
+    registered = tuple(
+        a for name, kind in SEARCH_ATTRIBUTES for a in ("--search-attribute", f"{name}={kind}")
+    )
+    async with EmbeddedServer(tmp_path / "temporal.sqlite", extra_args=registered) as address:
+        client = await Client.connect(address, data_converter=data_converter(blobs))
+        queue = f"list-live-{uuid.uuid4().hex[:6]}"
+        settings = Settings(task_queue=queue, data_dir=tmp_path)
+        async with running_workers(Services(settings, blobs, engine, client)):
+            handle = await start_episode(client, request_for(server), queue, f"held-{uuid.uuid4().hex[:6]}")
+            await pause_episode(client, handle.id, "alice")
+            for _ in range(300):
+                if (await handle.query("progress", result_type=EpisodeProgress)).phase.startswith("paused"):
+                    break
+                await asyncio.sleep(0.1)
+            environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DRLM_"))}
+            environ.update(TEMPORAL_ADDRESS=address, DRLM_DATABASE_URL=url, DRLM_DATA_DIR=str(tmp_path))
+            drlm = str(Path(sys.executable).with_name("drlm"))
+            listed = subprocess.run(
+                [drlm, "list", "--refresh", "--json"], capture_output=True, text=True, env=environ, timeout=60
+            )
+            stored = subprocess.run(
+                [drlm, "list", "--json"], capture_output=True, text=True, env=environ, timeout=60
+            )
+            await handle.terminate("done looking")
+    rows = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [(r["episode_id"], r["status"]) for r in rows] == [(handle.id, "paused")], listed.stderr
+    assert [json.loads(line)["status"] for line in stored.stdout.splitlines()] == ["running"]
+
+
+def test_a_cli_facing_a_full_store_says_so_in_one_line(tmp_path: Path, small_disk: Path) -> None:
+    url = f"sqlite:///{small_disk / 'drlm.sqlite'}"
+    open_store(url).dispose()
+    filler = fill(small_disk)
+    try:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "DRLM_"))}
+        environ.update(TEMPORAL_ADDRESS="127.0.0.1:9", DRLM_DATABASE_URL=url, DRLM_DATA_DIR=str(tmp_path))
+        drlm = str(Path(sys.executable).with_name("drlm"))
+        out = subprocess.run(
+            [drlm, "list", "--refresh"], capture_output=True, text=True, env=environ, timeout=60
+        )
+    finally:
+        filler.unlink()
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line
+    assert "drlm: the store is unavailable: OperationalError" in out.stderr  # full: "disk I/O error"
