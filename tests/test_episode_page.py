@@ -479,7 +479,7 @@ async def test_each_action_of_the_page_reaches_the_episode_with_its_sender(tmp_p
             "reject": await asyncio.to_thread(post, "reject", cell=1, reason="not that"),
         }
         outcomes["cancel"] = await asyncio.to_thread(post, "cancel", reason="enough")
-        result = await episode.result()
+        result = await asyncio.wait_for(episode.result(), 120)
         timeline = await episode_timeline(services.client, "steered")
 
     assert {k: v["accepted"] for k, v in outcomes.items()} == dict.fromkeys(outcomes, True), outcomes
