@@ -422,11 +422,15 @@ async def test_memory_is_bounded_for_the_sandbox_as_a_whole(
         "os.close(w)\nfilled = 0\n"
         "while filled < len(kids) and select.select([r], [], [], 5)[0]:\n"
         "    got = os.read(r, 16)\n    if not got:\n        break\n    filled += len(got)\n"
-        "print('filled', filled, 'of', len(kids))",
+        # Held at once is what counts: a child the kernel ended past the budget may have
+        # filled first (the next one then fills in its place).
+        "alive = sum(1 for pid in kids if os.waitpid(pid, os.WNOHANG) == (0, 0))\n"
+        "print('filled', filled, 'of', len(kids), 'alive', alive)",
         episode,
     )
     filled = int(text.split("filled")[1].split()[0])
-    assert filled * 600 <= host.memory_mb, text  # 5 x 600 MB = 3000 MB without the bound
+    alive = int(text.split("alive")[1].split()[0])
+    assert min(filled, alive) * 600 <= host.memory_mb, text  # 5 x 600 MB = 3000 MB without the bound
     layer = host._live[episode.episode_id].layers["cgroup"]
     # Where the worker can make one, every sandbox has its cgroup, and then one process may
     # use most of the budget (600 MB of 1024 here); split rlimits allow 1024 / 8 MB each.
