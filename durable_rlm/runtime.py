@@ -20,6 +20,7 @@ import sqlalchemy as sa
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentConfig, WorkerTuner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -438,13 +439,16 @@ async def _settle(services: Services) -> None:
     from durable_rlm.projection import rebuild_episode
 
     assert services.engine is not None
-    pending = take_unsettled()
-    try:
-        while pending:
-            await rebuild_episode(services.client, services.engine, pending[0])
-            pending.pop(0)
-    finally:
-        UNSETTLED.update(pending)  # the store still failing: the next pass tries them again
+    again: list[str] = []
+    for episode_id in take_unsettled():  # each on its own: one that fails holds up no other
+        try:
+            await rebuild_episode(services.client, services.engine, episode_id)
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:  # not in this namespace: nothing to settle
+                again.append(episode_id)
+        except Exception:  # noqa: BLE001 - the store still failing: the next pass tries again
+            again.append(episode_id)
+    UNSETTLED.update(again)
 
 
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:

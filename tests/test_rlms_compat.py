@@ -334,12 +334,13 @@ async def test_rlms_export_holds_locals_as_json_values_and_the_other_backends(
 
 
 def test_a_dict_tool_with_a_description_shows_it_to_the_model(tmp_path: Path) -> None:
-    def convert(amount: float) -> float:
+    def eur_to_usd(amount: float) -> float:
         return amount * 1.1
 
-    made = rlm(tmp_path, custom_tools={"convert": {"tool": convert, "description": "EUR to USD"}})
+    # A name of its own: tests/tool_plugins.py registers a `convert` in the same process.
+    made = rlm(tmp_path, custom_tools={"eur_to_usd": {"tool": eur_to_usd, "description": "EUR to USD"}})
     (spec,) = made.template.tools
-    assert (spec.name, spec.doc, spec.signature) == ("convert", "EUR to USD", "(amount)")
+    assert (spec.name, spec.doc, spec.signature) == ("eur_to_usd", "EUR to USD", "(amount)")
 
 
 @pytest.mark.parametrize(
