@@ -37,7 +37,7 @@ from durable_rlm.store import create_engine, open_store
 from tests.conftest import WorkerProcess, request_for
 from tests.test_audit import table_rows
 from workflows import names
-from workflows.models import DurabilitySettings, EpisodeProgress, EpisodeResult
+from workflows.models import DurabilitySettings, EpisodeProgress, EpisodeRequest, EpisodeResult
 
 
 @pytest.fixture
@@ -57,6 +57,18 @@ def small_disk() -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
         with contextlib.suppress(OSError):
             root.rmdir()
+
+
+async def start_on(client: Client, queue: str, request: EpisodeRequest, episode_id: str, minutes: int = 4):
+    """Start an episode on `queue` with an execution timeout that bounds a test that hangs."""
+    return await client.start_workflow(
+        names.WORKFLOW,
+        request,
+        id=episode_id,
+        task_queue=queue,
+        result_type=EpisodeResult,
+        execution_timeout=timedelta(minutes=minutes),
+    )
 
 
 def fill(disk: Path) -> Path:
@@ -112,14 +124,7 @@ async def test_a_full_disk_under_the_sql_store_is_waited_out(
         request = request.model_copy(
             update={"root_model": request.root_model.model_copy(update={"max_attempts": 2})}
         )
-        handle = await client.start_workflow(
-            names.WORKFLOW,
-            request,
-            id=f"full-disk-{uuid.uuid4().hex[:8]}",
-            task_queue=queue,
-            result_type=EpisodeResult,
-            execution_timeout=timedelta(minutes=4),
-        )
+        handle = await start_on(client, queue, request, f"full-disk-{uuid.uuid4().hex[:8]}")
         phase = ""
         for _ in range(600):
             progress = await handle.query("progress", result_type=EpisodeProgress)
@@ -176,14 +181,7 @@ async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, sc
     async with running_workers(
         Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
     ):
-        handle = await client.start_workflow(
-            names.WORKFLOW,
-            request_for(server),
-            id=episode_id,
-            task_queue=queue,
-            result_type=EpisodeResult,
-            execution_timeout=timedelta(minutes=4),
-        )
+        handle = await start_on(client, queue, request_for(server), episode_id)
         await asyncio.sleep(12)  # past AUDIT_CLOSE_S: the old bound would have given up
         assert (await handle.describe()).status.name == "RUNNING"  # still writing its row
         filled[0].unlink()
@@ -252,14 +250,7 @@ async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, ses
         settings = Settings(task_queue=queue, data_dir=session_dir)
         async with running_workers(Services(settings, blobs, engine, client)):
             request = request_for(server)
-            handle = await client.start_workflow(
-                names.WORKFLOW,
-                request,
-                id=f"pg-down-{uuid.uuid4().hex[:8]}",
-                task_queue=queue,
-                result_type=EpisodeResult,
-                execution_timeout=timedelta(minutes=5),
-            )
+            handle = await start_on(client, queue, request, f"pg-down-{uuid.uuid4().hex[:8]}", minutes=5)
             phases = []
             while not stopped.is_set():
                 await asyncio.sleep(0.1)
@@ -295,13 +286,8 @@ async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scri
     async with running_workers(
         Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
     ):
-        handle = await client.start_workflow(
-            names.WORKFLOW,
-            request_for(server),
-            id=f"full-cell-{uuid.uuid4().hex[:8]}",
-            task_queue=queue,
-            result_type=EpisodeResult,
-            execution_timeout=timedelta(minutes=4),
+        handle = await start_on(
+            client, queue, request_for(server), f"full-cell-{uuid.uuid4().hex[:8]}", minutes=4
         )
         phase = ""
         for _ in range(600):
@@ -429,14 +415,7 @@ async def test_rows_the_store_refused_are_settled_once_it_is_back(
     async with running_workers(
         Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
     ):
-        handle = await client.start_workflow(
-            names.WORKFLOW,
-            request_for(server),
-            id=episode_id,
-            task_queue=queue,
-            result_type=EpisodeResult,
-            execution_timeout=timedelta(minutes=4),
-        )
+        handle = await start_on(client, queue, request_for(server), episode_id)
         for _ in range(300):
             if filled:
                 break
