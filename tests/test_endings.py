@@ -19,6 +19,7 @@ from durable_rlm.episodes import EpisodeEnd, follow, start_episode, wait_end
 from durable_rlm.projection import rebuild_audit, reconcile_audit
 from durable_rlm.scripted import Reply, root_and_sub
 from tests.conftest import request_for, workers_for
+from tests.histories.record import cancel_beside_a_reply
 from workflows import names
 from workflows.models import EpisodeLimits, EpisodeResult, TerminationSpec
 from workflows.termination import ActionResult, PolicyContext, PolicyRegistry, TerminationPolicy
@@ -158,3 +159,64 @@ async def test_request_timeout_and_attempts_come_from_the_request(
     result = await asyncio.wait_for(handle.result(), 60)
     assert result.ended_by == "model_error" and "timed out after 1 s" in result.error
     assert len(server.root_requests()) == attempts
+
+
+@pytest.mark.parametrize("approve", ["none", "all"])
+async def test_a_cancel_that_arrives_with_a_steps_result_still_ends_the_episode(
+    client: Client, store, session_dir, scripted, approve: str
+) -> None:
+    """The worst moment for a cancel: the root model's reply is in history, no worker has
+    read it yet, and then the cancel arrives, so a worker gets both in one activation. The
+    step's handle absorbs the cancel (its result wins); the episode must still end
+    cancelled: not run on to its limits (and a cell waiting for approval would wait for
+    ever: the page test's failure in CI, stop 39). How the moment is made:
+    `cancel_beside_a_reply`."""
+    blobs = store[0]
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    release = threading.Event()
+
+    def script(request):
+        if request.is_root and request.turn == 0:
+            release.wait(60)
+        return "```repl\nprint('working')\n```"
+
+    server = scripted(script)
+    request = request_for(
+        server,
+        limits=EpisodeLimits(max_iterations=3, max_llm_calls=10, max_duration=timedelta(minutes=5)),
+        approve=approve,  # "all": the reply's cell would wait for a person, for ever
+    )
+    receipt, result, history = await cancel_beside_a_reply(
+        client,
+        lambda: workers_for(client, store, session_dir, queue),
+        blobs,
+        queue,
+        f"sticky-cancel-{uuid.uuid4().hex[:8]}",
+        request,
+        release,
+    )
+    events = history.events
+    kinds = [e.event_type for e in events]
+    replied = next(
+        i
+        for i, e in enumerate(events)
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+        and events[
+            e.activity_task_completed_event_attributes.scheduled_event_id - 1
+        ].activity_task_scheduled_event_attributes.activity_type.name
+        == names.ROOT_COMPLETION
+    )
+    accepted = kinds.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+    # The moment happened: one workflow task read the reply and the cancel together.
+    assert kinds[replied:accepted].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) == 1, kinds
+    assert receipt.iteration == 1
+    assert result.ended_by == "cancelled", result
+    assert "enough" in result.stop_reason, result
+    # Its cell never ran: nothing after the cancel asked for a step.
+    scheduled = [
+        e.activity_task_scheduled_event_attributes.activity_type.name
+        for e in events[accepted:]
+        if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+    ]
+    assert names.ROOT_COMPLETION not in scheduled, scheduled
+    assert {r.turn for r in server.requests if r.is_root} == {0}  # no second turn was asked

@@ -169,6 +169,7 @@ LATER = [
     "final_as_written",
     "token_budget_fits",
     "setup_code",
+    "cancel_sticks",
 ]  # recorded after the ui-metadata patch: they carry its marker too
 
 
@@ -190,6 +191,7 @@ def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
             "final_as_written",
             "token_budget_fits",
             "setup_code",
+            "cancel_sticks",
         )  # recorded after it
         assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
     types = _activity_types("audit_aside.json")
@@ -389,3 +391,23 @@ def test_final_keeps_its_quotes_behind_the_final_as_written_patch() -> None:
     for path in HISTORIES:
         if path.stem != "final_as_written":
             assert not _has_patch_marker(path.name, names.PATCH_FINAL_AS_WRITTEN), path.stem
+
+
+def test_a_cancel_read_with_a_reply_is_stored_behind_the_cancel_sticks_patch() -> None:
+    """The root model's reply and a cancel read in one workflow task (the reply's handle
+    absorbed the cancel): since the patch the episode ends cancelled there, and the reply's
+    cell (which waited for approval) never runs. Only this history took that path."""
+    assert _has_patch_marker("cancel_sticks.json", names.PATCH_CANCEL_STICKS)
+    events = json.loads((HISTORIES[0].parent / "cancel_sticks.json").read_text())["events"]
+    kinds = [e["eventType"] for e in events]
+    accepted = kinds.index("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED")
+    replied = max(i for i in range(accepted) if kinds[i] == "EVENT_TYPE_ACTIVITY_TASK_COMPLETED")
+    assert kinds[replied:accepted].count("EVENT_TYPE_WORKFLOW_TASK_COMPLETED") == 1
+    assert _activity_types("cancel_sticks.json") == [
+        names.AUDIT_EPISODE, names.ROOT_COMPLETION, names.AUDIT_EPISODE
+    ]  # fmt: skip
+    done = events[-1]["workflowExecutionCompletedEventAttributes"]["result"]["payloads"][0]["data"]
+    assert json.loads(base64.b64decode(done))["ended_by"] == "cancelled"
+    for path in HISTORIES:
+        if path.stem != "cancel_sticks":
+            assert not _has_patch_marker(path.name, names.PATCH_CANCEL_STICKS), path.stem

@@ -26,7 +26,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
@@ -139,6 +139,7 @@ class EpisodeWorkflow:
         self._reward_log: list[RewardRecord] = []  # the latest rewards, for the audit's events
         self._cancel: CancelRequest | None = None
         self._stopping = False  # the loop is being cancelled: a request, the timer, Temporal
+        self._stop_sticks = False  # the loop stops itself once `_stopping` (see `_stop_loop`)
         self._closing = False  # the loop is over: a cancel request would change nothing
         self._depth = 0
         # Model calls paused on a refused key: each waits for a retry_credentials update
@@ -507,12 +508,8 @@ class EpisodeWorkflow:
         try:
             await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            self._stopping = self._closing = True
-            loop.cancel()
-            timer.cancel()
-            cancel.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+            self._closing = True
+            await self._stop_loop(loop, timer, cancel)
             raise
         cancel.cancel()
         self._closing = True
@@ -520,10 +517,7 @@ class EpisodeWorkflow:
             ending = loop.result()  # re-raises continue-as-new
         elif self._cancel is not None:
             # Cancelling the loop cancels the step in flight and, through it, every child.
-            self._stopping = True
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+            await self._stop_loop(loop)
             why = self._cancel.reason
             if self._cancel.extract:
                 reason = FallbackReason(kind="cancelled", value=self._state.iteration, limit=0, detail=why)
@@ -531,10 +525,7 @@ class EpisodeWorkflow:
             else:
                 ending = cancelled_ending(why)
         else:
-            self._stopping = True
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+            await self._stop_loop(loop)
             ending = LimitReached(
                 FallbackReason(
                     kind="timeout",
@@ -547,6 +538,36 @@ class EpisodeWorkflow:
             ending = await self._extract(request, ending.reason)
         timer.cancel()
         return ending
+
+    async def _stop_loop(self, loop: asyncio.Future[Any], *rest: asyncio.Future[Any]) -> None:
+        """Cancel the loop (and `rest`, after it: the order of the commands is history's)
+        and wait until the loop has ended.
+
+        A step's handle absorbs a cancel that arrives in the activation that also brings
+        the step's result (the result wins), and the loop would go on. So the cancel also
+        sticks: with `_stop_sticks`, the loop ends itself at its next boundary or wait
+        (`_halt_if_stopping`, `_until`). Histories from before the patch keep the old path."""
+        self._stopping = True
+        self._stop_sticks = workflow.patched(names.PATCH_CANCEL_STICKS)
+        loop.cancel()
+        for other in rest:
+            other.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+        self._stop_sticks = False  # what follows the loop (extraction, closing) runs on
+
+    def _halted(self) -> bool:
+        return self._stopping and self._stop_sticks
+
+    def _halt_if_stopping(self) -> None:
+        """Where the loop goes on after a step: end it here if it is being cancelled."""
+        if self._halted():
+            raise asyncio.CancelledError()
+
+    async def _until(self, condition: Callable[[], bool]) -> None:
+        """Wait for `condition`, or for the loop to be stopped (then end it)."""
+        await workflow.wait_condition(lambda: condition() or self._halted())
+        self._halt_if_stopping()
 
     async def _deadline(self) -> None:
         """The durable timer, set again whenever the deadline moves (a new max_duration, a
@@ -575,6 +596,7 @@ class EpisodeWorkflow:
             if workflow.patched(names.PATCH_SETUP_CODE):
                 await self._setup(request, request.setup_code)
         while True:
+            self._halt_if_stopping()
             if self._steering:
                 asked = await self._checkpoint(request)
                 if asked is not None:
@@ -595,6 +617,7 @@ class EpisodeWorkflow:
 
             s.iteration += 1
             reply = await self._ask(request)
+            self._halt_if_stopping()
             if not isinstance(reply, RootCompletion):
                 return reply
             outcome = await self._act(request, reply)
@@ -734,6 +757,7 @@ class EpisodeWorkflow:
         store outage is waited out the same way, by a timer (`_wait_for_store`)."""
         outages = 0
         while True:
+            self._halt_if_stopping()  # a cancel a wait's last step absorbed
             try:
                 return await call()
             except ActivityError as err:
@@ -750,6 +774,7 @@ class EpisodeWorkflow:
         """Run a step; while the store fails it, wait (a durable timer) and run it again."""
         outages = 0
         while True:
+            self._halt_if_stopping()  # a cancel a wait's last step absorbed
             try:
                 return await call()
             except ActivityError as err:
@@ -792,7 +817,7 @@ class EpisodeWorkflow:
         self._paused = f"{problem}. Fix it, then run `drlm resume {workflow.info().workflow_id}`"
         self._set_phase(f"paused: {self._paused}")
         try:
-            await workflow.wait_condition(lambda: self._credentials_epoch > epoch)
+            await self._until(lambda: self._credentials_epoch > epoch)
         finally:  # plain state only: on eviction this runs outside the workflow's event loop
             self._paused_calls -= 1
             if self._paused_calls == 0:
@@ -826,7 +851,7 @@ class EpisodeWorkflow:
         self._show_progress("paused")
         await self._repl.close()
         self._state.repl_queue = None  # the next step may go to any worker
-        await workflow.wait_condition(lambda: self._held is None or self._finish is not None)
+        await self._until(lambda: self._held is None or self._finish is not None)
         self._audit_actions(request)
         self._set_phase(phase)
         self._show_progress(status)  # what it was before the pause
@@ -856,7 +881,7 @@ class EpisodeWorkflow:
         try:
             while True:
                 self._set_phase(f"cell {cell} waits for approval")
-                await workflow.wait_condition(
+                await self._until(
                     lambda: self._decision is not None or self._finish is not None or self._held is not None
                 )
                 if self._decision is not None or self._finish is not None:
@@ -911,6 +936,7 @@ class EpisodeWorkflow:
         else:
             blocks, signal = legacy.find_code_blocks(reply.text, request.code_fences), None
         for written in blocks:
+            self._halt_if_stopping()
             if self._steering and await self._checkpoint(request) is not None:
                 return outcome  # asked to answer now: the loop's next boundary ends it
             s.cell_count += 1
@@ -921,6 +947,7 @@ class EpisodeWorkflow:
                     return outcome  # rejected (the model reads why), or asked to answer now
             self._set_phase(f"cell {s.cell_count}")
             ran = await repl.run_cell(s.iteration, s.cell_count, code)
+            self._halt_if_stopping()
             cell = CellRecord.of(s.cell_count, code, ran)
             outcome.cells.append(cell)
             if ran.rebuild is not None:
@@ -940,6 +967,7 @@ class EpisodeWorkflow:
             outcome.answer, note = text_answer(stated, "final", fields)
         elif signal is not None:
             read = await repl.read_variable(signal.value)
+            self._halt_if_stopping()
             if read.value is None:
                 note = (
                     prompts.READ_VAR_FAILED.format(name=signal.value, problem=read.problem)

@@ -82,6 +82,10 @@ PATCH_FINAL_AS_WRITTEN = "final-as-written"
 # A model step whose every attempt lost its worker (heartbeat timeout) waits for a worker
 # and is asked again; before, the episode ended (an infrastructure failure).
 PATCH_WAIT_OUT_LOST_WORKERS = "wait-out-lost-workers"
+# A cancel that reaches the loop in the same activation as a step's result is absorbed by
+# the step's handle (the result wins), and the loop went on: the loop now stops at its next
+# boundary or wait. Before, such an episode ran on (or waited for ever at a gate).
+PATCH_CANCEL_STICKS = "cancel-sticks"
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

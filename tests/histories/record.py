@@ -14,11 +14,19 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
-from temporalio.client import Client
+from temporalio.api.enums.v1 import EventType, PendingActivityState
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime, TelemetryConfig
+from temporalio.worker import Worker
 
+from activities.audit import AuditActivities
+from activities.llm import ModelActivities
 from durable_rlm.blobs import BlobStore, SqlBackend
 from durable_rlm.episodes import store_context
 from durable_rlm.runtime import EmbeddedServer, Services, running_workers
@@ -27,6 +35,8 @@ from durable_rlm.settings import Settings
 from durable_rlm.store import open_store
 from workflows import names
 from workflows.models import (
+    CancelReceipt,
+    CancelRequest,
     EpisodeLimits,
     EpisodeRequest,
     EpisodeResult,
@@ -537,6 +547,104 @@ async def record_sandboxes_busy(
     (HERE / "sandboxes_busy.json").write_text((await handle.fetch_history()).to_json())
 
 
+async def root_step(handle: WorkflowHandle[Any, Any], identity: str | None) -> None:
+    """Until the episode's root step runs (on the worker of `identity`, if given)."""
+    while True:
+        pending = (await handle.describe()).raw_description.pending_activities
+        if any(
+            p.activity_type.name == names.ROOT_COMPLETION
+            and p.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED
+            and identity in (None, p.last_worker_identity)
+            for p in pending
+        ):
+            return
+        await asyncio.sleep(0.1)
+
+
+async def cancel_beside_a_reply(
+    client: Client,
+    workers: Callable[[], AbstractAsyncContextManager[object]],
+    blobs: BlobStore,
+    queue: str,
+    episode_id: str,
+    request: EpisodeRequest,
+    release: threading.Event,
+) -> tuple[CancelReceipt, EpisodeResult, WorkflowHistory]:
+    """The worst moment for a cancel: the root model's reply (held by `release`) is in
+    history, no worker has read it, and then the cancel arrives, so a worker reads both in
+    one activation (where the reply's handle absorbs the cancel). Made, not hoped for: the
+    root step runs on a worker that polls activities only, while no `workers` run."""
+    # A worker of its own connection: one client may not run two workers of one queue.
+    other = await Client.connect(
+        client.service_client.config.target_host,
+        data_converter=client.data_converter,
+        runtime=Runtime(telemetry=TelemetryConfig()),
+    )
+    steps = Worker(
+        other,
+        task_queue=queue,
+        activities=[ModelActivities(blobs).root_completion, AuditActivities(None).audit_episode],
+        identity="steps-only",
+    )
+    async with steps:
+        async with workers():
+            handle = await client.start_workflow(
+                names.WORKFLOW, request, id=episode_id, task_queue=queue, result_type=EpisodeResult
+            )
+            await asyncio.wait_for(root_step(handle, None), 60)
+        # Only `steps` polls now: the root step (retried there if it ran on the workers just
+        # stopped) is the last thing that happens before the cancel.
+        await asyncio.wait_for(root_step(handle, "steps-only"), 60)
+        release.set()
+        while not any(
+            e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED
+            for e in (await handle.fetch_history()).events
+        ):
+            await asyncio.sleep(0.1)
+        cancel = asyncio.create_task(
+            handle.execute_update("cancel", CancelRequest(reason="enough"), result_type=CancelReceipt)
+        )
+        await asyncio.sleep(1.5)  # the update reaches the server and waits with the reply
+        async with workers():
+            receipt = await asyncio.wait_for(cancel, 60)
+            result = await asyncio.wait_for(handle.result(), 60)
+    return receipt, result, await handle.fetch_history()
+
+
+async def record_cancel_sticks(client: Client, blobs: BlobStore, work: Path, only: set[str]) -> None:
+    """A cancel read in one activation with the root model's reply (cancel-sticks patch):
+    the episode ends cancelled, and the reply's cell never runs."""
+    if "cancel_sticks" not in only:
+        return
+    release = threading.Event()
+
+    def script(request):
+        if request.is_root and request.turn == 0:
+            release.wait(60)
+        return "```repl\nprint('working')\n```"
+
+    settings = Settings(task_queue="record-sticky", data_dir=work)
+    with ScriptedModelServer(script) as server:
+        request = EpisodeRequest(
+            task="record a history",
+            root_model=ModelSettings(model="scripted", base_url=server.base_url),
+            approve="all",
+            seed=1,
+        )
+        receipt, result, history = await cancel_beside_a_reply(
+            client,
+            lambda: running_workers(Services(settings, blobs, None, client)),
+            blobs,
+            "record-sticky",
+            "cancel_sticks",
+            request,
+            release,
+        )
+    assert result.ended_by == "cancelled", result
+    print("cancel_sticks", receipt, result)
+    (HERE / "cancel_sticks.json").write_text(history.to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -576,6 +684,7 @@ async def record(only: set[str]) -> None:
             await record_steering(client, only)
             await record_fork(client, only)
         await record_sandboxes_busy(client, blobs, engine, work, only)
+        await record_cancel_sticks(client, blobs, work, only)
 
 
 if __name__ == "__main__":
