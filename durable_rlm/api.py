@@ -29,37 +29,12 @@ from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
-from durable_rlm.episodes import (
-    CancelOutcome,
-    CredentialsOutcome,
-    EpisodeEnd,
-    cancel_episode,
-    follow,
-    own_task_queue,
-    retry_credentials,
-    send_reward,
-    start_episode,
-    store_context,
-)
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.prices import PriceTable
-from durable_rlm.runtime import Services, import_policy_modules, session
 from durable_rlm.sdk_logs import quiet_sdk_failures
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.steering import (
-    SteeringOutcome,
-    change_limits,
-    decide_cell,
-    finish_episode,
-    pause_episode,
-    resume_episode,
-    send_hint,
-    waiting_cell,
-)
-from durable_rlm.telemetry import forward_core_logs
 from durable_rlm.tools import ToolsArgument, import_tool_modules, offered, tool_specs
 from workflows import defaults, prompts
-from workflows.episode import episode_policy
 from workflows.fallback import fields_from_json_schema
 from workflows.models import (
     ContextRef,
@@ -75,8 +50,14 @@ from workflows.models import (
 )
 from workflows.termination import PolicyError
 
+# Start-up (issue 36): importing this module is what `from durable_rlm import DurableRLM`
+# costs, so what only a running episode needs (temporalio, the stores and SQLAlchemy) is
+# imported inside the methods that run one, each import with its reason.
 if TYPE_CHECKING:
+    from durable_rlm.episodes import CancelOutcome, CredentialsOutcome, EpisodeEnd
     from durable_rlm.rerun import RerunReport
+    from durable_rlm.runtime import Services
+    from durable_rlm.steering import SteeringOutcome
 
 SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
 DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
@@ -170,6 +151,9 @@ class DurableRLM:
         cell; `system_prompt` replaces the built-in one. `reports_cost`: the provider returns
         each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
         price for these models."""
+        from durable_rlm.runtime import import_policy_modules  # start-up: temporalio, the stores (0.3 s)
+        from workflows.episode import episode_policy  # start-up: temporalio's workflow module
+
         self.settings = settings or Settings.from_env()
         import_policy_modules(self.settings.policy_module_names)
         import_tool_modules(self.settings.tool_module_names)
@@ -299,6 +283,10 @@ class DurableRLM:
         return self._locks.setdefault(loop, asyncio.Lock())
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
+        from durable_rlm.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
+        from durable_rlm.runtime import session  # start-up: the worker side, needed only here
+        from durable_rlm.telemetry import forward_core_logs  # start-up: the SDK's Runtime
+
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
         forward_core_logs()  # the script's stdout is its own
         settings = self.settings
@@ -338,6 +326,8 @@ class DurableRLM:
     async def _start(
         self, services: Services, context: Any, root_prompt: str | None, episode_id: str | None
     ) -> Episode:
+        from durable_rlm.episodes import start_episode, store_context  # start-up: as in _enter
+
         ref = context if isinstance(context, ContextRef) or context is None else None
         if ref is None:
             ref = await asyncio.to_thread(store_context, services.blobs, context)
@@ -433,7 +423,9 @@ class Episode:
     async def end(self) -> EpisodeEnd:
         """How it ended, whatever way (a result, or the failure without one), or status
         "paused" when a model call waits for a fixed key (then `retry_credentials()`)."""
-        return await follow(self.handle)
+        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+
+        return await episodes.follow(self.handle)
 
     async def result(self) -> EpisodeResult:
         """The result of an episode that did its work. Raises EpisodeFailed when it ended
@@ -448,54 +440,76 @@ class Episode:
         return await self.handle.query("progress", result_type=EpisodeProgress)
 
     async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
-        return await cancel_episode(self.services.client, self.id, extract, reason)
+        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+
+        return await episodes.cancel_episode(self.services.client, self.id, extract, reason)
 
     async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
-        return await send_reward(self.services.client, self.id, value, note)
+        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+
+        return await episodes.send_reward(self.services.client, self.id, value, note)
 
     # --- steering: a person's actions (each recorded in history with its sender) ------------
 
     async def hint(self, text: str, sender: str | None = None) -> SteeringOutcome:
         """The root model reads `text` as a user message on its next turn."""
-        return await send_hint(self.services.client, self.id, text, sender)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.send_hint(self.services.client, self.id, text, sender)
 
     async def set_limits(self, sender: str | None = None, **limits: Any) -> SteeringOutcome:
         """Raise or lower max_iterations, max_llm_calls, max_duration (a timedelta or
         seconds), max_model_calls, max_tokens, max_cost_usd. Lowering one below what is
         spent ends the episode by the normal limit path (fallback extraction)."""
-        return await change_limits(self.services.client, self.id, sender, **limits)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.change_limits(self.services.client, self.id, sender, **limits)
 
     async def pause(
         self, hold_clock: bool = False, reason: str = "", sender: str | None = None
     ) -> SteeringOutcome:
         """Hold at the next step boundary, without a sandbox, until `resume()`; with
         `hold_clock`, max_duration does not count the pause."""
-        return await pause_episode(self.services.client, self.id, sender, hold_clock, reason)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.pause_episode(self.services.client, self.id, sender, hold_clock, reason)
 
     async def resume(self, sender: str | None = None) -> SteeringOutcome:
-        return await resume_episode(self.services.client, self.id, sender)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.resume_episode(self.services.client, self.id, sender)
 
     async def finish_now(self, reason: str = "", sender: str | None = None) -> SteeringOutcome:
         """Answer now: stop at the next step boundary and extract the answer from the
         history so far (the result's ended_by is finish_requested)."""
-        return await finish_episode(self.services.client, self.id, sender, reason)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.finish_episode(self.services.client, self.id, sender, reason)
 
     async def pending_cell(self) -> PendingCell | None:
         """The cell waiting for approval, if one does."""
-        return await waiting_cell(self.services.client, self.id)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.waiting_cell(self.services.client, self.id)
 
     async def approve(
         self, cell: int | None = None, code: str | None = None, sender: str | None = None
     ) -> SteeringOutcome:
         """Run the waiting cell (`cell` guards against approving a later one), or `code`
         in its place."""
-        return await decide_cell(self.services.client, self._cell_id(cell), True, sender, code)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.decide_cell(self.services.client, self._cell_id(cell), True, sender, code)
 
     async def reject(
         self, reason: str, cell: int | None = None, sender: str | None = None
     ) -> SteeringOutcome:
         """Do not run the waiting cell; the model reads `reason`."""
-        return await decide_cell(self.services.client, self._cell_id(cell), False, sender, reason=reason)
+        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+
+        return await steering.decide_cell(
+            self.services.client, self._cell_id(cell), False, sender, reason=reason
+        )
 
     def _cell_id(self, cell: int | None) -> str:
         return self.id if cell is None else f"{self.id}#{cell}"
@@ -504,7 +518,9 @@ class Episode:
         """After a pause on a refused key: the calls that waited run again, with the key
         the worker has now (an embedded worker reads this process's environment when no
         `api_key` was given)."""
-        return await retry_credentials(self.services.client, self.id)
+        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+
+        return await episodes.retry_credentials(self.services.client, self.id)
 
 
 def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:

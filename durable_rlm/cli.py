@@ -684,8 +684,10 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
     """Read the history (through the server), and keep the timeline if the episode ended."""
     from durable_rlm import readonly
     from durable_rlm.connection import connect
+    from durable_rlm.telemetry import forward_core_logs  # start-up: see _STORE_FIRST_COMMANDS
     from durable_rlm.timeline import episode_timeline
 
+    forward_core_logs()  # before the first client: stdout is the command's own (--json)
     async with connect(settings) as services:
         timeline = await episode_timeline(services.client, episode_id)
         # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
@@ -1154,7 +1156,9 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     if args.refresh:
         from durable_rlm.connection import connect
         from durable_rlm.projection import reconcile_audit
+        from durable_rlm.telemetry import forward_core_logs  # start-up: see _STORE_FIRST_COMMANDS
 
+        forward_core_logs()  # before the first client: stdout is the command's own (--json)
         async with connect(settings) as services:
             assert services.engine is not None
             try:
@@ -1221,13 +1225,16 @@ async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:
 
 # Commands that never reach Temporal: they need no Runtime of the SDK's.
 _OFFLINE_COMMANDS = frozenset({"info", "config", "scripted-server"})
+# Commands that read the audit store first: they set the Runtime up only on the path that
+# reaches Temporal (start-up: temporalio costs 0.15 s of a 0.35 s target, issue 36).
+_STORE_FIRST_COMMANDS = frozenset({"list", "show"})
 
 
 async def _dispatch(args: argparse.Namespace) -> int:
     # The metrics endpoint is a worker's (python worker.py): CLI processes, many at once,
     # would contend for its port.
     settings = Settings.from_env().model_copy(update={"metrics_address": None})
-    if args.command not in _OFFLINE_COMMANDS:
+    if args.command not in _OFFLINE_COMMANDS | _STORE_FIRST_COMMANDS:
         from durable_rlm.telemetry import forward_core_logs  # the SDK's Runtime: not for --help
 
         forward_core_logs()  # stdout is the command's own (`--json`): the core's logs are records

@@ -1,17 +1,23 @@
 """Start-up: what a process imports before it needs it (issue 36). Pinned by what is in
-`sys.modules`, not by timings (those are bench/'s): a provider's client library is imported
-when that provider is first used, never by importing the API or the worker side."""
+`sys.modules`, not by timings (those are bench/startup.py's): a provider's client library is
+imported when that provider is first used, never by importing the API or the worker side;
+temporalio and SQLAlchemy when an episode runs, not when the API is imported."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+PROVIDERS = ("openai", "anthropic")
+RUNTIME = ("temporalio", "sqlalchemy")
 
-def imported_after(code: str) -> set[str]:
-    probe = code + "\nimport sys\nprint(' '.join(m for m in ('openai', 'anthropic') if m in sys.modules))"
+
+def imported_after(code: str, watched: tuple[str, ...] = PROVIDERS) -> set[str]:
+    probe = code + f"\nimport sys\nprint(' '.join(m for m in {watched!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return set(out.stdout.split())
@@ -39,3 +45,37 @@ def test_a_provider_s_client_imports_its_library_alone() -> None:
         "models._client(ModelSettings(model='gpt-x', base_url='http://127.0.0.1:9/v1'))"
     )
     assert imported_after(code) == {"openai"}
+
+
+@pytest.mark.parametrize("code", ["import durable_rlm", "from durable_rlm import RLM, DurableRLM"])
+def test_importing_the_api_imports_neither_the_runtime_nor_a_provider(code: str) -> None:
+    assert imported_after(code, RUNTIME + PROVIDERS) == set()
+
+
+def test_api_objects_are_made_in_a_fresh_process_without_a_provider_library() -> None:
+    """What the API imports late is there when an object is made (no name left unbound)."""
+    code = (
+        "from durable_rlm import RLM, DurableRLM\n"
+        "DurableRLM('gpt-x', base_url='http://127.0.0.1:9/v1', max_iterations=3)\n"
+        "kwargs = {'model_name': 'gpt-x', 'base_url': 'http://127.0.0.1:9/v1', 'api_key': 'k'}\n"
+        "RLM(backend='openai', backend_kwargs=kwargs, max_iterations=3)"
+    )
+    assert imported_after(code) == set()
+
+
+def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
+    """`drlm list` answers from the audit store; the SDK (its Runtime) is for --refresh."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "DRLM_"))}
+    env["DRLM_DATA_DIR"] = str(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "durable_rlm.cli", "list"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no episodes in the audit store yet" in out.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
+    assert "sqlalchemy" in imported  # the probe sees imports: the store was read
+    assert "temporalio" not in imported
