@@ -14,8 +14,8 @@ from pydantic import BaseModel
 from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from durable_rlm.episodes import update_running
-from workflows import names
+from durable_rlm.episodes import has_search_attributes, update_running
+from workflows import metadata, names
 from workflows.models import (
     CellDecision,
     EpisodeProgress,
@@ -29,6 +29,11 @@ from workflows.models import (
 )
 
 PENDING_QUERIES = 8  # episodes asked at once by `pending_cells`
+PENDING_QUERY_TIMEOUT = timedelta(seconds=5)
+"""How long `pending_cells` waits for one episode's answer: a running episode no worker
+polls (its process exited) answers no query, and must not hold up the list of the others."""
+WAITING_STATUSES = ("awaiting approval", "paused")
+"""The `DrlmStatus` of an episode whose cell may wait for approval (a pause keeps it waiting)."""
 
 
 def default_sender() -> str:
@@ -131,24 +136,38 @@ async def decide_cell(
     return await _send(client, episode_id, names.DECIDE_CELL, decision)
 
 
-async def progress_of(client: Client, episode_id: str) -> EpisodeProgress:
-    return await client.get_workflow_handle(episode_id).query("progress", result_type=EpisodeProgress)
+async def progress_of(
+    client: Client, episode_id: str, rpc_timeout: timedelta | None = None
+) -> EpisodeProgress:
+    handle = client.get_workflow_handle(episode_id)
+    return await handle.query("progress", result_type=EpisodeProgress, rpc_timeout=rpc_timeout)
 
 
-async def waiting_cell(client: Client, episode_id: str) -> PendingCell | None:
-    return (await progress_of(client, episode_id)).pending_cell
+async def waiting_cell(
+    client: Client, episode_id: str, rpc_timeout: timedelta | None = None
+) -> PendingCell | None:
+    return (await progress_of(client, episode_id, rpc_timeout)).pending_cell
 
 
 async def pending_cells(client: Client) -> list[PendingCell]:
-    """Every cell waiting for approval, across the running episodes, oldest first."""
+    """Every cell waiting for approval, across the running episodes, oldest first.
+
+    Only the episodes that may hold one are asked: those whose status says they wait (or
+    are paused), and those started without the status attribute, which cannot say. A
+    running episode no worker polls answers no query; it is passed over after
+    PENDING_QUERY_TIMEOUT (before, every running episode was asked, and a namespace with a
+    few worker-less ones took a minute to list)."""
     query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus = "Running"'
+    if await has_search_attributes(client):
+        waiting = ", ".join(f'"{status}"' for status in WAITING_STATUSES)
+        query += f" AND ({metadata.STATUS.name} IN ({waiting}) OR {metadata.STATUS.name} IS NULL)"
     ids = [execution.id async for execution in client.list_workflows(query)]
     gate = asyncio.Semaphore(PENDING_QUERIES)
 
     async def ask(episode_id: str) -> PendingCell | None:
         async with gate:
             try:
-                return await waiting_cell(client, episode_id)
+                return await waiting_cell(client, episode_id, PENDING_QUERY_TIMEOUT)
             except RPCError:
                 return None  # ended meanwhile, or its history cannot be read here
 

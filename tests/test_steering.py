@@ -39,7 +39,7 @@ from durable_rlm.steering import (
 )
 from durable_rlm.timeline import episode_timeline, render
 from tests.conftest import request_for, workers_for
-from workflows import steering
+from workflows import names, steering
 from workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, Message
 
 EXTRACTED = '{"answer": "82", "_extraction_notes": "from the history"}'
@@ -613,3 +613,36 @@ async def test_the_python_api_steers_an_episode(temporal_address, session_dir, s
     assert result.ended_by == "finish_requested" and result.answer == "200"
     observed = server.root_requests()[2].last_user
     assert "200" in observed and "multiply by a hundred" in observed
+
+
+async def test_episodes_no_worker_polls_do_not_hold_up_the_list_of_waiting_cells(
+    client, scripted, workers
+) -> None:
+    """Running episodes that no worker polls (a `drlm run` whose process exited leaves them on
+    its own queue) answer no query. The list asks only episodes whose status says a cell
+    may wait (or that have no status), each for a bounded time: before, every running
+    episode was asked and a few such orphans held `drlm pending` for a minute in the suite."""
+    server = scripted(root_and_sub(["```repl\nx = 1\n```"]))
+    nobody = f"nobody-polls-{uuid.uuid4().hex[:6]}"
+    tag = uuid.uuid4().hex[:6]
+    orphans = [
+        await start_episode(client, request_for(server), nobody, f"orphan-{tag}-{i}") for i in range(4)
+    ]
+    # One started without the list's attributes cannot say it does not wait: it is asked.
+    orphans.append(
+        await client.start_workflow(
+            names.WORKFLOW, request_for(server), id=f"orphan-{tag}-bare", task_queue=nobody
+        )
+    )
+    episode_id = f"steer-orphans-{tag}"
+    try:
+        await start_episode(client, request_for(server, approve="all"), workers.queue, episode_id)
+        await until(client, episode_id, waiting(1))
+        # Under the server's own query timeout (30 s): one orphan asked without a bound of
+        # ours fails this (before: 30 s; now 5 s, the bare one's bound).
+        cells = await asyncio.wait_for(pending_cells(client), 25)
+    finally:
+        for orphan in orphans:
+            await orphan.terminate("test over")
+    assert [c.approval_id for c in cells if c.episode_id == episode_id] == [f"{episode_id}#1"]
+    assert not [c for c in cells if c.episode_id.startswith(f"orphan-{tag}")]
