@@ -39,7 +39,8 @@ COUNTING = ["```repl\ncount = globals().get('count', 0) + 1\n```"] * 4 + ["FINAL
 PRICE = ModelPrice(input_usd_per_mtok=100.0, output_usd_per_mtok=200.0)  # dear: spent in a few calls
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+# The PostgreSQL run is slow (22 s: a cluster of its own); the default run keeps SQLite's.
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
 def audit_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'audit.sqlite'}"
@@ -168,6 +169,7 @@ async def test_the_rebuilt_audit_store_equals_the_live_one(audit_url: str, tmp_p
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # 45 s (the closing row's whole patience); tests/test_store_outages.py keeps the kind
 async def test_a_locked_audit_store_delays_no_episode_and_a_rebuild_restores_it(
     tmp_path: Path, blobs, scripted
 ) -> None:

@@ -478,6 +478,7 @@ def worker_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # 14 s; tests/test_crash.py keeps a killed worker in the default run
 async def test_a_worker_killed_mid_cell_leaves_no_sandbox_behind(
     client, scripted, worker_processes, worker_root: Path
 ) -> None:

@@ -302,6 +302,7 @@ async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scri
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # 21 s of SIGSTOP; the default run keeps the store-outage kind above
 async def test_a_paused_worker_s_rows_never_stand_over_the_accepted_ones(tmp_path: Path, scripted) -> None:
     """A worker stopped (SIGSTOP) while its root call waits for the model: the call's attempt
     times out, another worker makes it again and finishes the episode. Resumed, the first
