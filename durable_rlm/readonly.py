@@ -11,14 +11,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 
 from durable_rlm import schema
 from durable_rlm.settings import Settings
 from durable_rlm.store import create_engine
-from durable_rlm.timeline import Timeline
+
+if TYPE_CHECKING:  # start-up: `drlm list` needs no timeline (issue 36)
+    from durable_rlm.timeline import Timeline
 
 ENDED = ("completed", "failed", "cancelled", "terminated", "timed_out")
 
@@ -46,6 +48,8 @@ def cached_timeline(engine: sa.Engine, episode_id: str) -> Timeline | None:
             ).scalar_one_or_none()
     except sa.exc.DatabaseError:  # an older schema: no table yet
         return None
+    from durable_rlm.timeline import Timeline  # start-up: the models behind it cost drlm list 0.05 s
+
     return None if found is None else Timeline.model_validate_json(found)
 
 

@@ -64,7 +64,8 @@ def test_api_objects_are_made_in_a_fresh_process_without_a_provider_library() ->
 
 
 def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
-    """`drlm list` answers from the audit store; the SDK (its Runtime) is for --refresh."""
+    """`drlm list` answers from the audit store; the SDK (its Runtime) is for --refresh, and
+    the timeline models for `drlm show`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "DRLM_"))}
     env["DRLM_DATA_DIR"] = str(tmp_path)
     out = subprocess.run(
@@ -79,3 +80,4 @@ def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "sqlalchemy" in imported  # the probe sees imports: the store was read
     assert "temporalio" not in imported
+    assert "durable_rlm.timeline" not in imported
