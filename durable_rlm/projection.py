@@ -67,20 +67,13 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         status = result.status  # cancelled on request: the workflow completed with a result
     latest = client.get_workflow_handle(episode_id, run_id=description.run_id)
     first = await client.get_workflow_handle(episode_id, run_id=first_run_id).describe()
-    return AuditEpisodeInput(
+    return AuditEpisodeInput.of(
+        request,
         episode_id=episode_id,
         run_id=description.run_id,
-        task=request.task,
-        root_model=request.root_model.model,
         status=status,
         result=result,
         error=await closing_error(latest, status),
-        sub_model=request.effective_sub_model.model,
-        parent_id=request.parent.episode_id if request.parent else None,
-        forked_from=request.fork.source_id if request.fork else None,
-        forked_at=request.fork.iteration if request.fork else None,
-        depth=request.depth,
-        limits=request.limits.model_dump_json(exclude_none=True),
         started_at=started_at or first.start_time,
         ended_at=description.close_time,
     )

@@ -1151,20 +1151,13 @@ class EpisodeWorkflow:
         try:
             await workflow.execute_activity(
                 names.AUDIT_EPISODE,
-                AuditEpisodeInput(
+                AuditEpisodeInput.of(
+                    request,
                     episode_id=info.workflow_id,
                     run_id=info.run_id,
-                    task=request.task,
-                    root_model=request.root_model.model,
                     status=status,
                     result=result,
                     error=error,
-                    sub_model=request.effective_sub_model.model,
-                    parent_id=request.parent.episode_id if request.parent else None,
-                    forked_from=request.fork.source_id if request.fork else None,
-                    forked_at=request.fork.iteration if request.fork else None,
-                    depth=request.depth,
-                    limits=request.limits.model_dump_json(exclude_none=True),
                     started_at=info.workflow_start_time,  # the first run's: the episode's start
                     ended_at=None if running else workflow.now(),
                     events=self._action_events() if running else self._audit_events(),

@@ -1064,6 +1064,42 @@ class AuditEpisodeInput(StrictModel):
     forked_from: str | None = None
     forked_at: int | None = Field(default=None, description="the source's last inherited iteration")
 
+    @classmethod
+    def of(
+        cls,
+        request: EpisodeRequest,
+        *,
+        episode_id: str,
+        run_id: str,
+        status: EpisodeStatus,
+        started_at: datetime | None,
+        ended_at: datetime | None,
+        result: EpisodeResult | None = None,
+        error: str | None = None,
+        events: list[AuditEvent] | None = None,
+    ) -> AuditEpisodeInput:
+        """The episode's audit row from its request: the one function the workflow (live)
+        and `durable_rlm/projection.py` (rebuilt from history) both use, so the two rows
+        cannot drift apart."""
+        return cls(
+            episode_id=episode_id,
+            run_id=run_id,
+            task=request.task,
+            root_model=request.root_model.model,
+            status=status,
+            result=result,
+            error=error,
+            sub_model=request.effective_sub_model.model,
+            parent_id=request.parent.episode_id if request.parent else None,
+            forked_from=request.fork.source_id if request.fork else None,
+            forked_at=request.fork.iteration if request.fork else None,
+            depth=request.depth,
+            limits=request.limits.model_dump_json(exclude_none=True),
+            started_at=started_at,
+            ended_at=ended_at,
+            events=events or [],
+        )
+
 
 # --- workflow state ----------------------------------------------------------------------------
 
