@@ -46,7 +46,7 @@ from activities.chains import (
     SnapshotTaken,
 )
 from activities.model_errors import compact_failures
-from activities.sandbox.child import encode_frame
+from activities.sandbox.framing import MAX_FRAME_BYTES, encode_frame
 from activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from activities.sandbox_files import (
     read_sandbox_file,
@@ -380,7 +380,7 @@ class ReplActivities:
         sandbox_root: Path,
         memory_mb: int = defaults.SANDBOX_MEMORY_MB,
         idle_s: float = defaults.SANDBOX_IDLE_S,
-        max_frame_bytes: int = defaults.MAX_FRAME_BYTES,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
         audit_hook: bool = True,
         sandbox_start: str = "fork",
         memory_budget_mb: int | None = None,

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from activities.sandbox.child import HEADER
+from activities.sandbox.framing import HEADER
 from workflows import defaults
 
 BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame

@@ -37,7 +37,7 @@ async def unhooked(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[Repl
 # Writes raw frames to every pipe the sandbox holds: its channel to the worker among them.
 FORGE = """
 import json, os, stat, struct, sys
-SEQ = next(m._SEQ[0] for m in list(sys.modules.values()) if hasattr(m, '_SEQ') and hasattr(m, 'serve'))
+SEQ = next(m._SEQ[0] for m in list(sys.modules.values()) if hasattr(m, '_SEQ') and hasattr(m, 'read_frame'))
 def forge(message, times=1):
     body = json.dumps({**message, 'seq': SEQ}).encode()
     frame = struct.pack('>I', len(body)) + body

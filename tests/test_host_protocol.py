@@ -208,8 +208,8 @@ async def test_a_link_for_a_snapshot_reads_nothing_of_the_host(
 
 FORGE = """
 import json, struct, sys, time
-session = llm_query.__self__
-SEQ = next(m._SEQ[0] for m in list(sys.modules.values()) if hasattr(m, '_SEQ') and hasattr(m, 'serve'))
+session = llm_query.__self__.calls
+SEQ = next(m._SEQ[0] for m in list(sys.modules.values()) if hasattr(m, '_SEQ') and hasattr(m, 'read_frame'))
 def forge(message):
     body = json.dumps({**message, 'seq': SEQ}).encode()
     session.channel_out.write(struct.pack('>I', len(body)) + body)
@@ -321,10 +321,11 @@ async def test_a_call_past_the_limits_is_refused_in_the_cell(
 
 def test_the_limits_fit_each_other() -> None:
     """A call the sandbox allows fits in a frame the worker takes whole."""
+    from activities.sandbox.framing import MAX_FRAME_BYTES
     from activities.sandbox_protocol import FRAME_OVERHEAD
 
     assert defaults.MAX_CALL_BYTES + FRAME_OVERHEAD < defaults.SANDBOX_IN_FLIGHT_BYTES
-    assert defaults.SANDBOX_IN_FLIGHT_BYTES <= defaults.MAX_FRAME_BYTES
+    assert defaults.SANDBOX_IN_FLIGHT_BYTES <= MAX_FRAME_BYTES
 
 
 # --- what the sandbox leaves in its directory --------------------------------------------------

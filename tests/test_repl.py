@@ -489,7 +489,7 @@ async def test_an_oversize_frame_is_reported_as_such(blob_store: BlobStore, sand
 async def test_a_forged_frame_breaks_only_its_own_cell(host: ReplActivities) -> None:
     episode = Episode(host)
     await episode.run("kept = 1")
-    forge = "out = llm_query.__self__.channel_out\nout.write(b'\\x00\\x00\\x00\\x05hello')\nout.flush()"
+    forge = "out = llm_query.__self__.calls.channel_out\nout.write(b'\\x00\\x00\\x00\\x05hello')\nout.flush()"
     outcome = await episode.run(forge)
     assert outcome.error.startswith("the sandbox sent a malformed frame")
     assert (await episode.run("print(kept)")).stdout == "1\n"

@@ -211,9 +211,8 @@ WORKFLOW_TASK_SLOTS = 100
 HARD_KILL_GRACE_S = 5.0
 """After a cell's timeout, how long its interrupt has before the process is killed."""
 
-MAX_FRAME_BYTES = 256 * 1024 * 1024
-"""Largest single frame the worker reads from a sandbox's channel (a snapshot is the largest
-honest one); a longer one is a protocol error that kills that sandbox."""
+# The largest frame on a sandbox's channel is the frame format's own (MAX_FRAME_BYTES in
+# activities/sandbox/framing.py): the sandbox, which cannot import this module, reads by it too.
 
 SANDBOX_FIELD_CHARS = 1_000_000
 """Longest error, answer, stderr or stdout a worker takes from a sandbox (the sandbox cuts
@@ -231,7 +230,6 @@ not snapshotted: a rebuild re-runs its cells instead of the worker holding that 
 
 SANDBOX_SEND_TIMEOUT_S = 30.0
 """A sandbox that reads none of a frame the worker sends for this long is broken."""
-"""Largest message between sandbox and host; larger is reported as an oversize frame."""
 
 VARIABLES_SHOWN = 50
 VARIABLE_CHARS = 200

@@ -19,11 +19,10 @@ controllers (a delegated subtree, or the root of a cgroup namespace); otherwise 
 memory and pids hierarchies (and cpu, when mounted) where they are writable, as on hybrid
 hosts. Where neither is writable (a container with a read-only /sys/fs/cgroup, a worker
 that is not root without a delegated subtree), there is no leaf: the sandbox then bounds
-itself by RLIMIT_AS x RLIMIT_NPROC (child.py `set_limits`), and `drlm doctor` says so.
+itself by RLIMIT_AS x RLIMIT_NPROC (layers.py `set_limits`), and `drlm doctor` says so.
 
-Standard library only: the sandbox loads this file by its path (child.py `_sibling`), which
-registers it in sys.modules only after running it: so no `from __future__ import annotations`
-here (dataclasses would look the module up to resolve string annotations).
+Standard library only: the sandbox loads this file with its siblings (child.py
+`_load_siblings`), before any layer is in place.
 """
 
 import contextlib

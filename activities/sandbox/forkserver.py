@@ -197,15 +197,14 @@ def main() -> None:
     os.dup2(devnull, 1)
     os.close(devnull)
 
-    child = load_child()
-    child.preload_modules()
-    child.kernel().readonly_sources()  # loaded once here, not in each sandbox
-    child._sibling("cgroups.py")  # likewise: each sandbox limits its own cgroup with it
-    libc = child._libc()
-    child._readable_roots("/")  # warms sysconfig, which each sandbox's file guard reads
-    import resource  # noqa: F401 - set_limits imports it in each sandbox
+    child = load_child()  # and with it every module a sandbox runs (layers, kernel, cgroups...)
+    layers = child.layers
+    layers.preload_modules()
+    layers.kernel.readonly_sources()  # warms what each sandbox's private root is made of
+    libc = layers.load_libc()
+    layers.readable_roots("/")  # warms sysconfig, which each sandbox's file guard reads
 
-    child.die_with_parent(worker_pid, libc)  # exits if the worker is already gone
+    layers.die_with_parent(worker_pid, libc)  # exits if the worker is already gone
     gc.collect()
     gc.freeze()
     Template(child, control).run()

@@ -1,7 +1,7 @@
 """The sandbox's kernel-enforced layers: a private filesystem view, private IPC and PID
 namespaces, a seccomp filter, and no capabilities left. Standard library only (the sandbox
-imports nothing of the worker); child.py loads this file by its path, before any layer is in
-place.
+imports nothing of the worker); the sandbox loads it with its siblings (child.py), before
+any layer is in place, and layers.py puts these layers in their order.
 
 Each layer holds without the audit hook: the hook is Python code in the same interpreter as
 the model's code, and code can get past it; the kernel cannot be argued with.

@@ -1,6 +1,6 @@
 """REPL snapshots, inside the sandbox: the namespace pickled to a file, and loaded back.
 
-Runs only in a sandbox process (child.py loads it by path): a snapshot is bytes that
+Runs only in a sandbox process (rebuild.py there): a snapshot is bytes that
 model-written code shaped (any `__reduce__` runs here), so it is made and loaded where that
 code already runs, never in the worker. The worker stores the file, signs it, and checks
 the signature before handing it to a sandbox of the same episode.
