@@ -50,7 +50,7 @@ class Mechanism:
 MECHANISMS = [
     Mechanism(
         "sandbox file barrier",
-        "activities/sandbox/child.py",
+        "activities/sandbox/layers.py",
         "if path is not None and not inside(path, roots):",
         "if path is not None and not writing and not inside(path, roots):",
         "the audit hook lets cells write anywhere their uid may",
@@ -78,14 +78,14 @@ MECHANISMS = [
     ),
     Mechanism(
         "death signal",
-        "activities/sandbox/child.py",
+        "activities/sandbox/layers.py",
         "        result = libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL",
         "        result = 0",
         "no PR_SET_PDEATHSIG",
     ),
     Mechanism(
         "audit hook",
-        "activities/sandbox/child.py",
+        "activities/sandbox/layers.py",
         "        sys.addaudithook(guard)",
         "        pass",
         "the hook is never installed",
@@ -99,28 +99,28 @@ MECHANISMS = [
     ),
     Mechanism(
         "divergence detection",
-        "activities/repl.py",
+        "activities/repl_rebuild.py",
         "if answer.prompt != request.prompt_digest or answer.kind != request.kind:",
         "if False:",
         "a rebuilt cell's different call is answered silently",
     ),
     Mechanism(
         "snapshot signature",
-        "activities/repl.py",
+        "activities/repl_snapshots.py",
         "if not hmac.compare_digest(snapshot.mac, self._mac(snapshot)):",
         "if False:",
         "a rebuild loads a snapshot without checking its keyed hash",
     ),
     Mechanism(
         "snapshot episode binding",
-        "activities/repl.py",
+        "activities/repl_snapshots.py",
         "if snapshot.episode != ref.episode_id and not self._descends(ref, snapshot.episode):",
         "if False:",
         "a rebuild loads another episode's snapshot",
     ),
     Mechanism(
         "fork lineage signature",
-        "activities/repl.py",
+        "activities/repl_snapshots.py",
         "        return hmac.compare_digest(ref.lineage_mac, signed)",
         "        return True",
         "a request that claims to be a fork loads another episode's snapshot",
@@ -199,7 +199,7 @@ MECHANISMS = [
     ),
     Mechanism(
         "sandbox tree removal without recursion",
-        "activities/repl.py",
+        "activities/live_sandbox.py",
         "run_in_executor(REMOVER, remove_sandbox_tree, self.directory)",
         "run_in_executor(REMOVER, shutil.rmtree, self.directory, True)",
         "a sandbox's directory is removed by shutil.rmtree (a descriptor and a frame per level)",
@@ -213,14 +213,14 @@ MECHANISMS = [
     ),
     Mechanism(
         "frames checked field by field",
-        "activities/repl.py",
+        "activities/live_sandbox.py",
         "            frame = await asyncio.to_thread(decode_frame, item) if big else decode_frame(item)",
         "            frame = json.loads(item)",
         "a frame is taken as any JSON object",
     ),
     Mechanism(
         "calls capped in the cell",
-        "activities/sandbox/child.py",
+        "activities/sandbox/host_calls.py",
         '            self.max_prompts = int(message["max_prompts"])',
         "            pass",
         "a cell's llm_query_batched may carry any number of prompts",
@@ -248,7 +248,7 @@ MECHANISMS = [
     ),
     Mechanism(
         "RLIMIT_AS x RLIMIT_NPROC",
-        "activities/sandbox/child.py",
+        "activities/sandbox/layers.py",
         "    if not whole and processes is not None:\n",
         "    if False:\n",
         "without a cgroup, each process may have the whole budget",

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from activities import sandbox_processes
-from activities.repl import LiveSandbox, ReplActivities
+from activities.live_sandbox import LiveSandbox
+from activities.repl import ReplActivities
 from activities.sandbox_processes import SandboxUids
 from activities.sandbox_reaper import proc_stat
 from durable_rlm.blobs import BlobStore

@@ -525,9 +525,9 @@ async def test_a_step_stores_its_log_entries_and_outputs_in_one_transaction(tmp_
 async def test_a_rebuild_replays_finished_cells_in_batches_with_their_answers(
     host: ReplActivities, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import activities.repl as repl_module
+    import activities.repl_rebuild as rebuild_module
 
-    monkeypatch.setattr(repl_module, "REPLAY_BATCH_CELLS", 3)  # 8 cells: batches of 3, 3, 2
+    monkeypatch.setattr(rebuild_module, "REPLAY_BATCH_CELLS", 3)  # 8 cells: batches of 3, 3, 2
     episode = Episode(host)
     await episode.run("total = 0")
     for i in range(6):

@@ -308,7 +308,7 @@ async def test_the_model_and_the_timeline_are_told_how_the_repl_came_back(client
 
 
 def test_a_costly_snapshot_is_retaken_only_when_the_cells_since_are_worth_it() -> None:
-    from activities.repl import LiveSandbox
+    from activities.live_sandbox import LiveSandbox
 
     box = LiveSandbox("e", None, Path("."), None, None, policy=SnapshotPolicy())  # type: ignore[arg-type]
     assert not box.snapshot_due()  # no cell since
