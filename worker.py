@@ -30,7 +30,7 @@ from activities.repl import ReplActivities
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.runtime import DrainReport, connect, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.telemetry import close_log_path, install_log_path
+from durable_rlm.telemetry import close_log_path, install_log_path, shutdown_current
 from workflows import defaults
 
 log = logging.getLogger("worker")
@@ -116,6 +116,7 @@ def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
 
     def leave(why: str) -> None:
         log.warning("%s; leaving the work in flight to other workers", why)
+        shutdown_current(1.0)  # the spans of the steps that did finish
         close_log_path(0.5)
         sys.stdout.flush()
         os._exit(1)
@@ -138,6 +139,7 @@ def main() -> None:
     except ServerUnavailable as exc:
         log.error("%s", exc)
         code = 1
+    shutdown_current()  # os._exit skips the providers' own exit hook
     close_log_path()
     # temporalio can crash at interpreter exit after all work is done (sdk-python#300).
     sys.stdout.flush()

@@ -72,6 +72,7 @@ class Completion:
     elapsed: float
     mean_logprob: float | None = None
     facts: CallFacts = dataclasses.field(default_factory=CallFacts)
+    said: dict[str, Any] = dataclasses.field(default_factory=dict)  # response_* facts (CallFacts)
 
     def __post_init__(self) -> None:
         # A reply may carry a lone surrogate ("\ud800" in its JSON): no UTF-8 encodes it, so
@@ -97,6 +98,18 @@ def call_facts(messages: list[Message]) -> CallFacts:
     sent = json.dumps([m.model_dump() for m in messages], sort_keys=True, ensure_ascii=False)
     digest = "sha256:" + hashlib.sha256(sent.encode()).hexdigest()
     return CallFacts(started_at=datetime.now(UTC), prompt_digest=digest)
+
+
+def response_facts(response: Any, finish_reason: Any) -> dict[str, Any]:
+    """What the provider said of its reply (CallFacts' response_* fields), where it said it."""
+    said: dict[str, Any] = {}
+    if isinstance(model := getattr(response, "model", None), str) and model:
+        said["response_model"] = model
+    if isinstance(reply_id := getattr(response, "id", None), str) and reply_id:
+        said["response_id"] = reply_id
+    if isinstance(finish_reason, str) and finish_reason:
+        said["finish_reasons"] = [finish_reason]
+    return said
 
 
 def body_text(raw: Any) -> str:
@@ -158,7 +171,7 @@ class ModelActivities:
             done = await self._complete_anthropic(settings, messages)
         else:
             done = await self._complete_openai(settings, messages)
-        return dataclasses.replace(done, facts=facts)
+        return dataclasses.replace(done, facts=facts.model_copy(update=done.said))
 
     async def _complete_openai(self, settings: ModelSettings, messages: list[Message]) -> Completion:
         client = self._client(settings)
@@ -200,7 +213,8 @@ class ModelActivities:
             getattr(response.usage, "completion_tokens", 0) or 0,
             settings.price,
         ).with_reported_cost(getattr(response.usage, "cost", None))
-        return Completion(message.content or "", usage, elapsed, mean_logprob(choice))
+        said = response_facts(response, getattr(choice, "finish_reason", None))
+        return Completion(message.content or "", usage, elapsed, mean_logprob(choice), said=said)
 
     async def _send(self, settings: ModelSettings, base_url: str, request: Awaitable[Any]) -> tuple[Any, Any]:
         """The parsed reply and the raw response (to quote a body that is not a reply).
@@ -276,7 +290,9 @@ class ModelActivities:
             getattr(response.usage, "output_tokens", 0) or 0,
             settings.price,
         )
-        return Completion(text, usage, elapsed)
+        return Completion(
+            text, usage, elapsed, said=response_facts(response, getattr(response, "stop_reason", None))
+        )
 
     @activity.defn(name=names.ROOT_COMPLETION)
     async def root_completion(self, request: RootCompletionInput) -> RootCompletion:

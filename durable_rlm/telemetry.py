@@ -101,7 +101,9 @@ class Telemetry:
         return self.tracer_provider is not None or self.meter_provider is not None
 
     def shutdown(self) -> None:
-        """Flush and stop both providers (tests; a process's exit does this by itself)."""
+        """Flush and stop both providers. An interpreter's normal exit does this by itself;
+        `os._exit` (every drlm command and the worker leave by it: sdk-python#300) does not,
+        so they call `shutdown_current` first, or a short `drlm run` exports almost nothing."""
         for provider in (self.tracer_provider, self.meter_provider):
             if provider is not None:
                 provider.shutdown()
@@ -112,6 +114,29 @@ _current: tuple[Hashable, Telemetry] = (("off", (), (), (), False), Telemetry())
 
 def current() -> Telemetry:
     return _current[1]
+
+
+EXIT_FLUSH_S = 5.0
+"""How long a leaving process waits for its last spans and metrics to be exported: an
+unreachable collector must not hold `drlm run`'s exit for the exporter's own 10-30 s."""
+
+
+def shutdown_current(timeout_s: float = EXIT_FLUSH_S) -> None:
+    """Before `os._exit`: export what this process's providers hold, then stop them, within
+    `timeout_s` in all (a thread, so a hung exporter is left behind, not waited for)."""
+    telemetry = _current[1]
+    if not telemetry.enabled:
+        return
+    done = threading.Thread(target=_shutdown_quietly, args=(telemetry,), daemon=True)
+    done.start()
+    done.join(timeout_s)
+
+
+def _shutdown_quietly(telemetry: Telemetry) -> None:
+    try:
+        telemetry.shutdown()
+    except Exception:  # noqa: BLE001 - a failed export at exit is not the command's failure
+        logging.getLogger(__name__).debug("telemetry shutdown failed", exc_info=True)
 
 
 def configure(
@@ -484,14 +509,17 @@ def _exposition(sdk_url: str) -> bytes:
 
 class _Instruments:
     """Every instrument once per interceptor; names follow OTel's GenAI conventions where
-    one exists (gen_ai.client.operation.duration), the rest are drlm.*."""
+    one exists (gen_ai.client.operation.duration, gen_ai.client.token.usage), the rest are
+    drlm.*."""
 
     def __init__(self, meter: metrics.Meter) -> None:
         self.model_calls = meter.create_counter(
             "drlm.model.calls", unit="{call}", description="model calls executed, each attempt once"
         )
-        self.tokens = meter.create_counter(
-            "drlm.model.tokens", unit="{token}", description="tokens of model calls, by gen_ai.token.type"
+        self.tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            unit="{token}",
+            description="tokens of a model call, by gen_ai.token.type",
         )
         self.cost = meter.create_counter(
             "drlm.model.cost", unit="USD", description="cost of the model calls whose price is known"
@@ -623,11 +651,17 @@ class _ModelCall(_Observed):
         usage = getattr(result, "usage", None)
         if usage is None:
             return
+        _put_on(self.span, "gen_ai.response.model", getattr(result, "response_model", None))
+        _put_on(self.span, "gen_ai.response.id", getattr(result, "response_id", None))
+        if reasons := getattr(result, "finish_reasons", None):
+            self.span.set_attribute("gen_ai.response.finish_reasons", list(reasons))
+        if answered_by := getattr(result, "response_model", None):
+            labels["gen_ai.response.model"] = answered_by
         tokens = {"input": usage.prompt_tokens, "output": usage.completion_tokens}
         self.span.set_attribute("gen_ai.usage.input_tokens", tokens["input"])
         self.span.set_attribute("gen_ai.usage.output_tokens", tokens["output"])
         for direction, count in tokens.items():
-            meter.tokens.add(count, {**labels, "gen_ai.token.type": direction})
+            meter.tokens.record(count, {**labels, "gen_ai.token.type": direction})
         if (model_time_s := getattr(result, "model_time_s", None)) is not None:
             self.span.set_attribute("drlm.model_time_s", model_time_s)
         if (cost := getattr(usage, "cost_usd", None)) is not None:

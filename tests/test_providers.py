@@ -58,6 +58,9 @@ async def test_system_prompt_turns_sampling_and_usage(models: ModelActivities, s
 
     assert done.text == "hello from claude"
     assert done.usage.completion_tokens == len("hello from claude") // 4 and done.usage.prompt_tokens > 0
+    # What the Messages API said of its reply: telemetry's gen_ai.response.* attributes.
+    assert (done.facts.response_model, done.facts.finish_reasons) == ("claude-scripted", ["end_turn"])
+    assert done.facts.response_id == "msg_scripted_1"
     (request,) = server.requests
     assert request.api == "anthropic" and "anthropic-version" in request.headers
     assert KEY in (

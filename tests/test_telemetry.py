@@ -276,6 +276,10 @@ async def test_each_model_call_is_a_genai_chat_span_under_its_activity(
         assert chat.attributes["gen_ai.operation.name"] == "chat"
         assert chat.attributes["gen_ai.provider.name"] == "openai"
         assert chat.attributes["gen_ai.request.model"] == "scripted"
+        # What the provider said of its reply (the scripted server answers as an OpenAI one).
+        assert chat.attributes["gen_ai.response.model"] == "scripted"
+        assert chat.attributes["gen_ai.response.id"].startswith("chatcmpl-scripted-")
+        assert tuple(chat.attributes["gen_ai.response.finish_reasons"]) == ("stop",)
         assert chat.attributes["drlm.episode_id"] == result.episode_id
         activity = "drlm.root_completion" if chat.attributes["drlm.role"] == "root" else "drlm.sub_query"
         # Temporal's interceptor parents a workflow's activities on its start, as it does RunWorkflow.
@@ -327,9 +331,9 @@ async def test_metrics_count_calls_tokens_and_the_episode_outcome(
     calls = {p.attributes["drlm.role"]: p.value for p in traced.points("drlm.model.calls")}
     assert calls == {"root": 2, "sub": 1}
     tokens = {}
-    for point in traced.points("drlm.model.tokens"):
+    for point in traced.points("gen_ai.client.token.usage"):
         direction = point.attributes["gen_ai.token.type"]
-        tokens[direction] = tokens.get(direction, 0) + point.value
+        tokens[direction] = tokens.get(direction, 0) + point.sum
     assert tokens == {"input": result.usage.prompt_tokens, "output": result.usage.completion_tokens}
     assert not traced.points("drlm.model.cost")  # the scripted model has no price
     (ended,) = traced.points("drlm.episodes")

@@ -613,6 +613,10 @@ class CallFacts(StrictModel):
 
     started_at: datetime | None = None
     prompt_digest: str | None = Field(default=None, description="sha256 of the messages sent")
+    # What the provider said of its reply (telemetry's gen_ai.response.*); absent before.
+    response_model: str | None = Field(default=None, description="the model that answered, as named")
+    response_id: str | None = Field(default=None, description="the provider's id of the reply")
+    finish_reasons: list[str] | None = Field(default=None, description="why the reply stopped")
 
 
 class RootCompletionInput(StrictModel):
