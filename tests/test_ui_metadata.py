@@ -199,6 +199,8 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
         "read variable summary",
         "close the sandbox",
     ]
+    # The durable timer is named (it showed as "1").
+    assert summaries(events, converter, EventType.EVENT_TYPE_TIMER_STARTED) == ["max_duration"]
     (child_start,) = [
         e for e in events if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
     ]

@@ -119,6 +119,9 @@ _AUDIT_CLOSE_RETRY = RetryPolicy(
 )
 T = TypeVar("T")
 
+DEADLINE_SUMMARY = "max_duration"
+"""The durable timer's name in the Temporal UI's timeline (it showed as "1")."""
+
 
 @workflow.defn(name=names.WORKFLOW)
 class EpisodeWorkflow:
@@ -503,7 +506,11 @@ class EpisodeWorkflow:
         # The durable timer lives on the server, so it fires even while no worker runs.
         remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
         loop = asyncio.ensure_future(self._loop(request))
-        timer = asyncio.ensure_future(self._deadline() if self._steering else asyncio.sleep(remaining))
+        timer = asyncio.ensure_future(
+            self._deadline()
+            if self._steering
+            else workflow.sleep(remaining, summary=DEADLINE_SUMMARY)  # asyncio.sleep's command, named
+        )
         cancel = asyncio.ensure_future(workflow.wait_condition(lambda: self._cancel is not None))
         try:
             await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
@@ -579,7 +586,9 @@ class EpisodeWorkflow:
             epoch = self._deadline_epoch
             remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
             try:
-                await workflow.wait_condition(partial(self._deadline_moved, epoch), timeout=remaining)
+                await workflow.wait_condition(
+                    partial(self._deadline_moved, epoch), timeout=remaining, timeout_summary=DEADLINE_SUMMARY
+                )
             except TimeoutError:
                 if self._deadline_epoch == epoch:
                     return
@@ -796,7 +805,7 @@ class EpisodeWorkflow:
         self._waiting_for = problem
         self._set_phase(self._waiting_for)
         try:
-            await workflow.sleep(store_pause(outages))
+            await workflow.sleep(store_pause(outages), summary=f"wait, then ask again: {problem}"[:200])
         finally:  # plain state only: on eviction this runs outside the workflow's event loop
             self._store_waits -= 1
             if self._store_waits == 0:

@@ -286,7 +286,7 @@ class ReplSteps:
                 # this step, and not one of its attempts (which would end in a lost cell, its
                 # paid sub-calls with it). Ask again. (A new failure type: no history before
                 # it holds one, so no patch is needed.)
-                await workflow.sleep(defaults.SANDBOX_BUSY_PAUSE_S)
+                await workflow.sleep(defaults.SANDBOX_BUSY_PAUSE_S, summary="every sandbox busy: ask again")
         self.state.log_head = outcome.log_head or self.state.log_head  # type: ignore[attr-defined]
         return outcome
 
