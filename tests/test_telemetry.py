@@ -11,6 +11,7 @@ import time
 import types
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -391,3 +392,26 @@ async def test_a_new_worker_finishing_an_episode_emits_one_chat_span_per_model_c
     assert calls == [("root", 1), ("root", 2), ("root", 3), ("root", 4), ("sub", 1)]
     assert all(s.status.status_code is not StatusCode.ERROR for s in chats)
     assert sum(s.attributes["gen_ai.usage.input_tokens"] for s in chats) == result.usage.prompt_tokens
+
+
+def test_a_short_drlm_run_exports_its_spans_and_metrics_before_it_exits(tmp_path: Path, scripted) -> None:
+    """`drlm run` leaves by os._exit (sdk-python#300), which skips the providers' exit hook:
+    it used to export 4 of ~52 spans and no metric. Now every chat span and the episode's
+    metrics reach the exporter (the console one, which a command points at stderr)."""
+    from tests.test_cli import drlm
+
+    server = scripted(root_and_sub(["```repl\nr = llm_query('x')\n```", "FINAL_VAR(r)"], str.upper))
+    context = tmp_path / "context.txt"
+    context.write_text("x\n")
+    args = ("run", "answer", "--context", str(context), "--base-url", server.base_url, "--model", "scripted")
+    done = drlm(tmp_path, *args, DRLM_TRACING="console")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "X\n"  # the answer alone: telemetry does not mix into it
+    assert done.stderr.count('"name": "chat scripted"') == len(server.requests) == 3
+    for metric in (
+        "drlm.episodes",
+        "gen_ai.client.token.usage",
+        "drlm.model.calls",
+        "drlm.episode.iterations",
+    ):
+        assert f'"name": "{metric}"' in done.stderr, metric
