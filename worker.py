@@ -19,18 +19,22 @@ exits 0; its episodes go on on other workers.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from activities.repl import ReplActivities
+from activities.sandbox_slots import default_max_sandboxes
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.runtime import DrainReport, connect, running_workers
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry import close_log_path, install_log_path, shutdown_current
+from durable_rlm.worker_pool import process_count, supervise
 from workflows import defaults
 
 log = logging.getLogger("worker")
@@ -126,7 +130,21 @@ def leave_by(loop: asyncio.AbstractEventLoop, seconds: float) -> None:
         loop.add_signal_handler(signum, leave, f"signal {signal.Signals(signum).name} while draining")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, prog: str = "worker.py") -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--processes",
+        default=os.environ.get("DRLM_WORKER_PROCESSES", "1"),
+        help="worker processes under one supervisor: a number, or auto (one per core); "
+        "default DRLM_WORKER_PROCESSES or 1 (durable_rlm/worker_pool.py)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        processes = process_count(args.processes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if processes > 1:
+        _exit(supervised(processes))
     code = 0
     try:
         # Before any Temporal client: the SDK core's logs are forwarded into this path too.
@@ -141,6 +159,22 @@ def main() -> None:
         code = 1
     shutdown_current()  # os._exit skips the providers' own exit hook
     close_log_path()
+    _exit(code)
+
+
+def supervised(processes: int) -> int:
+    """N workers under one supervisor, sharing this machine's sandbox budget."""
+    try:
+        settings = Settings.from_env()
+    except ConfigurationError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    total = settings.max_sandboxes or default_max_sandboxes()
+    child = [sys.executable, str(Path(__file__).resolve()), "--processes", "1"]
+    return supervise(processes, os.environ, total, settings.sandbox_budget_mb, child)
+
+
+def _exit(code: int) -> None:
     # temporalio can crash at interpreter exit after all work is done (sdk-python#300).
     sys.stdout.flush()
     sys.stderr.flush()

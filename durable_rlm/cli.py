@@ -129,6 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh", action="store_true", help="read the history even if the timeline is stored"
     )
 
+    worker = sub.add_parser(
+        "worker", help="run a worker: `python worker.py` (settings from the environment, see drlm info)"
+    )
+    worker.add_argument(
+        "--processes",
+        default=os.environ.get("DRLM_WORKER_PROCESSES", "1"),
+        help="worker processes under one supervisor sharing the sandbox budget: a number, or auto "
+        "(one per core); default DRLM_WORKER_PROCESSES or 1",
+    )
+
     watch = sub.add_parser("watch", help="follow a running episode's progress until it ends (no worker)")
     watch.add_argument("episode_id")
     watch.add_argument("--json", action="store_true")
@@ -1320,6 +1330,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("temporalio").setLevel(os.environ.get("DRLM_LOG_LEVEL", "CRITICAL"))
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "worker":
+            # start-up: the worker's imports (SDK, sandboxes) only for this command
+            from worker import main as worker_main
+
+            worker_main(["--processes", args.processes], "drlm worker")  # leaves by os._exit
         code = asyncio.run(_dispatch(args))
     except KeyboardInterrupt:
         code = _interrupted()
