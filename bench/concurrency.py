@@ -222,7 +222,8 @@ def admission_said(log: str) -> str:
 # --- one size ---------------------------------------------------------------------------------------
 
 
-async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
+async def one_size(env: benchlib.BenchEnv, n: int, latency: float, processes: int = 1) -> dict:
+    """N episodes at once on one `worker.py` (of `processes` worker processes: bench/processes.py)."""
     queue = f"bench-conc-{n}-{uuid.uuid4().hex[:6]}"
     with ScriptedModelServer(
         root_and_sub(turns(latency), lambda p: Reply("answer to " + p, delay_s=latency))
@@ -234,7 +235,7 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float) -> dict:
         # counted, not printed.
         abandoned = [0]
         server._server.handle_error = lambda *a: abandoned.__setitem__(0, abandoned[0] + 1)  # noqa: SLF001
-        worker = await env.worker_process(queue).ready()
+        worker = await env.worker_process(queue, DRLM_WORKER_PROCESSES=str(processes)).ready()
         try:
             request = EpisodeRequest(
                 task="count", root_model=ModelSettings(model="scripted", base_url=server.base_url)
