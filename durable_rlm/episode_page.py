@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
+from durable_rlm.episode_plots import plots_section
 from durable_rlm.timeline import (
     ActionView,
     CellView,
@@ -169,7 +170,7 @@ class TimelineView:
         self.base = base
 
     def body(self, timeline: Timeline, progress: EpisodeProgress | None = None) -> str:
-        parts = [self._header(timeline, progress), self._budgets(timeline, progress)]
+        parts = [self._header(timeline, progress), self._budgets(timeline, progress), plots_section(timeline)]
         actions = sorted(timeline.actions, key=lambda a: a.at)
         for it in timeline.iterations:
             before = [a for a in actions if a.iteration < it.iteration]

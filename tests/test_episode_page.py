@@ -328,6 +328,9 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
                     " children: [...document.querySelectorAll('details.child a')].map(a => a.href),"
                     " compactions: document.querySelectorAll('.compaction').length,"
                     " meters: document.querySelectorAll('.budgets meter').length,"
+                    " lanes: [...document.querySelectorAll('svg.plot-steps rect.step')]"
+                    ".map(r => r.dataset.lane),"
+                    " usage: document.querySelectorAll('svg.plot-usage rect.usage[data-kind=prompt]').length,"
                     " strong: document.querySelector('.markdown strong')?.textContent,"
                     " scripts: document.scripts.length,"
                     " controls: document.getElementById('controls').hidden})"
@@ -403,6 +406,9 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
     assert "Count to three, with help." in text and "the child counted: one two three" in text
     assert finished["cells"] >= 4 and finished["subcalls"] == 1 and finished["compactions"] >= 1
     assert finished["meters"] >= 3 and finished["strong"] == "look"
+    # The plots: every lane drawn (a root call, cells, a cell's sub-call, the child), a stack per iteration.
+    assert {"root model", "cells", "sub-calls", "children"} <= set(finished["lanes"]), finished["lanes"]
+    assert finished["usage"] >= 2
     assert len(finished["children"]) == 1 and finished["controls"] is True
     assert "alert('pwned')" in text and finished["scripts"] == 2  # the model's <script> is text
     assert "one two three" in finished["child_page"]
