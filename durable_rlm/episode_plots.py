@@ -112,7 +112,8 @@ def steps_svg(t: Timeline, now: datetime | None = None) -> str:
         at = span * i / 4
         x = LEFT + at * scale
         anchor = ("start", "middle", "middle", "middle", "end")[i]  # the ends stay inside the plot
-        parts.append(f'<text x="{x:.1f}" y="{axis_y}" font-size="11" text-anchor="{anchor}">{at:.1f} s</text>')
+        label = f'<text x="{x:.1f}" y="{axis_y}" font-size="11" text-anchor="{anchor}">{at:.1f} s</text>'
+        parts.append(label)
     parts.append("</svg>")
     return "".join(parts)
 
