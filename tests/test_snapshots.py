@@ -250,6 +250,7 @@ async def test_a_snapshot_that_hangs_is_abandoned_and_the_cell_still_counts(
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # 27 s; test_a_crash_after_a_long_cell_does_not_run_it_again keeps the kind by default
 async def test_a_killed_worker_resumes_the_episode_without_rerunning_its_20_s_cell(
     client, scripted, worker_processes
 ) -> None:
