@@ -66,6 +66,39 @@ def decode_payloads(
     return [_with_contexts(payload, blobs) for payload in decoded] if previews else decoded
 
 
+def as_lines(payload: Payload) -> Payload:
+    """For a person's eyes only (the Web UI, `temporal ... --codec-endpoint`): every string
+    with a line break becomes the list of its lines. The UI shows a payload as JSON, where a
+    model's reply or a cell's code is one string full of `\\n`; a list of lines reads as
+    the text. Marked `drlm-display: lines`; never what a worker reads (workers decode with
+    their own codec, not this server)."""
+    if payload.metadata.get("encoding") != JSON_PLAIN or b"\\n" not in payload.data:
+        return payload
+    if len(payload.data) > DISPLAY_LIMIT:
+        return payload
+    try:
+        value = json.loads(payload.data)
+    except ValueError:
+        return payload
+    out = Payload()
+    out.CopyFrom(payload)
+    out.data = json.dumps(_split_lines(value), ensure_ascii=False).encode("utf-8")
+    out.metadata["drlm-display"] = b"lines"
+    return out
+
+
+def _split_lines(value: Any, depth: int = 0) -> Any:
+    if isinstance(value, str):
+        return value.split("\n") if "\n" in value else value
+    if depth > 16:
+        return value
+    if isinstance(value, dict):
+        return {key: _split_lines(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_split_lines(item, depth + 1) for item in value]
+    return value
+
+
 def unreadable(payload: Payload) -> str | None:
     """The placeholder's text, if `decode_payloads` could not read this payload."""
     if payload.metadata.get("drlm-error") != b"true":
@@ -415,8 +448,9 @@ class CodecServer:
         return "*" in self.origins or origin.rstrip("/") in self.origins
 
     def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        """For display: claim checks resolved, long content shortened, text as lines."""
         with self._lock:
-            return decode_payloads(payloads, self.blobs, self.limit)
+            return [as_lines(p) for p in decode_payloads(payloads, self.blobs, self.limit)]
 
     def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         """What a worker's codec would write (the UI encodes signal and start inputs)."""

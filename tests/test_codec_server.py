@@ -21,7 +21,14 @@ from temporalio.api.enums.v1 import EventType
 
 from durable_rlm.blobs import BlobStore, digest_of
 from durable_rlm.codec import ENCODING, ClaimCheckCodec
-from durable_rlm.codec_server import DISPLAY_LIMIT, CodecServer, decode_payloads, store_name, ui_origins
+from durable_rlm.codec_server import (
+    DISPLAY_LIMIT,
+    CodecServer,
+    as_lines,
+    decode_payloads,
+    store_name,
+    ui_origins,
+)
 from durable_rlm.episodes import store_context
 from durable_rlm.scripted import root_and_sub
 from tests.conftest import request_for, run_episode
@@ -145,14 +152,18 @@ async def test_the_ui_sees_the_context_prompts_and_code_of_a_claim_checked_episo
                 del value["context"]["preview"]
                 assert value == data_of(before)
             else:
-                assert after == before  # what was never claim-checked passes untouched
+                # What was never claim-checked passes untouched, but for text shown as lines.
+                assert after == in_json(as_lines(Payload(**_raw(before))))
         data_of(after)  # and every payload is JSON the UI can show
     assert previews >= 1
 
     shown = [json.dumps(data_of(p), ensure_ascii=False) for p in decoded]
     assert not any(base64.b64decode(p["metadata"]["encoding"]) == ENCODING for p in decoded)
     assert any(context_text[:8000] in text for text in shown)  # cell 1's output: the context
-    assert any(long_code in data_of(p).get("text", "") for p in decoded if isinstance(data_of(p), dict))
+    # Text reads as its lines (a reply, a cell's code), not as one string full of \\n.
+    texts = [data_of(p).get("text") for p in decoded if isinstance(data_of(p), dict)]
+    shown_lines = ["\n".join(t) for t in texts if isinstance(t, list)]
+    assert any(long_code in text for text in shown_lines)
     # The prompt of iteration 2 (the root model call's input) carries cell 1's output.
     prompts = [
         ps
@@ -168,7 +179,7 @@ async def test_the_ui_sees_the_context_prompts_and_code_of_a_claim_checked_episo
     # The same payloads the worker's own codec reads back (nothing here is over the limit).
     codec_view = await ClaimCheckCodec(blobs).decode([Payload(**_raw(p)) for p in checked])
     from_server = [p for before, p in zip(payloads, decoded, strict=True) if before in checked]
-    assert [in_json(p) for p in codec_view] == from_server
+    assert [in_json(as_lines(p)) for p in codec_view] == from_server
 
     # The CLI's template, `--codec-endpoint http://host:port/{namespace}`, works as well.
     namespaced = await asyncio.to_thread(call, f"{ui.url}/default/decode", {"payloads": checked})
@@ -301,8 +312,9 @@ def test_a_huge_payload_is_shortened_and_says_its_size_and_digest(codec, blobs) 
     value = json.loads(data)
     assert f"{size:,} bytes" in value["drlm_codec_note"] and digest in value["drlm_codec_note"]
     assert (value["status"], value["cell_index"]) == ("ok", 3)  # the small fields stay whole
-    assert value["stdout"].startswith("row 0\nrow 1\n") and value["stdout"].endswith("THE END")
-    assert f"of {len(stdout):,} characters left out" in value["stdout"]
+    shown_out = "\n".join(value["stdout"])  # the UI reads text as its lines
+    assert shown_out.startswith("row 0\nrow 1\n") and shown_out.endswith("THE END")
+    assert f"of {len(stdout):,} characters left out" in shown_out
     meta = {k: base64.b64decode(v).decode() for k, v in shown["metadata"].items()}
     assert (
         meta["encoding"] == "json/plain" and meta["drlm-size"] == str(size) and meta["drlm-digest"] == digest
