@@ -29,11 +29,11 @@ from functools import partial
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from workflows import defaults, forks, legacy, metadata, names, prompts, steering
+    from workflows.audit_writer import AuditWriter, action_events, closing_events
     from workflows.budget import (
         cost_spent,
         extraction_refusal,
@@ -42,6 +42,7 @@ with workflow.unsafe.imports_passed_through():
         root_call_limit,
     )
     from workflows.compaction import needs_compaction, summary_input_chars
+    from workflows.deadline import DeadlineTimer
     from workflows.ending import (
         CANCELLED,
         LIMIT_ENDED_BY,
@@ -61,7 +62,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.models import (
         ActionRecord,
-        AuditEpisodeInput,
         AuditEvent,
         CancelReceipt,
         CancelRequest,
@@ -113,14 +113,7 @@ with workflow.unsafe.imports_passed_through():
         TerminationPolicy,
     )
 
-_AUDIT_RETRY = RetryPolicy(maximum_attempts=defaults.AUDIT_ATTEMPTS)
-_AUDIT_CLOSE_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1), backoff_coefficient=2.0, maximum_interval=timedelta(seconds=15)
-)
 T = TypeVar("T")
-
-DEADLINE_SUMMARY = "max_duration"
-"""The durable timer's name in the Temporal UI's timeline (it showed as "1")."""
 
 
 @workflow.defn(name=names.WORKFLOW)
@@ -158,22 +151,19 @@ class EpisodeWorkflow:
         self._search = False  # upsert the UI's search attributes (started with them, patched)
         self._reserve = False  # token and cost budgets keep room for an extraction (patched)
         self._fits = False  # the first call needs only to fit; extraction fits what is left (patched)
-        self._audit_aside = False  # the opening audit runs beside the loop, the closing one bounded
-        self._opening_audit: asyncio.Future[None] | None = None
+        self._audit_writer = AuditWriter()  # the row: opening and actions beside the loop, then closing
         # Steering (a person's updates; workflows/steering.py). They may arrive before the
         # run method has set up its state, like rewards.
         self._steering = False  # the timer follows the deadline; cells may wait (patched)
         self._actions: list[ActionRecord] = []
         self._actions_total = 0
-        self._actions_audited = 0
         self._hint_inbox: list[Message] = []
         self._held: PauseUpdate | None = None
         self._held_since: datetime | None = None
         self._finish: FinishUpdate | None = None
         self._pending_cell: PendingCell | None = None
         self._decision: CellDecision | None = None
-        self._deadline_epoch = 0
-        self._action_audits: list[asyncio.Future[None]] = []
+        self._timer = DeadlineTimer(lambda: self._state.deadline, self._clock_held)
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
@@ -211,7 +201,7 @@ class EpisodeWorkflow:
             early.number += self._s.actions_total
         self._actions[:0] = self._s.actions
         self._actions_total += self._s.actions_total
-        self._actions_audited = self._s.actions_total
+        self._audit_writer.actions_written = self._s.actions_total
         self._hint_inbox[:0] = self._s.hints
         self._s.hints = []
         local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
@@ -228,11 +218,12 @@ class EpisodeWorkflow:
         )
 
         try:
-            self._audit_aside = workflow.patched(names.PATCH_AUDIT_ASIDE)
+            self._audit_writer.aside = workflow.patched(names.PATCH_AUDIT_ASIDE)
             opening = request.carry is None or forked_now
-            if opening and self._audit_aside:
+            if opening and self._audit_writer.aside:
                 # The episode's row is written beside the loop: a slow store delays nothing.
-                self._opening_audit = asyncio.ensure_future(self._audit(request, "running"))
+                writer = self._audit_writer
+                writer.opening = writer.beside(lambda: self._audit(request, "running"))
             elif opening:
                 await self._audit(request, "running")
             ending = await self._episode(request)
@@ -337,7 +328,7 @@ class EpisodeWorkflow:
             s.deadline = steering.moved_deadline(
                 s.deadline, before.max_duration, update.max_duration, request.deadline
             )
-            self._deadline_epoch += 1  # the durable timer is set again
+            self._timer.move()  # the durable timer is set again
         detail = steering.describe_changes(update, before)
         return self._record("limits", update.sender, detail, f"{detail}, from the next step boundary")
 
@@ -373,7 +364,7 @@ class EpisodeWorkflow:
         paused_for = workflow.now() - since
         if held.hold_clock and self._s is not None:
             self._s.deadline += paused_for  # the pause did not count against max_duration
-            self._deadline_epoch += 1
+            self._timer.move()
         self._held = self._held_since = None
         detail = f"after {paused_for.total_seconds():.0f} s paused"
         return self._record("resume", update.sender, detail, "goes on (its REPL is rebuilt from the log)")
@@ -507,9 +498,7 @@ class EpisodeWorkflow:
         remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
         loop = asyncio.ensure_future(self._loop(request))
         timer = asyncio.ensure_future(
-            self._deadline()
-            if self._steering
-            else workflow.sleep(remaining, summary=DEADLINE_SUMMARY)  # asyncio.sleep's command, named
+            self._timer.run() if self._steering else self._timer.sleep(remaining)  # asyncio.sleep's command
         )
         cancel = asyncio.ensure_future(workflow.wait_condition(lambda: self._cancel is not None))
         try:
@@ -575,26 +564,6 @@ class EpisodeWorkflow:
         """Wait for `condition`, or for the loop to be stopped (then end it)."""
         await workflow.wait_condition(lambda: condition() or self._halted())
         self._halt_if_stopping()
-
-    async def _deadline(self) -> None:
-        """The durable timer, set again whenever the deadline moves (a new max_duration, a
-        pause that holds the clock). It lives on the server, like a plain sleep."""
-        while True:
-            if self._clock_held():
-                await workflow.wait_condition(lambda: not self._clock_held())
-                continue
-            epoch = self._deadline_epoch
-            remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
-            try:
-                await workflow.wait_condition(
-                    partial(self._deadline_moved, epoch), timeout=remaining, timeout_summary=DEADLINE_SUMMARY
-                )
-            except TimeoutError:
-                if self._deadline_epoch == epoch:
-                    return
-
-    def _deadline_moved(self, epoch: int) -> bool:
-        return self._deadline_epoch != epoch or self._clock_held()
 
     def _clock_held(self) -> bool:
         return self._held is not None and self._held.hold_clock
@@ -921,11 +890,7 @@ class EpisodeWorkflow:
     def _audit_actions(self, request: EpisodeRequest) -> None:
         """Actions accepted since the last write reach the audit store now, beside the loop
         (the closing write holds them all, so a slow or failed one loses nothing)."""
-        if self._actions_total == self._actions_audited or not self._audit_aside:
-            return
-        self._actions_audited = self._actions_total
-        self._action_audits = [a for a in self._action_audits if not a.done()]
-        self._action_audits.append(asyncio.ensure_future(self._audit(request, "running")))
+        self._audit_writer.actions_beside(self._actions_total, lambda: self._audit(request, "running"))
 
     # --- act --------------------------------------------------------------------------------
 
@@ -1134,84 +1099,13 @@ class EpisodeWorkflow:
         result: EpisodeResult | None = None,
         error: str | None = None,
     ) -> None:
-        info = workflow.info()
-        running = status == "running"
-        if not running:
-            for aside in (self._opening_audit, *self._action_audits):
-                if aside is not None and not aside.done():
-                    aside.cancel()  # the closing row holds all an earlier one would
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await aside
-        timeouts: dict[str, object] = (
-            {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
-            if self._audit_aside
-            else {"start_to_close_timeout": timedelta(seconds=30)}
-        )
-        retry = _AUDIT_RETRY
-        if not running and self._audit_aside:
-            # The closing row is the one a reader trusts: each attempt is short (a worker
-            # killed mid-write is replaced at once), and attempts go on, backing off, for
-            # AUDIT_CLOSE_PATIENCE_S. Options only: the commands are those of before.
-            timeouts = {
-                "schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_PATIENCE_S),
-                "start_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S),
-            }
-            retry = _AUDIT_CLOSE_RETRY
-        try:
-            await workflow.execute_activity(
-                names.AUDIT_EPISODE,
-                AuditEpisodeInput.of(
-                    request,
-                    episode_id=info.workflow_id,
-                    run_id=info.run_id,
-                    status=status,
-                    result=result,
-                    error=error,
-                    started_at=info.workflow_start_time,  # the first run's: the episode's start
-                    ended_at=None if running else workflow.now(),
-                    events=self._action_events() if running else self._audit_events(),
-                ),
-                retry_policy=retry,
-                summary=f"audit: {status}",
-                **timeouts,  # type: ignore[arg-type]
-            )
-        except ActivityError:
-            workflow.logger.warning("audit store write failed; history remains the record")
+        def events() -> list[AuditEvent]:
+            if status == "running":
+                return action_events(self._actions)
+            iteration = self._s.iteration if self._s else 0
+            return closing_events(self._reward_log, self._actions, self._cancel, iteration)
 
-    def _audit_events(self) -> list[AuditEvent]:
-        """What the workflow received that no step's result holds: rewards, a cancel request."""
-        events = [
-            AuditEvent(
-                key=f"reward:{r.number}", kind="reward", iteration=r.iteration, value=r.value, detail=r.note
-            )
-            for r in self._reward_log
-        ]
-        events.extend(self._action_events())
-        if self._cancel is not None:
-            events.append(
-                AuditEvent(
-                    key="cancel",
-                    kind="cancel_requested",
-                    iteration=self._s.iteration if self._s else 0,
-                    value=1.0 if self._cancel.extract else 0.0,
-                    detail=self._cancel.reason,
-                )
-            )
-        return events
-
-    def _action_events(self) -> list[AuditEvent]:
-        """A row per steering action, with who sent it and when it was accepted."""
-        return [
-            AuditEvent(
-                key=f"action:{a.number}",
-                kind=f"action_{a.kind}",
-                iteration=a.iteration,
-                detail=a.detail,
-                sender=a.sender,
-                at=a.at,
-            )
-            for a in self._actions
-        ]
+        await self._audit_writer.write(request, status, events, result, error)
 
     # --- small helpers ----------------------------------------------------------------------
 
