@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
@@ -154,6 +155,7 @@ class DurableRLM:
         from durable_rlm.runtime import import_policy_modules  # start-up: temporalio, the stores (0.3 s)
         from workflows.episode import episode_policy  # start-up: temporalio's workflow module
 
+        _freeze_loaded_modules()
         self.settings = settings or Settings.from_env()
         import_policy_modules(self.settings.policy_module_names)
         import_tool_modules(self.settings.tool_module_names)
@@ -521,6 +523,23 @@ class Episode:
         from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
 
         return await episodes.retry_credentials(self.services.client, self.id)
+
+
+_frozen = False
+
+
+def _freeze_loaded_modules() -> None:
+    """Once per process, when the runtime's modules have just been imported: take what is
+    alive (temporalio's, pydantic's, SQLAlchemy's ~180,000 objects, which live as long as the
+    process) out of the cyclic collector's generations (gc.freeze), so that neither the
+    episode's collections nor the interpreter's exit walk them again. Measured on a new
+    process's one-iteration completion(): 2.14 -> 1.77 s, of which its exit 0.40 -> 0.05 s
+    (issue 36). Frozen objects are still freed when their count drops; a reference cycle
+    among objects alive at this moment is never collected: bounded, as it happens once."""
+    global _frozen
+    if not _frozen:
+        _frozen = True
+        gc.freeze()
 
 
 def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:

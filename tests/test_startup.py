@@ -81,3 +81,22 @@ def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
     assert "sqlalchemy" in imported  # the probe sees imports: the store was read
     assert "temporalio" not in imported
     assert "durable_rlm.timeline" not in imported
+
+
+def test_the_runtime_s_modules_are_frozen_once_when_the_first_api_object_is_made() -> None:
+    """gc.freeze: the interpreter's exit and the episode's collections do not walk them."""
+    code = (
+        "import gc\n"
+        "from durable_rlm import DurableRLM\n"
+        "before = gc.get_freeze_count()\n"
+        "DurableRLM('gpt-x', base_url='http://127.0.0.1:9/v1')\n"
+        "first = gc.get_freeze_count()\n"
+        "DurableRLM('gpt-x', base_url='http://127.0.0.1:9/v1')\n"
+        "print(before, first, gc.get_freeze_count())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, first, second = map(int, out.stdout.split())
+    assert before == 0
+    assert first > 50_000  # temporalio, pydantic's models, SQLAlchemy
+    assert second <= first  # once per process: later objects are collected as usual
