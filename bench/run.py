@@ -14,6 +14,7 @@ Sections (each also runs alone: python bench/<module>.py [--quick]):
     rebuild      REPL rebuild for 10 and 100 cells; a 100 MB context     (bench/rebuild.py)
     recovery     SIGKILL the only worker mid-call; time to the next step (bench/recovery.py)
     snapshots    rebuild time against episode length, with/without snapshots (bench/snapshots.py)
+    startup      new processes: imports, CLI, a first answer against rlms (bench/startup.py)
 
 Prints rich tables (median, min, max of several runs, the ratio to the baseline, the target
 and PASS/MISS) and writes the figures to bench/results/latest.json with PNG plots next to it
@@ -45,6 +46,7 @@ SECTIONS = {
     "recovery": "recovery",
     "snapshots": "snapshots",
     "containment": "containment",
+    "startup": "startup",
 }
 
 
