@@ -61,7 +61,6 @@ with workflow.unsafe.imports_passed_through():
         parse_extraction_response,
     )
     from workflows.models import (
-        ActionRecord,
         AuditEvent,
         CancelReceipt,
         CancelRequest,
@@ -104,6 +103,7 @@ with workflow.unsafe.imports_passed_through():
         waits_for_credentials,
     )
     from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
+    from workflows.steering_inbox import SteeringInbox
     from workflows.termination import (
         ActionResult,
         PolicyContext,
@@ -155,14 +155,7 @@ class EpisodeWorkflow:
         # Steering (a person's updates; workflows/steering.py). They may arrive before the
         # run method has set up its state, like rewards.
         self._steering = False  # the timer follows the deadline; cells may wait (patched)
-        self._actions: list[ActionRecord] = []
-        self._actions_total = 0
-        self._hint_inbox: list[Message] = []
-        self._held: PauseUpdate | None = None
-        self._held_since: datetime | None = None
-        self._finish: FinishUpdate | None = None
-        self._pending_cell: PendingCell | None = None
-        self._decision: CellDecision | None = None
+        self._inbox = SteeringInbox()
         self._timer = DeadlineTimer(lambda: self._state.deadline, self._clock_held)
 
     @workflow.run
@@ -197,12 +190,8 @@ class EpisodeWorkflow:
         self._rewards_received += self._s.rewards_received
         self._reward_log[:0] = self._s.rewards
         self._steering = workflow.patched(names.PATCH_STEERING)
-        for early in self._actions:
-            early.number += self._s.actions_total
-        self._actions[:0] = self._s.actions
-        self._actions_total += self._s.actions_total
+        self._inbox.carry_over(self._s.actions, self._s.actions_total, self._s.hints)
         self._audit_writer.actions_written = self._s.actions_total
-        self._hint_inbox[:0] = self._s.hints
         self._s.hints = []
         local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
         self._repl = ReplSteps(
@@ -309,7 +298,7 @@ class EpisodeWorkflow:
     @workflow.update(name=names.HINT)
     def hint(self, update: HintUpdate) -> SteeringReceipt:
         """The root model reads it as a user message on its next turn."""
-        self._hint_inbox.append(steering.hint_message(update.sender, update.text))
+        self._inbox.hints.append(steering.hint_message(update.sender, update.text))
         return self._record("hint", update.sender, update.text, "the model reads it on its next turn")
 
     @hint.validator
@@ -344,7 +333,7 @@ class EpisodeWorkflow:
     @workflow.update(name=names.PAUSE)
     def pause(self, update: PauseUpdate) -> SteeringReceipt:
         """Hold at the next step boundary, without a sandbox, until `resume`."""
-        self._held, self._held_since = update, workflow.now()
+        self._inbox.held, self._inbox.held_since = update, workflow.now()
         clock = "max_duration stops counting" if update.hold_clock else "max_duration keeps counting"
         detail = update.reason + (" " if update.reason else "") + f"({clock})"
         return self._record("pause", update.sender, detail, f"pauses at the next step boundary; {clock}")
@@ -352,27 +341,25 @@ class EpisodeWorkflow:
     @pause.validator
     def _pause_allowed(self, update: PauseUpdate) -> None:
         self._refuse_if_over("pause")
-        if self._held is not None:
-            raise ValueError(f"it is already paused (by {self._held.sender})")
-        if self._finish is not None:
-            raise ValueError("it was asked to answer now; there is nothing to pause")
+        if (problem := self._inbox.pause_refusal()) is not None:
+            raise ValueError(problem)
 
     @workflow.update(name=names.RESUME)
     def resume(self, update: ResumeUpdate) -> SteeringReceipt:
-        held, since = self._held, self._held_since
+        held, since = self._inbox.held, self._inbox.held_since
         assert held is not None and since is not None
         paused_for = workflow.now() - since
         if held.hold_clock and self._s is not None:
             self._s.deadline += paused_for  # the pause did not count against max_duration
             self._timer.move()
-        self._held = self._held_since = None
+        self._inbox.held = self._inbox.held_since = None
         detail = f"after {paused_for.total_seconds():.0f} s paused"
         return self._record("resume", update.sender, detail, "goes on (its REPL is rebuilt from the log)")
 
     @resume.validator
     def _resume_allowed(self, update: ResumeUpdate) -> None:
         self._refuse_if_over("resume")
-        if self._held is None:
+        if self._inbox.held is None:
             raise ValueError(
                 "it is not paused"
                 + ("; it waits for a fixed key (retry_credentials)" if self._paused_calls else "")
@@ -382,7 +369,7 @@ class EpisodeWorkflow:
     def finish_now(self, update: FinishUpdate) -> SteeringReceipt:
         """Answer now: stop at the next step boundary, then fallback extraction over the
         history so far."""
-        self._finish = update
+        self._inbox.finish = update
         return self._record(
             "finish", update.sender, update.reason, "answers by extraction at the next step boundary"
         )
@@ -390,13 +377,13 @@ class EpisodeWorkflow:
     @finish_now.validator
     def _finish_allowed(self, update: FinishUpdate) -> None:
         self._refuse_if_over("finish request")
-        if self._finish is not None:
-            raise ValueError(f"it was already asked to answer now (by {self._finish.sender})")
+        if (problem := self._inbox.finish_refusal()) is not None:
+            raise ValueError(problem)
 
     @workflow.update(name=names.DECIDE_CELL)
     def decide_cell(self, decision: CellDecision) -> SteeringReceipt:
         """Approve the waiting cell (as written or edited) or reject it with a reason."""
-        self._decision = decision
+        self._inbox.decision = decision
         kind, detail = steering.describe_decision(decision)
         what = "runs" if decision.approve else "is not run; the model reads the reason"
         return self._record(kind, decision.sender, detail, f"cell {decision.cell} {what}")
@@ -404,11 +391,8 @@ class EpisodeWorkflow:
     @decide_cell.validator
     def _decision_allowed(self, decision: CellDecision) -> None:
         self._refuse_if_over("decision")
-        waiting = self._pending_cell
-        if waiting is None or self._decision is not None:
-            raise ValueError("no cell waits for approval")
-        if decision.cell != waiting.cell:
-            raise ValueError(f"cell {decision.cell} does not wait for approval; cell {waiting.cell} does")
+        if (problem := self._inbox.decision_refusal(decision)) is not None:
+            raise ValueError(problem)
 
     def _refuse_if_over(self, what: str) -> None:
         if self._finished or self._closing:
@@ -418,23 +402,12 @@ class EpisodeWorkflow:
 
     def _record(self, kind: str, sender: str, detail: str, effect: str) -> SteeringReceipt:
         """Log an action the workflow accepted; the receipt tells the sender what happens."""
-        self._actions_total += 1
         iteration = self._s.iteration if self._s else 0
-        self._actions.append(
-            ActionRecord(
-                number=self._actions_total,
-                kind=kind,
-                sender=sender,
-                at=workflow.now(),
-                iteration=iteration,
-                detail=detail[: defaults.REWARD_NOTE_CHARS],
-            )
-        )
-        self._actions = steering.keep_latest(self._actions)
+        number = self._inbox.record(kind, sender, detail, workflow.now(), iteration)
         return SteeringReceipt(
             episode_id=workflow.info().workflow_id,
             iteration=iteration,
-            action=self._actions_total,
+            action=number,
             message=f"{kind} accepted at iteration {iteration}: {effect}",
         )
 
@@ -456,17 +429,15 @@ class EpisodeWorkflow:
             limits=self._request.limits if self._request else None,
             started_at=s.deadline - self._request.limits.max_duration if s and self._request else None,
             root_model=self._request.root_model.model if self._request else None,
-            pending_cell=self._pending_cell,
-            held=None if self._held is None else self._held_description(),
+            pending_cell=self._inbox.pending_cell,
+            held=None if self._inbox.held is None else self._held_description(),
             approve=self._request.approve if self._request else "none",
-            actions=self._actions[-defaults.PROGRESS_ACTIONS :],
-            actions_total=self._actions_total,
+            actions=self._inbox.actions[-defaults.PROGRESS_ACTIONS :],
+            actions_total=self._inbox.actions_total,
         )
 
     def _held_description(self) -> str:
-        held = self._held
-        assert held is not None
-        return f"paused by {held.sender}" + (f": {held.reason}" if held.reason else "")
+        return self._inbox.held_description()
 
     # --- the episode: the loop raced against the durable timer ------------------------------
 
@@ -566,7 +537,7 @@ class EpisodeWorkflow:
         self._halt_if_stopping()
 
     def _clock_held(self) -> bool:
-        return self._held is not None and self._held.hold_clock
+        return self._inbox.held is not None and self._inbox.held.hold_clock
 
     async def _loop(self, request: EpisodeRequest) -> Ending | LimitReached:
         s = self._state
@@ -585,12 +556,13 @@ class EpisodeWorkflow:
                 if self._honest:
                     return LimitReached(reason)
                 return await self._extract(request, reason)  # as old histories did it
-            if self._hint_inbox:
-                s.pending = steering.with_hints(s.pending, self._hint_inbox)
-                self._hint_inbox = []
+            if self._inbox.hints:
+                s.pending = steering.with_hints(s.pending, self._inbox.hints)
+                self._inbox.hints = []
             if workflow.info().is_continue_as_new_suggested() and self._cancel is None:
                 s.reward_inbox, s.rewards_received, s.rewards = self._reward_state()
-                s.actions, s.actions_total = steering.keep_latest(self._actions), self._actions_total
+                inbox = self._inbox
+                s.actions, s.actions_total = steering.keep_latest(inbox.actions), inbox.actions_total
                 workflow.continue_as_new(request.model_copy(update={"carry": s}))
 
             s.iteration += 1
@@ -810,10 +782,10 @@ class EpisodeWorkflow:
         """Where a person's actions take effect, between steps: a pause holds here; a
         request to answer now ends the loop by the limit path (fallback extraction)."""
         self._audit_actions(request)
-        if self._held is not None and self._finish is None:
+        if self._inbox.held is not None and self._inbox.finish is None:
             await self._hold(request)
-        if self._finish is not None:
-            asked = self._finish
+        if self._inbox.finish is not None:
+            asked = self._inbox.finish
             detail = f"by {asked.sender}" + (f": {asked.reason}" if asked.reason else "")
             return LimitReached(
                 FallbackReason(kind="finish_requested", value=self._state.iteration, limit=0, detail=detail)
@@ -829,7 +801,7 @@ class EpisodeWorkflow:
         self._show_progress("paused")
         await self._repl.close()
         self._state.repl_queue = None  # the next step may go to any worker
-        await self._until(lambda: self._held is None or self._finish is not None)
+        await self._until(lambda: self._inbox.held is None or self._inbox.finish is not None)
         self._audit_actions(request)
         self._set_phase(phase)
         self._show_progress(status)  # what it was before the pause
@@ -843,7 +815,7 @@ class EpisodeWorkflow:
         if reasons is None:
             return code
         cell = s.cell_count
-        self._pending_cell = PendingCell(
+        self._inbox.pending_cell = PendingCell(
             episode_id=workflow.info().workflow_id,
             cell=cell,
             iteration=s.iteration,
@@ -859,15 +831,13 @@ class EpisodeWorkflow:
         try:
             while True:
                 self._set_phase(f"cell {cell} waits for approval")
-                await self._until(
-                    lambda: self._decision is not None or self._finish is not None or self._held is not None
-                )
-                if self._decision is not None or self._finish is not None:
+                await self._until(self._inbox.gate_moved)
+                if self._inbox.decision is not None or self._inbox.finish is not None:
                     break
                 await self._hold(request, "awaiting approval")  # the cell still waits, without a sandbox
         finally:  # plain state only: on eviction this runs outside the workflow's event loop
-            self._pending_cell = None
-        decision, self._decision = self._decision, None
+            self._inbox.pending_cell = None
+        decision, self._inbox.decision = self._inbox.decision, None
         self._show_progress("running")
         if decision is None:
             return None
@@ -890,7 +860,7 @@ class EpisodeWorkflow:
     def _audit_actions(self, request: EpisodeRequest) -> None:
         """Actions accepted since the last write reach the audit store now, beside the loop
         (the closing write holds them all, so a slow or failed one loses nothing)."""
-        self._audit_writer.actions_beside(self._actions_total, lambda: self._audit(request, "running"))
+        self._audit_writer.actions_beside(self._inbox.actions_total, lambda: self._audit(request, "running"))
 
     # --- act --------------------------------------------------------------------------------
 
@@ -1101,9 +1071,9 @@ class EpisodeWorkflow:
     ) -> None:
         def events() -> list[AuditEvent]:
             if status == "running":
-                return action_events(self._actions)
+                return action_events(self._inbox.actions)
             iteration = self._s.iteration if self._s else 0
-            return closing_events(self._reward_log, self._actions, self._cancel, iteration)
+            return closing_events(self._reward_log, self._inbox.actions, self._cancel, iteration)
 
         await self._audit_writer.write(request, status, events, result, error)
 
