@@ -183,6 +183,39 @@ def test_each_limit_names_its_ending(kind: Any, ended_by: str) -> None:
     assert extraction_ending(reason, parsed, [], {}, ANSWER_FIELDS).ended_by == ended_by
 
 
+@pytest.mark.parametrize(
+    ("kind", "value", "limit", "detail", "cause"),
+    [
+        ("max_iterations", 5, 5, None, "max iterations reached (5/5)"),
+        ("max_llm_calls", 50, 50, None, "max LLM calls reached (50/50)"),
+        ("timeout", 3600.04, 3600, None, "timeout (3600.0s elapsed, limit 3600.0s)"),
+        (
+            "context_overflow",
+            2,
+            0,
+            None,
+            "the conversation no longer fits the root model's context window, "
+            "even after compaction (2 compaction(s))",
+        ),
+        ("cancelled", 0, 0, None, "Cancelled"),
+        ("cancelled", 0, 0, "by ann", "Cancelled (by ann)"),
+        ("finish_requested", 0, 0, None, "asked to answer now"),
+        ("finish_requested", 0, 0, "enough", "asked to answer now (enough)"),
+        ("max_model_calls", 9, 10, None, "model-call budget spent (9/10, one kept for extraction)"),
+        ("max_tokens", 2500, 2500, None, "token budget spent (2500/2500 tokens)"),
+        ("max_cost_usd", 0.25, 0.25, None, "cost budget spent ($0.2500 of $0.2500)"),
+    ],
+)
+def test_a_limit_ending_names_its_real_cause(
+    kind: Any, value: float, limit: float, detail: str | None, cause: str
+) -> None:
+    reason = FallbackReason(kind=kind, value=value, limit=limit, detail=detail)
+    assert unextracted_ending(reason, "no budget").stop_reason == f"{cause}; no budget"
+    assert (
+        extraction_failed_ending(reason, "no JSON", []).stop_reason == f"{cause}; extraction failed: no JSON"
+    )
+
+
 def test_every_limit_kind_has_an_ending() -> None:
     kinds = FallbackReason.model_fields["kind"].annotation.__args__  # type: ignore[union-attr]
     assert sorted(LIMIT_ENDED_BY) == sorted(kinds)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from workflows import prompts
-from workflows.fallback import ANSWER_FIELDS, FieldSpec
+from workflows.fallback import ANSWER_FIELDS, MAX_PROBLEMS, MORE_PROBLEMS, FieldSpec
 from workflows.models import CellOutcome, Message
 from workflows.outcome import (
     CellRecord,
@@ -161,6 +161,39 @@ def test_an_invalid_submit_is_a_note_and_the_reply_goes_on() -> None:
     answer, notes, stop = cell_answer(cell(submitted={"title": "x"}), TYPED)
     assert (answer, stop) == (None, False)
     assert notes == [prompts.submit_rejected(["missing field 'year'"], listed=False)]
+
+
+def test_an_invalid_submits_note_names_every_problem_on_one_line() -> None:
+    _, notes, _ = cell_answer(cell(submitted={"title": 3, "extra": 1}), TYPED)
+    assert notes == [
+        "SUBMIT was rejected: unknown field 'extra'; field 'title' must be string, got int; "
+        "missing field 'year'. Fix the values and call SUBMIT again."
+    ]
+
+
+def test_a_schema_checked_submits_note_lists_its_problems_one_a_line() -> None:
+    fields = [*SCHEMA, FieldSpec(name="tags", json_schema={"type": "array", "items": {"type": "string"}})]
+    _, notes, _ = cell_answer(cell(submitted={"year": 1066, "tags": ["a", 2]}), fields)
+    assert notes == [
+        "SUBMIT was rejected:\n"
+        "- $.year: 1066 is less than the minimum of 1900\n"
+        "- $.tags[1]: 2 is not of type 'string'\n"
+        "Fix the values and call SUBMIT again."
+    ]
+
+
+@pytest.mark.parametrize("wrong", [MAX_PROBLEMS - 1, MAX_PROBLEMS])
+def test_a_note_lists_up_to_max_problems(wrong: int) -> None:
+    fields = [FieldSpec(name=f"f{i}", json_schema={"type": "integer"}) for i in range(MAX_PROBLEMS + 2)]
+    values = {f.name: ("x" if i < wrong else i) for i, f in enumerate(fields)}
+    _, [note], _ = cell_answer(cell(submitted=values), fields)
+    assert note.count("is not of type 'integer'") == wrong and MORE_PROBLEMS not in note
+
+
+def test_a_note_says_when_there_are_more_problems_than_it_lists() -> None:
+    fields = [FieldSpec(name=f"f{i}", json_schema={"type": "integer"}) for i in range(MAX_PROBLEMS + 2)]
+    _, [note], _ = cell_answer(cell(submitted={f.name: "x" for f in fields}), fields)
+    assert note.count("is not of type 'integer'") == MAX_PROBLEMS and f"- {MORE_PROBLEMS}" in note
 
 
 def test_a_submit_may_not_leave_a_field_null() -> None:
