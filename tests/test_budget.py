@@ -22,6 +22,7 @@ from workflows.budget import (
     extraction_refusal,
     extraction_reply_cap,
     extraction_reserve,
+    floor_cost,
     limit_reached,
     model_calls_room,
     nothing_to_extract,
@@ -468,11 +469,14 @@ def test_with_reserve_the_parents_next_call_and_extraction_are_kept_back_first()
     limited = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)
     share = child_budgets(limited, sized(), 3, NOW, reserve=True)
     assert isinstance(share, ChildBudget)
-    assert (share.tokens, share.cost_usd) == ((1_000 - 2 * 200) // 3, round(0.6 / 3, COST_DIGITS))
+    assert (share.tokens, share.cost_usd) == ((1_000 - 2 * 200) // 3, floor_cost(0.6 / 3))
     alone = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE, extraction=False)
     share = child_budgets(alone, sized(), 3, NOW, reserve=True)
     assert isinstance(share, ChildBudget)
-    assert (share.tokens, share.cost_usd) == ((1_000 - 200) // 3, round(0.8 / 3, COST_DIGITS))
+    assert (share.tokens, share.cost_usd) == (
+        (1_000 - 200) // 3,
+        floor_cost(0.8 / 3),
+    )  # rounded down: shares never sum past
     plain = child_budgets(limited, sized(), 3, NOW)
     assert isinstance(plain, ChildBudget) and (plain.tokens, plain.cost_usd) == (333, 0.333333333)
 
@@ -560,11 +564,6 @@ def test_childrens_shares_never_sum_past_what_is_left(
     assert now < share.deadline < DEADLINE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (reported, issue 34): each child's cost share is rounded to the nearest billionth, "
-    "so siblings' shares can sum past what is left by up to half a billionth each",
-)
 def test_childrens_cost_shares_never_sum_past_the_money_left_even_by_rounding() -> None:
     limited = request(max_cost_usd=1.0, price=MILLI_PRICE)
     carry = state(cost=0.999999998)  # $0.000000002 left for three children

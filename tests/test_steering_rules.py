@@ -107,11 +107,6 @@ def test_a_cost_limit_is_accepted_when_every_model_is_priced() -> None:
     assert steering.limits_problem(priced, LimitsUpdate(sender="ann", max_cost_usd=1.0)) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug (reported, issue 34): limits_problem asks a price of a model that reports its own "
-    "cost, which EpisodeRequest accepts for max_cost_usd without a price",
-)
 def test_a_cost_limit_accepts_a_model_that_reports_its_own_cost_as_the_request_does() -> None:
     reporting = ModelSettings(model="routed", reports_cost=True)
     # The request takes max_cost_usd for a model that reports its cost and has no price ...

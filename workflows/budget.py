@@ -9,6 +9,7 @@ more than the parent had. Pure: the workflow and its REPL steps call these on th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -48,6 +49,14 @@ def tokens_spent(state: EpisodeCarry) -> int:
 def tokens_left(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
     limit = request.limits.max_tokens
     return None if limit is None else limit - tokens_spent(state)
+
+
+def floor_cost(value: float) -> float:
+    """`value` rounded down to COST_DIGITS places (a share never rounds up past its whole).
+    A millionth of the last place is float noise (0.6 / 3 is 0.19999999999999998), not a
+    share's worth: it does not cost the share a whole billionth."""
+    scale = 10**COST_DIGITS
+    return math.floor(value * scale + 1e-6) / scale
 
 
 def cost_spent(state: EpisodeCarry) -> float:
@@ -207,7 +216,8 @@ def child_budgets(
     if tokens is not None and tokens < 1:
         return f"budget exhausted: no tokens of max_tokens ({request.limits.max_tokens}) left for children"
     money = cost_left(request, state)
-    cost = None if money is None else round((money - need.cost_usd * kept) / children, COST_DIGITS)
+    # Rounded down: shares rounded to the nearest could sum past what is left.
+    cost = None if money is None else floor_cost((money - need.cost_usd * kept) / children)
     if cost is not None and cost <= 0:
         return f"budget exhausted: nothing of max_cost_usd ({request.limits.max_cost_usd}) left for children"
     if state.deadline <= now:

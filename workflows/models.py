@@ -385,12 +385,17 @@ class EpisodeRequest(StrictModel):
         """Whether rlm_query here starts child episodes (else it is a plain llm_query)."""
         return self.depth + 1 < self.max_depth
 
+    def uncosted_models(self) -> list[str]:
+        """The models whose calls' cost is unknown: no price, and no cost in their replies.
+        A cost limit needs none of them (at the start, and when a person sets one)."""
+        models = (self.root_model, self.effective_sub_model, *self.other_models)
+        return list(dict.fromkeys(m.model for m in models if m.price is None and not m.reports_cost))
+
     @model_validator(mode="after")
     def _cost_limit_priced(self) -> EpisodeRequest:
         if self.limits.max_cost_usd is None:
             return self
-        models = (self.root_model, self.effective_sub_model, *self.other_models)
-        unpriced = [m.model for m in models if m.price is None and not m.reports_cost]
+        unpriced = self.uncosted_models()
         if unpriced:
             raise ValueError(
                 f"max_cost_usd needs a price for every model the episode can call; none for "

@@ -58,8 +58,7 @@ def limits_problem(request: EpisodeRequest, update: LimitsUpdate) -> str | None:
     if not changes:
         return "no limit was given; nothing to change"
     if "max_cost_usd" in changes:
-        models = (request.root_model, request.effective_sub_model, *request.other_models)
-        unpriced = sorted({m.model for m in models if m.price is None})
+        unpriced = sorted(request.uncosted_models())  # the request's own check, one truth
         if unpriced:
             return (
                 "max_cost_usd needs a price for every model the episode can call; "
