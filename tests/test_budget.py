@@ -469,16 +469,29 @@ def test_with_reserve_the_parents_next_call_and_extraction_are_kept_back_first()
     limited = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)
     share = child_budgets(limited, sized(), 3, NOW, reserve=True)
     assert isinstance(share, ChildBudget)
-    assert (share.tokens, share.cost_usd) == ((1_000 - 2 * 200) // 3, floor_cost(0.6 / 3))
+    assert (share.tokens, share.cost_usd) == ((1_000 - 2 * 200) // 3, 0.2)
     alone = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE, extraction=False)
     share = child_budgets(alone, sized(), 3, NOW, reserve=True)
     assert isinstance(share, ChildBudget)
-    assert (share.tokens, share.cost_usd) == (
-        (1_000 - 200) // 3,
-        floor_cost(0.8 / 3),
-    )  # rounded down: shares never sum past
+    assert (share.tokens, share.cost_usd) == ((1_000 - 200) // 3, 0.266666666)  # rounded down
     plain = child_budgets(limited, sized(), 3, NOW)
     assert isinstance(plain, ChildBudget) and (plain.tokens, plain.cost_usd) == (333, 0.333333333)
+
+
+@pytest.mark.parametrize(
+    ("value", "floored"),
+    [
+        (0.333333333, 0.333333333),
+        (0.3333333339, 0.333333333),  # down, not to the nearest
+        (2e-9 / 3, 0.0),
+        (0.6 / 3, 0.2),  # 0.19999999999999998 is float noise, not a billionth less
+        (0.8 / 3, 0.266666666),
+        (0.25, 0.25),
+        (7.0, 7.0),
+    ],
+)
+def test_a_cost_share_is_rounded_down_to_cost_digits(value: float, floored: float) -> None:
+    assert floor_cost(value) == floored
 
 
 def test_children_split_the_money_left_rounded_to_cost_digits() -> None:
@@ -559,8 +572,8 @@ def test_childrens_shares_never_sum_past_what_is_left(
     assert share.tokens * children + kept.tokens * kept_calls <= tokens_left(limited, carry)  # type: ignore[operator]
     money = cost_left(limited, carry)
     assert share.cost_usd is not None and money is not None and share.cost_usd > 0
-    # Each share is rounded to a billionth of a dollar: at most half of one over per child.
-    assert share.cost_usd * children + kept.cost_usd * kept_calls <= money + children * 0.5e-9 + 1e-12
+    # Shares are rounded down to a billionth of a dollar: never past what is left (but float noise).
+    assert share.cost_usd * children + kept.cost_usd * kept_calls <= money + 1e-12
     assert now < share.deadline < DEADLINE
 
 
