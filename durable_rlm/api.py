@@ -19,6 +19,7 @@ validated Temporal update recorded with its sender; README "Supervising an episo
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -155,7 +156,7 @@ class DurableRLM:
         from durable_rlm.runtime import import_policy_modules  # start-up: temporalio, the stores (0.3 s)
         from workflows.episode import episode_policy  # start-up: temporalio's workflow module
 
-        _freeze_loaded_modules()
+        _freeze_at_exit()
         self.settings = settings or Settings.from_env()
         import_policy_modules(self.settings.policy_module_names)
         import_tool_modules(self.settings.tool_module_names)
@@ -525,21 +526,20 @@ class Episode:
         return await episodes.retry_credentials(self.services.client, self.id)
 
 
-_frozen = False
+_freezing = False
 
 
-def _freeze_loaded_modules() -> None:
-    """Once per process, when the runtime's modules have just been imported: take what is
-    alive (temporalio's, pydantic's, SQLAlchemy's ~180,000 objects, which live as long as the
-    process) out of the cyclic collector's generations (gc.freeze), so that neither the
-    episode's collections nor the interpreter's exit walk them again. Measured on a new
-    process's one-iteration completion(): 2.14 -> 1.77 s, of which its exit 0.40 -> 0.05 s
-    (issue 36). Frozen objects are still freed when their count drops; a reference cycle
-    among objects alive at this moment is never collected: bounded, as it happens once."""
-    global _frozen
-    if not _frozen:
-        _frozen = True
-        gc.freeze()
+def _freeze_at_exit() -> None:
+    """Once per process: at the interpreter's exit, take every object out of the cyclic
+    collector (gc.freeze) before its last collection walks the runtime's ~180,000 objects
+    (temporalio's, pydantic's, SQLAlchemy's): a new process's exit after a one-iteration
+    completion() took 0.40 s of it (issue 36). At exit only: freezing earlier would also
+    exempt the user's objects alive then from collection for good, a leak in a long-running
+    agent (an earlier version froze when the first object was made)."""
+    global _freezing
+    if not _freezing:
+        _freezing = True
+        atexit.register(gc.freeze)
 
 
 def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
