@@ -15,7 +15,7 @@ import asyncio
 import hashlib
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -409,12 +409,31 @@ MAX_QUEUED = 64
 
 
 class AuditActivities:
-    def __init__(self, engine: sa.Engine | None) -> None:
+    """`settle(episode_id)` rewrites an episode's step rows from its history (the worker's
+    runtime gives it: durable_rlm/projection.py, which this module may not import)."""
+
+    def __init__(
+        self, engine: sa.Engine | None, settle: Callable[[str], Awaitable[None]] | None = None
+    ) -> None:
         self.writer = AuditWriter(engine)
+        self.settle = settle
 
     @activity.defn(name=names.AUDIT_EPISODE)
     async def audit_episode(self, record: AuditEpisodeInput) -> None:
-        """The episode's own row: retried by its activity's policy, unlike the step rows."""
+        """The episode's own row: retried by its activity's policy, unlike the step rows.
+
+        At the close, the episode's step rows are first settled from its history. A step
+        whose rows the store refused (down, or too slow) is remembered only by the process
+        that ran it, for its reconciler; a process SIGKILLed before the store came back
+        took that with it (the soak found one such row missing). The closing write is
+        retried on another worker if this one dies, so every closed episode's rows equal
+        its history's. The settling writes step rows only; the closing row is this write's."""
+        if record.status != "running" and self.settle is not None and self.writer.engine is not None:
+            try:
+                await self.settle(record.episode_id)
+            except Exception as exc:  # noqa: BLE001 - the closing row still goes in; settled later
+                UNSETTLED.add(record.episode_id)
+                log.warning("rows of %s not settled at its close: %r", record.episode_id, exc)
         await self.writer.write(episode_rows(record), EPISODE_WRITE_TIMEOUT_S)
 
 

@@ -105,19 +105,28 @@ async def rebuild_audit(
     return len(first_runs)
 
 
-async def rebuild_episode(client: Client, engine: sa.Engine, episode_id: str) -> None:
+async def rebuild_episode(
+    client: Client, engine: sa.Engine, episode_id: str, steps_only: bool = False
+) -> None:
+    """The episode's rows from its history. With `steps_only`, not its own row: the closing
+    audit write, which writes that row right after (`settle_at_close`), must never have it
+    overwritten by an earlier row of history (the opening one says `running`)."""
     from durable_rlm.history import completed_steps, episode_runs, resets
 
     runs = await episode_runs(client, episode_id)
     audited = False
     async for step in completed_steps(client, episode_id, runs):
-        rows = rows_of_step(episode_id, step.activity, step.arg, step.result)
         audited = audited or step.activity == names.AUDIT_EPISODE
+        if steps_only and step.activity == names.AUDIT_EPISODE:
+            continue
+        rows = rows_of_step(episode_id, step.activity, step.arg, step.result)
         if rows:
             await asyncio.to_thread(write_rows, engine, rows)
     made_by_reset = resets(runs)
     if made_by_reset:
         await asyncio.to_thread(write_rows, engine, [reset_row(episode_id, r) for r in made_by_reset])
+    if steps_only:
+        return
     running = runs[-1].status == WorkflowExecutionStatus.RUNNING
     if not audited or (made_by_reset and running):
         # Every audit write of the episode failed (a store that was down), or the last one
@@ -213,6 +222,17 @@ async def _settle_ended_resets(client: Client, engine: sa.Engine) -> int:
         await _rewrite(client, engine, episode_id)
         rewritten += 1
     return rewritten
+
+
+async def settle_at_close(client: Client, engine: sa.Engine, episode_id: str) -> None:
+    """An ending episode's step rows from its history (its closing audit write does this
+    first: activities/audit.py). A chain a reset made is written again from scratch, so
+    the rows of the run it abandoned go, as the reset reconciler would."""
+    from durable_rlm.history import episode_runs, resets
+
+    if resets(await episode_runs(client, episode_id)):
+        await asyncio.to_thread(_forget, engine, episode_id)  # the abandoned run's rows go
+    await rebuild_episode(client, engine, episode_id, steps_only=True)
 
 
 async def _rewrite(client: Client, engine: sa.Engine, episode_id: str) -> None:

@@ -143,7 +143,7 @@ def build_workers(
     )
     observe_sandboxes(repl.slots, worker_queue)
     models = ModelActivities(blobs, credentials)
-    audit = AuditActivities(engine)
+    audit = AuditActivities(engine, functools.partial(_settle_episode, client, engine) if engine else None)
     if admission is None:  # unmeasured, it admits at its first rate
         admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
@@ -432,6 +432,18 @@ async def _first_build(services: Services, name: str, build_id: str) -> None:
 
 SETTLE_EVERY_S = 2.0
 SETTLE_AT_EXIT_S = 15.0
+
+
+SETTLE_AT_CLOSE_S = 5.0
+"""How long the closing audit write spends settling the episode's rows first (then it writes
+the row anyway; the reconciler settles what is left)."""
+
+
+async def _settle_episode(client: Client, engine: sa.Engine, episode_id: str) -> None:
+    """One episode's step rows from its history (the closing audit write's first part)."""
+    from durable_rlm.projection import settle_at_close  # projection imports this module
+
+    await asyncio.wait_for(settle_at_close(client, engine, episode_id), SETTLE_AT_CLOSE_S)
 
 
 async def _settle(services: Services) -> None:

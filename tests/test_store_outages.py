@@ -499,3 +499,47 @@ def test_a_cli_facing_a_full_store_says_so_in_one_line(tmp_path: Path, small_dis
     assert out.returncode == 1, out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr  # one line
     assert "drlm: the store is unavailable: OperationalError" in out.stderr  # full: "disk I/O error"
+
+
+async def test_rows_refused_by_a_process_that_died_are_settled_when_the_episode_closes(
+    client, session_dir, scripted, small_disk
+) -> None:
+    """A step's rows the store refused are remembered only by the process that ran the step,
+    for its reconciler. Here that memory is lost (as when the process is SIGKILLed before
+    the store answers again: the soak found a row missing that way); the episode's closing
+    audit write settles its rows from history, so the row is there when the episode ends."""
+    from activities.audit import UNSETTLED, take_unsettled
+    from durable_rlm import schema
+    from durable_rlm.blobs import DirectoryBackend
+
+    engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
+    blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
+    filled: list[Path] = []
+
+    def script(request: ChatRequest) -> Reply | str:
+        if not request.is_root:
+            if not filled:
+                filled.append(fill(small_disk))  # full while the sub-call's row is written
+            return request.last_user.upper()
+        return ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"][min(request.turn, 1)]
+
+    server = scripted(script)
+    queue = f"settle-lost-{uuid.uuid4().hex[:8]}"
+    episode_id = f"settle-lost-{uuid.uuid4().hex[:8]}"
+    async with running_workers(
+        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
+    ):
+        handle = await start_on(client, queue, request_for(server), episode_id)
+        for _ in range(600):
+            if episode_id in UNSETTLED:
+                break
+            await asyncio.sleep(0.05)
+        assert episode_id in UNSETTLED, "the sub-call's row was refused"
+        take_unsettled()  # the process that knew is gone
+        filled[0].unlink()
+        assert (await asyncio.wait_for(handle.result(), 120)).answer == "SHOUT"
+        table = schema.model_calls
+        with engine.connect() as conn:
+            rows = conn.execute(sa.select(table.c.call_id).where(table.c.episode_id == episode_id))
+            calls = list(rows.scalars())
+    assert "sub:1.0" in calls, calls
