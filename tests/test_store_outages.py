@@ -18,8 +18,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -391,12 +393,30 @@ def test_a_cell_run_again_after_its_worker_was_killed_keeps_the_later_run() -> N
     )
 
 
-async def test_rows_the_store_refused_are_settled_once_it_is_back(
-    client, session_dir, scripted, small_disk
-) -> None:
-    """A step's rows that could not be written (the audit store's disk full) are written
-    from history by the worker's reconciler once the store answers again."""
-    from durable_rlm import schema
+@dataclass
+class RefusedRow:
+    """An episode whose sub-call's audit row meets a full disk: the store, its blobs (on
+    another disk), the scripted model, and the filler to remove once the row was refused."""
+
+    engine: sa.Engine
+    blobs: BlobStore
+    server: Any
+    filled: list[Path]
+
+    def workers(self, client, session_dir: Path, queue: str):  # type: ignore[no-untyped-def]
+        settings = Settings(task_queue=queue, data_dir=session_dir)
+        return running_workers(Services(settings, self.blobs, self.engine, client))
+
+    def calls(self, episode_id: str) -> list[str]:
+        from durable_rlm import schema
+
+        table = schema.model_calls
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(table.c.call_id).where(table.c.episode_id == episode_id))
+            return list(rows.scalars())
+
+
+def refused_row(session_dir: Path, scripted, small_disk: Path) -> RefusedRow:  # type: ignore[no-untyped-def]
     from durable_rlm.blobs import DirectoryBackend
 
     engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
@@ -410,30 +430,29 @@ async def test_rows_the_store_refused_are_settled_once_it_is_back(
             return request.last_user.upper()
         return ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"][min(request.turn, 1)]
 
-    server = scripted(script)
+    return RefusedRow(engine, blobs, scripted(script), filled)
+
+
+async def test_rows_the_store_refused_are_settled_once_it_is_back(
+    client, session_dir, scripted, small_disk
+) -> None:
+    """A step's rows that could not be written (the audit store's disk full) are written
+    from history by the worker's reconciler once the store answers again."""
+    episode = refused_row(session_dir, scripted, small_disk)
     queue = f"settle-full-{uuid.uuid4().hex[:8]}"
     episode_id = f"settle-full-{uuid.uuid4().hex[:8]}"
-    async with running_workers(
-        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
-    ):
-        handle = await start_on(client, queue, request_for(server), episode_id)
+    async with episode.workers(client, session_dir, queue):
+        handle = await start_on(client, queue, request_for(episode.server), episode_id)
         for _ in range(300):
-            if filled:
+            if episode.filled:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(3)
-        filled[0].unlink()
+        episode.filled[0].unlink()
         assert (await asyncio.wait_for(handle.result(), 120)).answer == "SHOUT"
         calls: list[str] = []
         for _ in range(100):  # the reconciler looks every 2 s while something is unsettled
-            with engine.connect() as conn:
-                calls = list(
-                    conn.execute(
-                        sa.select(schema.model_calls.c.call_id).where(
-                            schema.model_calls.c.episode_id == episode_id
-                        )
-                    ).scalars()
-                )
+            calls = episode.calls(episode_id)
             if "sub:1.0" in calls:
                 break
             await asyncio.sleep(0.2)
@@ -509,37 +528,19 @@ async def test_rows_refused_by_a_process_that_died_are_settled_when_the_episode_
     the store answers again: the soak found a row missing that way); the episode's closing
     audit write settles its rows from history, so the row is there when the episode ends."""
     from activities.audit import UNSETTLED, take_unsettled
-    from durable_rlm import schema
-    from durable_rlm.blobs import DirectoryBackend
 
-    engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
-    blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
-    filled: list[Path] = []
-
-    def script(request: ChatRequest) -> Reply | str:
-        if not request.is_root:
-            if not filled:
-                filled.append(fill(small_disk))  # full while the sub-call's row is written
-            return request.last_user.upper()
-        return ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"][min(request.turn, 1)]
-
-    server = scripted(script)
+    episode = refused_row(session_dir, scripted, small_disk)
     queue = f"settle-lost-{uuid.uuid4().hex[:8]}"
     episode_id = f"settle-lost-{uuid.uuid4().hex[:8]}"
-    async with running_workers(
-        Services(Settings(task_queue=queue, data_dir=session_dir), blobs, engine, client)
-    ):
-        handle = await start_on(client, queue, request_for(server), episode_id)
+    async with episode.workers(client, session_dir, queue):
+        handle = await start_on(client, queue, request_for(episode.server), episode_id)
         for _ in range(600):
             if episode_id in UNSETTLED:
                 break
             await asyncio.sleep(0.05)
         assert episode_id in UNSETTLED, "the sub-call's row was refused"
         take_unsettled()  # the process that knew is gone
-        filled[0].unlink()
+        episode.filled[0].unlink()
         assert (await asyncio.wait_for(handle.result(), 120)).answer == "SHOUT"
-        table = schema.model_calls
-        with engine.connect() as conn:
-            rows = conn.execute(sa.select(table.c.call_id).where(table.c.episode_id == episode_id))
-            calls = list(rows.scalars())
+        calls = episode.calls(episode_id)
     assert "sub:1.0" in calls, calls
