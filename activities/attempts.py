@@ -20,10 +20,10 @@ from datetime import UTC, datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.store_errors import store_problem, store_unavailable
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
-from workflows.models import CellOutcome, StepEcho
+from durable_rlm.activities.store_errors import store_problem, store_unavailable
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import CellOutcome, StepEcho
 
 
 def _marker(step: str, start: int) -> bytes:

@@ -29,10 +29,10 @@ from temporalio.worker import (
     Interceptor,
 )
 
-from activities.attempts import attempt_clock, start_attempt_clock
-from durable_rlm import schema
-from workflows import names
-from workflows.models import (
+from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
+from durable_rlm.store import schema
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import (
     AuditEpisodeInput,
     CellOutcome,
     CompactionReply,
@@ -410,7 +410,7 @@ MAX_QUEUED = 64
 
 class AuditActivities:
     """`settle(episode_id)` rewrites an episode's step rows from its history (the worker's
-    runtime gives it: durable_rlm/projection.py, which this module may not import)."""
+    runtime gives it: durable_rlm/audit/projection.py, which this module may not import)."""
 
     def __init__(
         self, engine: sa.Engine | None, settle: Callable[[str], Awaitable[None]] | None = None
@@ -487,7 +487,7 @@ class _AuditInbound(ActivityInboundInterceptor):
 
 UNSETTLED: set[str] = set()
 """Episodes some of whose step rows this process fenced off (`_AuditInbound`): the
-reconciler (durable_rlm/runtime.py) rewrites their rows from history, then forgets them."""
+reconciler (durable_rlm/worker/runtime.py) rewrites their rows from history, then forgets them."""
 
 
 def take_unsettled() -> list[str]:

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from durable_rlm.blobs import BlobStore, TypedBlobs
-from workflows.models import Message
+from durable_rlm.store.blobs import BlobStore, TypedBlobs
+from durable_rlm.workflows.models import Message
 
 MAX_CHAIN = 1_000_000
 

@@ -8,15 +8,15 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import chains
-from activities.attempts import start_attempt_clock
-from activities.llm import ModelActivities
-from activities.model_errors import compact_failures
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names, prompts
-from workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt
-from workflows.models import ExtractionInput, ExtractionReply, Message, TokenUsage
-from workflows.parsing import strip_code_blocks, truncate_output
+from durable_rlm.activities import chains
+from durable_rlm.activities.attempts import start_attempt_clock
+from durable_rlm.activities.llm import ModelActivities
+from durable_rlm.activities.model_errors import compact_failures
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names, prompts
+from durable_rlm.workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt
+from durable_rlm.workflows.models import ExtractionInput, ExtractionReply, Message, TokenUsage
+from durable_rlm.workflows.parsing import strip_code_blocks, truncate_output
 
 
 class ExtractionActivities:

@@ -26,13 +26,13 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities import chains
-from activities.attempts import attempt_clock, start_attempt_clock
-from activities.model_errors import bad_reply, classify, compact_failures
-from activities.providers import client_library, error_types
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
-from workflows.models import (
+from durable_rlm.activities import chains
+from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
+from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
+from durable_rlm.activities.providers import client_library, error_types
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import (
     CallFacts,
     CompactionInput,
     CompactionReply,
@@ -44,7 +44,7 @@ from workflows.models import (
     SubQueryReply,
     TokenUsage,
 )
-from workflows.parsing import shorten_middle
+from durable_rlm.workflows.parsing import shorten_middle
 
 T = TypeVar("T")
 

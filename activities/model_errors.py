@@ -24,11 +24,11 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError, FailureError
 
-from activities.providers import error_types
-from activities.store_errors import store_problem, store_unavailable
-from workflows import names
-from workflows.models import ModelSettings
-from workflows.parsing import shorten_middle
+from durable_rlm.activities.providers import error_types
+from durable_rlm.activities.store_errors import store_problem, store_unavailable
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import ModelSettings
+from durable_rlm.workflows.parsing import shorten_middle
 
 _NOT_RETRYABLE_STATUS = {400, 404, 413, 422}
 _AUTH_STATUS = {401, 403}

@@ -30,23 +30,23 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.attempts import count_local_start, echoed
-from activities.chains import CallsAnswered, CellStarted, LoggedAnswer, LoggedCell
-from activities.live_sandbox import LiveSandbox, exec_message
-from activities.model_errors import compact_failures
-from activities.repl_cells import CellDriver
-from activities.repl_rebuild import Rebuilder
-from activities.repl_snapshots import Snapshots
-from activities.repl_writes import StepWrites
-from activities.sandbox.framing import MAX_FRAME_BYTES
-from activities.sandbox_pool import MemoryReport, SandboxPool
-from activities.sandbox_processes import SandboxUids
-from activities.sandbox_reaper import SandboxHome
-from activities.sandbox_slots import SandboxSlots
-from activities.sandbox_start import SandboxConfig, SandboxStarter, prepare_sandbox_root
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
-from workflows.models import (
+from durable_rlm.activities.attempts import count_local_start, echoed
+from durable_rlm.activities.chains import CallsAnswered, CellStarted, LoggedAnswer, LoggedCell
+from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
+from durable_rlm.activities.model_errors import compact_failures
+from durable_rlm.activities.repl_cells import CellDriver
+from durable_rlm.activities.repl_rebuild import Rebuilder
+from durable_rlm.activities.repl_snapshots import Snapshots
+from durable_rlm.activities.repl_writes import StepWrites
+from durable_rlm.activities.sandbox.framing import MAX_FRAME_BYTES
+from durable_rlm.activities.sandbox_pool import MemoryReport, SandboxPool
+from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.activities.sandbox_reaper import SandboxHome
+from durable_rlm.activities.sandbox_slots import SandboxSlots
+from durable_rlm.activities.sandbox_start import SandboxConfig, SandboxStarter, prepare_sandbox_root
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import (
     CellOutcome,
     CloseSandboxInput,
     ExecuteCellInput,

@@ -15,13 +15,13 @@ import json
 import time
 from typing import Any
 
-from activities import chains
-from activities.chains import CellEnded
-from activities.live_sandbox import LiveSandbox
-from activities.repl_writes import StepWrites
-from activities.sandbox_pool import SandboxPool
-from workflows import defaults, names
-from workflows.models import CellOutcome, ContextRef, SandboxRef, SubCallRequest
+from durable_rlm.activities import chains
+from durable_rlm.activities.chains import CellEnded
+from durable_rlm.activities.live_sandbox import LiveSandbox
+from durable_rlm.activities.repl_writes import StepWrites
+from durable_rlm.activities.sandbox_pool import SandboxPool
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import CellOutcome, ContextRef, SandboxRef, SubCallRequest
 
 FIELD_SLACK = 1_000
 """Beyond a field's limit, room for the note the sandbox adds when it cut the field itself."""

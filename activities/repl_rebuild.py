@@ -18,16 +18,16 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities import chains
-from activities.chains import CellEnded, LoggedCell, SnapshotTaken
-from activities.live_sandbox import LiveSandbox, exec_message
-from activities.repl_snapshots import SnapshotRefused, Snapshots
-from activities.repl_writes import StepWrites
-from activities.sandbox_pool import SandboxPool
-from activities.sandbox_start import SandboxStarter
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
-from workflows.models import RebuildReport, SandboxRef
+from durable_rlm.activities import chains
+from durable_rlm.activities.chains import CellEnded, LoggedCell, SnapshotTaken
+from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
+from durable_rlm.activities.repl_snapshots import SnapshotRefused, Snapshots
+from durable_rlm.activities.repl_writes import StepWrites
+from durable_rlm.activities.sandbox_pool import SandboxPool
+from durable_rlm.activities.sandbox_start import SandboxStarter
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import RebuildReport, SandboxRef
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ import logging
 import time
 import uuid
 
-from activities.chains import LoggedCell, RecreateCell, SnapshotTaken
-from activities.live_sandbox import LiveSandbox, exec_message
-from activities.repl_writes import StepWrites
-from activities.sandbox.snapshot import SNAPSHOT_PREFIX
-from activities.sandbox_files import read_sandbox_file, write_sandbox_file
-from activities.sandbox_pool import SandboxPool
-from durable_rlm.blobs import BlobStore
-from durable_rlm.snapshot_key import lineage_mac
-from workflows import defaults
-from workflows.models import CellOutcome, SandboxRef, SnapshotRef
+from durable_rlm.activities.chains import LoggedCell, RecreateCell, SnapshotTaken
+from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
+from durable_rlm.activities.repl_writes import StepWrites
+from durable_rlm.activities.sandbox.snapshot import SNAPSHOT_PREFIX
+from durable_rlm.activities.sandbox_files import read_sandbox_file, write_sandbox_file
+from durable_rlm.activities.sandbox_pool import SandboxPool
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.snapshot_key import lineage_mac
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import CellOutcome, SandboxRef, SnapshotRef
 
 log = logging.getLogger(__name__)
 

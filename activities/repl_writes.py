@@ -13,8 +13,8 @@ import contextlib
 import contextvars
 from collections.abc import AsyncIterator
 
-from activities import chains
-from durable_rlm.blobs import BlobBatch, BlobStore, TypedBlobs
+from durable_rlm.activities import chains
+from durable_rlm.store.blobs import BlobBatch, BlobStore, TypedBlobs
 
 # The open step's blob writes (each activity runs in its own task, so its own context).
 _STEP_WRITES: contextvars.ContextVar[BlobBatch | None] = contextvars.ContextVar("step_writes", default=None)

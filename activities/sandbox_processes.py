@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from activities.sandbox import CHILD_PATH, FORKSERVER_PATH, cgroups
-from activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
-from activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims, proc_stat
+from durable_rlm.activities.sandbox import CHILD_PATH, FORKSERVER_PATH, cgroups
+from durable_rlm.activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
+from durable_rlm.activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims, proc_stat
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from activities.sandbox.framing import HEADER
-from workflows import defaults
+from durable_rlm.activities.sandbox.framing import HEADER
+from durable_rlm.workflows import defaults
 
 BROKEN = "_broken"  # a frame the host makes up when the sandbox's output is not a frame
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Literal
 
 try:
-    from activities.sandbox import cgroups
-    from activities.sandbox_files import remove_sandbox_tree
+    from durable_rlm.activities.sandbox import cgroups
+    from durable_rlm.activities.sandbox_files import remove_sandbox_tree
 except ImportError:  # this file loaded alone, as another uid's reaper (tests/test_hygiene.py)
     cgroups = None  # type: ignore[assignment]
     remove_sandbox_tree = None  # type: ignore[assignment]
@@ -75,7 +75,7 @@ def proc_stat(pid: int) -> ProcStat | None:
 
 def running(pid: int, start: int | None) -> bool:
     """Is `pid` still the process that started at `start` (any, when None)? A zombie has
-    ended. (The shared server's leases are judged this way too: durable_rlm/server.py.)"""
+    ended. (The shared server's leases are judged this way too: durable_rlm/server/embedded.py.)"""
     found = proc_stat(pid)
     return found is not None and found.state not in ("Z", "X") and (start is None or found.start == start)
 

@@ -28,7 +28,7 @@ from temporalio.worker import (
     SlotReserveContext,
 )
 
-from workflows import defaults, names
+from durable_rlm.workflows import defaults, names
 
 log = logging.getLogger(__name__)
 

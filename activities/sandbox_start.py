@@ -20,9 +20,9 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from activities.live_sandbox import LiveSandbox
-from activities.sandbox_files import sandbox_file_tail
-from activities.sandbox_processes import (
+from durable_rlm.activities.live_sandbox import LiveSandbox
+from durable_rlm.activities.sandbox_files import sandbox_file_tail
+from durable_rlm.activities.sandbox_processes import (
     ForkServer,
     ForkServerError,
     SandboxProcess,
@@ -31,11 +31,11 @@ from activities.sandbox_processes import (
     spawn_sandbox,
     uss_bytes,
 )
-from activities.sandbox_protocol import FRAME_OVERHEAD, READ_BUFFER, FrameInbox, read_frames
-from activities.sandbox_reaper import SandboxHome
-from durable_rlm.blobs import BlobStore
-from workflows import defaults, names
-from workflows.models import SandboxRef
+from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD, READ_BUFFER, FrameInbox, read_frames
+from durable_rlm.activities.sandbox_reaper import SandboxHome
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import SandboxRef
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import sqlite3
 import sqlalchemy as sa
 from temporalio.exceptions import ApplicationError
 
-from workflows import names
+from durable_rlm.workflows import names
 
 # The errors an operating system gives when the disk, the file system or a network peer is
 # the problem, not the request: waiting (or an operator) fixes them.

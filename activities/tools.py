@@ -20,10 +20,10 @@ from typing import Any
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities.model_errors import clip
+from durable_rlm.activities.model_errors import clip
 from durable_rlm.tools import registered
-from workflows import defaults, names
-from workflows.models import ToolCallInput, ToolReply
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import ToolCallInput, ToolReply
 
 TOOL_THREADS = ThreadPoolExecutor(max_workers=defaults.TOOL_THREADS, thread_name_prefix="drlm-tool")
 

@@ -39,11 +39,11 @@ from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.api.history.v1 import HistoryEvent  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 
-from durable_rlm.blobs import BlobStore, SqlBackend  # noqa: E402
-from durable_rlm.codec import data_converter  # noqa: E402
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
-from durable_rlm.store import open_store  # noqa: E402
+from durable_rlm.store.blobs import BlobStore, SqlBackend  # noqa: E402
+from durable_rlm.store.codec import data_converter  # noqa: E402
+from durable_rlm.store.sql import open_store  # noqa: E402
+from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
 
 console = Console(stderr=False, highlight=False, width=None if sys.stdout.isatty() else 160)
 progress = Console(stderr=True, highlight=False)

@@ -30,14 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from temporalio.api.enums.v1 import EventType  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 
-from durable_rlm.blobs import BlobStore, SqlBackend  # noqa: E402
-from durable_rlm.codec import data_converter  # noqa: E402
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
-from durable_rlm.store import open_store  # noqa: E402
-from workflows import names  # noqa: E402
-from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings  # noqa: E402
+from durable_rlm.store.blobs import BlobStore, SqlBackend  # noqa: E402
+from durable_rlm.store.codec import data_converter  # noqa: E402
+from durable_rlm.store.sql import open_store  # noqa: E402
+from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
+from durable_rlm.workflows import names  # noqa: E402
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings  # noqa: E402
 
 CELLS = {
     "plain": "```repl\nfor i in range({n}):\n    llm_query(f'q{{i}}')\n```",

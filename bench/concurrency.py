@@ -40,9 +40,9 @@ from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.api.failure.v1 import Failure
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub
-from workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
 
 CELLS = 5
 MODEL_CALLS = 2 * CELLS + 1
@@ -208,12 +208,12 @@ class Sampler:
 
 
 def admission_said(log: str) -> str:
-    """What the worker's admission said (durable_rlm/admission.py): how often it stopped
+    """What the worker's admission said (durable_rlm/worker/admission.py): how often it stopped
     taking new episodes, and its last state."""
     said = [
-        line.split("durable_rlm.admission: ", 1)[1]
+        line.split("durable_rlm.worker.admission: ", 1)[1]
         for line in log.splitlines()
-        if "durable_rlm.admission: " in line
+        if "durable_rlm.worker.admission: " in line
     ]
     stopped = sum(1 for line in said if line.startswith("overloaded"))
     return f"stopped taking new episodes {stopped} times; last: {said[-1]}" if said else ""

@@ -25,10 +25,10 @@ from pathlib import Path
 import benchlib
 from benchlib import Context, Section, Target, run_section, say, section_main
 
-from durable_rlm.blobs import digest_of
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
-from workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
+from durable_rlm.store.blobs import digest_of
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
 
 HONEST = ["```repl\nanswer_is = llm_query('ping')\nprint(answer_is)\n```", "FINAL_VAR(answer_is)"]
 LIBC = "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"

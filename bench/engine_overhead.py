@@ -31,17 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from temporalio.client import Client  # noqa: E402
 
-from activities.llm import ModelActivities  # noqa: E402
-from activities.repl import ReplActivities  # noqa: E402
-from durable_rlm.blobs import BlobStore, SqlBackend  # noqa: E402
-from durable_rlm.codec import data_converter  # noqa: E402
-from durable_rlm.episodes import start_episode  # noqa: E402
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
+from durable_rlm.activities.llm import ModelActivities  # noqa: E402
+from durable_rlm.activities.repl import ReplActivities  # noqa: E402
+from durable_rlm.client.episodes import start_episode  # noqa: E402
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
-from durable_rlm.store import open_store  # noqa: E402
-from workflows import prompts  # noqa: E402
-from workflows.models import (  # noqa: E402
+from durable_rlm.store.blobs import BlobStore, SqlBackend  # noqa: E402
+from durable_rlm.store.codec import data_converter  # noqa: E402
+from durable_rlm.store.sql import open_store  # noqa: E402
+from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers  # noqa: E402
+from durable_rlm.workflows import prompts  # noqa: E402
+from durable_rlm.workflows.models import (  # noqa: E402
     CallAnswer,
     EpisodeLimits,
     EpisodeRequest,
@@ -52,7 +52,7 @@ from workflows.models import (  # noqa: E402
     SandboxRef,
     SubQueryInput,
 )
-from workflows.parsing import find_code_blocks, parse_final_signal  # noqa: E402
+from durable_rlm.workflows.parsing import find_code_blocks, parse_final_signal  # noqa: E402
 
 
 def script(iterations: int, delay_s: float = 0.0) -> list[Reply]:

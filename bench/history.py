@@ -20,9 +20,9 @@ import uuid
 import benchlib
 from benchlib import Context, Section, Target, ratio, run_section, say, section_main
 
-from durable_rlm.episodes import start_episode, store_context
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.scripted import ScriptedModelServer, root_and_sub
-from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings
 
 SIZES = (10, 50, 200)
 PRINT_CHARS = 19_900  # under the default output truncation (20,000): the model sees it all

@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflows import legacy  # noqa: E402
-from workflows.parsing import parse_reply  # noqa: E402
+from durable_rlm.workflows import legacy  # noqa: E402
+from durable_rlm.workflows.parsing import parse_reply  # noqa: E402
 
 PROSE = "The quick brown fox (jumps) over it's lazy dog; see the Final (revised) report. "
 

@@ -2,7 +2,7 @@
 
     python bench/private_net.py [--calls N] [--repeats R]
 
-The shared server runs in a network namespace of its own behind durable_rlm/private_net.py,
+The shared server runs in a network namespace of its own behind durable_rlm/server/private_net.py,
 which forwards each of the owner's connections byte for byte. This times the same gRPC
 round trip (`GetSystemInfo`, the smallest call) against a dev server on the host's loopback
 (`open`) and one behind the gate (`gated`), alternating, and prints median and p95 per call
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from temporalio.api.workflowservice.v1 import GetSystemInfoRequest  # noqa: E402
 from temporalio.client import Client  # noqa: E402
 
-from durable_rlm.server import EmbeddedServer  # noqa: E402
+from durable_rlm.server.embedded import EmbeddedServer  # noqa: E402
 
 
 async def round_trips(private: bool, calls: int) -> tuple[float, list[float]]:

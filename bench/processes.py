@@ -2,7 +2,7 @@
 
     python bench/processes.py [--quick]
 
-`python worker.py --processes 2` (durable_rlm/worker_pool.py) runs two whole workers under one
+`python worker.py --processes 2` (durable_rlm/worker/pool.py) runs two whole workers under one
 supervisor, sharing one sandbox budget: one Python process is one core (the GIL), so on this
 2-core machine the second process is the one way to use the other core. Each run is
 bench/concurrency.py's (`one_size`): N episodes of 11 model calls at 2 s latency, against the

@@ -2,7 +2,7 @@
 
     python bench/rebuild.py [--quick] [--repeats R]
 
-`activities.repl.ReplActivities` is driven directly (no Temporal), as tests/conftest.py's
+`durable_rlm.activities.repl.ReplActivities` is driven directly (no Temporal), as tests/conftest.py's
 `Episode` driver does: N cells, each making one `llm_query` answered by the driver, are run
 and logged (SQL blob store, as shipped). Then one probe cell is run at the same log head:
 
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from benchlib import Context, Section, Target, median, ratio, run_section, say, section_main
 
-from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.episodes import store_context
-from durable_rlm.store import open_store
-from workflows.models import (
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.client.episodes import store_context
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.sql import open_store
+from durable_rlm.workflows.models import (
     CallAnswer,
     CellOutcome,
     CloseSandboxInput,

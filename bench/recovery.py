@@ -27,10 +27,10 @@ import benchlib
 from benchlib import Context, Section, Target, run_section, say, section_main
 from temporalio.api.enums.v1 import EventType
 
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer, root_and_sub
-from workflows import defaults
-from workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
 
 LATENCY_S = 0.5
 ITERATIONS = 6

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workflows.risk import MAX_ASSESSED_CHARS, assess  # noqa: E402
+from durable_rlm.workflows.risk import MAX_ASSESSED_CHARS, assess  # noqa: E402
 
 TYPICAL = (
     "chunks = [context[i:i+1000] for i in range(0, len(context), 1000)]\n"

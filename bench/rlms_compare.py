@@ -32,9 +32,9 @@ from pathlib import Path
 import benchlib
 from benchlib import BENCH, Context, Section, Target, median, ratio, run_section, say, section_main
 
-from durable_rlm.episodes import start_episode, store_context
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub
-from workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
 
 RLMS_VERSION = "0.1.3"
 LATENCIES_MS = (0, 250, 1000)

@@ -26,10 +26,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from activities.repl import LiveSandbox, ReplActivities  # noqa: E402
-from activities.sandbox_processes import uss_bytes  # noqa: E402
-from durable_rlm.blobs import BlobStore, DirectoryBackend  # noqa: E402
-from workflows.models import SandboxRef  # noqa: E402
+from durable_rlm.activities.repl import LiveSandbox, ReplActivities  # noqa: E402
+from durable_rlm.activities.sandbox_processes import uss_bytes  # noqa: E402
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend  # noqa: E402
+from durable_rlm.workflows.models import SandboxRef  # noqa: E402
 
 MODES = ("spawn", "fork")
 CELL = "rows = [f'line {i}: ' + 'x' * (i % 50) for i in range(5_000)]\nprint(len(rows))"

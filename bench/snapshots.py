@@ -2,7 +2,7 @@
 
     python bench/snapshots.py [--quick] [--repeats R]
 
-`activities.repl.ReplActivities` is driven directly (no Temporal), as bench/rebuild.py does,
+`durable_rlm.activities.repl.ReplActivities` is driven directly (no Temporal), as bench/rebuild.py does,
 on the SQL blob store. An episode of N cells is run on one worker; then a second worker (same
 store and key, no sandbox: a crash) runs a probe cell at the same log head. Rebuild time =
 that step - the same probe on the live sandbox. "without" runs the same episode with no
@@ -23,10 +23,10 @@ from pathlib import Path
 from benchlib import Context, Section, Target, median, ratio, run_section, say, section_main
 from rebuild import Driver
 
-from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.store import open_store
-from workflows.models import SandboxRef, SnapshotPolicy
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.sql import open_store
+from durable_rlm.workflows.models import SandboxRef, SnapshotPolicy
 
 KEY = b"bench-snapshot-key-0123456789abcdef"
 PROBE = "print(1 + 1)"

@@ -45,7 +45,7 @@ from benchlib import RESULTS, Context, Section, Target, ratio, render, run_secti
 from rlms_compare import rlms_python
 
 from durable_rlm.scripted import ChatRequest, ScriptedModelServer
-from durable_rlm.server import ServerFiles, acquire
+from durable_rlm.server.embedded import ServerFiles, acquire
 from durable_rlm.settings import Settings
 
 IMPORT_TARGET_S = 0.5

@@ -35,13 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import bench_env  # noqa: E402
 
-from durable_rlm.forking import fork_episode, fork_point  # noqa: E402
-from durable_rlm.rerun import rerun_episodes  # noqa: E402
-from durable_rlm.runtime import Services, running_workers  # noqa: E402
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
-from workflows import names  # noqa: E402
-from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings  # noqa: E402
+from durable_rlm.timetravel.fork import fork_episode, fork_point  # noqa: E402
+from durable_rlm.timetravel.rerun import rerun_episodes  # noqa: E402
+from durable_rlm.worker.runtime import Services, running_workers  # noqa: E402
+from durable_rlm.workflows import names  # noqa: E402
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult, ModelSettings  # noqa: E402
 
 
 def source_script(iterations: int, think_s: float) -> object:

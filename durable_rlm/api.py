@@ -23,22 +23,21 @@ import atexit
 import contextlib
 import dataclasses
 import gc
-import os
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
+from durable_rlm.endpoints import SAMPLING_KEYS, cost_reported_by, missing_key, model_settings
 from durable_rlm.errors import EpisodeFailed, InvalidRequestError
 from durable_rlm.prices import PriceTable
-from durable_rlm.sdk_logs import quiet_sdk_failures
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.telemetry.sdk_logs import quiet_sdk_failures
 from durable_rlm.tools import ToolsArgument, import_tool_modules, offered, tool_specs
-from workflows import defaults, prompts
-from workflows.fallback import fields_from_json_schema
-from workflows.models import (
+from durable_rlm.workflows import defaults, prompts
+from durable_rlm.workflows.fallback import fields_from_json_schema
+from durable_rlm.workflows.models import (
     ContextRef,
     EpisodeLimits,
     EpisodeProgress,
@@ -50,65 +49,18 @@ from workflows.models import (
     RewardSpec,
     TerminationSpec,
 )
-from workflows.termination import PolicyError
+from durable_rlm.workflows.termination import PolicyError
 
 # Start-up (issue 36): importing this module is what `from durable_rlm import DurableRLM`
 # costs, so what only a running episode needs (temporalio, the stores and SQLAlchemy) is
 # imported inside the methods that run one, each import with its reason.
 if TYPE_CHECKING:
-    from durable_rlm.episodes import CancelOutcome, CredentialsOutcome, EpisodeEnd
-    from durable_rlm.rerun import RerunReport
-    from durable_rlm.runtime import Services
-    from durable_rlm.steering import SteeringOutcome
+    from durable_rlm.client.episodes import CancelOutcome, CredentialsOutcome, EpisodeEnd
+    from durable_rlm.client.steering import SteeringOutcome
+    from durable_rlm.timetravel.rerun import RerunReport
+    from durable_rlm.worker.runtime import Services
 
-SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "stop", "extra_body")
 DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
-
-
-def model_settings(
-    name: str, base: dict[str, Any], sampling: dict[str, Any] | None = None, provider: str | None = None
-) -> ModelSettings:
-    """Settings of a named model on the base's endpoint; a provider prefix ("anthropic:") or
-    `provider` picks its own provider and key variable."""
-    data = dict(base)
-    prefix = name.partition(":")[0]
-    named = provider or (prefix if prefix in ("openai", "anthropic") else None)
-    if named is not None:
-        if named != data.get("provider", named):
-            # Another provider: the base's endpoint and vendor options are not its own.
-            data.pop("base_url", None)
-            data.pop("extra_body", None)
-        data.pop("provider", None)
-        data.pop("api_key_env", None)
-    if provider is not None:
-        data["provider"] = provider
-    unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS))
-    if unknown:
-        raise ConfigurationError(
-            f"unknown sampling setting(s) {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}"
-        )
-    return ModelSettings(**{**data, **(sampling or {}), "model": name})
-
-
-COST_REPORTING_HOSTS = ("openrouter.ai",)
-"""Endpoints known to return each call's cost (usage.cost); others say so with reports_cost."""
-
-
-def cost_reported_by(base_url: str | None) -> bool:
-    host = urlsplit(base_url).hostname or "" if base_url else ""
-    return any(host == known or host.endswith("." + known) for known in COST_REPORTING_HOSTS)
-
-
-def missing_key(model: ModelSettings, credentials: dict[str, str]) -> str | None:
-    """Why the worker could not call `model` (no key and no local endpoint), or None."""
-
-    def known(name: str) -> bool:
-        return bool(credentials.get(name) or os.environ.get(name))
-
-    base_variable = "ANTHROPIC_BASE_URL" if model.provider == "anthropic" else "OPENAI_BASE_URL"
-    if model.base_url or known(base_variable) or known(model.api_key_env):
-        return None
-    return f"no API key for {model.provider} model {model.model!r}: set {model.api_key_env} (or pass api_key)"
 
 
 class DurableRLM:
@@ -153,8 +105,10 @@ class DurableRLM:
         cell; `system_prompt` replaces the built-in one. `reports_cost`: the provider returns
         each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
         price for these models."""
-        from durable_rlm.runtime import import_policy_modules  # start-up: temporalio, the stores (0.3 s)
-        from workflows.episode import episode_policy  # start-up: temporalio's workflow module
+        from durable_rlm.worker.runtime import (
+            import_policy_modules,  # start-up: temporalio, the stores (0.3 s)
+        )
+        from durable_rlm.workflows.episode import episode_policy  # start-up: temporalio's workflow module
 
         _freeze_at_exit()
         self.settings = settings or Settings.from_env()
@@ -286,9 +240,9 @@ class DurableRLM:
         return self._locks.setdefault(loop, asyncio.Lock())
 
     async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
-        from durable_rlm.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
-        from durable_rlm.runtime import session  # start-up: the worker side, needed only here
-        from durable_rlm.telemetry import forward_core_logs  # start-up: the SDK's Runtime
+        from durable_rlm.client.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
+        from durable_rlm.telemetry.otel import forward_core_logs  # start-up: the SDK's Runtime
+        from durable_rlm.worker.runtime import session  # start-up: the worker side, needed only here
 
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
         forward_core_logs()  # the script's stdout is its own
@@ -329,7 +283,7 @@ class DurableRLM:
     async def _start(
         self, services: Services, context: Any, root_prompt: str | None, episode_id: str | None
     ) -> Episode:
-        from durable_rlm.episodes import start_episode, store_context  # start-up: as in _enter
+        from durable_rlm.client.episodes import start_episode, store_context  # start-up: as in _enter
 
         ref = context if isinstance(context, ContextRef) or context is None else None
         if ref is None:
@@ -359,7 +313,7 @@ class DurableRLM:
         Settings left None are the source's, not this DurableRLM's."""
         if self._services is None:
             raise ConfigurationError("fork() needs an open session: use `async with rlm:` around it")
-        from durable_rlm.forking import fork_episode
+        from durable_rlm.timetravel.fork import fork_episode
 
         handle, _ = await fork_episode(
             self._services.client,
@@ -390,7 +344,7 @@ class DurableRLM:
         """Re-run recorded episodes with the current code, every model call answered from
         the recording (`drlm rerun`): a report per episode, same / different / diverged.
         Settings left None are each source's own."""
-        from durable_rlm.rerun import PolicyChange, rerun_episodes
+        from durable_rlm.timetravel.rerun import PolicyChange, rerun_episodes
 
         change = PolicyChange(policy, policy_config, scan_printed_output)
         async with self._session() as services:
@@ -426,7 +380,9 @@ class Episode:
     async def end(self) -> EpisodeEnd:
         """How it ended, whatever way (a result, or the failure without one), or status
         "paused" when a model call waits for a fixed key (then `retry_credentials()`)."""
-        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+        from durable_rlm.client import (
+            episodes,  # start-up: temporalio and the stores, loaded with the session
+        )
 
         return await episodes.follow(self.handle)
 
@@ -443,12 +399,16 @@ class Episode:
         return await self.handle.query("progress", result_type=EpisodeProgress)
 
     async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
-        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+        from durable_rlm.client import (
+            episodes,  # start-up: temporalio and the stores, loaded with the session
+        )
 
         return await episodes.cancel_episode(self.services.client, self.id, extract, reason)
 
     async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
-        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+        from durable_rlm.client import (
+            episodes,  # start-up: temporalio and the stores, loaded with the session
+        )
 
         return await episodes.send_reward(self.services.client, self.id, value, note)
 
@@ -456,7 +416,7 @@ class Episode:
 
     async def hint(self, text: str, sender: str | None = None) -> SteeringOutcome:
         """The root model reads `text` as a user message on its next turn."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.send_hint(self.services.client, self.id, text, sender)
 
@@ -464,7 +424,7 @@ class Episode:
         """Raise or lower max_iterations, max_llm_calls, max_duration (a timedelta or
         seconds), max_model_calls, max_tokens, max_cost_usd. Lowering one below what is
         spent ends the episode by the normal limit path (fallback extraction)."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.change_limits(self.services.client, self.id, sender, **limits)
 
@@ -473,25 +433,25 @@ class Episode:
     ) -> SteeringOutcome:
         """Hold at the next step boundary, without a sandbox, until `resume()`; with
         `hold_clock`, max_duration does not count the pause."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.pause_episode(self.services.client, self.id, sender, hold_clock, reason)
 
     async def resume(self, sender: str | None = None) -> SteeringOutcome:
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.resume_episode(self.services.client, self.id, sender)
 
     async def finish_now(self, reason: str = "", sender: str | None = None) -> SteeringOutcome:
         """Answer now: stop at the next step boundary and extract the answer from the
         history so far (the result's ended_by is finish_requested)."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.finish_episode(self.services.client, self.id, sender, reason)
 
     async def pending_cell(self) -> PendingCell | None:
         """The cell waiting for approval, if one does."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.waiting_cell(self.services.client, self.id)
 
@@ -500,7 +460,7 @@ class Episode:
     ) -> SteeringOutcome:
         """Run the waiting cell (`cell` guards against approving a later one), or `code`
         in its place."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.decide_cell(self.services.client, self._cell_id(cell), True, sender, code)
 
@@ -508,7 +468,7 @@ class Episode:
         self, reason: str, cell: int | None = None, sender: str | None = None
     ) -> SteeringOutcome:
         """Do not run the waiting cell; the model reads `reason`."""
-        from durable_rlm import steering  # start-up: temporalio, loaded with the session
+        from durable_rlm.client import steering  # start-up: temporalio, loaded with the session
 
         return await steering.decide_cell(
             self.services.client, self._cell_id(cell), False, sender, reason=reason
@@ -521,7 +481,9 @@ class Episode:
         """After a pause on a refused key: the calls that waited run again, with the key
         the worker has now (an embedded worker reads this process's environment when no
         `api_key` was given)."""
-        from durable_rlm import episodes  # start-up: temporalio and the stores, loaded with the session
+        from durable_rlm.client import (
+            episodes,  # start-up: temporalio and the stores, loaded with the session
+        )
 
         return await episodes.retry_credentials(self.services.client, self.id)
 

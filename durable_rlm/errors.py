@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
-    from durable_rlm.episodes import EpisodeEnd
+    from durable_rlm.client.episodes import EpisodeEnd
 
 
 class DurableRLMError(Exception):

@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from durable_rlm.settings import ConfigurationError, Settings
-from workflows.models import ModelPrice, ModelSettings
+from durable_rlm.workflows.models import ModelPrice, ModelSettings
 
 SHIPPED = Path(__file__).with_name("prices.json")
 

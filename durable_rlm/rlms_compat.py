@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from durable_rlm.api import DurableRLM, Episode
 from durable_rlm.errors import ConfigurationError, DurableRLMError, EpisodeFailed
-from workflows.models import EpisodeResult, TokenUsage
-from workflows.termination import (
+from durable_rlm.workflows.models import EpisodeResult, TokenUsage
+from durable_rlm.workflows.termination import (
     ActionResult,
     PolicyContext,
     PolicyDecision,
@@ -45,8 +45,8 @@ from workflows.termination import (
 )
 
 if TYPE_CHECKING:
-    from durable_rlm.runtime import Services
-    from durable_rlm.timeline import Timeline
+    from durable_rlm.audit.timeline import Timeline
+    from durable_rlm.worker.runtime import Services
 
 RLMS_VERSION = "0.1.3"
 MAX_ERRORS_POLICY = "rlms_max_errors"
@@ -637,15 +637,15 @@ class RLM(DurableRLM):
                 return end
 
     async def _timeline(self, services: Services, episode_id: str) -> Timeline:
-        from durable_rlm.timeline import episode_timeline
+        from durable_rlm.audit.timeline import episode_timeline
 
         return await episode_timeline(services.client, episode_id)
 
     def _replay_to_logger(self, services: Services, timeline: Timeline) -> None:
-        """The episode's iterations as rlms's logger lines (durable_rlm/export.py)."""
+        """The episode's iterations as rlms's logger lines (durable_rlm/viewer/export.py)."""
         if self.logger is None:
             return
-        from durable_rlm.export import iteration_entries, resolve_prompts
+        from durable_rlm.viewer.export import iteration_entries, resolve_prompts
 
         resolve_prompts(timeline, services.blobs)
         for entry in iteration_entries(timeline, services.blobs):

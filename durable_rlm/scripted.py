@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from workflows.fallback import EXTRACTION_MARKER
+from durable_rlm.workflows.fallback import EXTRACTION_MARKER
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
-from workflows import defaults
+from durable_rlm.workflows import defaults
 
 __all__ = ["ConfigurationError", "Settings", "default_data_dir"]
 
@@ -221,7 +221,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _encryption_keys(self) -> Settings:
         if self.encryption_keys:
-            from durable_rlm.encryption import Keyring
+            from durable_rlm.store.encryption import Keyring
 
             try:
                 Keyring.parse(self.encryption_keys)
@@ -243,11 +243,11 @@ class Settings(BaseSettings):
         return self
 
     def keyring(self) -> Any:
-        """DRLM_ENCRYPTION_KEYS parsed (durable_rlm/encryption.py), or None: no encryption."""
+        """DRLM_ENCRYPTION_KEYS parsed (durable_rlm/store/encryption.py), or None: no encryption."""
         if not self.encryption_keys:
             return None
         if self._keyring is None:
-            from durable_rlm.encryption import Keyring
+            from durable_rlm.store.encryption import Keyring
 
             self._keyring = Keyring.parse(self.encryption_keys)
         return self._keyring

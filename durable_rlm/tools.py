@@ -31,9 +31,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from durable_rlm.settings import ConfigurationError
-from workflows import defaults, names
-from workflows.models import ToolParam, ToolSpec
+from durable_rlm.errors import ConfigurationError
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import ToolParam, ToolSpec
 
 RESERVED = names.REPL_RESERVED
 

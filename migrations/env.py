@@ -1,11 +1,11 @@
-"""Alembic environment: runs on the connection durable_rlm.store hands over, or on the URL."""
+"""Alembic environment: runs on the connection durable_rlm.store.sql hands over, or on the URL."""
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import context
 
-from durable_rlm.schema import metadata
+from durable_rlm.store.schema import metadata
 
 config = context.config
 

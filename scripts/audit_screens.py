@@ -21,10 +21,10 @@ async def main() -> None:
     os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-screens-")
     os.environ["DRLM_SERVER_IDLE_S"] = "1"
     from durable_rlm.api import DurableRLM
+    from durable_rlm.audit.timeline import episode_timeline, render
     from durable_rlm.demo import TASK, demo_log, demo_script
-    from durable_rlm.live import frame
     from durable_rlm.scripted import Reply, ScriptedModelServer
-    from durable_rlm.timeline import episode_timeline, render
+    from durable_rlm.viewer.live import frame
 
     script = demo_script()
 

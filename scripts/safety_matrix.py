@@ -92,7 +92,7 @@ MECHANISMS = [
     ),
     Mechanism(
         "claim check",
-        "durable_rlm/codec.py",
+        "durable_rlm/store/codec.py",
         "    if blobs is None:\n        return pydantic_data_converter",
         "    if True:\n        return pydantic_data_converter",
         "no payload codec: payloads go into history whole",
@@ -134,7 +134,7 @@ MECHANISMS = [
     ),
     Mechanism(
         "shared server leases",
-        "durable_rlm/server.py",
+        "durable_rlm/server/embedded.py",
         "            if holder_alive:",
         "            if False:",
         "the supervisor counts no client's lease",
@@ -142,35 +142,35 @@ MECHANISMS = [
     # Issue 33, finding 6: another user of the machine reads nothing from the shared server.
     Mechanism(
         "shared server's private network",
-        "durable_rlm/server.py",
+        "durable_rlm/server/embedded.py",
         "        private=True,\n",
         "        private=False,\n",
         "the supervisor starts the dev server on the host's loopback",
     ),
     Mechanism(
         "owner-uid forwarder",
-        "durable_rlm/private_net.py",
+        "durable_rlm/server/private_net.py",
         "        if peer_uid(sock, self.gate.table) not in self.gate.admitted:",
         "        if False:",
         "the forwarder admits every uid",
     ),
     Mechanism(
         "codec capability",
-        "durable_rlm/codec_server.py",
+        "durable_rlm/viewer/codec_server.py",
         "                if hmac.compare_digest(first.encode(), server.path_secret.encode()):",
         "                if True:",
         "the codec server answers without its path secret",
     ),
     Mechanism(
         "codec owner uid",
-        "durable_rlm/codec_server.py",
+        "durable_rlm/viewer/codec_server.py",
         "if server.owner_uid is not None and peer_uid(self.connection) != server.owner_uid:",
         "if False:",
         "the codec server answers every uid",
     ),
     Mechanism(
         "UI host check",
-        "durable_rlm/private_net.py",
+        "durable_rlm/server/private_net.py",
         "            if not loopback_host(bytes(self.held)):",
         "            if False:",
         "the UI's port answers any Host (DNS rebinding)",

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from durable_rlm import demo  # noqa: E402
 from durable_rlm.api import DurableRLM  # noqa: E402
-from durable_rlm.runtime import free_port  # noqa: E402
+from durable_rlm.ports import free_port  # noqa: E402
 from durable_rlm.scripted import ScriptedModelServer  # noqa: E402
 from durable_rlm.settings import Settings  # noqa: E402
 

@@ -22,22 +22,22 @@ from hypothesis import HealthCheck, settings
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore, DirectoryBackend, SqlBackend
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import store_context
-from durable_rlm.runtime import (
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.client.episodes import store_context
+from durable_rlm.ports import free_port
+from durable_rlm.scripted import Script, ScriptedModelServer
+from durable_rlm.settings import Settings
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend, SqlBackend
+from durable_rlm.store.codec import data_converter
+from durable_rlm.store.sql import open_store
+from durable_rlm.worker.runtime import (
     EmbeddedServer,
     Services,
-    free_port,
     running_workers,
     time_skipping_server_binary,
 )
-from durable_rlm.scripted import Script, ScriptedModelServer
-from durable_rlm.settings import Settings
-from durable_rlm.store import open_store
-from workflows import names
-from workflows.models import (
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import (
     CallAnswer,
     CellOutcome,
     DurabilitySettings,
@@ -55,7 +55,7 @@ from workflows.models import (
 ROOT = Path(__file__).resolve().parents[1]
 
 # Nothing a test starts may touch the user's own data directory, and a shared embedded
-# server a test started (durable_rlm/server.py) stops soon after its last client.
+# server a test started (durable_rlm/server/embedded.py) stops soon after its last client.
 os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-tests-")
 os.environ["DRLM_SERVER_IDLE_S"] = "2"
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="drlm-tests-config-")  # no user drlm.toml
@@ -110,7 +110,7 @@ async def skipping_env(blobs: BlobStore) -> AsyncIterator[WorkflowEnvironment]:
 @pytest.fixture
 def no_telemetry_left_behind() -> Iterator[None]:
     """Telemetry is per process: a test that configures it starts, and leaves, with none."""
-    from durable_rlm import telemetry
+    from durable_rlm.telemetry import otel as telemetry
 
     telemetry.configure("off", {})
     yield

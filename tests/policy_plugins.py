@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workflows.termination import ActionResult, PolicyContext, PolicyRegistry, TerminationPolicy
+from durable_rlm.workflows.termination import ActionResult, PolicyContext, PolicyRegistry, TerminationPolicy
 
 
 @PolicyRegistry.register_termination("plugin_stops_at_step_one")

@@ -1,4 +1,4 @@
-"""Admission by measured capacity (durable_rlm/admission.py): a worker holds at most a window
+"""Admission by measured capacity (durable_rlm/worker/admission.py): a worker holds at most a window
 of episodes that follows its measured event-loop lag and task times; past its targets it
 takes no new one, and the episodes it already holds are served whatever the window."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from durable_rlm.admission import AdmittingWorkflowSlots, Capacity
+from durable_rlm.worker.admission import AdmittingWorkflowSlots, Capacity
 
 
 @dataclass

@@ -10,10 +10,10 @@ from datetime import timedelta
 
 import pytest
 
-from durable_rlm.episodes import start_episode, store_context
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.workflows.models import EpisodeLimits, RewardSpec, TerminationSpec
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeLimits, RewardSpec, TerminationSpec
 
 DOCUMENT = (
     "Quarterly notes.\nSee the Final (revised) report.\nclass Report:\n    def final(self):\n        pass\n"

@@ -235,7 +235,7 @@ os._exit(0)
 def test_a_model_that_is_down_raises_episode_failed_quietly(tmp_path: Path, logging_level: str) -> None:
     """Issue 37: a failed episode raises EpisodeFailed (status failed, the cause named), and
     the SDK's per-attempt tracebacks are DEBUG records: none on stderr unless asked for."""
-    from durable_rlm.runtime import free_port
+    from durable_rlm.ports import free_port
 
     nowhere = f"http://127.0.0.1:{free_port()}/v1"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_"))}

@@ -18,19 +18,19 @@ import pytest
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from durable_rlm import schema
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import start_episode
-from durable_rlm.projection import rebuild_audit, reconcile_audit
-from durable_rlm.runtime import EmbeddedServer
+from durable_rlm.audit.projection import rebuild_audit, reconcile_audit
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.store import create_engine, downgrade, migrate
+from durable_rlm.store import schema
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.codec import data_converter
+from durable_rlm.store.sql import create_engine, downgrade, migrate
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import EpisodeLimits, ModelPrice
 from tests.conftest import WorkerProcess, request_for, run_episode, workers_for
 from tests.test_crash import wait_until
 from tests.test_recursion import by_model, tree_request
-from workflows import defaults
-from workflows.models import EpisodeLimits, ModelPrice
 
 KINDS = ("tree", "long", "killed", "costly", "ended")
 BATCH = "```repl\nparts = llm_query_batched(['p1', 'p2'])\n```"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workflows.budget import (
+from durable_rlm.workflows.budget import (
     MIN_CHILD_CALLS_WITH_EXTRACTION,
     MIN_REPLY_TOKENS,
     CallEstimate,
@@ -31,8 +31,8 @@ from workflows.budget import (
     tokens_left,
     tokens_spent,
 )
-from workflows.fallback import FallbackReason
-from workflows.models import (
+from durable_rlm.workflows.fallback import FallbackReason
+from durable_rlm.workflows.models import (
     COST_DIGITS,
     EpisodeCarry,
     EpisodeLimits,

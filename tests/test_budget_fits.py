@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.workflows.budget import CallEstimate, extraction_refusal, root_call_limit
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message
 from tests.conftest import request_for, run_episode
-from workflows.budget import CallEstimate, extraction_refusal, root_call_limit
-from workflows.models import EpisodeCarry, EpisodeLimits, Message
 
 
 def limits(max_tokens: int) -> EpisodeLimits:
@@ -92,9 +92,9 @@ def request_for_unit(max_tokens: int):
 
 
 async def test_a_cost_budget_counts_the_cost_the_provider_reports(client, scripted, worker) -> None:
+    from durable_rlm.audit.timeline import episode_timeline
     from durable_rlm.scripted import Reply
-    from durable_rlm.timeline import episode_timeline
-    from workflows.models import EpisodeRequest
+    from durable_rlm.workflows.models import EpisodeRequest
 
     # No price for this model: max_cost_usd works because the provider reports each cost.
     server = scripted(root_and_sub([Reply(text="```repl\nprint(1)\n```", cost=0.02)]))
@@ -114,8 +114,8 @@ async def test_a_cost_budget_counts_the_cost_the_provider_reports(client, script
 
 
 async def test_without_a_reported_cost_the_price_table_prices_the_call(client, scripted, worker) -> None:
-    from durable_rlm.timeline import episode_timeline
-    from workflows.models import EpisodeRequest, ModelPrice
+    from durable_rlm.audit.timeline import episode_timeline
+    from durable_rlm.workflows.models import EpisodeRequest, ModelPrice
 
     server = scripted(root_and_sub(["```repl\nx = 1\n```", "FINAL_VAR(x)"]))
     data = request_for(server).model_dump()

@@ -18,17 +18,17 @@ import sqlalchemy as sa
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 
-from activities.repl import ReplActivities
-from activities.sandbox_slots import SandboxSlots, WorkflowSlots, default_max_sandboxes
-from durable_rlm.blobs import BlobStore
-from durable_rlm.connection import Services
-from durable_rlm.runtime import running_workers
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox_slots import SandboxSlots, WorkflowSlots, default_max_sandboxes
+from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.server.connection import Services
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.worker.runtime import running_workers
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import EpisodeLimits, SnapshotPolicy
 from tests.conftest import Episode, request_for, run_episode
-from workflows import defaults, names
-from workflows.models import EpisodeLimits, SnapshotPolicy
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ async def test_the_least_recently_used_idle_sandbox_makes_room(two_slots: ReplAc
 
 
 async def test_a_cell_suspended_on_its_calls_is_evicted_last(two_slots: ReplActivities) -> None:
-    from workflows.models import CallAnswer, ExecuteCellInput, ResumeCellInput
+    from durable_rlm.workflows.models import CallAnswer, ExecuteCellInput, ResumeCellInput
 
     waiting, b, c = Episode(two_slots), Episode(two_slots), Episode(two_slots)
     waiting.cells = 1

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from durable_rlm import demo
-from durable_rlm.runtime import free_port
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
-from workflows import defaults
+from durable_rlm.workflows import defaults
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 TURNS = [

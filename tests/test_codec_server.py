@@ -19,20 +19,14 @@ from google.protobuf.json_format import MessageToDict
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
 
-from durable_rlm.blobs import BlobStore, digest_of
-from durable_rlm.codec import ENCODING, ClaimCheckCodec
-from durable_rlm.codec_server import (
-    DISPLAY_LIMIT,
-    CodecServer,
-    as_lines,
-    decode_payloads,
-    store_name,
-    ui_origins,
-)
-from durable_rlm.episodes import store_context
+from durable_rlm.client.episodes import store_context
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.store.blobs import BlobStore, digest_of
+from durable_rlm.store.codec import ENCODING, ClaimCheckCodec
+from durable_rlm.store.display import DISPLAY_LIMIT, as_lines, decode_payloads, store_name
+from durable_rlm.viewer.codec_server import CodecServer, ui_origins
+from durable_rlm.workflows import names
 from tests.conftest import request_for, run_episode
-from workflows import names
 
 UI = "http://127.0.0.1:8233"
 CLAIM_CHECK_B64 = base64.b64encode(ENCODING).decode()

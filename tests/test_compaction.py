@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 import uuid
 
-from activities.llm import resent_view, split_for_compaction
+from durable_rlm.activities.llm import resent_view, split_for_compaction
+from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import COMPACTION_MARKER, SCRIPTED_SUMMARY, ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.workflows import names
+from durable_rlm.workflows.compaction import estimated_request_tokens, needs_compaction
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
 from tests.conftest import request_for, run_episode
-from workflows import names
-from workflows.compaction import estimated_request_tokens, needs_compaction
-from workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
 
 # --- when to compact (pure) -------------------------------------------------------------------
 
@@ -160,6 +160,6 @@ async def test_a_huge_reply_is_stored_whole_and_resent_shortened(client, worker,
 
 
 def test_the_summary_prompt_is_recognised_by_the_scripted_server() -> None:
-    from activities.llm import COMPACTION_PROMPT
+    from durable_rlm.activities.llm import COMPACTION_PROMPT
 
     assert COMPACTION_PROMPT.startswith(COMPACTION_MARKER)

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workflows import defaults
-from workflows.compaction import (
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.compaction import (
     estimated_request_tokens,
     needs_compaction,
     reply_reserve,
     summary_input_chars,
 )
-from workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
 
 CONVERSATION = "sha256:" + "0" * 64
 

@@ -13,7 +13,7 @@ import pytest
 from temporalio.converter import DataConverter
 
 from durable_rlm.settings import SECRET_FIELDS, ConfigurationError, Settings
-from durable_rlm.store import StoreMismatch, agree_on_blob_store, open_store
+from durable_rlm.store.sql import StoreMismatch, agree_on_blob_store, open_store
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 
@@ -113,8 +113,8 @@ def test_temporal_tls_and_api_key_settings_are_checked_and_never_printed(tmp_pat
 async def test_a_client_with_tls_settings_reaches_no_plain_server_and_says_where(tmp_path: Path) -> None:
     """TLS settings are used for TEMPORAL_ADDRESS: against a plain server the handshake fails,
     and the error names the address and the variable (no Temporal Cloud here to succeed)."""
-    from durable_rlm.connection import ServerUnavailable, connect_client
-    from durable_rlm.runtime import EmbeddedServer
+    from durable_rlm.server.connection import ServerUnavailable, connect_client
+    from durable_rlm.worker.runtime import EmbeddedServer
 
     async with EmbeddedServer(tmp_path / "t.sqlite") as address:
         settings = Settings.from_env({"TEMPORAL_ADDRESS": address, "TEMPORAL_API_KEY": "k-123"})

@@ -13,12 +13,12 @@ import uuid
 import pytest
 from temporalio.client import Client
 
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import start_episode
-from durable_rlm.runtime import EmbeddedServer
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.store.codec import data_converter
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows.models import EpisodeResult
 from tests.conftest import WorkerProcess, request_for, run_episode
-from workflows.models import EpisodeResult
 
 pytestmark = pytest.mark.chaos
 

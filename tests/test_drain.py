@@ -19,14 +19,14 @@ from temporalio.api.enums.v1 import EventType
 from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client
 
-from durable_rlm.episodes import start_episode
-from durable_rlm.history import repl_marker
-from durable_rlm.runtime import Services, running_workers
+from durable_rlm.audit.history import repl_marker
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
+from durable_rlm.worker.runtime import Services, running_workers
+from durable_rlm.workflows import defaults, names
 from tests.conftest import request_for
 from tests.test_crash import wait_until
-from workflows import defaults, names
 
 FAILED = {
     EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED,
@@ -102,9 +102,9 @@ def _pg_workers(address: str, url: str, request: pytest.FixtureRequest):
 async def _client_for(stores_value: object, temporal_address: str) -> Client:
     if isinstance(stores_value, Client):
         return stores_value
-    from durable_rlm.blobs import BlobStore, SqlBackend
-    from durable_rlm.codec import data_converter
-    from durable_rlm.store import open_store
+    from durable_rlm.store.blobs import BlobStore, SqlBackend
+    from durable_rlm.store.codec import data_converter
+    from durable_rlm.store.sql import open_store
 
     blobs = BlobStore(SqlBackend(open_store(str(stores_value))))
     return await Client.connect(temporal_address, data_converter=data_converter(blobs))

@@ -15,13 +15,13 @@ import pytest
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.connection import connect
-from durable_rlm.encryption import BLOB_MAGIC, Keyring, MissingKey
-from durable_rlm.runtime import EmbeddedServer, running_workers
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.server.connection import connect
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.store import open_store
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.encryption import BLOB_MAGIC, Keyring, MissingKey
+from durable_rlm.store.sql import open_store
+from durable_rlm.worker.runtime import EmbeddedServer, running_workers
 from tests.conftest import request_for
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
@@ -77,7 +77,7 @@ def test_blobs_are_sealed_bound_to_their_address_and_keys_rotate(tmp_path: Path)
 async def server_with_attributes(tmp_path: Path):
     """A server that registered drlm's search attributes, as the shared embedded server does:
     the attributes are indexed in the clear, so they must carry no task text."""
-    from workflows.metadata import SEARCH_ATTRIBUTES
+    from durable_rlm.workflows.metadata import SEARCH_ATTRIBUTES
 
     registered = tuple(
         a for name, kind in SEARCH_ATTRIBUTES for a in ("--search-attribute", f"{name}={kind}")
@@ -110,7 +110,7 @@ async def test_an_encrypted_episode_leaves_no_clear_text_in_history_or_blobs(
     context = (f"{marker} " * 40) + ("filler " * 2000)
     episode_id = f"enc-{uuid.uuid4().hex[:6]}"
     async with connect(settings) as services, running_workers(services):
-        from durable_rlm.episodes import start_episode, store_context
+        from durable_rlm.client.episodes import start_episode, store_context
 
         request = request_for(server, task=f"count {marker}", context=store_context(services.blobs, context))
         # The client's own start path: memo, summary and search attributes as drlm sets them.

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from workflows.ending import (
+from durable_rlm.workflows.ending import (
     LIMIT_ENDED_BY,
     Ending,
     cancelled_ending,
@@ -18,7 +18,7 @@ from workflows.ending import (
     policy_ending,
     unextracted_ending,
 )
-from workflows.fallback import (
+from durable_rlm.workflows.fallback import (
     ANSWER_FIELDS,
     ExecutionResult,
     Extracted,
@@ -30,9 +30,9 @@ from workflows.fallback import (
     Stopped,
     Submitted,
 )
-from workflows.models import TerminationDecision
-from workflows.outcome import IterationOutcome, ModelAnswer
-from workflows.termination import PolicyDecision
+from durable_rlm.workflows.models import TerminationDecision
+from durable_rlm.workflows.outcome import IterationOutcome, ModelAnswer
+from durable_rlm.workflows.termination import PolicyDecision
 
 TYPED = [FieldSpec(name="title"), FieldSpec(name="year", type="integer")]
 LIMIT = FallbackReason(kind="max_iterations", value=5, limit=5)

@@ -14,15 +14,15 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm import schema
-from durable_rlm.episodes import EpisodeEnd, follow, start_episode, wait_end
-from durable_rlm.projection import rebuild_audit, reconcile_audit
+from durable_rlm.audit.projection import rebuild_audit, reconcile_audit
+from durable_rlm.client.episodes import EpisodeEnd, follow, start_episode, wait_end
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.store import schema
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeResult, TerminationSpec
+from durable_rlm.workflows.termination import ActionResult, PolicyContext, PolicyRegistry, TerminationPolicy
 from tests.conftest import request_for, workers_for
 from tests.histories.record import cancel_beside_a_reply
-from workflows import names
-from workflows.models import EpisodeLimits, EpisodeResult, TerminationSpec
-from workflows.termination import ActionResult, PolicyContext, PolicyRegistry, TerminationPolicy
 
 
 @PolicyRegistry.register_termination("raises_on_step_one")

@@ -9,14 +9,14 @@ from pathlib import Path
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from durable_rlm import schema
-from durable_rlm.episodes import store_context
-from durable_rlm.runtime import EmbeddedServer
+from durable_rlm.audit.timeline import episode_timeline, render
+from durable_rlm.client.episodes import store_context
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.store import schema
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeLimits, EpisodeRequest
 from tests.conftest import request_for, run_episode, workers_for
-from workflows import prompts
-from workflows.models import DurabilitySettings, EpisodeLimits, EpisodeRequest
 
 MULTI = [
     "Let me look.\n```repl\nwords = context.split()\nprint(len(words))\n```",
@@ -112,7 +112,7 @@ async def test_an_unknown_model_ends_the_episode_with_a_clear_error(client, work
 async def test_an_unreachable_base_url_ends_with_a_clear_error(client, worker) -> None:
     from types import SimpleNamespace
 
-    from durable_rlm.runtime import free_port
+    from durable_rlm.ports import free_port
 
     nowhere = SimpleNamespace(base_url=f"http://127.0.0.1:{free_port()}/v1")  # nothing listens
     result = await run_episode(client, request_for(nowhere), worker.task_queue)
@@ -211,7 +211,7 @@ async def test_continue_as_new_carries_the_episode_over(session_dir: Path, store
     )
     args = ("--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=20")
     async with EmbeddedServer(session_dir / "can.sqlite", extra_args=args) as address:
-        from durable_rlm.codec import data_converter
+        from durable_rlm.store.codec import data_converter
 
         can_client = await Client.connect(address, data_converter=data_converter(blobs))
         async with workers_for(can_client, store, session_dir, "can-queue"):
@@ -243,7 +243,7 @@ async def test_results_are_the_same_for_the_same_script_and_seed(client, blobs, 
 
 
 async def test_the_audit_projection_is_rebuilt_from_histories(client, store, worker, scripted) -> None:
-    from durable_rlm.projection import rebuild_audit
+    from durable_rlm.audit.projection import rebuild_audit
 
     server = scripted(root_and_sub(["FINAL(rebuilt)"]))
     episode_id = f"rebuild-{uuid.uuid4().hex[:8]}"

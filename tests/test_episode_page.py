@@ -1,4 +1,4 @@
-"""The episode page (durable_rlm/episode_page.py), served by the shared server's supervisor
+"""The episode page (durable_rlm/viewer/episode_page.py), served by the shared server's supervisor
 beside its codec server, read and steered by a real browser.
 
 Episodes run for real (embedded server, in-process worker, the scripted OpenAI-compatible
@@ -29,11 +29,11 @@ from typing import Any
 import pytest
 
 from durable_rlm.api import DurableRLM
-from durable_rlm.runtime import free_port
+from durable_rlm.audit.timeline import Timeline, describe_execution, episode_timeline, fork_line
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import SCRIPTED_SUMMARY, ChatRequest, Reply
-from durable_rlm.server import ServerFiles
+from durable_rlm.server.embedded import ServerFiles
 from durable_rlm.settings import Settings
-from durable_rlm.timeline import Timeline, describe_execution, episode_timeline, fork_line
 from tests.test_viewer import browser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -419,7 +419,7 @@ async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_p
     assert RISKY_CODE in approved["in_timeline"] and "writes a file" in approved["in_timeline"]
     assert "attention" in approved["listed"] and "waits for approval" in approved["listed"]
     assert result.answer == "approved from the page"
-    from durable_rlm.steering import default_sender
+    from durable_rlm.client.steering import default_sender
 
     assert f"approve by {default_sender()}".lower() in approved["text"].lower()
 
@@ -514,8 +514,8 @@ async def test_the_page_and_drlm_show_agree_on_every_stored_history(
     from temporalio.client import WorkflowExecutionStatus, WorkflowHistory
     from temporalio.contrib.pydantic import pydantic_data_converter
 
-    from durable_rlm import history, timeline
-    from durable_rlm.episode_page import Renderer, TimelineView
+    from durable_rlm.audit import history, timeline
+    from durable_rlm.viewer.episode_page import Renderer, TimelineView
 
     recorded = WorkflowHistory.from_json(path.stem, json.loads(path.read_text()))
     endings = {
@@ -569,8 +569,8 @@ PAGE_TAGS = {
 
 def test_hostile_model_text_stays_text_everywhere_on_the_page() -> None:
     """Markup, links, images and script in every string a model or a sandbox writes."""
-    from durable_rlm.episode_page import Renderer, TimelineView, episode_document
-    from durable_rlm.timeline import CellView, ChildView, IterationView, SubCall
+    from durable_rlm.audit.timeline import CellView, ChildView, IterationView, SubCall
+    from durable_rlm.viewer.episode_page import Renderer, TimelineView, episode_document
 
     evil = (
         "<script>alert(1)</script><img src=x onerror=alert(2)> [click](javascript:alert(3)) "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
-from durable_rlm.episode_plots import LEFT, WIDTH, plots_section, step_bars, steps_svg, usage_svg
-from durable_rlm.timeline import CellView, ChildView, IterationView, SubCall, Timeline
-from workflows.models import TokenUsage
+from durable_rlm.audit.timeline import CellView, ChildView, IterationView, SubCall, Timeline
+from durable_rlm.viewer.episode_plots import LEFT, WIDTH, plots_section, step_bars, steps_svg, usage_svg
+from durable_rlm.workflows.models import TokenUsage
 
 T0 = datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC)
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from activities.repl import ReplActivities
-from activities.sandbox import cgroups
-from activities.sandbox.kernel import readonly_sources
-from durable_rlm.blobs import BlobStore
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox import cgroups
+from durable_rlm.activities.sandbox.kernel import readonly_sources
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows.models import CloseSandboxInput
 from tests.conftest import Episode
-from workflows.models import CloseSandboxInput
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = f"canary-{uuid.uuid4().hex}"

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from activities.sandbox_reaper import running
-from durable_rlm.runtime import EmbeddedServer, free_port, open_stores
+from durable_rlm.activities.sandbox_reaper import running
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
+from durable_rlm.worker.runtime import EmbeddedServer, open_stores
 
 ROOT = Path(__file__).resolve().parents[1]
 DRLM = str(Path(sys.executable).with_name("drlm"))
@@ -297,7 +298,7 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path: Path, args: list[str]
 
 
 def test_an_unreadable_context_file_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from durable_rlm.episodes import read_context_text
+    from durable_rlm.client.episodes import read_context_text
     from durable_rlm.settings import ConfigurationError
 
     path = tmp_path / "secret.txt"

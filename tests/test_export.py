@@ -12,11 +12,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from durable_rlm.export import export_text, run_metadata
+from durable_rlm.audit.timeline import Timeline, episode_timeline, render
 from durable_rlm.scripted import ChatRequest, Reply, root_and_sub
-from durable_rlm.timeline import Timeline, episode_timeline, render
+from durable_rlm.viewer.export import export_text, run_metadata
+from durable_rlm.workflows.models import EpisodeRequest, ModelSettings
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeRequest, ModelSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "rlms_trace_gpt4o.jsonl"
@@ -33,7 +33,7 @@ ANSWER = "NAME FOR 3"
 
 async def counted_episode(client, scripted, worker, blobs) -> tuple[str, Timeline]:
     """TURNS over a three-line context: three iterations, a sub-call, a FINAL in a cell."""
-    from durable_rlm.episodes import store_context
+    from durable_rlm.client.episodes import store_context
 
     server = scripted(root_and_sub(TURNS, lambda prompt: prompt.upper()))
     request = request_for(server, "count the lines and name the count")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
-from workflows.fallback import (
+from durable_rlm.workflows.fallback import (
     ANSWER_FIELDS,
     ExecutionResult,
     ExecutionState,

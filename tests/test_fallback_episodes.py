@@ -12,12 +12,12 @@ import pytest
 from pydantic import BaseModel, Field
 from temporalio.worker import Replayer
 
-from durable_rlm.runtime import workflow_runner
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.worker.runtime import workflow_runner
+from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.fallback import FieldSpec, fields_from_model
+from durable_rlm.workflows.models import EpisodeLimits
 from tests.conftest import request_for, run_episode
-from workflows.episode import EpisodeWorkflow
-from workflows.fallback import FieldSpec, fields_from_model
-from workflows.models import EpisodeLimits
 
 FIELDS = [
     FieldSpec(name="colour", type="string", description="the colour"),

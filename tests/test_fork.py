@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from durable_rlm import schema
-from durable_rlm.episodes import start_episode
-from durable_rlm.export import export_text
-from durable_rlm.forking import ForkError, describe_fork, fork_episode, fork_point, fork_request
+from durable_rlm.audit.timeline import episode_timeline, render
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import ChatRequest, Reply, root_and_sub
 from durable_rlm.settings import Settings
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.store import schema
+from durable_rlm.timetravel.fork import ForkError, describe_fork, fork_episode, fork_point, fork_request
+from durable_rlm.viewer.export import export_text
+from durable_rlm.workflows.models import EpisodeResult
 from tests.conftest import request_for, run_episode
 from tests.test_steering import Cli, Workers, until, waiting
-from workflows.models import EpisodeResult
 
 SOURCE_TURNS = [
     "```repl\nx = 6\nprint('x is', x)\n```",
@@ -125,7 +125,7 @@ async def test_a_fork_at_the_last_iteration_reaches_the_source_s_state(
 
 
 async def test_a_fork_with_another_model_diverges_after_k(client, scripted, worker, session_dir) -> None:
-    from workflows.models import DurabilitySettings, SnapshotPolicy
+    from durable_rlm.workflows.models import DurabilitySettings, SnapshotPolicy
 
     server = scripted(root_and_sub(SOURCE_TURNS, _halves))
     source_id = f"fork-src-{uuid.uuid4().hex[:6]}"
@@ -218,13 +218,13 @@ async def test_a_running_episode_forks_at_a_finished_iteration(client, scripted,
     try:
         server = scripted(root_and_sub(SOURCE_TURNS, _halves))
         source_id = f"fork-live-{uuid.uuid4().hex[:6]}"
-        from durable_rlm.episodes import start_episode
+        from durable_rlm.client.episodes import start_episode
 
         await start_episode(client, request_for(server, approve="all"), workers.queue, source_id)
         await until(client, source_id, waiting(1))
         with pytest.raises(ForkError, match="has no finished iteration so far"):
             await fork_point(client, source_id, 1)
-        from durable_rlm.steering import decide_cell
+        from durable_rlm.client.steering import decide_cell
 
         await decide_cell(client, f"{source_id}#1", True, "ann")
         await until(client, source_id, waiting(2))
@@ -272,8 +272,8 @@ async def test_the_command_line_forks_shows_and_exports(
 async def test_forks_across_continue_as_new_and_of_a_fork(session_dir: Path, store, blobs, scripted) -> None:
     from temporalio.client import Client
 
-    from durable_rlm.codec import data_converter
-    from durable_rlm.runtime import EmbeddedServer
+    from durable_rlm.store.codec import data_converter
+    from durable_rlm.worker.runtime import EmbeddedServer
     from tests.conftest import workers_for
 
     counting = [f"```repl\ncount = globals().get('count', 0) + {n}\nprint(count)\n```" for n in range(1, 6)]
@@ -344,10 +344,10 @@ async def test_the_python_api_forks_and_reruns(
 async def test_a_fork_takes_the_limits_as_they_were_at_k(client, scripted, worker) -> None:
     """Limits a person changed mid-run are the fork's; a fork that could only extract (a
     limit already reached at K) is refused before it pays for the extraction."""
-    from durable_rlm.episodes import start_episode
-    from durable_rlm.steering import change_limits, decide_cell
+    from durable_rlm.client.episodes import start_episode
+    from durable_rlm.client.steering import change_limits, decide_cell
+    from durable_rlm.workflows.models import EpisodeLimits
     from tests.test_steering import until, waiting
-    from workflows.models import EpisodeLimits
 
     server = scripted(root_and_sub(SOURCE_TURNS, _halves))
     limits = EpisodeLimits(max_iterations=2, max_llm_calls=40, cell_timeout_s=10)

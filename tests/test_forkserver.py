@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from activities import sandbox_processes
-from activities.live_sandbox import LiveSandbox
-from activities.repl import ReplActivities
-from activities.sandbox_processes import SandboxUids
-from activities.sandbox_reaper import proc_stat
-from durable_rlm.blobs import BlobStore
+from durable_rlm.activities import sandbox_processes
+from durable_rlm.activities.live_sandbox import LiveSandbox
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.activities.sandbox_reaper import proc_stat
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows.models import SandboxRef
 from tests.conftest import ROOT, Episode
-from workflows.models import SandboxRef
 
 MODES = ["fork", "spawn"]
 ROOT_WORKER = os.geteuid() == 0
@@ -382,9 +382,9 @@ async def test_a_sigkilled_worker_takes_its_template_and_busy_sandboxes_down(san
         import asyncio, sys
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from activities.repl import ReplActivities
-        from durable_rlm.blobs import BlobStore, DirectoryBackend
-        from workflows.models import SandboxRef
+        from durable_rlm.activities.repl import ReplActivities
+        from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+        from durable_rlm.workflows.models import SandboxRef
 
         async def main():
             root = Path({str(sandboxes)!r})
@@ -423,7 +423,7 @@ async def test_a_template_that_cannot_start_is_told_once_and_sandboxes_are_spawn
     monkeypatch.setattr(sandbox_processes, "FORKSERVER_PATH", broken)
     host = ReplActivities(blob_store, "q", sandboxes / "s", memory_mb=1024)
     try:
-        with caplog.at_level(logging.WARNING, logger="activities.repl"):
+        with caplog.at_level(logging.WARNING, logger="durable_rlm.activities.repl"):
             first, second = Episode(host), Episode(host)
             assert (await first.run("print(1 + 1)")).stdout == "2\n"
             assert (await second.run("print(2 + 2)")).stdout == "4\n"

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults
 from tests.conftest import Episode
-from workflows import defaults
 
 CAP = defaults.SANDBOX_FIELD_CHARS
 

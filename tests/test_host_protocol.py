@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.blobs import digest_of
+from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.scripted import ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline
+from durable_rlm.store.blobs import digest_of
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeResult
 from tests.conftest import request_for, run_episode
-from workflows import defaults
-from workflows.models import EpisodeLimits, EpisodeResult
 
 LIMITS = EpisodeLimits(max_iterations=5, cell_timeout_s=3)
 
@@ -321,8 +321,8 @@ async def test_a_call_past_the_limits_is_refused_in_the_cell(
 
 def test_the_limits_fit_each_other() -> None:
     """A call the sandbox allows fits in a frame the worker takes whole."""
-    from activities.sandbox.framing import MAX_FRAME_BYTES
-    from activities.sandbox_protocol import FRAME_OVERHEAD
+    from durable_rlm.activities.sandbox.framing import MAX_FRAME_BYTES
+    from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD
 
     assert defaults.MAX_CALL_BYTES + FRAME_OVERHEAD < defaults.SANDBOX_IN_FLIGHT_BYTES
     assert defaults.SANDBOX_IN_FLIGHT_BYTES <= MAX_FRAME_BYTES

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.workflows.models import EpisodeLimits
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeLimits
 
 CANARY = f"canary-{uuid.uuid4().hex}"
 
@@ -96,7 +96,7 @@ async def test_every_attack_ends_in_an_observation_and_nothing_leaks(
         for name, cell in named.items()
     ]
     # The honest episode's context holds the canary too: another episode reading it leaks it.
-    from durable_rlm.episodes import store_context
+    from durable_rlm.client.episodes import store_context
 
     secret_context = store_context(store[0], f"the honest episode's {CANARY}")
     honest_run = run_episode(client, request_for(honest, context=secret_context), worker.task_queue)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from activities import sandbox_reaper
-from activities.repl import ReplActivities
-from activities.sandbox import CHILD_PATH
-from activities.sandbox_reaper import (
+from durable_rlm.activities import sandbox_reaper
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox import CHILD_PATH
+from durable_rlm.activities.sandbox_reaper import (
     CLAIMED_PREFIX,
     NEW_PREFIX,
     OWNER_FILE,
@@ -33,11 +33,11 @@ from activities.sandbox_reaper import (
     proc_stat,
     reap_dead,
 )
-from durable_rlm.blobs import BlobStore
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows.models import ContextRef, SandboxRef
 from tests.conftest import ROOT, Episode, request_for
-from workflows.models import ContextRef, SandboxRef
 
 ROOT_WORKER = os.geteuid() == 0
 NOBODY = 65534
@@ -365,9 +365,9 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
         import asyncio, sys
         sys.path.insert(0, {str(ROOT)!r})
         from pathlib import Path
-        from activities.repl import ReplActivities
-        from durable_rlm.blobs import BlobStore, DirectoryBackend
-        from workflows.models import SandboxRef
+        from durable_rlm.activities.repl import ReplActivities
+        from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+        from durable_rlm.workflows.models import SandboxRef
 
         async def main():
             host = ReplActivities(BlobStore(DirectoryBackend(Path(sys.argv[2]))), "q", Path(sys.argv[1]))

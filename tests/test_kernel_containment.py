@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from activities.sandbox import cgroups, kernel
+from durable_rlm.activities.sandbox import cgroups, kernel
+from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.scripted import ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline
+from durable_rlm.workflows.models import EpisodeLimits
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeLimits
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the hard case: a worker running as root")
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.llm import ModelActivities
-from activities.model_errors import retry_after
-from durable_rlm.blobs import BlobStore, DirectoryBackend
-from durable_rlm.runtime import free_port
+from durable_rlm.activities.llm import ModelActivities
+from durable_rlm.activities.model_errors import retry_after
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import Message, ModelSettings, RootCompletionInput
 from tests.conftest import request_for, run_episode
-from workflows import names
-from workflows.models import Message, ModelSettings, RootCompletionInput
 
 
 @pytest.fixture

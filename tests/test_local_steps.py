@@ -13,13 +13,13 @@ from datetime import timedelta
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.attempts import record_start
-from durable_rlm.blobs import BlobStore
+from durable_rlm.activities.attempts import record_start
+from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import root_and_sub
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeLimits, EpisodeProgress, EpisodeResult
 from tests.conftest import request_for
-from workflows import names
-from workflows.models import DurabilitySettings, EpisodeLimits, EpisodeProgress, EpisodeResult
 
 
 async def test_a_cell_longer_than_the_workflow_task_timeout_finishes_and_stays_visible(
@@ -124,7 +124,7 @@ async def test_only_fresh_starts_of_a_local_step_are_counted(blob_store: BlobSto
 
     from temporalio.testing import ActivityEnvironment
 
-    from activities.attempts import count_local_start
+    from durable_rlm.activities.attempts import count_local_start
 
     env = ActivityEnvironment()
     fresh = dataclasses.replace(env.info, is_local=True, attempt=1, activity_id="7", workflow_run_id="r")

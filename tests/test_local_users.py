@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.runtime import free_port
-from durable_rlm.server import ServerFiles, acquire, running_state, shared_server, temporal_binary
+from durable_rlm.ports import free_port
+from durable_rlm.server.embedded import ServerFiles, acquire, running_state, shared_server, temporal_binary
 from durable_rlm.settings import Settings
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as another uid needs root")
@@ -234,8 +234,8 @@ def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
     a server inside, and root's (root reads everything anyway); another uid's are reset."""
     import urllib.request
 
-    from durable_rlm import private_net
-    from durable_rlm.private_net import NO_NAMESPACE
+    from durable_rlm.server import private_net
+    from durable_rlm.server.private_net import NO_NAMESPACE
 
     port = free_port()
     home = nobody_home / "www"
@@ -281,8 +281,8 @@ def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
 
 
 def test_doctor_names_the_other_login_users_and_what_stays_open(tmp_path: Path) -> None:
-    from activities.sandbox_reaper import start_time
-    from durable_rlm.server import local_exposure, other_login_users
+    from durable_rlm.activities.sandbox_reaper import start_time
+    from durable_rlm.server.embedded import local_exposure, other_login_users
 
     settings = Settings(data_dir=tmp_path / "data")
     others = other_login_users()
@@ -380,7 +380,7 @@ async def test_an_encrypted_episodes_history_posted_by_another_user_decodes_to_n
 def test_a_time_wait_stub_never_names_the_owner() -> None:
     """/proc/net/tcp prints TIME_WAIT and SYN_RECV stubs with uid 0; a stale one sharing the
     4-tuple of another user's connection must not make it the owner's (root's)."""
-    from durable_rlm.private_net import TcpTable
+    from durable_rlm.server.private_net import TcpTable
 
     header = (
         "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"

@@ -13,12 +13,12 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm import schema
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import start_episode, store_context
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.store import create_engine, downgrade, migrate
+from durable_rlm.store import schema
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.codec import data_converter
+from durable_rlm.store.sql import create_engine, downgrade, migrate
 from tests.conftest import WorkerProcess, request_for
 from tests.test_crash import wait_until
 

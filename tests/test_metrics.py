@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.connection import connect
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.runtime import free_port, running_workers
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.server.connection import connect
 from durable_rlm.settings import Settings
-from durable_rlm.telemetry import MetricsEndpoint, configure, serve_metrics
+from durable_rlm.telemetry.otel import MetricsEndpoint, configure, serve_metrics
+from durable_rlm.worker.runtime import running_workers
 from tests.conftest import request_for, run_episode
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{.*\})?\s+(?P<value>\S+)")

@@ -27,17 +27,17 @@ from temporalio.converter import DataConverter
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Replayer
 
-from activities.llm import ModelActivities
-from activities.model_errors import MESSAGE_CHARS, compact_failures
-from durable_rlm.blobs import BlobStore, DirectoryBackend
-from durable_rlm.episodes import follow, pending_step, retry_credentials
-from durable_rlm.runtime import Services, free_port, running_workers, workflow_runner
+from durable_rlm.activities.llm import ModelActivities
+from durable_rlm.activities.model_errors import MESSAGE_CHARS, compact_failures
+from durable_rlm.client.episodes import follow, pending_step, retry_credentials
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
-from tests.conftest import request_for
-from workflows import names
-from workflows.episode import EpisodeWorkflow
-from workflows.models import (
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.worker.runtime import Services, running_workers, workflow_runner
+from durable_rlm.workflows import names
+from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.models import (
     EpisodeLimits,
     EpisodeProgress,
     EpisodeRequest,
@@ -46,6 +46,7 @@ from workflows.models import (
     ModelSettings,
     ToolCallInput,
 )
+from tests.conftest import request_for
 
 USER = [Message(role="user", content="hi")]
 HTML = "<html><head><title>502 Bad Gateway</title></head><body>" + "x" * 500 + "</body></html>"
@@ -370,8 +371,8 @@ async def test_a_paused_episode_still_ends_at_its_deadline(client, store, sessio
 
 
 async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None:
-    from activities.tools import run_tool
     from durable_rlm import tools
+    from durable_rlm.activities.tools import run_tool
 
     def flaky_upstream(query: str) -> str:
         try:
@@ -425,7 +426,7 @@ async def test_a_stale_attempt_sends_no_model_request(
 
     from temporalio.testing import ActivityEnvironment
 
-    from activities.attempts import start_attempt_clock
+    from durable_rlm.activities.attempts import start_attempt_clock
 
     server = scripted(lambda r: "fine")
 

@@ -4,8 +4,8 @@ custom system prompt. Pure; the full built-in text is pinned in tests/golden/pro
 
 from __future__ import annotations
 
-from workflows import prompts
-from workflows.models import ToolSpec
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.models import ToolSpec
 
 TOOLS = [ToolSpec(name="lookup", signature="(key)", doc="  Find a key.\nMore text."), ToolSpec(name="ping")]
 OFFERED_TOOLS = prompts.TOOLS + "\n- `lookup(key)` - Find a key.\n- `ping()` - (no description)"

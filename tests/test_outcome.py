@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from workflows import prompts
-from workflows.fallback import ANSWER_FIELDS, MAX_PROBLEMS, MORE_PROBLEMS, FieldSpec
-from workflows.models import CellOutcome, Message
-from workflows.outcome import (
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.fallback import ANSWER_FIELDS, MAX_PROBLEMS, MORE_PROBLEMS, FieldSpec
+from durable_rlm.workflows.models import CellOutcome, Message
+from durable_rlm.workflows.outcome import (
     CellRecord,
     IterationOutcome,
     ModelAnswer,

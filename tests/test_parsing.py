@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workflows.parsing import (
+from durable_rlm.workflows.parsing import (
     FencedBlock,
     FinalSignal,
     ParsedReply,

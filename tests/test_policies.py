@@ -15,15 +15,21 @@ from pathlib import Path
 import pytest
 from temporalio.client import Client, WorkflowFailureError
 
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import send_reward, start_episode
-from durable_rlm.runtime import EmbeddedServer
+from durable_rlm.audit.timeline import episode_timeline
+from durable_rlm.client.episodes import send_reward, start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.timeline import episode_timeline
+from durable_rlm.store.codec import data_converter
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import (
+    EpisodeLimits,
+    EpisodeResult,
+    ModelSettings,
+    RewardSpec,
+    TerminationSpec,
+)
+from durable_rlm.workflows.termination import PolicyError
 from tests.conftest import request_for, run_episode, workers_for
-from workflows import names
-from workflows.models import EpisodeLimits, EpisodeResult, ModelSettings, RewardSpec, TerminationSpec
-from workflows.termination import PolicyError
 
 WORKING = "```repl\nprint('working')\n```"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workflows import prompts
-from workflows.fallback import FieldSpec
-from workflows.models import ContextRef
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.fallback import FieldSpec
+from durable_rlm.workflows.models import ContextRef
 
 GOLDEN = Path(__file__).parent / "golden" / "prompts.txt"
 

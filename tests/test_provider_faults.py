@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from durable_rlm.scripted import ChatRequest, Reply
+from durable_rlm.workflows.models import EpisodeLimits, ModelSettings
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeLimits, ModelSettings
 
 TURNS = ["```repl\nr = llm_query('ping')\n```", "FINAL_VAR(r)"]
 
@@ -77,7 +77,7 @@ async def test_a_rejected_request_ends_the_episode_with_its_reason_and_keeps_its
 
 
 async def test_a_refused_key_pauses_with_the_reason_instead_of_failing(client, worker, scripted) -> None:
-    from workflows.models import EpisodeProgress
+    from durable_rlm.workflows.models import EpisodeProgress
 
     server = scripted(faulty_first_root(Reply(status=401, error="invalid api key"), times=99))
     limits = EpisodeLimits(max_iterations=4, max_duration=__import__("datetime").timedelta(seconds=20))

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.llm import ModelActivities
-from durable_rlm.blobs import BlobStore, DirectoryBackend
+from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import Message, ModelSettings
 from tests.conftest import request_for, run_episode
-from workflows import names
-from workflows.models import Message, ModelSettings
 
 KEY = "sk-ant-scripted"
 

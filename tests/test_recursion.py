@@ -13,11 +13,11 @@ from datetime import timedelta
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
-from durable_rlm.episodes import cancel_episode, start_episode, store_context
+from durable_rlm.audit.timeline import episode_timeline, render
+from durable_rlm.client.episodes import cancel_episode, start_episode, store_context
 from durable_rlm.scripted import ChatRequest, Reply
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
 from tests.conftest import request_for, run_episode
-from workflows.models import EpisodeLimits, EpisodeRequest, ModelSettings
 
 Turns = list["Reply | str"]
 

@@ -15,17 +15,17 @@ import pytest
 import sqlalchemy as sa
 from temporalio.exceptions import ApplicationError
 
-from activities import chains
-from activities.repl import ReplActivities
-from activities.sandbox_processes import SandboxUids
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.store import open_store
-from tests.conftest import Episode
-from workflows.models import (
+from durable_rlm.activities import chains
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.sql import open_store
+from durable_rlm.workflows.models import (
     CallAnswer,
     ExecuteCellInput,
     ResumeCellInput,
 )
+from tests.conftest import Episode
 
 
 async def test_variables_persist_across_cells(host: ReplActivities) -> None:
@@ -525,7 +525,7 @@ async def test_a_step_stores_its_log_entries_and_outputs_in_one_transaction(tmp_
 async def test_a_rebuild_replays_finished_cells_in_batches_with_their_answers(
     host: ReplActivities, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import activities.repl_rebuild as rebuild_module
+    import durable_rlm.activities.repl_rebuild as rebuild_module
 
     monkeypatch.setattr(rebuild_module, "REPLAY_BATCH_CELLS", 3)  # 8 cells: batches of 3, 3, 2
     episode = Episode(host)

@@ -16,13 +16,13 @@ from temporalio.client import WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
-from durable_rlm.codec import DEFAULT_THRESHOLD, ENCODING
-from durable_rlm.runtime import workflow_runner
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.store.codec import DEFAULT_THRESHOLD, ENCODING
+from durable_rlm.worker.runtime import workflow_runner
+from durable_rlm.workflows import names
+from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.models import EpisodeRequest, EpisodeResult
 from tests.conftest import request_for, run_episode
-from workflows import names
-from workflows.episode import EpisodeWorkflow
-from workflows.models import EpisodeRequest, EpisodeResult
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
 

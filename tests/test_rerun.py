@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from durable_rlm.episodes import start_episode, store_context
-from durable_rlm.rerun import PolicyChange, RerunError, rerun_episodes
-from durable_rlm.runtime import Services
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
+from durable_rlm.timetravel.rerun import PolicyChange, RerunError, rerun_episodes
+from durable_rlm.worker.runtime import Services
 from tests.conftest import request_for, run_episode
 from tests.test_recursion import SUM_CHILD, by_model, tree_request
 from tests.test_steering import Cli

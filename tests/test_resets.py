@@ -17,16 +17,17 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm import readonly, schema
-from durable_rlm.export import rlms_log
-from durable_rlm.history import episode_runs
-from durable_rlm.projection import _forget, rebuild_episode, reconcile_audit
-from durable_rlm.runtime import temporal_binary
+from durable_rlm.audit import readonly
+from durable_rlm.audit.history import episode_runs
+from durable_rlm.audit.projection import _forget, rebuild_episode, reconcile_audit
+from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import ChatRequest
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.store import schema
+from durable_rlm.viewer.export import rlms_log
+from durable_rlm.worker.runtime import temporal_binary
+from durable_rlm.workflows import names
 from tests.conftest import request_for, run_episode, workers_for
 from tests.test_recursion import by_model, tree_request
-from workflows import names
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 ROOT_TURNS = [

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workflows.risk import MAX_ASSESSED_CHARS, MAX_REASONS, assess
+from durable_rlm.workflows.risk import MAX_ASSESSED_CHARS, MAX_REASONS, assess
 
 
 @pytest.mark.parametrize(
@@ -163,7 +163,7 @@ def test_generated_programs_are_assessed_deterministically(lines: list[tuple[str
 def test_each_range_is_evaluated_once_however_many_loops_it_encloses(monkeypatch) -> None:
     """The walk up to enclosing loops reads their totals: a cell of 1,500 loops under one
     range of a 4,000-leaf constant expression once took 18 s (workflow tasks get 2)."""
-    from workflows import risk
+    from durable_rlm.workflows import risk
 
     def balanced(n: int) -> str:
         return "1" if n == 1 else f"({balanced(n // 2)}+{balanced(n - n // 2)})"

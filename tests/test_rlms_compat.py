@@ -307,11 +307,11 @@ async def test_setup_code_tools_callbacks_and_logger(
 async def test_rlms_export_holds_locals_as_json_values_and_the_other_backends(
     client, scripted, worker, blobs
 ) -> None:
-    from durable_rlm.export import export_text
-    from durable_rlm.timeline import episode_timeline
+    from durable_rlm.audit.timeline import episode_timeline
+    from durable_rlm.viewer.export import export_text
+    from durable_rlm.workflows.models import ModelSettings
     from tests.conftest import request_for, run_episode
     from tests.test_export import reserialised
-    from workflows.models import ModelSettings
 
     cell = "```repl\nn = 42\nxs = [1, 2, (3, 4)]\nd = {'a': 1.5, 'b': None}\nname = 'late'\nseen = {7}\n```"
     server = scripted(tree_script([cell, "FINAL(done)"]))
@@ -411,7 +411,7 @@ async def test_max_budget_raises_rlms_budget_exceeded_with_the_cost_the_provider
 async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
     client, scripted, worker_processes
 ) -> None:
-    from durable_rlm.episodes import start_episode
+    from durable_rlm.client.episodes import start_episode
     from tests.conftest import request_for
     from tests.test_crash import wait_until
 

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from temporalio.api.common.v1 import Payload
 
-from activities import chains
-from durable_rlm.blobs import BlobStore, DirectoryBackend
-from durable_rlm.codec import ENCODING, ClaimCheckCodec
+from durable_rlm.activities import chains
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.store.codec import ENCODING, ClaimCheckCodec
 
 THRESHOLD = 256
 _STORE = BlobStore(DirectoryBackend(Path(tempfile.mkdtemp(prefix="drlm-roundtrip-")) / "blobs"))

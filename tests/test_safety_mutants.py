@@ -16,14 +16,13 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 
-from durable_rlm.codec import KEY_ID, EncryptionCodec, data_converter
-from durable_rlm.encryption import Keyring
-from durable_rlm.runtime import EmbeddedServer
 from durable_rlm.scripted import ChatRequest, Reply
-from tests.conftest import request_for, workers_for
-from workflows import names
-from workflows.budget import child_budgets
-from workflows.models import (
+from durable_rlm.store.codec import KEY_ID, EncryptionCodec, data_converter
+from durable_rlm.store.encryption import Keyring
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows import names
+from durable_rlm.workflows.budget import child_budgets
+from durable_rlm.workflows.models import (
     EpisodeCarry,
     EpisodeLimits,
     EpisodeProgress,
@@ -33,6 +32,7 @@ from workflows.models import (
     ModelPrice,
     ModelSettings,
 )
+from tests.conftest import request_for, workers_for
 
 
 def key() -> str:

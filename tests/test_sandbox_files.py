@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from activities.sandbox_files import (
+from durable_rlm.activities.sandbox_files import (
     SandboxFileRefused,
     read_sandbox_file,
     remove_sandbox_tree,
@@ -119,7 +119,7 @@ def test_a_tree_of_any_depth_is_removed_without_following_links(box: Path, tmp_p
 def test_a_reaper_removes_a_deep_tree_and_never_follows_a_link(tmp_path: Path) -> None:
     """A dead worker's sandbox home may hold what a hostile cell left: a tree deeper than
     Python's recursion limit, a link out of it. The reaper removes the tree, not the target."""
-    from activities import sandbox_reaper
+    from durable_rlm.activities import sandbox_reaper
 
     outside = tmp_path / "outside"
     outside.mkdir()

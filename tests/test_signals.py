@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from workflows.signals import (
+from durable_rlm.workflows.signals import (
     action_reward,
     build_action,
     logprob_confidence,
@@ -16,7 +16,7 @@ from workflows.signals import (
     uses_confidence,
     validate_reward_function,
 )
-from workflows.termination import ActionResult, PolicyError
+from durable_rlm.workflows.termination import ActionResult, PolicyError
 
 # --- confidence sources ----------------------------------------------------------------------
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from activities import chains
-from activities.repl import ReplActivities
-from durable_rlm.blobs import BlobStore
-from durable_rlm.episodes import start_episode
+from durable_rlm.activities import chains
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
-from durable_rlm.snapshot_key import lineage_mac
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.snapshot_key import lineage_mac
+from durable_rlm.workflows.models import EpisodeLimits, SnapshotPolicy
 from tests.conftest import Episode, request_for, run_episode
 from tests.test_recovery import FAST, sandbox_pids
-from workflows.models import EpisodeLimits, SnapshotPolicy
 
 KEY = b"k" * 32
 EVERY_CELL = SnapshotPolicy(every_cells=1)
@@ -235,7 +235,7 @@ async def test_a_value_that_refuses_to_pickle_costs_only_itself(workers) -> None
 async def test_a_snapshot_that_hangs_is_abandoned_and_the_cell_still_counts(
     workers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from workflows import defaults
+    from durable_rlm.workflows import defaults
 
     monkeypatch.setattr(defaults, "SNAPSHOT_TIMEOUT_S", 2.0)
     first, _ = workers
@@ -290,7 +290,7 @@ async def test_a_killed_worker_resumes_the_episode_without_rerunning_its_20_s_ce
 async def test_the_model_and_the_timeline_are_told_how_the_repl_came_back(client, worker, scripted) -> None:
     """A cell kills its sandbox; the next step restores the snapshot taken after cell 1 (it
     read the clock), re-creates the generator by re-running cell 1, and says so."""
-    from durable_rlm.timeline import episode_timeline, render
+    from durable_rlm.audit.timeline import episode_timeline, render
 
     turns = [
         "```repl\nimport time\nstamp = time.time()\nsquares = (i * i for i in range(3))\nprint(stamp)\n```",
@@ -309,7 +309,7 @@ async def test_the_model_and_the_timeline_are_told_how_the_repl_came_back(client
 
 
 def test_a_costly_snapshot_is_retaken_only_when_the_cells_since_are_worth_it() -> None:
-    from activities.live_sandbox import LiveSandbox
+    from durable_rlm.activities.live_sandbox import LiveSandbox
 
     box = LiveSandbox("e", None, Path("."), None, None, policy=SnapshotPolicy())  # type: ignore[arg-type]
     assert not box.snapshot_due()  # no cell since

@@ -48,21 +48,21 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from activities import sandbox_reaper
-from durable_rlm import schema
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import start_episode, store_context
+from durable_rlm.activities import sandbox_reaper
+from durable_rlm.audit.projection import rebuild_audit
+from durable_rlm.client.episodes import start_episode, store_context
 from durable_rlm.errors import EpisodeIdInUse
-from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import EmbeddedServer
 from durable_rlm.scripted import ChatRequest
-from durable_rlm.store import create_engine, migrate
+from durable_rlm.store import schema
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.codec import data_converter
+from durable_rlm.store.sql import create_engine, migrate
+from durable_rlm.worker.runtime import EmbeddedServer
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeResult
 from tests.conftest import PostgresCluster, WorkerProcess, request_for
 from tests.test_audit import table_rows
 from tests.test_hygiene import sandbox_processes
-from workflows import names
-from workflows.models import DurabilitySettings, EpisodeResult
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.postgres]
 

@@ -27,8 +27,9 @@ def imported_after(code: str, watched: tuple[str, ...] = PROVIDERS) -> set[str]:
     "code",
     [
         "from durable_rlm import DurableRLM",
-        "import durable_rlm.api, durable_rlm.runtime, durable_rlm.cli",
-        "import activities.llm, activities.model_errors, activities.extraction",
+        "import durable_rlm.api, durable_rlm.worker.runtime, durable_rlm.cli",
+        "import durable_rlm.activities.llm, durable_rlm.activities.model_errors,"
+        " durable_rlm.activities.extraction",
     ],
 )
 def test_no_provider_library_is_imported_before_it_is_used(code: str) -> None:
@@ -37,9 +38,9 @@ def test_no_provider_library_is_imported_before_it_is_used(code: str) -> None:
 
 def test_a_provider_s_client_imports_its_library_alone() -> None:
     code = (
-        "from activities.llm import ModelActivities\n"
-        "from durable_rlm.blobs import BlobStore, DirectoryBackend\n"
-        "from workflows.models import ModelSettings\n"
+        "from durable_rlm.activities.llm import ModelActivities\n"
+        "from durable_rlm.store.blobs import BlobStore, DirectoryBackend\n"
+        "from durable_rlm.workflows.models import ModelSettings\n"
         "import tempfile\n"
         "models = ModelActivities(BlobStore(DirectoryBackend(tempfile.mkdtemp())), {'OPENAI_API_KEY': 'k'})\n"
         "models._client(ModelSettings(model='gpt-x', base_url='http://127.0.0.1:9/v1'))"
@@ -80,7 +81,7 @@ def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert "sqlalchemy" in imported  # the probe sees imports: the store was read
     assert "temporalio" not in imported
-    assert "durable_rlm.timeline" not in imported
+    assert "durable_rlm.audit.timeline" not in imported
 
 
 def test_the_runtime_s_objects_are_frozen_at_exit_not_before() -> None:

@@ -21,12 +21,9 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 from temporalio.client import Client, WorkflowHandle
 
-from durable_rlm import schema
-from durable_rlm.episodes import start_episode
-from durable_rlm.runtime import Services, running_workers
-from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.settings import Settings
-from durable_rlm.steering import (
+from durable_rlm.audit.timeline import episode_timeline, render
+from durable_rlm.client.episodes import start_episode
+from durable_rlm.client.steering import (
     change_limits,
     decide_cell,
     finish_episode,
@@ -37,10 +34,13 @@ from durable_rlm.steering import (
     resume_episode,
     send_hint,
 )
-from durable_rlm.timeline import episode_timeline, render
+from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.settings import Settings
+from durable_rlm.store import schema
+from durable_rlm.worker.runtime import Services, running_workers
+from durable_rlm.workflows import names, steering
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, Message
 from tests.conftest import request_for, workers_for
-from workflows import names, steering
-from workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, Message
 
 EXTRACTED = '{"answer": "82", "_extraction_notes": "from the history"}'
 
@@ -380,7 +380,7 @@ def test_which_cells_wait(mode: str, code: str, waits: bool) -> None:
 
 
 def test_bad_actions_are_refused_before_they_are_sent() -> None:
-    from workflows.models import CellDecision, HintUpdate, LimitsUpdate
+    from durable_rlm.workflows.models import CellDecision, HintUpdate, LimitsUpdate
 
     with pytest.raises(ValidationError, match="blank"):
         HintUpdate(sender="a", text="   ")

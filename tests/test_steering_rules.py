@@ -10,8 +10,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pydantic import ValidationError
 
-from workflows import defaults, steering
-from workflows.models import (
+from durable_rlm.workflows import defaults, steering
+from durable_rlm.workflows.models import (
     ActionRecord,
     CellDecision,
     EpisodeLimits,

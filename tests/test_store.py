@@ -15,12 +15,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from temporalio.api.common.v1 import Payload
 
-from durable_rlm.admission import AdmittingWorkflowSlots
-from durable_rlm.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
-from durable_rlm.codec import ENCODING, ClaimCheckCodec
-from durable_rlm.schema import metadata
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.store import create_engine, downgrade, migrate, open_store
+from durable_rlm.store.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend, digest_of
+from durable_rlm.store.codec import ENCODING, ClaimCheckCodec
+from durable_rlm.store.schema import metadata
+from durable_rlm.store.sql import create_engine, downgrade, migrate, open_store
+from durable_rlm.worker.admission import AdmittingWorkflowSlots
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -122,7 +122,7 @@ def test_the_default_data_dir_is_the_users_whatever_the_directory(tmp_path: Path
 
 
 async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobStore, client) -> None:
-    from durable_rlm.runtime import build_workers
+    from durable_rlm.worker.runtime import build_workers
 
     env = {
         "DRLM_CAPACITY": "20",
@@ -154,7 +154,7 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     assert config["max_cached_workflows"] == 20
     tuner = config["tuner"]
     assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.num_slots) == (20, 30)
-    # Workflow tasks: admission by measured capacity (durable_rlm/admission.py).
+    # Workflow tasks: admission by measured capacity (durable_rlm/worker/admission.py).
     assert isinstance(tuner.workflow_slot_supplier, AdmittingWorkflowSlots) and repl.slots.limit == 12
     held, held_repl = build_workers(
         client, "q-held", blobs, None, sandbox_root=sandboxes, hold_new_episodes=True
@@ -199,7 +199,7 @@ def test_processes_opening_a_new_store_at_once_take_turns_migrating(tmp_path: Pa
     url = f"sqlite:///{tmp_path / 'new.sqlite'}"
     start_at = time.time() + 3  # every process imported and waiting: they migrate together
     code = (
-        "import time; from durable_rlm.store import open_store; "
+        "import time; from durable_rlm.store.sql import open_store; "
         f"time.sleep(max(0, {start_at} - time.time())); open_store({url!r}).dispose()"
     )
     processes = [

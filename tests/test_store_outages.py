@@ -27,19 +27,19 @@ import pytest
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from activities.store_errors import store_problem
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import start_episode
-from durable_rlm.projection import rebuild_audit
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.activities.store_errors import store_problem
+from durable_rlm.audit.projection import rebuild_audit
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.settings import Settings
-from durable_rlm.store import create_engine, open_store
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.codec import data_converter
+from durable_rlm.store.sql import create_engine, open_store
+from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeProgress, EpisodeRequest, EpisodeResult
 from tests.conftest import WorkerProcess, request_for
 from tests.test_audit import table_rows
-from workflows import names
-from workflows.models import DurabilitySettings, EpisodeProgress, EpisodeRequest, EpisodeResult
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_no_negative_cell_duration_is_stored() -> None:
     """Steps of one cell written by two workers whose clocks disagree: unknown, not < 0."""
     from datetime import UTC, datetime
 
-    from activities.audit import _merge_cell
+    from durable_rlm.activities.audit import _merge_cell
 
     started = {"started_at": datetime(2026, 11, 25, 12, 0, 10, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
     ended = {"ended_at": datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
@@ -165,8 +165,8 @@ def test_no_negative_cell_duration_is_stored() -> None:
 async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, scripted, small_disk) -> None:
     """The audit store's disk is full when the episode ends: its closing row is retried
     until the disk has room, and then says completed, with the answer."""
-    from durable_rlm import schema
-    from durable_rlm.blobs import DirectoryBackend
+    from durable_rlm.store import schema
+    from durable_rlm.store.blobs import DirectoryBackend
 
     engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
     blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
@@ -199,8 +199,8 @@ async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, sc
 async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, session_dir, scripted) -> None:
     """A worker killed while closing an episode left its row `running`: the next worker's
     reconciler settles it at start, not a minute later."""
-    from durable_rlm import schema
     from durable_rlm.scripted import root_and_sub
+    from durable_rlm.store import schema
     from tests.conftest import run_episode, workers_for
 
     blobs, engine = store
@@ -226,7 +226,7 @@ async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, se
 async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, session_dir, scripted) -> None:
     """Issue 37's "done when": the episode's PostgreSQL store (audit and blobs) stops for 25 s
     while the model answers; the episode waits, says why, and answers right once it is back."""
-    from durable_rlm.store import create_engine, migrate
+    from durable_rlm.store.sql import create_engine, migrate
     from tests.conftest import PostgresCluster
 
     cluster = PostgresCluster()
@@ -358,7 +358,7 @@ def test_a_cell_run_again_after_its_worker_was_killed_keeps_the_later_run() -> N
     step that did not complete the cell never undoes one that did."""
     from datetime import UTC, datetime
 
-    from activities.audit import _merge_cell
+    from durable_rlm.activities.audit import _merge_cell
 
     def at(second: int) -> datetime:
         return datetime(2026, 11, 25, 12, 0, second, tzinfo=UTC)
@@ -408,7 +408,7 @@ class RefusedRow:
         return running_workers(Services(settings, self.blobs, self.engine, client))
 
     def calls(self, episode_id: str) -> list[str]:
-        from durable_rlm import schema
+        from durable_rlm.store import schema
 
         table = schema.model_calls
         with self.engine.connect() as conn:
@@ -417,7 +417,7 @@ class RefusedRow:
 
 
 def refused_row(session_dir: Path, scripted, small_disk: Path) -> RefusedRow:  # type: ignore[no-untyped-def]
-    from durable_rlm.blobs import DirectoryBackend
+    from durable_rlm.store.blobs import DirectoryBackend
 
     engine = open_store(f"sqlite:///{small_disk / 'audit.sqlite'}")
     blobs = BlobStore(DirectoryBackend(session_dir / f"blobs-{uuid.uuid4().hex[:6]}"))
@@ -466,8 +466,8 @@ async def test_drlm_list_refreshed_shows_what_a_running_episode_says_of_itself(
     DrlmStatus attribute: waiting for the store, paused, awaiting approval), which its audit
     row cannot say (while it waits for the store, that row's store is the one down). Shown
     here with a pause; and during a store outage, a CLI says so in one line."""
-    from durable_rlm.steering import pause_episode
-    from workflows.metadata import SEARCH_ATTRIBUTES
+    from durable_rlm.client.steering import pause_episode
+    from durable_rlm.workflows.metadata import SEARCH_ATTRIBUTES
 
     url = f"sqlite:///{tmp_path / 'drlm.sqlite'}"
     engine = open_store(url)
@@ -527,7 +527,7 @@ async def test_rows_refused_by_a_process_that_died_are_settled_when_the_episode_
     for its reconciler. Here that memory is lost (as when the process is SIGKILLed before
     the store answers again: the soak found a row missing that way); the episode's closing
     audit write settles its rows from history, so the row is there when the episode ends."""
-    from activities.audit import UNSETTLED, take_unsettled
+    from durable_rlm.activities.audit import UNSETTLED, take_unsettled
 
     episode = refused_row(session_dir, scripted, small_disk)
     queue = f"settle-lost-{uuid.uuid4().hex[:8]}"

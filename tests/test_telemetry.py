@@ -24,20 +24,26 @@ from temporalio.contrib.opentelemetry import TracingInterceptor
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput
 
-from durable_rlm import telemetry
-from durable_rlm.codec import data_converter
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.scripted import root_and_sub
-from durable_rlm.telemetry import (
+from durable_rlm.store.codec import data_converter
+from durable_rlm.telemetry import otel as telemetry
+from durable_rlm.telemetry.otel import (
     StepTelemetry,
     Telemetry,
     client_interceptors,
     configure,
     worker_interceptors,
 )
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import (
+    EpisodeResult,
+    ModelSettings,
+    SubQueryInput,
+    SubQueryReply,
+    TokenUsage,
+)
 from tests.conftest import request_for, run_episode, workers_for
-from workflows import names
-from workflows.models import EpisodeResult, ModelSettings, SubQueryInput, SubQueryReply, TokenUsage
 
 pytestmark = pytest.mark.usefixtures("no_telemetry_left_behind")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from workflows.termination import (
+from durable_rlm.workflows.termination import (
     ActionResult,
     CompositeTerminationPolicy,
     ConfidenceTerminationPolicy,

@@ -13,12 +13,12 @@ import uuid
 from datetime import timedelta
 from pathlib import Path
 
-from durable_rlm.runtime import Services, running_workers
 from durable_rlm.scripted import Reply
 from durable_rlm.settings import Settings
+from durable_rlm.worker.runtime import Services, running_workers
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult
 from tests.conftest import request_for
-from workflows import names
-from workflows.models import EpisodeLimits, EpisodeRequest, EpisodeResult
 
 EXTRACTED = '{"answer": "partial result", "_extraction_notes": "from the history"}'
 

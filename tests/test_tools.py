@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import ConfigurationError
 from durable_rlm.tools import ToolRegistrationError, tool, tool_specs
+from durable_rlm.workflows.models import ToolSpec
 from tests import tool_plugins
 from tests.conftest import request_for, run_episode
-from workflows.models import ToolSpec
 
 TOOLS = ["lookup_price", "convert"]
 PRICE_TURNS = [
@@ -31,7 +31,7 @@ async def test_an_answer_that_needs_a_sync_and_an_async_tool(
 ) -> None:
     import sqlalchemy as sa
 
-    from durable_rlm import schema
+    from durable_rlm.store import schema
 
     log = tmp_path / "calls.jsonl"
     monkeypatch.setenv("DRLM_TEST_TOOL_LOG", str(log))
@@ -130,7 +130,7 @@ async def test_a_worker_killed_between_tool_calls_repeats_neither(
 async def test_tool_calls_are_bounded_and_names_cannot_hide_the_repl(client, scripted, worker) -> None:
     from pydantic import ValidationError
 
-    from workflows.models import EpisodeLimits
+    from durable_rlm.workflows.models import EpisodeLimits
 
     cell = (
         "```repl\nprint(lookup_price('widget'))\n"

@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, Field, ValidationError
 
-from activities.extraction import task_of
+from durable_rlm.activities.extraction import task_of
 from durable_rlm.api import DurableRLM
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.settings import Settings
-from workflows import prompts
-from workflows.fallback import (
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.fallback import (
     EXTRACTION_TASK_CHARS,
     MAX_OUTPUT_DEPTH,
     MAX_OUTPUT_VALUES,
@@ -34,8 +34,8 @@ from workflows.fallback import (
     format_output_fields,
     parse_extraction_response,
 )
-from workflows.models import Message
-from workflows.outcome import CellRecord, cell_answer
+from durable_rlm.workflows.models import Message
+from durable_rlm.workflows.outcome import CellRecord, cell_answer
 
 
 class Item(BaseModel):

@@ -30,15 +30,15 @@ from temporalio.converter import DataConverter
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
-from durable_rlm.blobs import BlobStore
-from durable_rlm.codec import data_converter
-from durable_rlm.episodes import store_context
-from durable_rlm.runtime import EmbeddedServer, workflow_runner
+from durable_rlm.client.episodes import store_context
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.codec import data_converter
+from durable_rlm.worker.runtime import EmbeddedServer, workflow_runner
+from durable_rlm.workflows import metadata, names
+from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.models import EpisodeRequest, EpisodeResult, ModelSettings
 from tests.conftest import request_for, workers_for
-from workflows import metadata, names
-from workflows.episode import EpisodeWorkflow
-from workflows.models import EpisodeRequest, EpisodeResult, ModelSettings
 
 REGISTER = tuple(
     arg for name, kind in metadata.SEARCH_ATTRIBUTES for arg in ("--search-attribute", f"{name}={kind}")
@@ -379,10 +379,10 @@ def test_summaries_take_linear_time_and_stay_short(text: str) -> None:
 
 async def record() -> None:
     """Record tests/histories/ui_metadata.json (and its child) with the plain converter."""
-    from durable_rlm.blobs import SqlBackend
-    from durable_rlm.runtime import Services, running_workers
     from durable_rlm.settings import Settings
-    from durable_rlm.store import open_store
+    from durable_rlm.store.blobs import SqlBackend
+    from durable_rlm.store.sql import open_store
+    from durable_rlm.worker.runtime import Services, running_workers
 
     work = Path(tempfile.mkdtemp(prefix="drlm-record-ui-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")

@@ -14,14 +14,14 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm import schema
-from durable_rlm.blobs import text_digest
-from durable_rlm.codec import ENCODING as CLAIM_CHECK
-from durable_rlm.episodes import store_context
+from durable_rlm.audit.timeline import episode_timeline
+from durable_rlm.audit.verify import verify
+from durable_rlm.client.episodes import store_context
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.settings import Settings
-from durable_rlm.timeline import episode_timeline
-from durable_rlm.verify import verify
+from durable_rlm.store import schema
+from durable_rlm.store.blobs import text_digest
+from durable_rlm.store.codec import ENCODING as CLAIM_CHECK
 from tests.conftest import request_for, run_episode
 from tests.test_recursion import by_model, tree_request
 
@@ -171,8 +171,8 @@ async def test_an_encrypted_store_is_verified_through_its_seals(
     so a sealed blob is whole and the context named inside a sealed request is found."""
     import base64
 
-    from durable_rlm.connection import connect
-    from durable_rlm.runtime import running_workers
+    from durable_rlm.server.connection import connect
+    from durable_rlm.worker.runtime import running_workers
 
     queue = f"enc-{uuid.uuid4().hex[:8]}"
     settings = Settings(

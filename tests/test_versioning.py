@@ -23,15 +23,15 @@ import sqlalchemy as sa
 from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
-from durable_rlm.blobs import BlobStore
-from durable_rlm.connection import Services
-from durable_rlm.deployment import Deployment, describe_deployment, set_current
-from durable_rlm.runtime import running_workers
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.server.connection import Services
+from durable_rlm.server.deployment import Deployment, describe_deployment, set_current
 from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.worker.runtime import running_workers
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import EpisodeResult
 from tests.conftest import request_for
-from workflows import names
-from workflows.models import EpisodeResult
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 

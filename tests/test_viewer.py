@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from durable_rlm.api import DurableRLM
-from durable_rlm.runtime import free_port
+from durable_rlm.ports import free_port
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.settings import Settings
 

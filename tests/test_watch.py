@@ -14,14 +14,14 @@ from pathlib import Path
 import sqlalchemy as sa
 from rich.console import Console
 
-from durable_rlm import schema
-from durable_rlm.episodes import start_episode
-from durable_rlm.live import frame
-from durable_rlm.readonly import EpisodeFilter, episode_rows, parse_moment
+from durable_rlm.audit.readonly import EpisodeFilter, episode_rows, parse_moment
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.store import open_store
+from durable_rlm.store import schema
+from durable_rlm.store.sql import open_store
+from durable_rlm.viewer.live import frame
+from durable_rlm.workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, ModelPrice
 from tests.test_crash import wait_until
-from workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, ModelPrice
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
 PRICE = ModelPrice(input_usd_per_mtok=2.5, output_usd_per_mtok=10.0)
@@ -203,7 +203,7 @@ ORDER BY e.episode_id, c.started_at
 
 
 def test_list_reads_a_store_from_before_the_audit_columns(tmp_path: Path) -> None:
-    from durable_rlm.store import create_engine, migrate
+    from durable_rlm.store.sql import create_engine, migrate
 
     url = f"sqlite:///{tmp_path / 'old.sqlite'}"
     engine = create_engine(url)

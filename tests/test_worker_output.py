@@ -21,11 +21,11 @@ from pathlib import Path
 
 from temporalio.client import Client
 
-from durable_rlm.episodes import start_episode
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.telemetry import LogPath
+from durable_rlm.telemetry.otel import LogPath
+from durable_rlm.workflows.models import EpisodeLimits
 from tests.conftest import ROOT, request_for
-from workflows.models import EpisodeLimits
 
 PIPE_BYTES = 65536  # Linux's default pipe capacity: the most a writer can leave unread
 HANG_S = 240  # far beyond the ~20 s these episodes take when nothing blocks

@@ -20,7 +20,7 @@ from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import Client
 
 from durable_rlm.scripted import root_and_sub
-from durable_rlm.worker_pool import child_environment, process_count
+from durable_rlm.worker.pool import child_environment, process_count
 from tests.conftest import ROOT, request_for, run_episode
 
 

@@ -5,7 +5,7 @@ it closes. Since the audit-aside patch the first two run beside the loop (a slow
 delays no step) and the closing write cancels them, since it holds all they would; the
 closing write is the one a reader trusts, so its attempts are short and go on, backing off,
 for AUDIT_CLOSE_PATIENCE_S. A write that fails for good is logged: history stays the record
-(`durable_rlm/projection.py` rebuilds the row from it).
+(`durable_rlm/audit/projection.py` rebuilds the row from it).
 
 The events a row carries (rewards, actions, a cancel request) are built by the pure
 functions below from the workflow's state.
@@ -23,8 +23,8 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import defaults, names
-    from workflows.models import (
+    from durable_rlm.workflows import defaults, names
+    from durable_rlm.workflows.models import (
         ActionRecord,
         AuditEpisodeInput,
         AuditEvent,

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from workflows import defaults
-from workflows.fallback import ExecutionState, FallbackReason, FallbackTrigger
-from workflows.models import COST_DIGITS, EpisodeCarry, EpisodeRequest
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.fallback import ExecutionState, FallbackReason, FallbackTrigger
+from durable_rlm.workflows.models import COST_DIGITS, EpisodeCarry, EpisodeRequest
 
 MIN_CHILD_CALLS_WITH_EXTRACTION = 2
 """A child that may have to extract needs one call to work and one held back to extract."""

@@ -24,9 +24,9 @@ from temporalio.exceptions import (
 )
 from temporalio.workflow import ParentClosePolicy
 
-from workflows import defaults, metadata, names, prompts
-from workflows.budget import ChildBudget
-from workflows.models import (
+from durable_rlm.workflows import defaults, metadata, names, prompts
+from durable_rlm.workflows.budget import ChildBudget
+from durable_rlm.workflows.models import (
     ChildEpisode,
     EpisodeRequest,
     EpisodeResult,
@@ -40,7 +40,7 @@ from workflows.models import (
     ToolCallInput,
     ToolReply,
 )
-from workflows.retries import (
+from durable_rlm.workflows.retries import (
     describe_failure,
     ending_of,
     is_timeout,

@@ -8,8 +8,8 @@ because the reply's max_tokens was not reserved. Here the reply is reserved firs
 
 from __future__ import annotations
 
-from workflows import defaults
-from workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
 
 
 def estimated_request_tokens(state: EpisodeCarry, pending: list[Message], resent_chars: int) -> int:

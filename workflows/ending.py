@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workflows.fallback import (
+from durable_rlm.workflows.fallback import (
     ExecutionResult,
     Extracted,
     Failed,
@@ -23,9 +23,9 @@ from workflows.fallback import (
     Submitted,
     calculate_extraction_confidence,
 )
-from workflows.models import AnswerSource, EndReason, FailureCause, TerminationDecision
-from workflows.outcome import IterationOutcome, answer_outputs, answer_text
-from workflows.termination import PolicyDecision
+from durable_rlm.workflows.models import AnswerSource, EndReason, FailureCause, TerminationDecision
+from durable_rlm.workflows.outcome import IterationOutcome, answer_outputs, answer_text
+from durable_rlm.workflows.termination import PolicyDecision
 
 CANCELLED = "the episode was cancelled"
 TIMED_OUT = "the episode passed its Temporal execution timeout"

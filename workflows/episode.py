@@ -32,18 +32,18 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import defaults, forks, legacy, metadata, names, prompts, steering
-    from workflows.audit_writer import AuditWriter, action_events, closing_events
-    from workflows.budget import (
+    from durable_rlm.workflows import defaults, forks, legacy, metadata, names, prompts, steering
+    from durable_rlm.workflows.audit_writer import AuditWriter, action_events, closing_events
+    from durable_rlm.workflows.budget import (
         cost_spent,
         extraction_refusal,
         extraction_reply_cap,
         limit_reached,
         root_call_limit,
     )
-    from workflows.compaction import needs_compaction, summary_input_chars
-    from workflows.deadline import DeadlineTimer
-    from workflows.ending import (
+    from durable_rlm.workflows.compaction import needs_compaction, summary_input_chars
+    from durable_rlm.workflows.deadline import DeadlineTimer
+    from durable_rlm.workflows.ending import (
         CANCELLED,
         LIMIT_ENDED_BY,
         Ending,
@@ -55,12 +55,12 @@ with workflow.unsafe.imports_passed_through():
         policy_ending,
         unextracted_ending,
     )
-    from workflows.fallback import (
+    from durable_rlm.workflows.fallback import (
         ANSWER_FIELDS,
         FallbackReason,
         parse_extraction_response,
     )
-    from workflows.models import (
+    from durable_rlm.workflows.models import (
         AuditEvent,
         CancelReceipt,
         CancelRequest,
@@ -89,10 +89,16 @@ with workflow.unsafe.imports_passed_through():
         RootCompletionInput,
         SteeringReceipt,
     )
-    from workflows.outcome import CellRecord, IterationOutcome, cell_answer, next_turn, text_answer
-    from workflows.parsing import FinalSignal, parse_reply, unquote_argument
-    from workflows.repl_steps import ReplSteps
-    from workflows.retries import (
+    from durable_rlm.workflows.outcome import (
+        CellRecord,
+        IterationOutcome,
+        cell_answer,
+        next_turn,
+        text_answer,
+    )
+    from durable_rlm.workflows.parsing import FinalSignal, parse_reply, unquote_argument
+    from durable_rlm.workflows.repl_steps import ReplSteps
+    from durable_rlm.workflows.retries import (
         describe_failure,
         failure_cause,
         is_context_overflow,
@@ -102,9 +108,14 @@ with workflow.unsafe.imports_passed_through():
         store_pause,
         waits_for_credentials,
     )
-    from workflows.signals import action_reward, build_action, uses_confidence, validate_reward_function
-    from workflows.steering_inbox import SteeringInbox
-    from workflows.termination import (
+    from durable_rlm.workflows.signals import (
+        action_reward,
+        build_action,
+        uses_confidence,
+        validate_reward_function,
+    )
+    from durable_rlm.workflows.steering_inbox import SteeringInbox
+    from durable_rlm.workflows.termination import (
         ActionResult,
         PolicyContext,
         PolicyDecision,
@@ -1102,11 +1113,11 @@ class EpisodeWorkflow:
         """(inbox, received, latest) of the rewards: what a next run or a fork carries."""
         return self._reward_inbox, self._rewards_received, self._reward_log[-defaults.AUDITED_REWARDS :]
 
-    _probing = False  # set by durable_rlm/forking.py's replay, which reads each iteration's end
+    _probing = False  # set by durable_rlm/timetravel/fork.py's replay, which reads each iteration's end
 
     def _iteration_ended(self, iteration: int, state: Callable[[], forks.Boundary]) -> None:
         """An iteration ended; `state()` is the state after it, as a fork would start from
-        it (a replay hook: only durable_rlm/forking.py's probe sets `_probing`)."""
+        it (a replay hook: only durable_rlm/timetravel/fork.py's probe sets `_probing`)."""
 
     def _elapsed(self, request: EpisodeRequest) -> timedelta:
         started = self._state.deadline - request.limits.max_duration

@@ -18,8 +18,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, ValidationError, best_match
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from workflows import defaults
-from workflows.parsing import fenced_blocks, shorten_middle
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.parsing import fenced_blocks, shorten_middle
 
 # --- output fields ---------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A fork's starting state: its source's state after iteration K (`drlm fork`).
 
 The state is what the workflow itself held at that boundary, read by replaying the
-source's history (durable_rlm/forking.py), so it is exact: chain heads, counters, policy
+source's history (durable_rlm/timetravel/fork.py), so it is exact: chain heads, counters, policy
 state, rewards. The fork runs no sandbox of its source's: its REPL is rebuilt from the
 cell log (and the latest snapshot) when its first cell needs it, answering the recorded
 calls from the log, so no model is called for the first K iterations.
@@ -13,7 +13,14 @@ from datetime import datetime, timedelta
 
 from pydantic import Field
 
-from workflows.models import EpisodeCarry, EpisodeLimits, EpisodeRequest, Message, RewardRecord, StrictModel
+from durable_rlm.workflows.models import (
+    EpisodeCarry,
+    EpisodeLimits,
+    EpisodeRequest,
+    Message,
+    RewardRecord,
+    StrictModel,
+)
 
 
 class Boundary(StrictModel):

@@ -3,7 +3,7 @@
 Old episodes replay with the rules they ran under: FINAL lines counted inside code blocks
 too, a string-literal-aware paren scan tried every FINAL line in turn, a code block could
 close at a ``` anywhere, and termination policies saw what cells printed. New episodes
-never use this module (see `workflows.parsing`). Kept verbatim; delete it once no
+never use this module (see `durable_rlm.workflows.parsing`). Kept verbatim; delete it once no
 execution recorded before the patch can still be replayed.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from workflows.parsing import FinalSignal
+from durable_rlm.workflows.parsing import FinalSignal
 
 _FINAL_VAR_START = re.compile(r"^[ \t]*FINAL_VAR\(", re.MULTILINE)
 _FINAL_START = re.compile(r"^[ \t]*FINAL\(", re.MULTILINE)

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from workflows import defaults, names
-from workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
 
 
 class StrictModel(BaseModel):
@@ -263,7 +263,8 @@ class ForkOrigin(StrictModel):
         default_factory=list, description="the source's own sources, when it is a fork itself"
     )
     lineage_mac: str | None = Field(
-        default=None, description="the lineage signed with the snapshot key (durable_rlm/snapshot_key.py)"
+        default=None,
+        description="the lineage signed with the snapshot key (durable_rlm/store/snapshot_key.py)",
     )
 
     @property
@@ -1088,7 +1089,7 @@ class AuditEpisodeInput(StrictModel):
         events: list[AuditEvent] | None = None,
     ) -> AuditEpisodeInput:
         """The episode's audit row from its request: the one function the workflow (live)
-        and `durable_rlm/projection.py` (rebuilt from history) both use, so the two rows
+        and `durable_rlm/audit/projection.py` (rebuilt from history) both use, so the two rows
         cannot drift apart."""
         return cls(
             episode_id=episode_id,

@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from workflows import prompts
-from workflows.fallback import FieldSpec, check_outputs
-from workflows.models import CellOutcome, EndReason, Message
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.fallback import FieldSpec, check_outputs
+from durable_rlm.workflows.models import CellOutcome, EndReason, Message
 
 
 @dataclass(frozen=True)

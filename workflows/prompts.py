@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from workflows import defaults
-from workflows.fallback import FieldSpec, format_output_fields
-from workflows.models import ContextRef, Message, ToolSpec
-from workflows.parsing import truncate_output
-from workflows.signals import CONFIDENCE_INSTRUCTION
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.fallback import FieldSpec, format_output_fields
+from durable_rlm.workflows.models import ContextRef, Message, ToolSpec
+from durable_rlm.workflows.parsing import truncate_output
+from durable_rlm.workflows.signals import CONFIDENCE_INSTRUCTION
 
 SYSTEM_PROMPT = """\
 You answer a query with the help of a Python REPL. The query's context lives in the REPL, \

@@ -19,10 +19,10 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
-from workflows import defaults, metadata, names
-from workflows.budget import ChildBudget, child_budgets, sub_call_refusal
-from workflows.calls import CallResult, CallSite, Route, route_for
-from workflows.models import (
+from durable_rlm.workflows import defaults, metadata, names
+from durable_rlm.workflows.budget import ChildBudget, child_budgets, sub_call_refusal
+from durable_rlm.workflows.calls import CallResult, CallSite, Route, route_for
+from durable_rlm.workflows.models import (
     COST_DIGITS,
     CallAnswer,
     CellOutcome,
@@ -36,8 +36,8 @@ from workflows.models import (
     SubCallRequest,
     VariableValue,
 )
-from workflows.parsing import is_variable_name
-from workflows.retries import (
+from durable_rlm.workflows.parsing import is_variable_name
+from durable_rlm.workflows.retries import (
     STEP_FAILURES,
     describe_failure,
     describe_lost_step,

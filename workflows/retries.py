@@ -18,8 +18,8 @@ from temporalio.exceptions import (
     TimeoutType,
 )
 
-from workflows import defaults, names
-from workflows.models import DurabilitySettings, FailureCause, ModelSettings
+from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows.models import DurabilitySettings, FailureCause, ModelSettings
 
 STEP_FAILURES = (ActivityError, ApplicationError, TimeoutError, CancelledError)
 """How a failed step reaches workflow code: an activity's failure wrapped in ActivityError; a

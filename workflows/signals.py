@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from workflows.termination import ActionResult, PolicyError
+from durable_rlm.workflows.termination import ActionResult, PolicyError
 
 # A line of its own: `CONFIDENCE: 0.9` or `confidence = 85%`. The last one in a reply counts.
 _STATED_CONFIDENCE = re.compile(r"^[ \t]*CONFIDENCE[ \t]*[:=][ \t]*([0-9]*\.?[0-9]+)[ \t]*(%?)", re.M | re.I)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from workflows import defaults
-from workflows.models import (
+from durable_rlm.workflows import defaults
+from durable_rlm.workflows.models import (
     ActionRecord,
     ApproveMode,
     CellDecision,
@@ -21,7 +21,7 @@ from workflows.models import (
     LimitsUpdate,
     Message,
 )
-from workflows.risk import assess
+from durable_rlm.workflows.risk import assess
 
 HINT_TURN = "A hint from {sender}, the person supervising this episode:\n{text}"
 CELL_REJECTED = "Not run: {sender} rejected this cell before it ran. Their reason: {reason}"

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from workflows import defaults, steering
-from workflows.models import (
+from durable_rlm.workflows import defaults, steering
+from durable_rlm.workflows.models import (
     ActionRecord,
     CellDecision,
     FinishUpdate,

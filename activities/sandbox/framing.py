@@ -1,7 +1,7 @@
 """The wire between a sandbox and its host: length-prefixed JSON frames on a pipe.
 
 One module for both ends, so they cannot disagree on the format: the worker imports it as
-`activities.sandbox.framing` (sandbox_protocol.py reads frames with its HEADER, repl writes
+`durable_rlm.activities.sandbox.framing` (sandbox_protocol.py reads frames with its HEADER, repl writes
 them with `encode_frame`), the sandbox loads it with its siblings (child.py). Standard
 library only, like everything the sandbox loads.
 """

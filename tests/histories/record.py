@@ -25,16 +25,16 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
-from activities.audit import AuditActivities
-from activities.llm import ModelActivities
-from durable_rlm.blobs import BlobStore, SqlBackend
-from durable_rlm.episodes import store_context
-from durable_rlm.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.activities.audit import AuditActivities
+from durable_rlm.activities.llm import ModelActivities
+from durable_rlm.client.episodes import store_context
 from durable_rlm.scripted import ScriptedModelServer, root_and_sub
 from durable_rlm.settings import Settings
-from durable_rlm.store import open_store
-from workflows import names
-from workflows.models import (
+from durable_rlm.store.blobs import BlobStore, SqlBackend
+from durable_rlm.store.sql import open_store
+from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import (
     CancelReceipt,
     CancelRequest,
     EpisodeLimits,
@@ -209,7 +209,7 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
 async def record_trees(client: Client, only: set[str]) -> None:
     """Episodes with child episodes (rlm_query): a finished tree, and a tree cancelled with
     extraction while its children ran. Each child's own history is kept too."""
-    from durable_rlm.episodes import cancel_episode
+    from durable_rlm.client.episodes import cancel_episode
 
     def by_model(turns: dict[str, list[str]]):
         def script(request):
@@ -421,7 +421,7 @@ async def record_steering(client: Client, only: set[str]) -> None:
     (holding the clock), a change of limits, and answer now."""
     if "steering" not in only:
         return
-    from durable_rlm import steering
+    from durable_rlm.client import steering
 
     turns = [
         "```repl\nx = 41\n```",
@@ -475,7 +475,7 @@ async def record_fork(client: Client, only: set[str]) -> None:
     continued by another model whose first cell needs the REPL rebuilt."""
     if "fork" not in only:
         return
-    from durable_rlm.forking import fork_episode
+    from durable_rlm.timetravel.fork import fork_episode
 
     source_turns = [
         "```repl\nx = 6\n```",

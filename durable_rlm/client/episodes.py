@@ -1,0 +1,438 @@
+"""Client side of episodes: store the context, start, follow progress, wait."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+import weakref
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from durable_rlm.errors import EpisodeIdInUse
+from durable_rlm.settings import ConfigurationError
+from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import metadata, names
+from durable_rlm.workflows.ending import CANCELLED, TIMED_OUT
+from durable_rlm.workflows.episode import episode_policy
+from durable_rlm.workflows.models import (
+    CancelReceipt,
+    CancelRequest,
+    ContextRef,
+    CredentialsReceipt,
+    EpisodeProgress,
+    EpisodeRequest,
+    EpisodeResult,
+    EpisodeStatus,
+    RewardReceipt,
+    RewardUpdate,
+)
+from durable_rlm.workflows.retries import describe_failure, ending_of
+
+
+def store_context(blobs: BlobStore, value: Any) -> ContextRef:
+    """Put the context in the blob store once; the episode carries only its digest."""
+    if isinstance(value, str):
+        return ContextRef(digest=blobs.put_text(value), kind="text", size=len(value), type_name="str")
+    text = json.dumps(value, ensure_ascii=False)
+    return ContextRef(
+        digest=blobs.put_text(text), kind="json", size=len(text), type_name=type(value).__name__
+    )
+
+
+def read_context_text(path: Path) -> str:
+    """A context file's text, or a one-line error saying what is wrong with the file."""
+    if path.is_dir():
+        raise ConfigurationError(f"context file {path} is a directory")
+    if not path.exists():
+        raise ConfigurationError(f"context file not found: {path}")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(
+            f"context file is not UTF-8 text: {path} ({exc.reason} at byte {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read context file {path}: {exc.strerror or exc}") from None
+
+
+def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
+    text = read_context_text(path)
+    if path.suffix.lower() == ".json":
+        try:
+            return store_context(blobs, json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from exc
+    return store_context(blobs, text)
+
+
+# client -> whether its namespace has our attributes (asked once per client)
+_REGISTERED: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
+
+
+async def has_search_attributes(client: Client) -> bool:
+    """Whether the namespace registered the episode list's search attributes (the embedded
+    server does; a cluster may not): an episode started with unknown ones is refused."""
+    known = _REGISTERED.get(client)
+    if known is None:
+        from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
+
+        try:
+            listed = await client.operator_service.list_search_attributes(
+                ListSearchAttributesRequest(namespace=client.namespace)
+            )
+            known = all(name in listed.custom_attributes for name, _ in metadata.SEARCH_ATTRIBUTES)
+        except RPCError:
+            known = False  # not allowed to ask: start without them
+        _REGISTERED[client] = known
+    return known
+
+
+def encrypting(client: Client) -> bool:
+    """Whether this client seals payloads (DRLM_ENCRYPTION_KEYS)."""
+    from durable_rlm.store.codec import encrypts
+
+    return encrypts(client.data_converter)
+
+
+def new_episode_id() -> str:
+    return f"ep-{uuid.uuid4().hex[:12]}"
+
+
+async def start_episode(
+    client: Client, request: EpisodeRequest, task_queue: str, episode_id: str | None = None
+) -> WorkflowHandle[Any, EpisodeResult]:
+    """Start an episode; a bad policy or reward function is rejected here, before any call."""
+    episode_policy(request)
+    chosen = episode_id or new_episode_id()
+    if encrypting(client) and not request.private_text:
+        request = request.model_copy(update={"private_text": True})  # children inherit it
+    shown = metadata.PRIVATE_TEXT if request.private_text else request.task
+    attributes = (
+        metadata.start_search_attributes(shown, request.root_model.model)
+        if await has_search_attributes(client)
+        else None
+    )
+    try:
+        return await client.start_workflow(
+            names.WORKFLOW,
+            request,
+            id=chosen,
+            task_queue=task_queue,
+            search_attributes=attributes,
+            static_summary=metadata.shorten(request.task),
+            result_type=EpisodeResult,
+            task_timeout=timedelta(seconds=request.durability.task_timeout_s),
+            request_eager_start=True,  # taken only when this client's process runs a worker
+            # An id names one episode for good: its history, audit row and timeline.
+            id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+        )
+    except WorkflowAlreadyStartedError:
+        raise EpisodeIdInUse(
+            f"episode id {chosen!r} is already used: choose another id, or see it with `drlm show {chosen}`"
+        ) from None
+
+
+class EpisodeEnd(BaseModel):
+    """How an episode ended, whatever way: a result, or the failure, cancellation,
+    termination or timeout that ended it without one. Or, status "paused", how it stopped
+    without ending: a model call waits for a fixed key (`error` says which and what to do;
+    `retry_credentials` goes on once the worker has it)."""
+
+    episode_id: str
+    status: EpisodeStatus | Literal["paused"]
+    result: EpisodeResult | None = None
+    error: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        """One flat JSON object for scripts: the result's fields plus the status."""
+        if self.result is not None:
+            return {"status": self.status, **self.result.model_dump(mode="json")}
+        return {
+            "episode_id": self.episode_id,
+            "status": self.status,
+            "answer": None,
+            "answer_source": "none",
+            "confidence": None,
+            "stop_reason": self.error,
+            "error": self.error,
+            "iterations": None,
+            "usage": None,
+        }
+
+
+def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
+    return ending_of(error.cause)  # type: ignore[return-value]
+
+
+async def closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:
+    """What ended an episode that has no result, as the audit store and the CLI say it."""
+    if status == "cancelled":
+        return CANCELLED
+    if status == "timed_out":
+        return TIMED_OUT
+    if status not in ("failed", "terminated"):
+        return None
+    history = await handle.fetch_history()
+    last = history.events[-1]
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
+        return last.workflow_execution_failed_event_attributes.failure.message
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED:
+        reason = last.workflow_execution_terminated_event_attributes.reason
+        return f"terminated: {reason}" if reason else "terminated"
+    return None
+
+
+async def wait_end(
+    handle: WorkflowHandle[Any, EpisodeResult], result: asyncio.Future | None = None
+) -> EpisodeEnd:
+    try:
+        value = await (result if result is not None else handle.result())
+    except WorkflowFailureError as exc:
+        status = failure_status(exc)
+        message = await closing_error(handle, status) or describe_failure(exc.cause or exc)
+        return EpisodeEnd(episode_id=handle.id, status=status, error=message)
+    return EpisodeEnd(episode_id=handle.id, status=value.status, result=value)
+
+
+async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
+    """The step the episode waits on, its attempt and last failure, as a line for a person."""
+    try:
+        description = await handle.describe()
+    except RPCError:
+        return None
+    pending = list(description.raw_description.pending_activities)
+    if not pending:
+        # A local REPL step runs inside a workflow task: no pending activity shows it, but
+        # a task retried after its worker was lost does.
+        task = description.raw_description.pending_workflow_task
+        if task.attempt > 1:
+            return f"local step on a new worker after one was lost (workflow task attempt {task.attempt})"
+        return None
+    step = pending[-1]
+    name = step.activity_type.name.removeprefix("drlm.").replace("_", " ")
+    attempt = f"attempt {step.attempt}" + (f" of {step.maximum_attempts}" if step.maximum_attempts else "")
+    failure = f"; last failure: {step.last_failure.message}" if step.last_failure.message else ""
+    return f"{name}, {attempt}{failure}"
+
+
+WAITING_EVERY_S = 10.0
+
+
+def _raise_if_cancel_was_swallowed() -> None:
+    """Python 3.11's `asyncio.wait_for` (inside the SDK's calls) returns a result that came
+    with a cancellation and drops the cancellation; Ctrl-C (asyncio.run cancels the main
+    task) would then be lost and `drlm run` follow the episode to its end. The task still
+    counts the request: honour it."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+async def follow(
+    handle: WorkflowHandle[Any, EpisodeResult],
+    on_progress: Callable[[str], None] | None = None,
+    poll_s: float = 0.3,
+    waiting_every_s: float = WAITING_EVERY_S,
+    on_state: Callable[[EpisodeProgress], None] | None = None,
+) -> EpisodeEnd:
+    """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
+    how long the current step has been waiting (a hung model shows, it is not silence).
+    Returns early, status "paused", when the episode waits for a fixed key: it would wait
+    for nothing else, until its deadline."""
+    result_task = asyncio.ensure_future(handle.result())
+    seen: tuple[int, str] = (-1, "")
+    last_waiting = 0.0
+    actions_seen = 0
+    try:
+        while not result_task.done():
+            await asyncio.wait({result_task}, timeout=poll_s)
+            if result_task.done():
+                continue
+            try:
+                progress: EpisodeProgress = await handle.query("progress", result_type=EpisodeProgress)
+            except RPCError:
+                continue
+            finally:
+                _raise_if_cancel_was_swallowed()
+            if on_state is not None:
+                on_state(progress)  # every answer: the live view redraws its bars
+            if progress.paused is not None and not progress.finished:
+                return EpisodeEnd(episode_id=handle.id, status="paused", error=progress.paused)
+            if on_progress is None:
+                continue
+            for action in progress.actions:
+                if action.number > actions_seen:
+                    on_progress(f"action {action.number}: {action.kind} by {action.sender}: {action.detail}")
+            actions_seen = max(actions_seen, progress.actions_total)
+            if (progress.iteration, progress.phase) != seen:
+                seen = (progress.iteration, progress.phase)
+                last_waiting = 0.0
+                on_progress(
+                    f"iteration {progress.iteration}: {progress.phase} "
+                    f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
+                )
+                waiting = progress.pending_cell
+                if waiting is not None:
+                    on_progress(
+                        f"  `drlm pending` shows it; `drlm approve {waiting.approval_id} [--edit FILE]` "
+                        f"or `drlm reject {waiting.approval_id} --reason TEXT`"
+                    )
+                continue
+            if progress.phase_started is None or progress.finished:
+                continue
+            waited = (datetime.now(UTC) - progress.phase_started).total_seconds()
+            if waited - last_waiting >= waiting_every_s:
+                last_waiting = waited
+                step = await pending_step(handle)
+                on_progress(f"still {progress.phase}: {waited:.0f} s" + (f" ({step})" if step else ""))
+        return await wait_end(handle, result_task)
+    finally:
+        if not result_task.done():
+            result_task.cancel()
+
+
+async def send_reward(
+    client: Client, episode_id: str, value: float, note: str | None = None
+) -> RewardReceipt:
+    """Send a reward to a running episode (a Temporal update: it returns once applied)."""
+    handle = client.get_workflow_handle(episode_id)
+    return await handle.execute_update(
+        "reward", RewardUpdate(value=value, note=note), result_type=RewardReceipt
+    )
+
+
+class CredentialsOutcome(BaseModel):
+    """What `retry_credentials` did: how many paused model calls run again, or why none."""
+
+    episode_id: str
+    accepted: bool
+    waiting_calls: int = 0
+    message: str
+
+
+async def retry_credentials(client: Client, episode_id: str) -> CredentialsOutcome:
+    """Tell an episode that the worker's key was fixed: every model call paused on a
+    refused key runs again (with the credentials of the worker that runs it). When nothing
+    waits, nothing changes (not accepted, and no history is written), so `drlm resume` may
+    always send it. A worker must be running: this is a Temporal update, answered once
+    applied."""
+    receipt, refused = await update_running(
+        client, episode_id, names.RETRY_CREDENTIALS, None, CredentialsReceipt, "nothing to retry"
+    )
+    if refused is not None:
+        return CredentialsOutcome(episode_id=episode_id, accepted=False, message=refused)
+    waiting = receipt.waiting_calls
+    return CredentialsOutcome(
+        episode_id=episode_id,
+        accepted=True,
+        waiting_calls=waiting,
+        message=f"episode {episode_id}: {waiting} paused model call(s) run again with the worker's key",
+    )
+
+
+def own_task_queue(shared: str) -> str:
+    """A task queue of this process's own, beside the shared one: an embedded session (a
+    `drlm run`, a script's `completion()`) starts its episodes there and its worker polls
+    only there, so a short-lived process never takes up another person's episode and
+    leaves it mid-call when it exits. Its episodes go on with `drlm resume ID`, which polls
+    the episode's own queue (`episode_task_queue`)."""
+    return f"{shared}.own-{uuid.uuid4().hex[:12]}"
+
+
+async def episode_task_queue(client: Client, episode_id: str) -> str:
+    """The task queue an episode's workflow tasks go to (shared, or a session's own)."""
+    return (await describe_episode(client.get_workflow_handle(episode_id))).task_queue
+
+
+async def workers_polling(client: Client, task_queue: str) -> int:
+    """How many workers polled `task_queue` for workflow tasks lately (the server forgets a
+    poller about a minute after its last poll)."""
+    reply = await client.workflow_service.describe_task_queue(
+        DescribeTaskQueueRequest(
+            namespace=client.namespace,
+            task_queue=TaskQueue(name=task_queue),
+            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
+        )
+    )
+    return len(reply.pollers)
+
+
+async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:
+    """The episode's description; an id the server does not know is a LookupError."""
+    try:
+        return await handle.describe()
+    except RPCError as exc:
+        if exc.status == RPCStatusCode.NOT_FOUND:
+            raise LookupError(f"no episode with id {handle.id!r}") from None
+        raise
+
+
+async def update_running(
+    client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
+) -> tuple[Any, str | None]:
+    """Send an update to a running episode: (its receipt, None), or (None, why not: it has
+    ended, or the workflow refused the update)."""
+    handle = client.get_workflow_handle(episode_id)
+    status = (await describe_episode(handle)).status
+    if status is not None and status != WorkflowExecutionStatus.RUNNING:
+        return None, f"episode {episode_id} has already ended ({status.name.lower()}); {unchanged}"
+    try:
+        args = [] if arg is None else [arg]
+        return await handle.execute_update(update, args=args, result_type=result_type), None
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause.message if isinstance(exc.cause, ApplicationError) else str(exc.cause or exc)
+        return None, f"episode {episode_id}: {cause}"
+    except RPCError as exc:
+        # It ended between the look and the update (a worker finished it meanwhile).
+        if exc.status == RPCStatusCode.NOT_FOUND or "already completed" in str(exc):
+            return None, f"episode {episode_id} has already ended; {unchanged}"
+        raise
+
+
+class CancelOutcome(BaseModel):
+    """What `cancel_episode` did: accepted, or why nothing was changed."""
+
+    episode_id: str
+    accepted: bool
+    message: str
+    receipt: CancelReceipt | None = None
+
+
+async def cancel_episode(
+    client: Client, episode_id: str, extract: bool = False, reason: str = "cancelled by request"
+) -> CancelOutcome:
+    """Cancel an episode and every descendant. With `extract`, it first runs fallback
+    extraction, so the result holds what was found so far. An episode that already ended
+    is left as it is, and the outcome says so."""
+    receipt, refused = await update_running(
+        client, episode_id, "cancel", CancelRequest(extract=extract, reason=reason), CancelReceipt,
+        "nothing was changed",
+    )  # fmt: skip
+    if refused is not None:
+        return CancelOutcome(episode_id=episode_id, accepted=False, message=refused)
+    what = "extracting what was found, then ending" if extract else "ending"
+    return CancelOutcome(
+        episode_id=episode_id,
+        accepted=True,
+        message=f"episode {episode_id}: cancel accepted at iteration {receipt.iteration}; {what}",
+        receipt=receipt,
+    )

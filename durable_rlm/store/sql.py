@@ -1,0 +1,127 @@
+"""The SQL store (SQLite by default, PostgreSQL in production): engine and migrations."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.resources
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from durable_rlm.errors import ConfigurationError
+
+MIGRATIONS_DIR = Path(
+    str(importlib.resources.files("durable_rlm.migrations"))
+)  # the wheel's or the checkout's
+
+
+def create_engine(url: str) -> sa.Engine:
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+            # WAL lets the CLI, workers and tests share one file without blocking readers.
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=30000")
+            cursor.close()
+
+        return engine
+    return sa.create_engine(url, pool_pre_ping=True)
+
+
+def alembic_config(engine: sa.Engine) -> Any:
+    from alembic.config import Config  # imported when migrating: readers start faster
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    return config
+
+
+MIGRATION_LOCK_KEY = 0x64726C6D  # "drlm": PostgreSQL advisory lock held while migrating
+
+
+def migrate(engine: sa.Engine, revision: str = "head") -> None:
+    """Upgrade the schema; processes starting at once (two `drlm run`, a worker) take turns
+    instead of racing to create the same tables."""
+    with _migration_lock(engine), engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        config = alembic_config(engine)
+        config.attributes["connection"] = connection
+        from alembic import command
+
+        command.upgrade(config, revision)
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: sa.Engine) -> Iterator[None]:
+    database = engine.url.database if engine.url.get_backend_name() == "sqlite" else None
+    if not database or database == ":memory:":
+        yield
+        return
+    with open(f"{database}.migrate.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def downgrade(engine: sa.Engine, revision: str = "base") -> None:
+    with engine.begin() as connection:
+        config = alembic_config(engine)
+        config.attributes["connection"] = connection
+        from alembic import command
+
+        command.downgrade(config, revision)
+
+
+def open_store(url: str) -> sa.Engine:
+    """An engine on a migrated database; creates the SQLite file's folder if needed."""
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url)
+    migrate(engine)
+    return engine
+
+
+class StoreMismatch(ConfigurationError):
+    """This process would keep blobs somewhere the store's other processes do not look."""
+
+
+def agree_on_blob_store(engine: sa.Engine, blob_store: str) -> None:
+    """Refuse a process whose blob store differs from the one the SQL store has recorded:
+    episodes it started would hold digests of blobs no other worker can read (stranded).
+    The first process to use a store records its choice."""
+    import os
+    import socket
+
+    from durable_rlm.store import schema
+
+    table = schema.store_facts
+    here = "sql" if blob_store == "sql" else f"directory {Path(blob_store).resolve()}"
+    who = f"{socket.gethostname()} pid {os.getpid()}"
+    with engine.begin() as conn:
+        known = conn.execute(sa.select(table).where(table.c.name == "blob_store")).mappings().first()
+        if known is None:
+            try:
+                with conn.begin_nested():
+                    conn.execute(table.insert().values(name="blob_store", value=here, recorded_by=who))
+                return
+            except sa.exc.IntegrityError:  # another process recorded it first: compare with that
+                known = conn.execute(sa.select(table).where(table.c.name == "blob_store")).mappings().one()
+    if known["value"] != here:
+        where = "the SQL store's blobs table" if known["value"] == "sql" else known["value"]
+        mine = "the SQL store's blobs table" if here == "sql" else here
+        raise StoreMismatch(
+            f"this store's blobs live in {where} (recorded by {known['recorded_by']}), but this "
+            f"process would keep them in {mine} (DRLM_BLOB_STORE): episodes it started would "
+            "hold blobs no other worker can read. Use the same DRLM_BLOB_STORE everywhere"
+        )
