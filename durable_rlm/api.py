@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import AsyncIterator, Sequence
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -293,43 +292,23 @@ class DurableRLM:
         )
         return Episode(services, handle)
 
-    async def fork(
-        self,
-        source_id: str,
-        at: int,
-        *,
-        episode_id: str | None = None,
-        model: str | None = None,
-        base_url: str | None = None,
-        sub_model: str | None = None,
-        sub_base_url: str | None = None,
-        policy: str | None = None,
-        policy_config: dict[str, Any] | None = None,
-        max_iterations: int | None = None,
-        max_duration: timedelta | None = None,
-    ) -> Episode:
+    async def fork(self, source_id: str, at: int, **changes: Any) -> Episode:
         """A new episode from `source_id`'s state after iteration `at` (`drlm fork`): the
         first `at` iterations are inherited, not paid again; the source is not touched.
-        Settings left None are the source's, not this DurableRLM's."""
+        `changes` are the fork settings (durable_rlm/timetravel/fork.py `ForkChanges`:
+        episode_id, model, base_url, sub_model, sub_base_url, policy, policy_config,
+        max_iterations, max_duration); those left out are the source's, not this DurableRLM's."""
         if self._services is None:
             raise ConfigurationError("fork() needs an open session: use `async with rlm:` around it")
-        from durable_rlm.timetravel.fork import fork_episode
+        from durable_rlm.timetravel.fork import fork_episode  # start-up: the replayer and the workflow code
 
         handle, _ = await fork_episode(
             self._services.client,
             self._services.settings.task_queue,
             source_id,
             at,
-            episode_id=episode_id,
-            model=model,
-            base_url=base_url,
-            sub_model=sub_model,
-            sub_base_url=sub_base_url,
-            policy=policy,
-            policy_config=policy_config,
-            max_iterations=max_iterations,
-            max_duration=max_duration,
             settings=self.settings,
+            **changes,
         )
         return Episode(self._services, handle)
 

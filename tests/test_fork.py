@@ -200,6 +200,9 @@ async def test_bad_forks_are_refused_before_anything_starts(client, scripted, wo
         ({"at": 5}, "it has 4 finished iteration(s); --at takes 1 to 4"),
         ({"at": 2, "max_iterations": 2}, "--max-iterations 2 leaves the fork no iteration after 2"),
         ({"at": 2, "policy": "no_such_policy"}, "invalid fork: "),
+        # One list of fork settings (ForkChanges): a misspelt or mistyped one is named.
+        ({"at": 2, "modle": "m2"}, "invalid fork: modle: not a fork setting (fork settings: episode_id, model,"),
+        ({"at": 2, "max_iterations": "many"}, "invalid fork: max_iterations: Input should be a valid integer"),
     ]
     for changes, message in cases:
         arguments = {"source_id": source_id, **changes}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict, ValidationError
 from temporalio import workflow
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
@@ -247,45 +248,77 @@ def fork_id(source_id: str, iteration: int) -> str:
     return f"{source_id}-fork{iteration}-{secrets.token_hex(2)}"
 
 
+class ForkChanges(BaseModel):
+    """What a fork changes from its source: the one list of fork settings, read by
+    `DurableRLM.fork(...)`, `drlm fork` and `fork_episode`. None keeps the source's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    episode_id: str | None = None  # default: SOURCE-forkK-xxxx
+    model: str | None = None
+    base_url: str | None = None
+    sub_model: str | None = None
+    sub_base_url: str | None = None
+    policy: str | None = None
+    policy_config: dict[str, Any] | None = None
+    max_iterations: int | None = None
+    max_duration: timedelta | None = None  # a number is seconds
+
+    @classmethod
+    def of(cls, changes: dict[str, Any]) -> ForkChanges:
+        """The changes, or a ForkError that names a misspelt or mistyped setting."""
+        try:
+            return cls.model_validate(changes)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'fork'}: "
+                + ("not a fork setting" if e["type"] == "extra_forbidden" else e["msg"])
+                for e in exc.errors()
+            )
+            raise ForkError(
+                f"invalid fork: {problems} (fork settings: {', '.join(cls.model_fields)})"
+            ) from None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ForkChanges:
+        """`drlm fork`'s flags: each setting has its flag (`--id` is the episode id)."""
+        fields = {name: getattr(args, name, None) for name in cls.model_fields}
+        fields["episode_id"] = args.id
+        return cls.of(fields)
+
+
 async def fork_episode(
     client: Client,
     task_queue: str,
     source_id: str,
     at: int,
     *,
-    episode_id: str | None = None,
-    model: str | None = None,
-    base_url: str | None = None,
-    sub_model: str | None = None,
-    sub_base_url: str | None = None,
-    policy: str | None = None,
-    policy_config: dict[str, Any] | None = None,
-    max_iterations: int | None = None,
-    max_duration: timedelta | None = None,
     settings: Settings | None = None,
+    **changes: Any,
 ) -> tuple[Any, ForkPoint]:
     """Check everything, then start a fork of `source_id` after iteration `at`: (its
-    handle, where it branched). A changed model gets the price table's price (`settings`
-    names a user price file; without it, the shipped table)."""
+    handle, where it branched). `changes` are ForkChanges' fields. A changed model gets the
+    price table's price (`settings` names a user price file; without it, the shipped table)."""
     from durable_rlm.client.episodes import start_episode
 
+    wanted = ForkChanges.of(changes)
     point = await fork_point(client, source_id, at)
     source = point.request
     root = sub = None
-    if model or base_url:
-        root = _model(source.root_model, model, base_url, settings)
-    if sub_model or sub_base_url:
-        sub = _model(source.effective_sub_model, sub_model, sub_base_url, settings)
-    chosen = episode_id or fork_id(source_id, at)
+    if wanted.model or wanted.base_url:
+        root = _model(source.root_model, wanted.model, wanted.base_url, settings)
+    if wanted.sub_model or wanted.sub_base_url:
+        sub = _model(source.effective_sub_model, wanted.sub_model, wanted.sub_base_url, settings)
+    chosen = wanted.episode_id or fork_id(source_id, at)
     settings = settings or Settings.from_env()
     request = fork_request(
         point,
         root_model=root,
         sub_model=sub,
-        policy=policy,
-        policy_config=policy_config,
-        max_iterations=max_iterations,
-        max_duration=max_duration,
+        policy=wanted.policy,
+        policy_config=wanted.policy_config,
+        max_iterations=wanted.max_iterations,
+        max_duration=wanted.max_duration,
         signed_for=(chosen, snapshot_key(settings.snapshot_key, settings.data_dir)),
     )
     handle = await start_episode(client, request, task_queue, chosen)
@@ -309,21 +342,14 @@ async def fork_command(
     services: Services, settings: Settings, args: Any, say: Callable[[str], None] | None
 ) -> Any:
     """`drlm fork`: check everything, then start the fork; its handle."""
+    changes = ForkChanges.from_args(args)
     handle, point = await fork_episode(
         services.client,
         settings.task_queue,
         args.episode_id,
         args.at,
-        episode_id=args.id,
-        model=args.model,
-        base_url=args.base_url,
-        sub_model=args.sub_model,
-        sub_base_url=args.sub_base_url,
-        policy=args.policy,
-        policy_config=args.policy_config,
-        max_iterations=args.max_iterations,
-        max_duration=None if args.max_duration is None else timedelta(seconds=args.max_duration),
         settings=settings,
+        **changes.model_dump(),
     )
     if say is not None:
         say(f"episode {handle.id} started: {describe_fork(point)}")
