@@ -104,9 +104,7 @@ class DurableRLM:
         cell; `system_prompt` replaces the built-in one. `reports_cost`: the provider returns
         each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
         price for these models."""
-        from durable_rlm.worker.runtime import (
-            import_policy_modules,  # start-up: temporalio, the stores (0.3 s)
-        )
+        from durable_rlm.worker.runtime import import_policy_modules  # start-up: temporalio, stores (0.3 s)
         from durable_rlm.workflows.episode import episode_policy  # start-up: temporalio's workflow module
 
         _freeze_at_exit()
@@ -323,7 +321,7 @@ class DurableRLM:
         """Re-run recorded episodes with the current code, every model call answered from
         the recording (`drlm rerun`): a report per episode, same / different / diverged.
         Settings left None are each source's own."""
-        from durable_rlm.timetravel.rerun import PolicyChange, rerun_episodes
+        from durable_rlm.timetravel.rerun import PolicyChange, rerun_episodes  # start-up: the replayer
 
         change = PolicyChange(policy, policy_config, scan_printed_output)
         async with self._session() as services:
@@ -359,9 +357,7 @@ class Episode:
     async def end(self) -> EpisodeEnd:
         """How it ended, whatever way (a result, or the failure without one), or status
         "paused" when a model call waits for a fixed key (then `retry_credentials()`)."""
-        from durable_rlm.client import (
-            episodes,  # start-up: temporalio and the stores, loaded with the session
-        )
+        from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session
 
         return await episodes.follow(self.handle)
 
@@ -378,16 +374,12 @@ class Episode:
         return await self.handle.query("progress", result_type=EpisodeProgress)
 
     async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
-        from durable_rlm.client import (
-            episodes,  # start-up: temporalio and the stores, loaded with the session
-        )
+        from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session
 
         return await episodes.cancel_episode(self.services.client, self.id, extract, reason)
 
     async def reward(self, value: float, note: str | None = None) -> RewardReceipt:
-        from durable_rlm.client import (
-            episodes,  # start-up: temporalio and the stores, loaded with the session
-        )
+        from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session
 
         return await episodes.send_reward(self.services.client, self.id, value, note)
 
@@ -460,9 +452,7 @@ class Episode:
         """After a pause on a refused key: the calls that waited run again, with the key
         the worker has now (an embedded worker reads this process's environment when no
         `api_key` was given)."""
-        from durable_rlm.client import (
-            episodes,  # start-up: temporalio and the stores, loaded with the session
-        )
+        from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session
 
         return await episodes.retry_credentials(self.services.client, self.id)
 

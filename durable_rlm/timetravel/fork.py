@@ -10,6 +10,7 @@ snapshots are content-addressed, so the fork's new entries are its own).
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -20,8 +21,10 @@ from temporalio import workflow
 from temporalio.worker import Replayer, UnsandboxedWorkflowRunner
 
 from durable_rlm.audit.history import decode, episode_runs
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.endpoints import model_settings
 from durable_rlm.errors import DurableRLMError
+from durable_rlm.prices import PriceTable
 from durable_rlm.settings import Settings
 from durable_rlm.store.snapshot_key import lineage_mac, snapshot_key
 from durable_rlm.workflows import names
@@ -243,8 +246,6 @@ def describe_fork(point: ForkPoint) -> str:
 
 
 def fork_id(source_id: str, iteration: int) -> str:
-    import secrets
-
     return f"{source_id}-fork{iteration}-{secrets.token_hex(2)}"
 
 
@@ -299,7 +300,6 @@ async def fork_episode(
     """Check everything, then start a fork of `source_id` after iteration `at`: (its
     handle, where it branched). `changes` are ForkChanges' fields. A changed model gets the
     price table's price (`settings` names a user price file; without it, the shipped table)."""
-    from durable_rlm.client.episodes import start_episode
 
     wanted = ForkChanges.of(changes)
     point = await fork_point(client, source_id, at)
@@ -329,7 +329,6 @@ def _model(
     current: ModelSettings, name: str | None, base_url: str | None, settings: Settings | None
 ) -> ModelSettings:
     """Another model on the current one's endpoint and options, priced from the table."""
-    from durable_rlm.prices import PriceTable
 
     base = current.model_dump(exclude={"model", "price"})
     if base_url:
