@@ -1,0 +1,111 @@
+"""The house (issue 34): what the wheel installs, and the floors the rooms keep.
+
+The wheel is built and installed for real (`pip install --no-deps --target`), and everything
+is checked on what it installed: only `durable_rlm` at the top, the repository's
+`workflows/`, `activities/` and `migrations/` inside it, the worker runnable from it, a user
+project with its own `workflows` package unharmed beside it, and import-linter's contract
+(pyproject.toml [tool.importlinter]: a cycle or an arrow against the floors breaks it) kept
+with no exception listed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+BIN = Path(PYTHON).parent
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel, installed into a folder of its own (its dependencies are this venv's)."""
+    target = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path_factory.mktemp("build"),  # not the checkout: nothing of it on the path
+    )
+    return target
+
+
+def run_beside(installed: Path, code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter that finds durable_rlm only in the installed wheel."""
+    return subprocess.run(
+        [PYTHON, "-I", "-c", f"import sys; sys.path[:0] = [{str(cwd)!r}, {str(installed)!r}]\n{code}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
+
+
+def test_the_wheel_installs_only_the_project_s_package(installed: Path) -> None:
+    tops = {p.name for p in installed.iterdir() if not p.name.endswith(".dist-info") and p.name != "bin"}
+    assert tops == {"durable_rlm"}
+    (info,) = installed.glob("durable_rlm-*.dist-info")
+    assert (info / "top_level.txt").read_text().split() == ["durable_rlm"]
+    package = installed / "durable_rlm"
+    for folder in ("workflows", "activities", "activities/sandbox", "migrations", "migrations/versions"):
+        assert (package / folder / "__init__.py").is_file(), folder
+    assert (package / "migrations" / "script.py.mako").is_file()
+    assert (package / "prices.json").is_file() and list((package / "viewer" / "static").iterdir())
+    # Every package is in pyproject's list (setuptools installs only those): none left out.
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    inits = package.rglob("__init__.py")
+    found = {".".join(("durable_rlm", *p.parent.relative_to(package).parts)) for p in inits}
+    assert found == listed
+    sources = {p.parent for p in ROOT.glob("**/__init__.py") if ".venv" not in p.parts}
+    assert len(sources & {ROOT / "workflows", ROOT / "activities", ROOT / "migrations"}) == 3
+
+
+def test_a_user_s_own_workflows_package_is_not_shadowed(installed: Path, tmp_path: Path) -> None:
+    """The reported failure: a project with its own `workflows` could not import ours."""
+    (tmp_path / "workflows").mkdir()
+    (tmp_path / "workflows" / "__init__.py").write_text("MINE = True\n")
+    (tmp_path / "activities.py").write_text("MINE = True\n")
+    code = (
+        "import workflows, activities\n"
+        "from durable_rlm import DurableRLM, EpisodeRequest\n"
+        "import durable_rlm.workflows.models, durable_rlm.worker.main, durable_rlm.store.sql as sql\n"
+        "assert workflows.MINE and activities.MINE\n"
+        "assert durable_rlm.workflows.models.__file__.startswith(sys.path[1])\n"
+        "assert (sql.MIGRATIONS_DIR / 'env.py').is_file(), sql.MIGRATIONS_DIR\n"
+        "print('ok')\n"
+    )
+    done = run_beside(installed, code, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_installed_worker_runs_its_command_line(installed: Path, tmp_path: Path) -> None:
+    """`drlm worker` and `python worker.py` both start durable_rlm.worker.main; from the
+    wheel it parses its flags (a bad one is a usage error naming it)."""
+    code = "from durable_rlm.worker.main import main\nmain(['--processes', 'many'])"
+    done = run_beside(installed, code, tmp_path)
+    assert done.returncode == 2 and "many" in done.stderr, done.stderr
+
+
+def test_the_floors_hold_with_no_exception(installed: Path) -> None:
+    """import-linter on what the wheel installed: no cycle, no arrow up the floors, every
+    room on a floor (`exhaustive`), and no `ignore_imports` to hide one."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    for contract in config["contracts"]:
+        assert "ignore_imports" not in contract and "skip_descendants" not in contract
+        assert contract.get("exhaustive", contract["type"] != "layers") is True
+    done = subprocess.run(
+        [str(BIN / "lint-imports"), str(ROOT / "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=installed,
+        env={"PYTHONPATH": str(installed), "PATH": str(BIN)},
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "2 kept, 0 broken" in done.stdout
