@@ -16,6 +16,8 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 
+from durable_rlm.activities.sandbox.framing import HEADER
+from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD, FrameInbox, read_frames
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.store.codec import KEY_ID, EncryptionCodec, data_converter
 from durable_rlm.store.encryption import Keyring
@@ -143,3 +145,39 @@ async def test_the_deadline_is_not_recounted_by_a_new_run(tmp_path: Path, store,
     assert progress.started_at is not None and first_start is not None
     assert abs((progress.started_at - first_start).total_seconds()) < 1.0, (progress.started_at, first_start)
     assert description.start_time is not None and (description.start_time - first_start).total_seconds() > 1.5
+
+
+# --- the frame queue holds a sandbox's frames within its budget -----------------------------
+
+
+async def test_the_frame_queue_reads_no_further_than_its_budget() -> None:
+    """A sandbox that writes frames faster than its host takes them: the reader stops at the
+    budget (the bytes wait in the pipe, in the sandbox's memory), and goes on as frames are
+    taken. With the bound removed, all of them would sit in the worker's memory."""
+    frame = b"x" * 4_000
+    size = len(frame) + FRAME_OVERHEAD
+    stream = asyncio.StreamReader()
+    for _ in range(10):
+        stream.feed_data(HEADER.pack(len(frame)) + frame)
+    stream.feed_eof()
+    inbox = FrameInbox(budget=3 * size)
+    reader = asyncio.create_task(read_frames(stream, inbox, max_frame=1 << 20))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert inbox.held == 3 * size and not reader.done()  # three frames in, seven wait
+    taken = [await inbox.get() for _ in range(10)]
+    assert taken == [frame] * 10 and inbox.held <= 3 * size
+    assert await inbox.get() is None  # and the end is told
+    await reader
+
+
+async def test_one_frame_larger_than_the_budget_still_passes_alone() -> None:
+    """The budget never deadlocks a frame within the frame limit: alone, it always fits."""
+    inbox = FrameInbox(budget=10)
+    await asyncio.wait_for(inbox.reserve(1_000), 1)
+    inbox.put(b"big", 1_000)
+    second = asyncio.create_task(inbox.reserve(5))
+    await asyncio.sleep(0)
+    assert not second.done()  # waits while the big one is held
+    assert await inbox.get() == b"big"
+    await asyncio.wait_for(second, 1)
