@@ -11,6 +11,11 @@ results, prints the score per module and every survivor, marks the survivors tha
 docs/mutation.md has reviewed, and exits non-zero when fewer than 90% of the mutants are
 killed, in all or in any one module (a weak module must not hide behind strong ones). A
 timeout counts as killed: the mutant made the tests hang, which a real run notices.
+
+mutmut runs in a staged copy of the tree laid out as the wheel installs it (`mutation/`:
+durable_rlm/ with workflows/, activities/ and migrations/ inside). mutmut names a mutant by
+the path it mutated and its trampoline looks it up by the function's `__module__`; the
+code's modules are `durable_rlm.workflows.*`, so the mutated files must sit at that path.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -30,6 +37,8 @@ from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
 REVIEWED = ROOT / "docs" / "mutation.md"
+STAGE = ROOT / "mutation"  # the staged tree (git-ignored); its mutants/ holds mutmut's results
+MAPPED = ("workflows", "activities", "migrations")  # top-level here, inside durable_rlm installed
 THRESHOLD = 0.90
 KILLED = {"killed", "timeout", "caught by type check"}
 
@@ -37,9 +46,9 @@ KILLED = {"killed", "timeout", "caught by type check"}
 def results() -> dict[str, dict[str, str]]:
     """Status of every mutant, by module, from mutmut's own meta files."""
     by_module: dict[str, dict[str, str]] = {}
-    for meta in sorted((ROOT / "mutants").rglob("*.py.meta")):
+    for meta in sorted((STAGE / "mutants").rglob("*.py.meta")):
         codes = json.loads(meta.read_text())["exit_code_by_key"]
-        module = str(meta.relative_to(ROOT / "mutants")).removesuffix(".meta")
+        module = str(meta.relative_to(STAGE / "mutants")).removesuffix(".meta").removeprefix("durable_rlm/")
         by_module[module] = {key: status_by_exit_code[code] for key, code in codes.items()}
     return by_module
 
@@ -48,7 +57,31 @@ def reviewed_names() -> set[str]:
     """Mutant names that docs/mutation.md lists (in backticks) as reviewed survivors."""
     if not REVIEWED.exists():
         return set()
-    return set(re.findall(r"`(workflows\.[\w.]+__mutmut_\d+)`", REVIEWED.read_text()))
+    return set(re.findall(r"`(durable_rlm\.workflows\.[\w.]+__mutmut_\d+)`", REVIEWED.read_text()))
+
+
+def stage() -> None:
+    """The installed layout under STAGE, with pyproject's [tool.mutmut] pointed at it."""
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    if STAGE.exists():
+        shutil.rmtree(STAGE)
+    shutil.copytree(ROOT / "durable_rlm", STAGE / "durable_rlm", ignore=skip)
+    for folder in MAPPED:
+        shutil.copytree(ROOT / folder, STAGE / "durable_rlm" / folder, ignore=skip)
+    shutil.copytree(ROOT / "tests", STAGE / "tests", ignore=skip)
+    text = (ROOT / "pyproject.toml").read_text()
+    config = tomllib.loads(text)["tool"]["mutmut"]
+    head, _, rest = text.partition("[tool.mutmut]")
+    tail = rest[rest.index("\n[", 1) :] if "\n[" in rest[1:] else ""
+    others = sorted(p.name + ("/" if p.is_dir() else "") for p in (STAGE / "durable_rlm").iterdir())
+    staged = {
+        **config,
+        "source_paths": ["durable_rlm/workflows/"],
+        "only_mutate": ["durable_rlm/" + path for path in config["only_mutate"]],
+        "also_copy": ["durable_rlm/" + name for name in others if name != "workflows/"],
+    }
+    lines = ["[tool.mutmut]", *(f"{key} = {json.dumps(value)}" for key, value in staged.items())]
+    (STAGE / "pyproject.toml").write_text(head + "\n".join(lines) + "\n" + tail)
 
 
 def main() -> int:
@@ -67,7 +100,8 @@ def main() -> int:
         command = [sys.executable, "-m", "mutmut", "run"]
         if args.max_children is not None:
             command += ["--max-children", str(args.max_children)]
-        run = subprocess.run(command, cwd=ROOT, env=env)
+        stage()
+        run = subprocess.run(command, cwd=STAGE, env=env)
         if run.returncode not in (0, 1):
             console.print(f"[red]mutmut run failed with exit code {run.returncode}[/red]")
             return run.returncode
@@ -76,7 +110,7 @@ def main() -> int:
         console.print("[red]no mutmut results: run without --no-run first[/red]")
         return 1
 
-    table = Table(title="Mutation score (mutmut), workflows/")
+    table = Table(title="Mutation score (mutmut), durable_rlm/workflows/")
     for column in ("module", "mutants", "killed", "timeout", "survived", "other", "score"):
         table.add_column(column, justify="left" if column == "module" else "right", no_wrap=True)
     total = Counter()
@@ -119,7 +153,7 @@ def main() -> int:
     for name in survivors:
         console.print(f"  {'reviewed  ' if name in known else 'UNREVIEWED'} {name}")
     if unreviewed:
-        console.print(f"see one with: .venv/bin/mutmut show {unreviewed[0]}")
+        console.print(f"see one with: cd mutation && ../.venv/bin/mutmut show {unreviewed[0]}")
     if score < THRESHOLD:
         console.print(f"[red]score {score:.1%} is below {THRESHOLD:.0%}[/red]")
         return 1

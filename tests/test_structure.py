@@ -10,6 +10,7 @@ with no exception listed.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -26,12 +27,15 @@ BIN = Path(PYTHON).parent
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel, installed into a folder of its own (its dependencies are this venv's)."""
     target = tmp_path_factory.mktemp("wheel")
+    # From a copy: setuptools builds in the source tree (build/), which a run beside must not share.
+    source = tmp_path_factory.mktemp("source") / "durable-rlm"
+    skip = shutil.ignore_patterns(".venv", ".git", "build", "mutation", "mutants", "__pycache__", "*.egg-*")
+    shutil.copytree(ROOT, source, ignore=skip)
     subprocess.run(
-        [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
+        [PYTHON, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(source)],
         check=True,
         capture_output=True,
         timeout=300,
-        cwd=tmp_path_factory.mktemp("build"),  # not the checkout: nothing of it on the path
     )
     return target
 
