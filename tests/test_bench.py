@@ -88,7 +88,15 @@ def test_the_suite_runs_its_cheap_sections_and_reports_them(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_every_section_of_the_suite_runs_quick(tmp_path: Path) -> None:
     results = run_suite(
-        tmp_path, "overhead", "rlms", "concurrency", "history", "rebuild", "recovery", timeout=1800
+        tmp_path,
+        "overhead",
+        "rlms",
+        "concurrency",
+        "processes",
+        "history",
+        "rebuild",
+        "recovery",
+        timeout=1800,
     )
     assert {"overhead.png", "concurrency.png"} <= set(results["plots"])
 
