@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -563,8 +564,6 @@ class SandboxUids:
         self.home = home
 
     def claim(self) -> int:
-        import secrets
-
         for _ in range(100):
             uid = self.FIRST + secrets.randbelow(self.SPAN)
             try:

@@ -637,7 +637,7 @@ class RLM(DurableRLM):
                 return end
 
     async def _timeline(self, services: Services, episode_id: str) -> Timeline:
-        from durable_rlm.audit.timeline import episode_timeline
+        from durable_rlm.audit.timeline import episode_timeline  # start-up: temporalio 0.3 s, not on import
 
         return await episode_timeline(services.client, episode_id)
 
@@ -645,7 +645,7 @@ class RLM(DurableRLM):
         """The episode's iterations as rlms's logger lines (durable_rlm/viewer/export.py)."""
         if self.logger is None:
             return
-        from durable_rlm.viewer.export import iteration_entries, resolve_prompts
+        from durable_rlm.viewer.export import iteration_entries, resolve_prompts  # start-up: as _timeline's
 
         resolve_prompts(timeline, services.blobs)
         for entry in iteration_entries(timeline, services.blobs):

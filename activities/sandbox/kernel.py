@@ -18,6 +18,7 @@ import select
 import signal
 import struct
 import sys
+import sysconfig
 from collections.abc import Iterable
 from typing import Any
 
@@ -61,8 +62,6 @@ def readonly_sources() -> list[str]:
     """What the sandbox may read: the Python installation (its standard library and the
     installed packages) and the system's shared libraries, time zones and locales. Not the
     worker's source, its data directory, /proc, /etc, /home or any other sandbox."""
-    import sysconfig
-
     paths = sysconfig.get_paths()
     sources = {
         sys.base_prefix,

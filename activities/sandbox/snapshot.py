@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import sys
 import types
 from typing import Any
 
@@ -66,8 +67,6 @@ class _Unpickler(pickle.Unpickler):
 def _dynamic_module(value: types.ModuleType, sandbox_dir: str) -> bool:
     """A module a fresh sandbox could not import by name: made at run time, or loaded from
     the sandbox directory."""
-    import sys
-
     spec = getattr(value, "__spec__", None)
     origin = getattr(spec, "origin", None) or getattr(value, "__file__", None)
     if sys.modules.get(value.__name__) is not value:

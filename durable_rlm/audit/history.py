@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+from temporalio.service import RPCError, RPCStatusCode
+
 from durable_rlm.store.display import decode_payloads, unreadable
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import (
@@ -117,9 +120,6 @@ async def episode_runs(client: Client, episode_id: str) -> list[EpisodeRun]:
     """The runs of the episode's current chain, oldest first: the current run, then back
     along continue-as-new links. Runs a reset abandoned are in no chain (module docstring).
     A start time is the started event's: a reset run's copy keeps the episode's own."""
-    from temporalio.api.enums.v1 import EventType
-    from temporalio.service import RPCError, RPCStatusCode
-
     chain: list[EpisodeRun] = []
     run_id: str | None = None
     while True:
@@ -155,8 +155,6 @@ async def completed_steps(
 ) -> AsyncIterator[Step]:
     """Each completed step the audit store knows, in the order the episode made them (of
     `runs`, when the caller has read the chain already)."""
-    from temporalio.api.enums.v1 import EventType
-
     for run in runs if runs is not None else await episode_runs(client, episode_id):
         history = run.history
         scheduled: dict[int, tuple[str, Any]] = {}
@@ -220,8 +218,6 @@ class Reset:
 
 def reset_of(event: Any) -> Reset | None:
     """The reset an event records, None for any other event."""
-    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-
     if event.event_type != EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
         return None
     attrs = event.workflow_task_failed_event_attributes

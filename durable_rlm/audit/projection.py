@@ -22,10 +22,14 @@ from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 from durable_rlm.activities.audit import Row, rows_of_step, upsert_episode, write_rows
-from durable_rlm.audit.history import Reset
+from durable_rlm.audit.history import Reset, completed_steps, episode_runs, resets
+from durable_rlm.audit.readonly import ENDED, cached_ids, store_timeline
+from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.client.episodes import closing_error
+from durable_rlm.server.connection import open_stores
 from durable_rlm.settings import Settings
 from durable_rlm.store import schema
+from durable_rlm.store.codec import data_converter
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
 
@@ -54,8 +58,6 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
     description = await handle.describe()
     started_at = None
     if first_run_id is None:
-        from durable_rlm.audit.history import episode_runs
-
         # The chain's first run: a reset run's started event keeps the episode's start time
         # (its own start time is the reset's).
         first_run = (await episode_runs(client, episode_id))[0]
@@ -111,8 +113,6 @@ async def rebuild_episode(
     """The episode's rows from its history. With `steps_only`, not its own row: the closing
     audit write, which writes that row right after (`settle_at_close`), must never have it
     overwritten by an earlier row of history (the opening one says `running`)."""
-    from durable_rlm.audit.history import completed_steps, episode_runs, resets
-
     runs = await episode_runs(client, episode_id)
     audited = False
     async for step in completed_steps(client, episode_id, runs):
@@ -155,8 +155,6 @@ async def settle_resets(client: Client, engine: sa.Engine) -> int:
     (a reset's abandoned run), from the current chain alone; a row that names an earlier
     run of the chain (continue-as-new) only learns the current run. Returns how many were
     written again."""
-    from durable_rlm.audit.history import episode_runs
-
     table = schema.episodes
     current: dict[str, str] = {}
     query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus = "Running"'
@@ -228,8 +226,6 @@ async def settle_at_close(client: Client, engine: sa.Engine, episode_id: str) ->
     """An ending episode's step rows from its history (its closing audit write does this
     first: activities/audit.py). A chain a reset made is written again from scratch, so
     the rows of the run it abandoned go, as the reset reconciler would."""
-    from durable_rlm.audit.history import episode_runs, resets
-
     if resets(await episode_runs(client, episode_id)):
         await asyncio.to_thread(_forget, engine, episode_id)  # the abandoned run's rows go
     await rebuild_episode(client, engine, episode_id, steps_only=True)
@@ -293,11 +289,6 @@ def _clear(engine: sa.Engine) -> None:
 async def cache_closed_timelines(settings: Settings, address: str, limit: int = 500) -> int:
     """Store the timelines of ended episodes not stored yet (newest first, at most `limit`):
     the shared server runs this before it stops, so `drlm show` answers without it."""
-    from durable_rlm.audit.readonly import ENDED, cached_ids, store_timeline
-    from durable_rlm.audit.timeline import episode_timeline
-    from durable_rlm.server.connection import open_stores
-    from durable_rlm.store.codec import data_converter
-
     blobs, engine = open_stores(settings)
     client = await Client.connect(
         address,

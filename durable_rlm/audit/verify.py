@@ -29,15 +29,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import sqlalchemy as sa
+from google.protobuf.descriptor import FieldDescriptor
+from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
 
+from durable_rlm.audit.history import episode_runs
+from durable_rlm.server.connection import connect
 from durable_rlm.store import schema
 from durable_rlm.store.blobs import BlobStore, digest_of
 from durable_rlm.store.codec import ENCODING as CLAIM_CHECK
 from durable_rlm.store.codec import ENCRYPTED, EncryptionCodec
 from durable_rlm.store.encryption import open_blob
+from durable_rlm.workflows import names
 
 if TYPE_CHECKING:
-    from temporalio.api.common.v1 import Payload
     from temporalio.client import Client
 
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -260,8 +265,6 @@ class Verifier:
 
     def _payload_value(self, episode_id: str, payload: Payload, where: str, seen: set[str]) -> Any:
         """A payload's JSON, through the claim check (and the seal); None if unreadable."""
-        from temporalio.api.common.v1 import Payload
-
         if payload.metadata.get("encoding") == ENCRYPTED:
             try:
                 payload = self._opener.open_payload(payload)
@@ -287,10 +290,6 @@ class Verifier:
 
     async def episode(self, episode_id: str) -> list[str]:
         """Check one episode; returns the child episodes its history started."""
-        from temporalio.api.enums.v1 import EventType
-
-        from durable_rlm.audit.history import episode_runs
-
         assert self.client is not None
         seen: set[str] = set()
         try:
@@ -360,8 +359,6 @@ class Verifier:
 
     async def everything(self) -> None:
         """Every episode Temporal still has, and every one the audit store keeps a timeline of."""
-        from durable_rlm.workflows import names
-
         assert self.client is not None
         ids: set[str] = set()
         async for execution in self.client.list_workflows(f'WorkflowType = "{names.WORKFLOW}"'):
@@ -434,8 +431,6 @@ def _node_references(node: dict[str, Any], what: str) -> Iterator[tuple[Kind, st
 def _place(event: Any, activities: dict[int, str]) -> str:
     """An event as a person finds it in the history: "the episode's request (event 1)",
     "the input of drlm.root_completion (event 16)"; `activities` learns scheduled steps."""
-    from temporalio.api.enums.v1 import EventType
-
     kind = event.event_type
     if kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED:
         return f"the episode's request (event {event.event_id})"
@@ -457,8 +452,6 @@ def _place(event: Any, activities: dict[int, str]) -> str:
 def _payloads(message: Any) -> Iterator[Payload]:
     """Every Payload inside a protobuf message (inputs, results, markers, failures' details,
     headers, memos): whatever an event holds, wherever the SDK put it."""
-    from google.protobuf.descriptor import FieldDescriptor
-
     if message.DESCRIPTOR.full_name == "temporal.api.common.v1.Payload":
         yield message
         return
@@ -479,8 +472,6 @@ def _payloads(message: Any) -> Iterator[Payload]:
 
 def _repeated(descriptor: Any) -> bool:
     """protobuf 6 says `is_repeated`; older ones only have `label`."""
-    from google.protobuf.descriptor import FieldDescriptor
-
     flag = getattr(descriptor, "is_repeated", None)
     return bool(flag) if flag is not None else descriptor.label == FieldDescriptor.LABEL_REPEATED
 
@@ -499,8 +490,6 @@ async def verify(
 
 async def verify_command(settings: Any, episode_id: str | None, as_json: bool) -> int:
     """`drlm verify [ID | --all]`: the report on stdout; exit 1 when a blob is missing or corrupt."""
-    from durable_rlm.server.connection import connect
-
     async with connect(settings) as services:
         report = await verify(services.client, services.blobs, services.engine, episode_id)
     if as_json:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
@@ -30,6 +31,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from durable_rlm.errors import EpisodeIdInUse
 from durable_rlm.settings import ConfigurationError
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.codec import encrypts
 from durable_rlm.workflows import metadata, names
 from durable_rlm.workflows.ending import CANCELLED, TIMED_OUT
 from durable_rlm.workflows.episode import episode_policy
@@ -93,8 +95,6 @@ async def has_search_attributes(client: Client) -> bool:
     server does; a cluster may not): an episode started with unknown ones is refused."""
     known = _REGISTERED.get(client)
     if known is None:
-        from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-
         try:
             listed = await client.operator_service.list_search_attributes(
                 ListSearchAttributesRequest(namespace=client.namespace)
@@ -108,8 +108,6 @@ async def has_search_attributes(client: Client) -> bool:
 
 def encrypting(client: Client) -> bool:
     """Whether this client seals payloads (DRLM_ENCRYPTION_KEYS)."""
-    from durable_rlm.store.codec import encrypts
-
     return encrypts(client.data_converter)
 
 

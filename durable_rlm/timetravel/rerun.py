@@ -26,11 +26,21 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
+from rich.console import Console
+from rich.table import Table
+from temporalio.client import WorkflowFailureError
 from temporalio.service import RPCError
 
+from durable_rlm.audit.history import completed_steps
+from durable_rlm.audit.timeline import episode_timeline
+from durable_rlm.client.episodes import start_episode
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
+from durable_rlm.timetravel.fork import ForkError, fork_point
+from durable_rlm.viewer.export import resolve_prompts
+from durable_rlm.worker.runtime import running_workers
 from durable_rlm.workflows import names
+from durable_rlm.workflows.episode import episode_policy
 from durable_rlm.workflows.models import (
     EpisodeRequest,
     EpisodeResult,
@@ -38,6 +48,7 @@ from durable_rlm.workflows.models import (
     ModelSettings,
     TerminationSpec,
 )
+from durable_rlm.workflows.termination import PolicyError
 
 if TYPE_CHECKING:
     from temporalio.client import Client
@@ -91,9 +102,6 @@ class Recording:
 
 async def record_of(client: Client, blobs: BlobStore, source_id: str) -> Recording:
     """What a recorded episode's models answered, read from its history and its children's."""
-    from durable_rlm.audit.timeline import episode_timeline
-    from durable_rlm.viewer.export import resolve_prompts
-
     try:
         timeline = await episode_timeline(client, source_id)
     except LookupError as exc:
@@ -119,8 +127,6 @@ async def _seed(client: Client, timeline: Timeline) -> int | None:
     assert timeline.request is not None
     if timeline.request.seed is not None or not timeline.iterations:
         return timeline.request.seed
-    from durable_rlm.timetravel.fork import ForkError, fork_point
-
     try:
         return (await fork_point(client, timeline.episode_id, 1)).state.seed
     except ForkError:
@@ -128,8 +134,6 @@ async def _seed(client: Client, timeline: Timeline) -> int | None:
 
 
 async def _record_tree(client: Client, timeline: Timeline, recording: Recording) -> None:
-    from durable_rlm.audit.history import completed_steps
-
     conversation: Conversation | None = None
     for it in timeline.iterations:
         prompt = [m.model_dump() for m in it.prompt or []]
@@ -291,8 +295,6 @@ async def _rerun(
 ) -> RerunReport:
     """Re-run one recorded episode (its request checked) against the current code, on
     `task_queue`, where only this process's worker, holding `key`, polls; its report."""
-    from durable_rlm.client.episodes import start_episode
-
     answerer = Answerer(recording)  # answering consumes the recording: it is used once
     with ScriptedModelServer(answerer, api_key=key) as server:
         request = rerun_request(recording, server.base_url, change)
@@ -303,8 +305,6 @@ async def _rerun(
 
 
 async def _result_or_divergence(handle: Any, answerer: Answerer, timeout_s: float) -> EpisodeResult | None:
-    from temporalio.client import WorkflowFailureError
-
     ending = asyncio.ensure_future(handle.result())
     stopped = asyncio.ensure_future(asyncio.to_thread(answerer.stop.wait, timeout_s))
     try:
@@ -388,10 +388,6 @@ async def rerun_episodes(
     worker in this process: no other worker sees the re-runs' steps (or the recording
     server's key). Every source and the policy are checked before the first starts: a bad
     one is an error and nothing runs."""
-    from durable_rlm.worker.runtime import running_workers
-    from durable_rlm.workflows.episode import episode_policy
-    from durable_rlm.workflows.termination import PolicyError
-
     client, blobs = services.client, services.blobs
 
     if not source_ids:
@@ -418,9 +414,6 @@ async def rerun_episodes(
 
 def report_table(reports: Sequence[RerunReport]) -> None:
     """The reports as a table on standard output (rich), a row per episode."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title="drlm rerun")
     for column in ("episode", "verdict", "answer then", "answer now", "re-run"):
         table.add_column(column)

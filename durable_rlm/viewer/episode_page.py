@@ -31,6 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
+from markdown_it import MarkdownIt
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import PythonLexer
+from temporalio.service import RPCError
+
+from durable_rlm.activities.sandbox_reaper import start_time
+from durable_rlm.audit import readonly
 from durable_rlm.audit.timeline import (
     ActionView,
     CellView,
@@ -39,8 +47,16 @@ from durable_rlm.audit.timeline import (
     Timeline,
     cost_text,
     describe_execution,
+    episode_timeline,
     fork_line,
 )
+from durable_rlm.client import steering
+from durable_rlm.client.episodes import cancel_episode
+from durable_rlm.client.steering import default_sender, progress_of
+from durable_rlm.server.connection import connect_client
+from durable_rlm.server.embedded import ServerFiles
+from durable_rlm.settings import private_file
+from durable_rlm.store.codec import data_converter
 from durable_rlm.viewer.episode_plots import plots_section
 
 if TYPE_CHECKING:
@@ -105,10 +121,6 @@ class Renderer:
     hostile), pygments for code; both escape what they are given."""
 
     def __init__(self) -> None:
-        from markdown_it import MarkdownIt
-        from pygments.formatters import HtmlFormatter
-        from pygments.lexers import PythonLexer
-
         self._lexer = PythonLexer()
         self._formatter = HtmlFormatter(cssclass="hl")
         self._inline = HtmlFormatter(nowrap=True)
@@ -120,15 +132,11 @@ class Renderer:
 
     def code(self, source: str) -> str:
         """A cell's code (all cells are Python), highlighted; pygments escapes it."""
-        from pygments import highlight
-
         return str(highlight(source, self._lexer, self._formatter))
 
     def _fence(self, source: str, language: str, _attrs: Any) -> str:
         if language not in ("repl", "py", "python", "python3"):
             return ""  # markdown-it escapes it as a plain block
-        from pygments import highlight
-
         # Starts with <pre, so markdown-it takes it as the whole block (pygments escapes).
         return f'<pre class="hl">{highlight(source, self._lexer, self._inline)}</pre>'
 
@@ -592,8 +600,6 @@ class EpisodePages:
         address: Callable[[], str | None] | None = None,
         sender: str | None = None,
     ) -> None:
-        from durable_rlm.client.steering import default_sender
-
         self.settings = settings
         self.blobs = blobs
         self.engine = engine
@@ -609,14 +615,10 @@ class EpisodePages:
     # -- plumbing
 
     def _address_from_state(self) -> str | None:
-        from durable_rlm.server.embedded import ServerFiles
-
         state = ServerFiles.of(self.settings).read_state()
         return None if state is None else str(state["address"])
 
     def _temporal_ui(self) -> str | None:
-        from durable_rlm.server.embedded import ServerFiles
-
         state = ServerFiles.of(self.settings).read_state() or {}
         return state.get("ui")
 
@@ -630,9 +632,6 @@ class EpisodePages:
 
     async def client(self) -> Client:
         if self._client is None:
-            from durable_rlm.server.connection import connect_client
-            from durable_rlm.store.codec import data_converter
-
             address = self._address()
             if address is None:
                 raise LookupError("the Temporal server is not up yet")
@@ -658,10 +657,6 @@ class EpisodePages:
         """An open page holds a lease on the shared server (its script pings while it is
         open): the server outlives `drlm ui`, and idles out PAGE_LEASE_S after the last page
         went away. The lease is the supervisor's own (its pid), so it dies with it."""
-        from durable_rlm.activities.sandbox_reaper import start_time
-        from durable_rlm.server.embedded import ServerFiles
-        from durable_rlm.settings import private_file
-
         with self._lock:
             self._last_seen = time.monotonic()
             if self._lease is not None and self._lease.exists():
@@ -706,11 +701,6 @@ class EpisodePages:
         return PageResponse(200, "text/javascript; charset=utf-8", text.encode())
 
     async def _snapshot(self, episode_id: str, base: str) -> dict[str, Any]:
-        from temporalio.service import RPCError
-
-        from durable_rlm.audit.timeline import episode_timeline
-        from durable_rlm.client.steering import progress_of
-
         client = await self.client()
         timeline = await episode_timeline(client, episode_id)
         progress = None
@@ -775,8 +765,6 @@ class EpisodePages:
         )
 
     def _rows(self, q: ListQuery) -> list[Any]:
-        from durable_rlm.audit import readonly
-
         if self.engine is None:
             return []
         where = readonly.EpisodeFilter(
@@ -794,8 +782,6 @@ class EpisodePages:
 
     async def _live_states(self, episode_ids: list[str]) -> dict[str, str]:
         """Which running episodes wait for a person: paused, or a cell awaiting approval."""
-        from durable_rlm.client.steering import progress_of
-
         client = await self.client()
 
         async def one(episode_id: str) -> tuple[str, str]:
@@ -861,9 +847,6 @@ LIMIT_FIELDS = (
 async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str, Any]) -> dict[str, Any]:
     """One person's action, through the function the CLI uses; the sender is the page's
     user (the supervisor's OS user) unless the page names one."""
-    from durable_rlm.client import steering
-    from durable_rlm.client.episodes import cancel_episode
-
     client = await pages.client()
     sender = str(form.get("sender") or pages.sender)[:100]
     reason = str(form.get("reason") or "")[:500]

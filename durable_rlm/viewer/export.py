@@ -18,10 +18,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from durable_rlm.audit.timeline import CellView, ChildView, SubCall, Timeline
+from durable_rlm.activities.chains import read_conversation
+from durable_rlm.activities.llm import resent_view
+from durable_rlm.audit.timeline import CellView, ChildView, SubCall, Timeline, episode_timeline
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.server.connection import connect
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage
 
 FORMATS = ("rlms", "json")
@@ -33,9 +37,6 @@ ANSWERED_BY_AN_ITERATION = ("model", "policy")
 
 async def export_command(settings: Settings, episode_id: str, fmt: str, output: str | None) -> int:
     """Write the episode to `output` (default: stdout). An unknown id is a LookupError."""
-    from durable_rlm.audit.timeline import episode_timeline
-    from durable_rlm.server.connection import connect
-
     if fmt not in FORMATS:
         raise ConfigurationError(f"unknown export format {fmt!r}; known: {', '.join(FORMATS)}")
     async with connect(settings) as services:
@@ -56,10 +57,6 @@ def export_text(timeline: Timeline, blobs: BlobStore, fmt: str) -> str:
 def resolve_prompts(timeline: Timeline, blobs: BlobStore) -> None:
     """Fill each iteration's `prompt` (children's too): the chain it names plus the turn's
     new messages, shortened as the root call shortened them when it sent them."""
-    from durable_rlm.activities.chains import read_conversation
-    from durable_rlm.activities.llm import resent_view
-    from durable_rlm.workflows import defaults
-
     for it in timeline.iterations:
         if it.prompt is None:
             messages = [*read_conversation(blobs, it.conversation), *it.append]

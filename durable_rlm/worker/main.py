@@ -31,6 +31,7 @@ import sys
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import default_max_sandboxes
 from durable_rlm.errors import ServerUnavailable
+from durable_rlm.server.embedded import answers
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.otel import close_log_path, install_log_path, shutdown_current
 from durable_rlm.worker.pool import process_count, supervise
@@ -48,8 +49,6 @@ HTTP request ends at once) and for the sandboxes to close."""
 
 async def wait_for_server(settings: Settings, stop: asyncio.Event) -> bool:
     """Until TEMPORAL_ADDRESS answers (False if asked to stop first), saying what it waits for."""
-    from durable_rlm.server.embedded import answers
-
     delay, attempt = FIRST_WAIT_S, 0
     while not stop.is_set():
         attempt += 1
