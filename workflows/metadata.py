@@ -19,7 +19,7 @@ unregistered one is refused before anything runs), and a child inherits the choi
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Final
 
 from temporalio.common import (
     SearchAttributeIndexedValueType,
@@ -38,11 +38,22 @@ DETAILS_CHARS = 500  # the workflow's current details (a query: no history, stil
 
 TASK = SearchAttributeKey.for_text("DrlmTask")
 MODEL = SearchAttributeKey.for_keyword("DrlmModel")
-STATUS = SearchAttributeKey.for_keyword("DrlmStatus")  # running, paused, completed, failed, ...
+STATUS = SearchAttributeKey.for_keyword("DrlmStatus")  # RUNNING, PAUSED, ... below; or how it ended
 ENDED_BY = SearchAttributeKey.for_keyword("DrlmEndedBy")  # final, max_iterations, ...
 ANSWER_SOURCE = SearchAttributeKey.for_keyword("DrlmAnswerSource")  # model, policy, extraction, none
 ITERATIONS = SearchAttributeKey.for_int("DrlmIterations")
 TOKENS = SearchAttributeKey.for_int("DrlmTokens")  # with its children's, as EpisodeResult.usage
+
+# --- DrlmStatus: the values the workflow writes, defined once ------------------------------
+# An ended episode's is its EpisodeStatus (completed, failed, cancelled). `drlm pending`
+# (durable_rlm/client/steering.py) asks only the episodes whose status says a cell may wait.
+
+RUNNING: Final = "running"
+WAITING: Final = "waiting"  # a step the store (or a worker) failed waits on a timer
+PAUSED: Final = "paused"  # by a person, or a model call waits for a fixed key
+AWAITING_APPROVAL: Final = "awaiting approval"  # a cell waits for a person's decision
+FAILED: Final = "failed"
+CANCELLED: Final = "cancelled"
 
 PRIVATE_TEXT = "(encrypted)"
 """DrlmTask of an episode whose payloads are encrypted: search attributes are indexed by the
@@ -76,7 +87,7 @@ def start_search_attributes(task: str, model: str) -> TypedSearchAttributes:
         [
             SearchAttributePair(TASK, shorten(task, TASK_CHARS)),
             SearchAttributePair(MODEL, shorten(model, NAME_CHARS)),
-            SearchAttributePair(STATUS, "running"),
+            SearchAttributePair(STATUS, RUNNING),
             SearchAttributePair(ENDED_BY, ""),
             SearchAttributePair(ANSWER_SOURCE, "none"),
             SearchAttributePair(ITERATIONS, 0),

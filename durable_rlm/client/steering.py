@@ -32,7 +32,7 @@ PENDING_QUERIES = 8  # episodes asked at once by `pending_cells`
 PENDING_QUERY_TIMEOUT = timedelta(seconds=5)
 """How long `pending_cells` waits for one episode's answer: a running episode no worker
 polls (its process exited) answers no query, and must not hold up the list of the others."""
-WAITING_STATUSES = ("awaiting approval", "paused")
+WAITING_STATUSES = (metadata.AWAITING_APPROVAL, metadata.PAUSED)
 """The `DrlmStatus` of an episode whose cell may wait for approval (a pause keeps it waiting)."""
 
 

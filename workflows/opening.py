@@ -1,0 +1,36 @@
+"""An episode's first state: its seed, its deadline and the opening messages.
+
+The workflow draws the seed (`workflow.random()`, unless the request set one) and reads the
+start time; from those this is pure. A fork's first run starts from its source's state
+instead (workflows/forks.py), and a later run from the state the last one carried.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from durable_rlm.workflows import prompts
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest
+from durable_rlm.workflows.signals import uses_confidence
+
+
+def first_state(request: EpisodeRequest, seed: int, started: datetime) -> EpisodeCarry:
+    """The state before the first turn; the budget counts from `started`."""
+    deadline = started + request.limits.max_duration
+    if request.deadline is not None:  # a child never outlives its parent's deadline
+        deadline = min(deadline, request.deadline)
+    return EpisodeCarry(
+        seed=seed,
+        deadline=deadline,
+        pending=prompts.opening_messages(
+            request.task,
+            request.context,
+            request.code_fences[0],
+            ask_confidence=uses_confidence(request.termination.name, request.termination.config),
+            output_fields=request.output_fields,
+            child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
+            tools=request.tools,
+            system_prompt=request.system_prompt,
+            repl_values=request.repl_values,
+        ),
+    )
