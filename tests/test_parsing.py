@@ -212,6 +212,8 @@ def test_quotes_in_prose_do_not_hide_parentheses() -> None:
         ("'a' and 'b'", "'a' and 'b'"),
         ('"\\N{bogus}"', "\\N{bogus}"),
         ('"', '"'),
+        ('""', ""),  # two quotes: the empty string
+        ("''", ""),
         ("plain", "plain"),
     ],
 )

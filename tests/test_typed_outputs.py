@@ -3,6 +3,8 @@ violation fed back with its JSON path, bounded; the extraction prompt carries th
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +26,7 @@ from durable_rlm.workflows.fallback import (
     MAX_PROBLEM_CHARS,
     MAX_PROBLEMS,
     MORE_PROBLEMS,
+    SCHEMA_SHOWN_CHARS,
     ExtractFallbackInputs,
     FieldSpec,
     REPLHistoryEntry,
@@ -114,6 +117,8 @@ def test_missing_and_unknown_fields_have_paths_too() -> None:
         '$["odd key"]: not a field of the output schema',
         "$.status: missing (a required field)",
     ]
+    # extraction's notes field is never an unknown field, in a SUBMIT either
+    assert check_outputs({**GOOD, "_extraction_notes": "why"}, FIELDS, allow_null=False) == []
 
 
 def test_the_feedback_is_capped_in_lines_and_length() -> None:
@@ -165,6 +170,9 @@ def test_extraction_may_leave_fields_null_but_not_break_their_rules() -> None:
     parsed = parse_extraction_response('{"status": "pending", "_extraction_notes": "n"}', FIELDS)
     assert parsed.outputs is None and parsed.partial == {"status": "pending"}
     assert parsed.error == "Failed to parse extraction: $.status: 'pending' is not one of ['open', 'closed']"
+    # a field left null does not end the check of the fields after it
+    parsed = parse_extraction_response('{"items": null, "status": "pending"}', FIELDS)
+    assert parsed.error == "Failed to parse extraction: $.status: 'pending' is not one of ['open', 'closed']"
 
 
 def test_each_field_keeps_its_schema_with_only_the_definitions_it_needs() -> None:
@@ -193,6 +201,9 @@ def test_a_schema_written_by_hand_in_draft_7_style_works() -> None:
     assert check_outputs({"level": 9}, fields, allow_null=False) == [
         "$.level: 9 is greater than the maximum of 5"
     ]
+    # the reference's type is the definition's, so the prompts call the field an integer
+    assert [(f.name, f.type) for f in fields] == [("level", "integer"), ("note", "string")]
+    assert format_output_fields(fields).startswith("- level (integer, required); JSON Schema: ")
 
 
 @pytest.mark.parametrize(
@@ -201,6 +212,7 @@ def test_a_schema_written_by_hand_in_draft_7_style_works() -> None:
         ({"type": "string", "minLength": -1}, r"not a valid JSON Schema \(Draft 2020-12\): \$.minLength"),
         ({"$ref": "https://example.com/s.json"}, "is not supported: only references inside the schema"),
         ({"$ref": "#/$defs/Gone"}, "points at nothing in the schema"),
+        ({"type": "number", "maximum": float("nan")}, "an output schema must be JSON"),
     ],
 )
 def test_a_field_spec_refuses_a_schema_it_could_not_apply(schema: dict[str, Any], message: str) -> None:
@@ -331,3 +343,171 @@ def test_checking_a_large_output_is_fast_and_a_huge_one_is_refused() -> None:
         f"$.items: too large to check: the outputs hold more than {MAX_OUTPUT_VALUES} values"
     ]
     assert time.perf_counter() - started < 1.0
+
+
+# --- the corners of the schema checks (the survivors of a mutation run, issue 34) -------------
+
+
+def test_a_line_at_the_limit_is_shown_whole_and_a_longer_one_keeps_its_path_and_its_rule() -> None:
+    suffix = ": not a field of the output schema"
+    name = "f" * (MAX_PROBLEM_CHARS - len("$." + suffix))
+    assert check_outputs({**GOOD, name: 1}, FIELDS, allow_null=False) == [f"$.{name}{suffix}"]
+    # the head keeps two thirds of the line: a long path is not cut
+    fields = fields_from_json_schema(
+        {"properties": {"data": {"type": "object", "additionalProperties": {"type": "integer"}}}}
+    )
+    key = "k" * (MAX_PROBLEM_CHARS // 2 + 20)
+    [line] = check_outputs({"data": {key: "x" * 1_000}}, fields, allow_null=False)
+    assert len(line) == MAX_PROBLEM_CHARS
+    assert line.startswith(f"$.data.{key}: 'xxx") and line.endswith("xxx' is not of type 'integer'")
+
+
+def test_the_prompt_shows_a_fields_schema_as_written_up_to_its_own_limit() -> None:
+    cities = [f"Zürich {i}" for i in range(60)]  # longer than a problem line, shorter than the limit
+    fields = fields_from_json_schema({"properties": {"city": {"type": "string", "enum": cities}}})
+    shown = json.dumps({"type": "string", "enum": cities}, ensure_ascii=False)
+    assert MAX_PROBLEM_CHARS < len(shown) < SCHEMA_SHOWN_CHARS
+    assert format_output_fields(fields) == f"- city (string, required); JSON Schema: {shown}"
+
+
+def test_the_prompt_leaves_out_the_titles_of_subschemas_but_not_of_values() -> None:
+    prop = {
+        "type": "object",
+        "properties": {"any": True, "tags": {"type": "array", "items": {"title": "Tag", "type": "string"}}},
+        "anyOf": [{"title": "A", "required": ["any"]}, {"title": "B", "required": ["tags"]}],
+        "default": {"title": "a value"},
+        "examples": [{"title": "a value"}],
+    }
+    shown = {
+        "type": "object",
+        "properties": {"any": True, "tags": {"type": "array", "items": {"type": "string"}}},
+        "anyOf": [{"required": ["any"]}, {"required": ["tags"]}],
+        "default": {"title": "a value"},
+        "examples": [{"title": "a value"}],
+    }
+    fields = fields_from_json_schema({"properties": {"p": prop}})
+    assert format_output_fields(fields) == f"- p (object, required); JSON Schema: {json.dumps(shown)}"
+
+
+def test_a_definition_reached_through_another_is_copied_into_the_fields_schema() -> None:
+    class Inner(BaseModel):
+        x: int = Field(ge=0)
+
+    class Middle(BaseModel):
+        inner: Inner
+
+    class Outer(BaseModel):
+        middle: Middle
+
+    [field] = fields_from_model(Outer)
+    assert field.json_schema is not None and sorted(field.json_schema["$defs"]) == ["Inner", "Middle"]
+    assert check_outputs({"middle": {"inner": {"x": -1}}}, [field], allow_null=False) == [
+        "$.middle.inner.x: -1 is less than the minimum of 0"
+    ]
+
+
+def test_a_propertys_own_definitions_are_kept_beside_those_of_the_root() -> None:
+    schema = {
+        "$defs": {"Root": {"type": "integer"}},
+        "properties": {"n": {"$defs": {"Own": {"type": "string"}}, "$ref": "#/$defs/Root"}},
+    }
+    [field] = fields_from_json_schema(schema)
+    assert field.json_schema == {
+        "$defs": {"Own": {"type": "string"}, "Root": {"type": "integer"}},
+        "$ref": "#/$defs/Root",
+    }
+
+
+def test_definition_names_are_json_pointer_escaped_in_a_reference() -> None:
+    schema = {
+        "$defs": {"a/b": {"type": "integer", "minimum": 0}, "c~d": {"type": "string", "maxLength": 2}},
+        "properties": {"n": {"$ref": "#/$defs/a~1b"}, "s": {"$ref": "#/$defs/c~0d"}},
+    }
+    fields = fields_from_json_schema(schema)
+    assert [f.type for f in fields] == ["integer", "string"]
+    assert [f.json_schema for f in fields] == [
+        {"$ref": "#/$defs/a~1b", "$defs": {"a/b": {"type": "integer", "minimum": 0}}},
+        {"$ref": "#/$defs/c~0d", "$defs": {"c~d": {"type": "string", "maxLength": 2}}},
+    ]
+    assert check_outputs({"n": -1, "s": "abc"}, fields, allow_null=False) == [
+        "$.n: -1 is less than the minimum of 0",
+        "$.s: 'abc' is too long",
+    ]
+
+
+# Through fields_from_json_schema, which checks the whole schema each time: a FieldSpec's own
+# check is cached per process, and mutmut forks every mutant from a process that filled it.
+@pytest.mark.parametrize(
+    ("prop", "message"),
+    [
+        ({"$dynamicRef": "https://example.com/s"}, "is not supported: only references inside the schema"),
+        ({"$ref": "#/$defs/0"}, "points at nothing"),  # an object has no index
+        ({"$ref": "#/$defs/A/anyOf/2"}, "points at nothing"),  # nor a list of two a third item
+        ({"$ref": "#/$defs/A/anyOf/x"}, "points at nothing"),
+    ],
+)
+def test_a_reference_that_leads_nowhere_is_refused(prop: dict[str, Any], message: str) -> None:
+    schema = {"$defs": {"A": {"anyOf": [{}, {}]}}, "properties": {"n": prop}}
+    with pytest.raises(ValueError, match=message):
+        fields_from_json_schema(schema)
+
+
+def test_a_reference_may_point_through_a_list_of_subschemas() -> None:
+    branches = [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]
+    schema = {"$defs": {"A": {"anyOf": branches}}, "properties": {"n": {"$ref": "#/$defs/A/anyOf/1/items"}}}
+    fields = fields_from_json_schema(schema)
+    assert [f.type for f in fields] == ["integer"]
+    assert check_outputs({"n": -1}, fields, allow_null=False) == ["$.n: -1 is less than the minimum of 0"]
+
+
+def test_boolean_subschemas_are_schemas_and_a_definition_that_is_not_one_is_refused() -> None:
+    fields = fields_from_json_schema(
+        {
+            "$defs": {"Anything": True},
+            "properties": {"a": {"$ref": "#/$defs/Anything"}, "b": {"anyOf": [{"type": "integer"}, True]}},
+        }
+    )
+    assert [(f.name, f.type) for f in fields] == [("a", "object"), ("b", "integer")]
+    assert check_outputs({"a": [1], "b": "x"}, fields, allow_null=False) == []
+    with pytest.raises(ValueError, match=r"not a valid JSON Schema \(Draft 2020-12\): \$\['\$defs'\]\.X"):
+        fields_from_json_schema({"$defs": {"X": 5}, "properties": {"a": {"$ref": "#/$defs/X"}}})
+    with pytest.raises(ValueError, match=r"not a valid JSON Schema \(Draft 2020-12\): \$\['\$defs'\]: \[\]"):
+        fields_from_json_schema({"$defs": [], "properties": {"a": {"$ref": "#/$defs/0"}}})
+
+
+def test_a_field_without_a_schema_among_typed_ones_is_checked_against_its_type() -> None:
+    typed = fields_from_json_schema({"properties": {"s": {"type": "string"}}})
+    fields = [FieldSpec(name="n", type="integer"), *typed]
+    assert check_outputs({"n": "x", "s": 1}, fields, allow_null=False) == [
+        "$.n: 'x' is not of type 'integer'",
+        "$.s: 1 is not of type 'string'",
+    ]
+
+
+def test_a_field_missing_or_too_deep_does_not_stop_the_check_of_the_next() -> None:
+    deep: list[Any] = []
+    for _ in range(MAX_OUTPUT_DEPTH + 1):
+        deep = [deep]
+    status = "$.status: 'done' is not one of ['open', 'closed']"
+    too_deep = f"$.items: nested deeper than {MAX_OUTPUT_DEPTH} levels"
+    assert problems(items=deep, status="done") == [too_deep, status]
+    values = {k: v for k, v in GOOD.items() if k != "items"} | {"status": "done"}
+    assert check_outputs(values, FIELDS, allow_null=False) == ["$.items: missing (a required field)", status]
+
+
+def test_the_value_budget_is_exact_and_shared_by_the_fields() -> None:
+    arrays = {"a": {"type": "array"}, "b": {"type": "array"}}
+    fields = fields_from_json_schema({"properties": arrays, "required": []})
+    too_large = f"too large to check: the outputs hold more than {MAX_OUTPUT_VALUES} values"
+    full = [0] * (MAX_OUTPUT_VALUES - 1)  # with the list itself: the budget exactly
+    assert check_outputs({"a": full}, fields, allow_null=False) == []
+    assert check_outputs({"a": [*full, 0]}, fields, allow_null=False) == [f"$.a: {too_large}"]
+    half = [0] * (MAX_OUTPUT_VALUES // 2)  # 50,001 values each
+    assert check_outputs({"a": half, "b": half}, fields, allow_null=False) == [f"$.b: {too_large}"]
+
+
+def test_a_schema_that_cannot_be_applied_is_a_problem_that_names_the_error() -> None:
+    field = FieldSpec(name="x", json_schema={"$ref": "#nowhere"})  # an anchor no subschema declares
+    [line] = check_outputs({"x": 1}, [field], allow_null=False)
+    found = re.fullmatch(r"\$\.x: the output schema could not be applied \((\w+): .*'nowhere'.*\)", line)
+    assert found is not None and found.group(1).endswith("Error")

@@ -101,18 +101,20 @@ SCHEMA_SHOWN_CHARS = 1_500  # a field's schema as a prompt shows it
 MORE_PROBLEMS = "(more problems not listed)"
 
 
-def _declared_type(prop: dict[str, Any], defs: dict[str, Any]) -> Any:
-    """A property's "type"; a `$ref` (a nested model or an enum) takes its definition's type."""
+def _declared_type(prop: dict[str, Any], root: dict[str, Any]) -> Any:
+    """A property's "type"; a `$ref` (a nested model or an enum) takes the type of what it
+    points at in the root schema, under `$defs` or Draft 7's `definitions` alike."""
     if "$ref" in prop and "type" not in prop:
-        target = defs.get(str(prop["$ref"]).rsplit("/", 1)[-1], {})
+        ref = str(prop["$ref"])
+        target = _pointer_target(root, ref[1:]) if ref.startswith("#/") else _NOWHERE
         return target.get("type", "object") if isinstance(target, dict) else "object"
     return prop.get("type")
 
 
-def _field_type(name: str, prop: dict[str, Any], defs: dict[str, Any]) -> FieldType:
-    kind = _declared_type(prop, defs)
+def _field_type(name: str, prop: dict[str, Any], root: dict[str, Any]) -> FieldType:
+    kind = _declared_type(prop, root)
     if kind is None and isinstance(prop.get("anyOf"), list):  # Optional[...] in pydantic's schema
-        kind = [_declared_type(o, defs) if isinstance(o, dict) else None for o in prop["anyOf"]]
+        kind = [_declared_type(o, root) if isinstance(o, dict) else None for o in prop["anyOf"]]
     if isinstance(kind, list):  # e.g. ["string", "null"]
         kind = next((k for k in kind if k not in (None, "null")), "string")
     kind = kind or "string"
@@ -169,6 +171,24 @@ def _field_schema(name: str, prop: dict[str, Any], root: dict[str, Any]) -> dict
     return schema
 
 
+_NOWHERE = object()  # what a JSON Pointer that leads nowhere points at
+
+
+def _pointer_target(schema: Any, pointer: str) -> Any:
+    """What a JSON Pointer (RFC 6901: `/$defs/a~1b` for the definition `a/b`) points at in
+    `schema`, or _NOWHERE."""
+    target = schema
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return _NOWHERE
+    return target
+
+
 def _schema_error(schema: dict[str, Any]) -> str | None:
     """Why `schema` is not a usable Draft 2020-12 schema, or None."""
     try:
@@ -178,15 +198,8 @@ def _schema_error(schema: dict[str, Any]) -> str | None:
     for ref in _refs(schema):
         if not ref.startswith("#"):
             return f"$ref {ref!r} is not supported: only references inside the schema ('#/...') are"
-        target: Any = schema
-        for part in ref[1:].split("/")[1:] if ref.startswith("#/") else []:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if isinstance(target, dict) and part in target:
-                target = target[part]
-            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
-                target = target[int(part)]
-            else:
-                return f"$ref {ref!r} points at nothing in the schema"
+        if ref.startswith("#/") and _pointer_target(schema, ref[1:]) is _NOWHERE:
+            return f"$ref {ref!r} points at nothing in the schema"
     return None
 
 
@@ -220,13 +233,11 @@ def fields_from_json_schema(schema: dict[str, Any]) -> list[FieldSpec]:
     ):
         raise ValueError("an output schema must be a JSON Schema object with 'properties'")
     required = set(schema.get("required", list(schema["properties"])))
-    defs = schema.get("$defs", {})
-    defs = defs if isinstance(defs, dict) else {}
     kinds = {}
     for name, prop in schema["properties"].items():
         if not isinstance(prop, dict):
             raise ValueError(f"output field {name!r}: its schema must be a JSON object")
-        kinds[name] = _field_type(name, prop, defs)
+        kinds[name] = _field_type(name, prop, schema)
     if not kinds:
         raise ValueError("an output schema needs at least one field")
     problem = _schema_error(schema)
