@@ -20,6 +20,7 @@ from rich.table import Table
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox import cgroups
 from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.server.embedded import local_exposure
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
 from durable_rlm.store.sql import open_store
@@ -137,8 +138,6 @@ def platform_checks(settings: Settings) -> list[Check]:
     )
     if settings.embedded:
         # Issue 33: who else on this machine could reach the shared server (server.py).
-        from durable_rlm.server.embedded import local_exposure
-
         checks.append(Check("temporal", "other local users", *local_exposure(settings)))
     location, chosen_by = settings.describe_stores()["data directory"]
     mode = settings.data_dir.stat().st_mode & 0o777 if settings.data_dir.is_dir() else None

@@ -1,0 +1,184 @@
+"""`drlm watch`, `drlm resume`, `drlm cancel`: an episode that already runs, followed to its end.
+
+`watch` only follows (any number of watchers, from anywhere); `resume` and `cancel` also
+work on it in this process when the server is the embedded one, since a worker must run
+what they ask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+from durable_rlm.cli.arguments import add_sender
+from durable_rlm.cli.handlers import Subparsers, bind, polling
+from durable_rlm.cli.output import EXIT_CANCELLED, EXIT_OK, FOLLOWING, print_end, stderr
+from durable_rlm.settings import ConfigurationError, Settings
+
+if TYPE_CHECKING:
+    from durable_rlm.client.episodes import CancelOutcome
+    from durable_rlm.server.connection import Services
+
+CANCEL_HEAD_START_S = 0.5  # how long `drlm cancel` lets its request travel before its worker polls
+
+
+def _watch_parser(sub: Subparsers) -> None:
+    watch = sub.add_parser("watch", help="follow a running episode's progress until it ends (no worker)")
+    watch.add_argument("episode_id")
+    watch.add_argument("--json", action="store_true")
+    watch.add_argument("--accept-extracted", action="store_true")
+    watch.add_argument(
+        "--plain",
+        action="store_true",
+        help="progress as lines, not the live view (the default when stderr is not a terminal)",
+    )
+    bind(watch, _watch)
+
+
+def _resume_parser(sub: Subparsers) -> None:
+    resume = sub.add_parser(
+        "resume",
+        help="follow an episode, working on it if embedded: resumes it if a person paused it, and "
+        "retries calls paused on a refused key",
+    )
+    resume.add_argument("episode_id")
+    add_sender(resume)
+    resume.add_argument("--api-key", help="the fixed key (embedded mode only; never stored in history)")
+    resume.add_argument("--json", action="store_true")
+    resume.add_argument("--accept-extracted", action="store_true")
+    bind(resume, _resume)
+
+
+def _cancel_parser(sub: Subparsers) -> None:
+    cancel = sub.add_parser("cancel", help="cancel a running episode and every child episode it started")
+    cancel.add_argument("episode_id")
+    cancel.add_argument(
+        "--extract",
+        action="store_true",
+        help="first run fallback extraction, so the result holds what was found so far",
+    )
+    cancel.add_argument("--reason", default="cancelled by request", help="recorded in the result")
+    bind(cancel, _cancel)
+
+
+PARSERS = {"watch": _watch_parser, "resume": _resume_parser, "cancel": _cancel_parser}
+
+
+async def _watch(settings: Settings, args: argparse.Namespace) -> int:
+    """Follow without working on it: any number of watchers, from anywhere."""
+    from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
+
+    from durable_rlm.client.episodes import (  # start-up: temporalio, the stores (~0.6 s)
+        describe_episode,
+        follow,
+        workers_polling,
+    )
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.workflows.models import EpisodeResult  # start-up: pydantic's models (~0.1 s)
+
+    async with connect(settings) as services:
+        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        description = await describe_episode(handle)  # an unknown id is a usage error now, not a wait
+        FOLLOWING.append(args.episode_id)
+        running = description.status == WorkflowExecutionStatus.RUNNING
+        if running and not await workers_polling(services.client, description.task_queue):
+            stderr(
+                f"no worker runs episode {args.episode_id} (none polls its task queue "
+                f"{description.task_queue}): `drlm resume {args.episode_id}` works on it"
+            )
+        if args.json or args.plain or not sys.stderr.isatty():
+            end = await follow(handle, None if args.json else stderr)
+        else:
+            end = await _follow_live(handle)
+    return print_end(end, args.json, args.accept_extracted)
+
+
+async def _follow_live(handle: Any) -> Any:
+    """The rich live view on stderr until the episode ends; its last frame stays."""
+    from rich.console import Console  # start-up: rich (~30 ms), only for the live view
+    from rich.live import Live  # start-up: as the line above
+
+    from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.viewer.live import frame  # start-up: the timeline's models (~0.1 s)
+
+    with Live(console=Console(stderr=True), refresh_per_second=4, transient=False) as live:
+        return await follow(handle, on_state=lambda progress: live.update(frame(handle.id, progress)))
+
+
+async def _resume(settings: Settings, args: argparse.Namespace) -> int:
+    """Work on an episode (embedded) and follow it; an episode paused on a refused key runs
+    its paused calls again, with this worker's key (`--api-key`, or the environment)."""
+    from durable_rlm.client.episodes import (  # start-up: temporalio, the stores (~0.6 s)
+        describe_episode,
+        follow,
+        retry_credentials,
+    )
+    from durable_rlm.client.steering import resume_episode  # start-up: as the line above
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.worker.runtime import running_workers  # start-up: the worker's imports (~0.7 s)
+    from durable_rlm.workflows.models import EpisodeResult  # start-up: pydantic's models (~0.1 s)
+
+    if args.api_key and not settings.embedded:
+        raise ConfigurationError(
+            "--api-key only works with the embedded worker; with TEMPORAL_ADDRESS set, give the key "
+            "to the workers (restart them), then run `drlm resume` again"
+        )
+    async with connect(settings) as services:
+        handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+        description = await describe_episode(handle)  # an unknown id is a usage error now, not a wait
+        services = polling(services, description.task_queue)  # a session's own queue, or the shared one
+        credentials = {}
+        if args.api_key:
+            from durable_rlm.audit.projection import first_request  # start-up: the audit writer (~0.6 s)
+
+            request = await first_request(services.client, args.episode_id)
+            credentials = {request.root_model.api_key_env: args.api_key}
+        FOLLOWING.append(args.episode_id)
+        async with running_workers(services, credentials) if settings.embedded else contextlib.nullcontext():
+            held = await resume_episode(services.client, args.episode_id, args.sender)
+            if held.accepted and not args.json:
+                stderr(held.message)  # a person had paused it; otherwise nothing changed
+            outcome = await retry_credentials(services.client, args.episode_id)
+            if outcome.accepted and not args.json:
+                stderr(outcome.message)
+            end = await follow(handle, None if args.json else stderr)
+            return print_end(end, args.json, args.accept_extracted)
+
+
+async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.client.episodes import cancel_episode  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.worker.runtime import connect, running_workers  # start-up: the worker's imports (~0.7 s)
+
+    # A worker must run the cancellation (it cancels the children, closes the sandbox and
+    # the audit row, and extracts when asked).
+    async with connect(settings) as services:
+        # The request reaches the server before this process's worker polls: an episode no
+        # worker has picked up yet then sees the cancel in its first task, before any call.
+        request = asyncio.ensure_future(
+            cancel_episode(services.client, args.episode_id, args.extract, args.reason)
+        )
+        await asyncio.wait({request}, timeout=CANCEL_HEAD_START_S)
+        if request.done():  # refused (the episode ended) or accepted: no worker needed for that
+            outcome = request.result()
+            if not outcome.accepted:
+                return await _cancelled(services, args, outcome)
+        try:
+            async with running_workers(services) if settings.embedded else contextlib.nullcontext():
+                return await _cancelled(services, args, await request)
+        finally:
+            request.cancel()  # a no-op once done; a worker that failed to start leaves it pending
+
+
+async def _cancelled(services: Services, args: argparse.Namespace, outcome: CancelOutcome) -> int:
+    from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.workflows.models import EpisodeResult  # start-up: pydantic's models (~0.1 s)
+
+    stderr(outcome.message)
+    if not outcome.accepted:
+        return EXIT_OK
+    handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
+    code = print_end(await follow(handle, None), as_json=False)
+    return EXIT_OK if code == EXIT_CANCELLED else code

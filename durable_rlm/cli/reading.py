@@ -1,0 +1,197 @@
+"""`drlm show`, `drlm list`, `drlm export`, `drlm verify`: what episodes did, read back.
+
+`show` of an ended episode and `list` read the SQL audit store and answer in a fraction of
+a second, without temporalio: they reach the server (and set the SDK's Runtime up) only
+on the path that needs it, a timeline not stored yet or `list --refresh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from durable_rlm.cli.arguments import moment
+from durable_rlm.cli.handlers import Subparsers, bind
+from durable_rlm.cli.output import EXIT_OK, stderr
+from durable_rlm.settings import ConfigurationError, Settings
+
+
+def _show_parser(sub: Subparsers) -> None:
+    show = sub.add_parser("show", help="an episode's timeline from its history")
+    show.add_argument("episode_id")
+    show.add_argument("--json", action="store_true")
+    show.add_argument("--full", action="store_true", help="do not shorten long texts")
+    show.add_argument(
+        "--refresh", action="store_true", help="read the history even if the timeline is stored"
+    )
+    bind(show, _show, sdk_runtime=False)  # the store first: _timeline_from_history sets it up
+
+
+def _verify_parser(sub: Subparsers) -> None:
+    verify = sub.add_parser(
+        "verify", help="check that every blob the histories and the audit store reference is whole"
+    )
+    verify.add_argument("episode_id", nargs="?", help="one episode and its children")
+    verify.add_argument("--all", action="store_true", help="every episode")
+    verify.add_argument("--json", action="store_true")
+    bind(verify, _verify)
+
+
+def _export_parser(sub: Subparsers) -> None:
+    export = sub.add_parser("export", help="write an episode as an rlms trajectory log or as JSON")
+    export.add_argument("episode_id")
+    export.add_argument("--format", choices=("rlms", "json"), default="rlms")
+    export.add_argument("-o", "--output", help="write to this file (default: standard output)")
+    bind(export, _export)
+
+
+def _list_parser(sub: Subparsers) -> None:
+    listing = sub.add_parser("list", help="episodes in the audit store, newest first")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.add_argument(
+        "--status", choices=("running", "completed", "failed", "cancelled", "terminated", "timed_out")
+    )
+    listing.add_argument("--model", help="episodes whose root or sub-model is this one")
+    listing.add_argument(
+        "--since", type=moment, help="started at or after: 2026-11-24, 2026-11-24T10:00, 24h, 7d"
+    )
+    listing.add_argument("--until", type=moment, help="started before (same forms)")
+    listing.add_argument("--min-cost", type=float, help="USD; episodes of unknown cost are left out")
+    listing.add_argument("--max-cost", type=float, help="USD")
+    listing.add_argument("--roots", action="store_true", help="leave child episodes out")
+    listing.add_argument("--json", action="store_true", help="one JSON object per line")
+    listing.add_argument(
+        "--refresh",
+        action="store_true",
+        help="first migrate the store and settle rows of episodes that ended without writing theirs",
+    )
+    bind(listing, _list, sdk_runtime=False)  # the store first: --refresh sets it up
+
+
+PARSERS = {"show": _show_parser, "verify": _verify_parser, "export": _export_parser, "list": _list_parser}
+
+
+async def _show(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
+    from durable_rlm.audit.timeline import render  # start-up: the timeline's models (~0.4 s)
+
+    engine = readonly.open_existing(settings)
+    timeline = None
+    if engine is not None and not args.refresh:
+        timeline = readonly.cached_timeline(engine, args.episode_id)
+    if timeline is None:
+        timeline = await _timeline_from_history(settings, args.episode_id)
+    if args.json:
+        print(timeline.model_dump_json())
+    else:
+        print(render(timeline, width=10**9 if args.full else 2_000))
+    return EXIT_OK
+
+
+async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
+    """Read the history (through the server), and keep the timeline if the episode ended."""
+    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
+    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.telemetry.otel import forward_core_logs  # start-up: temporalio (~0.3 s), this path only
+
+    forward_core_logs()  # before the first client: stdout is the command's own (--json)
+    async with connect(settings) as services:
+        timeline = await episode_timeline(services.client, episode_id)
+        # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
+        if services.engine is not None and timeline.status in readonly.ENDED and not settings.encryption_keys:
+            description = await services.client.get_workflow_handle(episode_id).describe()
+            await asyncio.to_thread(readonly.store_timeline, services.engine, timeline, description.run_id)
+    return timeline
+
+
+async def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.audit.verify import verify_command  # start-up: temporalio, the stores (~0.5 s)
+
+    if (args.episode_id is None) == (not args.all):
+        raise ConfigurationError("give an episode id or --all")
+    return await verify_command(settings, args.episode_id, args.json)
+
+
+async def _export(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.viewer.export import export_command  # start-up: temporalio, the stores (~0.4 s)
+
+    return await export_command(settings, args.episode_id, args.format, args.output)
+
+
+async def _list(settings: Settings, args: argparse.Namespace) -> int:
+    """From the audit store alone (no server). Rows of episodes that ended without writing
+    theirs (terminated, timed out) are settled by every worker each minute, by the shared
+    server before it stops, and here with --refresh."""
+    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
+
+    if args.refresh:
+        from durable_rlm.audit.projection import reconcile_audit  # start-up: the audit writer (~0.6 s)
+        from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+        from durable_rlm.telemetry.otel import forward_core_logs  # start-up: temporalio, --refresh only
+
+        forward_core_logs()  # before the first client: stdout is the command's own (--json)
+        async with connect(settings) as services:
+            assert services.engine is not None
+            try:
+                await reconcile_audit(services.client, services.engine)
+            except Exception as exc:  # noqa: BLE001 - a store that cannot be written: list what it holds
+                stderr(f"drlm: rows not settled (the store refused the write): {type(exc).__name__}")
+    engine = readonly.open_existing(settings)
+    where = readonly.EpisodeFilter(
+        status=args.status,
+        model=args.model,
+        since=args.since,
+        until=args.until,
+        min_cost=args.min_cost,
+        max_cost=args.max_cost,
+        roots_only=args.roots,
+    )
+    rows = [] if engine is None else readonly.episode_rows(engine, args.limit, where)
+    if args.refresh and rows:
+        rows = await _with_live_status(settings, rows)
+    if args.json:
+        for row in rows:
+            print(json.dumps(dict(row._mapping), default=str))
+        return EXIT_OK
+    if not rows:
+        stderr("no episodes" + (" match these filters" if where.active else " in the audit store yet"))
+        return EXIT_OK
+    from durable_rlm.viewer.listing import episode_table, print_table  # start-up: rich (~20 ms), rows only
+
+    print_table(episode_table(rows))
+    return EXIT_OK
+
+
+async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:
+    """With --refresh, a running episode's status as it says it itself (the `DrlmStatus`
+    search attribute: waiting for the store, paused, awaiting approval), which its audit row
+    cannot say while the store it waits for is down."""
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.workflows import metadata  # start-up: temporalio's search attributes (~0.1 s)
+
+    running = [row.episode_id for row in rows if row.status == "running"]
+    if not running:
+        return rows
+    live: dict[str, str] = {}
+    async with connect(settings) as services:
+        quoted = ", ".join(json.dumps(episode_id) for episode_id in running[:200])
+        with contextlib.suppress(Exception):  # a server without the attribute: rows as stored
+            async for execution in services.client.list_workflows(f"WorkflowId IN ({quoted})"):
+                status = execution.typed_search_attributes.get(metadata.STATUS)
+                if status and status != "running":
+                    live[execution.id] = status
+    updated = []
+    for row in rows:
+        if row.episode_id not in live:
+            updated.append(row)
+            continue
+        mapping = {**row._mapping, "status": live[row.episode_id]}
+        shown = SimpleNamespace(**mapping)
+        shown._mapping = mapping  # as a Row has: --json prints it
+        updated.append(shown)
+    return updated
