@@ -4,9 +4,9 @@
     .venv/bin/python scripts/mutation_score.py --max-children 1 # on a machine others share
     .venv/bin/python scripts/mutation_score.py --no-run         # the score of the last run
 
-mutmut (configured in pyproject.toml's [tool.mutmut]) mutates the ten pure workflow modules
-(parsing, termination, fallback, signals, prompts, budget, compaction, steering, ending,
-outcome) and runs their unit tests against each mutant. This script reads its
+mutmut (configured in pyproject.toml's [tool.mutmut]) mutates the eleven pure workflow modules
+(parsing, termination, fallback, typed_outputs, signals, prompts, budget, compaction, steering,
+ending, outcome) and runs their unit tests against each mutant. This script reads its
 results, prints the score per module and every survivor, marks the survivors that
 docs/mutation.md has reviewed, and exits non-zero when fewer than 90% of the mutants are
 killed, in all or in any one module (a weak module must not hide behind strong ones). A

@@ -19,12 +19,10 @@ from durable_rlm.workflows.ending import (
     unextracted_ending,
 )
 from durable_rlm.workflows.fallback import (
-    ANSWER_FIELDS,
     ExecutionResult,
     Extracted,
     Failed,
     FallbackReason,
-    FieldSpec,
     ParsedExtraction,
     REPLHistoryEntry,
     Stopped,
@@ -33,6 +31,7 @@ from durable_rlm.workflows.fallback import (
 from durable_rlm.workflows.models import TerminationDecision
 from durable_rlm.workflows.outcome import IterationOutcome, ModelAnswer
 from durable_rlm.workflows.termination import PolicyDecision
+from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS, FieldSpec
 
 TYPED = [FieldSpec(name="title"), FieldSpec(name="year", type="integer")]
 LIMIT = FallbackReason(kind="max_iterations", value=5, limit=5)

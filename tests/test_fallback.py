@@ -11,7 +11,6 @@ import pytest
 from pydantic import BaseModel, Field
 
 from durable_rlm.workflows.fallback import (
-    ANSWER_FIELDS,
     ExecutionResult,
     ExecutionState,
     Extracted,
@@ -19,17 +18,20 @@ from durable_rlm.workflows.fallback import (
     Failed,
     FallbackReason,
     FallbackTrigger,
-    FieldSpec,
-    FieldType,
     REPLHistoryEntry,
     Submitted,
     calculate_extraction_confidence,
-    check_outputs,
     clamp_confidence,
     extraction_prompt,
+    parse_extraction_response,
+)
+from durable_rlm.workflows.typed_outputs import (
+    ANSWER_FIELDS,
+    FieldSpec,
+    FieldType,
+    check_outputs,
     fields_from_json_schema,
     fields_from_model,
-    parse_extraction_response,
 )
 
 FIELDS = [

@@ -15,8 +15,8 @@ from temporalio.worker import Replayer
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.worker.runtime import workflow_runner
 from durable_rlm.workflows.episode import EpisodeWorkflow
-from durable_rlm.workflows.fallback import FieldSpec, fields_from_model
 from durable_rlm.workflows.models import EpisodeLimits
+from durable_rlm.workflows.typed_outputs import FieldSpec, fields_from_model
 from tests.conftest import request_for, run_episode
 
 FIELDS = [

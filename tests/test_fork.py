@@ -201,8 +201,8 @@ async def test_bad_forks_are_refused_before_anything_starts(client, scripted, wo
         ({"at": 2, "max_iterations": 2}, "--max-iterations 2 leaves the fork no iteration after 2"),
         ({"at": 2, "policy": "no_such_policy"}, "invalid fork: "),
         # One list of fork settings (ForkChanges): a misspelt or mistyped one is named.
-        ({"at": 2, "modle": "m2"}, "invalid fork: modle: not a fork setting (fork settings: episode_id, model,"),
-        ({"at": 2, "max_iterations": "many"}, "invalid fork: max_iterations: Input should be a valid integer"),
+        ({"at": 2, "modle": "m2"}, "invalid fork: modle: not a fork setting (fork settings: episode_id,"),
+        ({"at": 2, "max_iterations": "x"}, "invalid fork: max_iterations: Input should be a valid integer"),
     ]
     for changes, message in cases:
         arguments = {"source_id": source_id, **changes}
@@ -243,6 +243,7 @@ async def test_a_running_episode_forks_at_a_finished_iteration(client, scripted,
         await workers.stop()
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_the_command_line_forks_shows_and_exports(
     client, scripted, worker, tmp_path: Path, temporal_address: str, session_dir: Path
 ) -> None:

@@ -20,7 +20,8 @@ from durable_rlm.ports import free_port
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.server.connection import connect
 from durable_rlm.settings import Settings
-from durable_rlm.telemetry.otel import MetricsEndpoint, configure, serve_metrics
+from durable_rlm.telemetry.metrics_server import MetricsEndpoint, serve_metrics
+from durable_rlm.telemetry.otel import configure
 from durable_rlm.worker.runtime import running_workers
 from tests.conftest import request_for, run_episode
 

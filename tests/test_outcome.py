@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from durable_rlm.workflows import prompts
-from durable_rlm.workflows.fallback import ANSWER_FIELDS, MAX_PROBLEMS, MORE_PROBLEMS, FieldSpec
 from durable_rlm.workflows.models import CellOutcome, Message
 from durable_rlm.workflows.outcome import (
     CellRecord,
@@ -21,6 +20,7 @@ from durable_rlm.workflows.outcome import (
     next_turn,
     text_answer,
 )
+from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS, MAX_PROBLEMS, MORE_PROBLEMS, FieldSpec
 
 TYPED = [FieldSpec(name="title", type="string"), FieldSpec(name="year", type="integer")]
 SCHEMA = [FieldSpec(name="year", json_schema={"type": "integer", "minimum": 1900})]

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 
 from durable_rlm.workflows import prompts
-from durable_rlm.workflows.fallback import FieldSpec
 from durable_rlm.workflows.models import ContextRef
+from durable_rlm.workflows.typed_outputs import FieldSpec
 
 GOLDEN = Path(__file__).parent / "golden" / "prompts.txt"
 

@@ -55,6 +55,7 @@ async def test_a_rebuild_loads_the_snapshot_and_reruns_only_later_cells(workers)
     assert outcome.rebuild.notes == []
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_a_crash_after_a_long_cell_does_not_run_it_again(workers) -> None:
     first, second = workers
     episode = Episode(first, cell_timeout_s=60, snapshots=SnapshotPolicy())

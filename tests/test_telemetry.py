@@ -29,12 +29,12 @@ from durable_rlm.scripted import root_and_sub
 from durable_rlm.store.codec import data_converter
 from durable_rlm.telemetry import otel as telemetry
 from durable_rlm.telemetry.otel import (
-    StepTelemetry,
     Telemetry,
     client_interceptors,
     configure,
     worker_interceptors,
 )
+from durable_rlm.telemetry.step_telemetry import StepTelemetry
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import (
     EpisodeResult,

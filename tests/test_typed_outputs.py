@@ -21,24 +21,26 @@ from durable_rlm.settings import Settings
 from durable_rlm.workflows import prompts
 from durable_rlm.workflows.fallback import (
     EXTRACTION_TASK_CHARS,
+    ExtractFallbackInputs,
+    REPLHistoryEntry,
+    extraction_prompt,
+    parse_extraction_response,
+)
+from durable_rlm.workflows.models import Message
+from durable_rlm.workflows.outcome import CellRecord, cell_answer
+from durable_rlm.workflows.typed_outputs import (
     MAX_OUTPUT_DEPTH,
     MAX_OUTPUT_VALUES,
     MAX_PROBLEM_CHARS,
     MAX_PROBLEMS,
     MORE_PROBLEMS,
     SCHEMA_SHOWN_CHARS,
-    ExtractFallbackInputs,
     FieldSpec,
-    REPLHistoryEntry,
     check_outputs,
-    extraction_prompt,
     fields_from_json_schema,
     fields_from_model,
     format_output_fields,
-    parse_extraction_response,
 )
-from durable_rlm.workflows.models import Message
-from durable_rlm.workflows.outcome import CellRecord, cell_answer
 
 
 class Item(BaseModel):

@@ -23,7 +23,7 @@ from temporalio.client import Client
 
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.telemetry.otel import LogPath
+from durable_rlm.telemetry.log_path import LogPath
 from durable_rlm.workflows.models import EpisodeLimits
 from tests.conftest import ROOT, request_for
 

@@ -16,13 +16,13 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows import defaults, legacy, names, prompts
     from durable_rlm.workflows.display import EpisodeDisplay
-    from durable_rlm.workflows.fallback import ANSWER_FIELDS
     from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, Message, RootCompletion
     from durable_rlm.workflows.outcome import CellRecord, IterationOutcome, cell_answer, text_answer
     from durable_rlm.workflows.parsing import FinalSignal, parse_reply, unquote_argument
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.steering_gate import SteeringGate
     from durable_rlm.workflows.stopping import Stopping
+    from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
 class Acting:

@@ -16,7 +16,6 @@ from durable_rlm.workflows.fallback import (
     Extracted,
     Failed,
     FallbackReason,
-    FieldSpec,
     ParsedExtraction,
     REPLHistoryEntry,
     Stopped,
@@ -26,6 +25,7 @@ from durable_rlm.workflows.fallback import (
 from durable_rlm.workflows.models import AnswerSource, EndReason, FailureCause, TerminationDecision
 from durable_rlm.workflows.outcome import IterationOutcome, answer_outputs, answer_text
 from durable_rlm.workflows.termination import PolicyDecision
+from durable_rlm.workflows.typed_outputs import FieldSpec
 
 CANCELLED = "the episode was cancelled"
 TIMED_OUT = "the episode passed its Temporal execution timeout"

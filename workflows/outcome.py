@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from durable_rlm.workflows import prompts
-from durable_rlm.workflows.fallback import FieldSpec, check_outputs
 from durable_rlm.workflows.models import CellOutcome, EndReason, Message
+from durable_rlm.workflows.typed_outputs import FieldSpec, check_outputs
 
 
 @dataclass(frozen=True)

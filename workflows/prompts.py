@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from durable_rlm.workflows import defaults
-from durable_rlm.workflows.fallback import FieldSpec, format_output_fields
 from durable_rlm.workflows.models import ContextRef, Message, ToolSpec
 from durable_rlm.workflows.parsing import truncate_output
 from durable_rlm.workflows.signals import CONFIDENCE_INSTRUCTION
+from durable_rlm.workflows.typed_outputs import FieldSpec, format_output_fields
 
 SYSTEM_PROMPT = """\
 You answer a query with the help of a Python REPL. The query's context lives in the REPL, \

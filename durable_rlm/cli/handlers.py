@@ -35,7 +35,7 @@ async def _run(command: Command, args: argparse.Namespace, sdk_runtime: bool) ->
     # would contend for its port.
     settings = Settings.from_env().model_copy(update={"metrics_address": None})
     if sdk_runtime:
-        from durable_rlm.telemetry.otel import forward_core_logs  # start-up: temporalio (~0.3 s)
+        from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio (~0.3 s)
 
         forward_core_logs()  # stdout is the command's own (`--json`): the core's logs are records
     return await command(settings, args)

@@ -97,7 +97,7 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
     from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
     from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
-    from durable_rlm.telemetry.otel import forward_core_logs  # start-up: temporalio (~0.3 s), this path only
+    from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, this path
 
     forward_core_logs()  # before the first client: stdout is the command's own (--json)
     async with connect(settings) as services:
@@ -132,7 +132,7 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     if args.refresh:
         from durable_rlm.audit.projection import reconcile_audit  # start-up: the audit writer (~0.6 s)
         from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
-        from durable_rlm.telemetry.otel import forward_core_logs  # start-up: temporalio, --refresh only
+        from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, --refresh only
 
         forward_core_logs()  # before the first client: stdout is the command's own (--json)
         async with connect(settings) as services:

@@ -20,7 +20,8 @@ from durable_rlm.settings import Settings, private_file
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.store.codec import data_converter
 from durable_rlm.store.sql import agree_on_blob_store, open_store
-from durable_rlm.telemetry.otel import client_interceptors, metrics_runtime
+from durable_rlm.telemetry.metrics_server import metrics_runtime
+from durable_rlm.telemetry.otel import client_interceptors
 
 
 @dataclass

@@ -19,7 +19,7 @@ SDK_LOGGERS = (
     "temporalio.worker._activity",
     "temporalio.worker._workflow",
     "temporalio.worker._workflow_instance",
-    "temporalio.core",  # the SDK core's own records (durable_rlm.telemetry.otel.forward_core_logs)
+    "temporalio.core",  # the SDK core's own records (durable_rlm.telemetry.log_path.forward_core_logs)
 )
 
 

@@ -9,7 +9,7 @@ in the worker's environment; they never enter workflow history.
 
 Its output never stops it: stdout carries only "worker ready" and the drain's report; every
 log record, its own, the SDK's and the SDK core's (forwarded from Rust), goes through one
-bounded path to stderr (durable_rlm/telemetry/otel.py `LogPath`), which drops and counts rather
+bounded path to stderr (durable_rlm/telemetry/log_path.py `LogPath`), which drops and counts rather
 than wait, and writes repeated warnings a few times a minute with a count. DRLM_LOG_LEVEL
 (default INFO) sets its level; at DEBUG the core's debug logs come too.
 
@@ -33,7 +33,8 @@ from durable_rlm.activities.sandbox_slots import default_max_sandboxes
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.server.embedded import answers
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.telemetry.otel import close_log_path, install_log_path, shutdown_current
+from durable_rlm.telemetry.log_path import close_log_path, install_log_path
+from durable_rlm.telemetry.otel import shutdown_current
 from durable_rlm.worker.pool import process_count, supervise
 from durable_rlm.worker.runtime import DrainReport, connect, running_workers
 from durable_rlm.workflows import defaults
