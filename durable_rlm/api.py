@@ -14,6 +14,8 @@ rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, 
 with status "paused" and what to fix), and a person's steering: `hint()`, `set_limits()`,
 `pause()`, `resume()`, `finish_now()`, `pending_cell()`, `approve()`, `reject()` (each a
 validated Temporal update recorded with its sender; README "Supervising an episode").
+`session()` returns a persistent session (rlms's `persistent=True`): successive completions
+are turns over one REPL, in one durable workflow (durable_rlm/client/sessions.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import dataclasses
 import gc
 from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -55,6 +58,7 @@ from durable_rlm.workflows.termination import PolicyError
 # imported inside the methods that run one, each import with its reason.
 if TYPE_CHECKING:
     from durable_rlm.client.episodes import CancelOutcome, CredentialsOutcome, EpisodeEnd
+    from durable_rlm.client.sessions import Session as PersistentSession
     from durable_rlm.client.steering import SteeringOutcome
     from durable_rlm.timetravel.rerun import RerunReport
     from durable_rlm.worker.runtime import Services
@@ -236,7 +240,9 @@ class DurableRLM:
         loop = id(asyncio.get_running_loop())
         return self._locks.setdefault(loop, asyncio.Lock())
 
-    async def _enter(self, stack: contextlib.AsyncExitStack, work: bool) -> Services:
+    async def _enter(
+        self, stack: contextlib.AsyncExitStack, work: bool, task_queue: str | None = None
+    ) -> Services:
         from durable_rlm.client.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
         from durable_rlm.telemetry.otel import forward_core_logs  # start-up: the SDK's Runtime
         from durable_rlm.worker.runtime import session  # start-up: the worker side, needed only here
@@ -244,7 +250,9 @@ class DurableRLM:
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
         forward_core_logs()  # the script's stdout is its own
         settings = self.settings
-        if work and settings.embedded:
+        if task_queue is not None:  # a persistent session's own queue, whichever call serves it
+            settings = settings.model_copy(update={"task_queue": task_queue})
+        elif work and settings.embedded:
             # This session's episodes, and only they, are its worker's work (own_task_queue).
             settings = settings.model_copy(update={"task_queue": own_task_queue(settings.task_queue)})
         return await stack.enter_async_context(session(settings, self.credentials, work))
@@ -263,6 +271,39 @@ class DurableRLM:
             return
         async with contextlib.AsyncExitStack() as stack:
             yield await self._enter(stack, work=True)
+
+    @contextlib.asynccontextmanager
+    async def _queue_session(self, task_queue: str | None, work: bool) -> AsyncIterator[Services]:
+        """Services whose embedded worker polls `task_queue` (a persistent session's)."""
+        async with contextlib.AsyncExitStack() as stack:
+            yield await self._enter(stack, work, task_queue)
+
+    def session(
+        self,
+        session_id: str | None = None,
+        *,
+        idle_timeout: timedelta | float | None = None,
+        turns_per_run: int | None = None,
+    ) -> PersistentSession:
+        """A persistent session (rlms's `persistent=True`): each `completion()` / `acompletion()`
+        is a turn over one REPL, where turn k's context is `context_k` and earlier turns'
+        messages `history_j`; `close()` / `aclose()` (or `async with`) ends it, as does
+        `idle_timeout` (default 1 hour) without a turn. `session_id` attaches to a session
+        another client started. `turns_per_run`: continue-as-new after that many turns
+        (default: when Temporal suggests it)."""
+        from durable_rlm.client.sessions import Session  # start-up: temporalio, the stores (0.3 s)
+
+        return Session(
+            self.template,
+            self.request,
+            self.check_credentials,
+            self._queue_session,
+            embedded=self.settings.embedded,
+            shared_queue=self.settings.task_queue,
+            session_id=session_id,
+            idle_timeout=idle_timeout,
+            turns_per_run=turns_per_run,
+        )
 
     # --- episodes -----------------------------------------------------------------------
 

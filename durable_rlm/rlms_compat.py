@@ -13,11 +13,14 @@ fields (`response`, `usage_summary` per model, `execution_time`, `metadata`) bes
 do: `max_iterations` answers from the history (rlms's default answer; here fallback
 extraction), while `max_timeout`, `max_tokens`, `max_budget` and `max_errors` raise rlms's
 exception types (defined here with rlms's names and attributes, each also a DurableRLMError).
+With `persistent=True` successive `completion()` calls are turns of one durable session
+(durable_rlm/client/sessions.py): one REPL, turn k's prompt as `context_k`, earlier turns'
+messages as `history_j`; `close()` ends it, and `session_id` names it (`drlm show`).
 
 What does not fit a durable, sandboxed runtime is refused with a ConfigurationError that says
 what works, never ignored: environments other than "local" (ours is a sandboxed process),
-`persistent=True` (durable sessions are not built yet), rlms backends without an
-OpenAI-compatible endpoint (portkey), `user_prologue`, `orchestrator=False`.
+rlms backends without an OpenAI-compatible endpoint (portkey), `user_prologue`,
+`orchestrator=False`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from durable_rlm.workflows.termination import (
 
 if TYPE_CHECKING:
     from durable_rlm.audit.timeline import Timeline
+    from durable_rlm.client.sessions import Session as PersistentSession
     from durable_rlm.worker.runtime import Services
 
 RLMS_VERSION = "0.1.3"
@@ -429,11 +433,6 @@ class RLM(DurableRLM):
                 f"environment {environment!r} is not available: durable-rlm runs the REPL in its own "
                 "sandboxed process (environment='local')"
             )
-        if persistent:
-            raise ConfigurationError(
-                "persistent=True is not implemented yet (durable sessions are coming); call "
-                "completion() once per task, or keep state in custom_tools data"
-            )
         if depth != 0:
             raise ConfigurationError("depth is rlms's own bookkeeping for child RLMs: leave it 0")
         if user_prologue is not None:
@@ -510,6 +509,7 @@ class RLM(DurableRLM):
         self.custom_tools = custom_tools
         self.custom_sub_tools = custom_sub_tools if custom_sub_tools is not None else custom_tools
         self.persistent, self.depth = persistent, depth
+        self._turns: PersistentSession | None = None  # persistent=True: the session, from the first call
         self.logger, self.verbose = logger, verbose
         self.on_subcall_start, self.on_subcall_complete = on_subcall_start, on_subcall_complete
         self.on_iteration_start, self.on_iteration_complete = on_iteration_start, on_iteration_complete
@@ -570,6 +570,9 @@ class RLM(DurableRLM):
         self.check_credentials()
         if self.logger is not None:
             self.logger.clear_iterations()
+        if self.persistent:
+            result, timeline, services = await self._turn(prompt, root_prompt)
+            return self._completed(prompt, result, timeline, services, started)
         async with self._session() as services:
             episode = await self._start(services, prompt, root_prompt, None)
             try:
@@ -581,6 +584,35 @@ class RLM(DurableRLM):
                 raise EpisodeFailed(end)
             result = end.result
             timeline = await self._timeline(services, episode.id)
+        return self._completed(prompt, result, timeline, services, started)
+
+    @property
+    def session_id(self) -> str | None:
+        """persistent=True: the session's id (`drlm show`; `DurableRLM.session(session_id=...)`
+        attaches to it from another process), once the first completion() started it."""
+        return self._turns.id if self._turns is not None else None
+
+    async def _turn(self, prompt: Any, root_prompt: str | None) -> tuple[EpisodeResult, Timeline, Services]:
+        """persistent=True: one turn of the session; the first call starts it."""
+        if self._turns is None:
+            self._turns = self.session()
+        async with self._turns.opened() as services:
+            try:
+                result = await self._turns.acompletion(prompt, root_prompt)
+            except (KeyboardInterrupt, asyncio.CancelledError):
+                # The turn runs on in the session (durably); the next call waits for it.
+                raise CancellationError(message="Execution cancelled by user (Ctrl+C)") from None
+            timeline = await self._timeline(services, result.episode_id)
+        for number in range(1, result.iterations + 1):  # the turn's iterations, once it ended
+            _quietly(self.on_iteration_start, 0, number)
+            _quietly(self.on_iteration_complete, 0, number, 0.0)
+            if self.verbose:
+                print(f"[durable-rlm] iteration {number}")
+        return result, timeline, services
+
+    def _completed(
+        self, prompt: Any, result: EpisodeResult, timeline: Timeline, services: Services, started: float
+    ) -> RLMChatCompletion:
         elapsed = time.perf_counter() - started
         usage = usage_by_model(timeline, result, self.root_model_name)
         self._replay_to_logger(services, timeline)
@@ -708,10 +740,24 @@ class RLM(DurableRLM):
             raise CancellationError(partial, result.stop_reason or None)
 
     def close(self) -> None:  # type: ignore[override]
-        """rlms's close(), which is not awaited: nothing is held between completion() calls
-        (an open session is closed by `async with rlm:` or `aclose()`)."""
+        """rlms's close(), which is not awaited: with persistent=True it ends the session;
+        otherwise nothing is held between completion() calls (an open connection is closed by
+        `async with rlm:` or `aclose()`). Inside an event loop, await `aclose()`."""
+        if self._turns is not None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                asyncio.run(self._end_turns())
+                return
+            raise ConfigurationError("close() blocks; inside an event loop, await aclose()")
+
+    async def _end_turns(self) -> None:
+        turns, self._turns = self._turns, None
+        if turns is not None:
+            await turns.aclose(reason="closed by the client (rlms close())")
 
     async def aclose(self) -> None:
+        await self._end_turns()
         await DurableRLM.close(self)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -721,6 +767,7 @@ class RLM(DurableRLM):
         return self
 
     def __exit__(self, *exc: object) -> bool:
+        self.close()  # rlms's: the persistent session ends with the block
         return False
 
 

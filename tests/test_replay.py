@@ -22,6 +22,8 @@ from durable_rlm.worker.runtime import workflow_runner
 from durable_rlm.workflows import names
 from durable_rlm.workflows.episode import EpisodeWorkflow
 from durable_rlm.workflows.models import EpisodeRequest, EpisodeResult
+from durable_rlm.workflows.session import SessionWorkflow
+from durable_rlm.workflows.session_models import SessionEnd, SessionStart
 from tests.conftest import request_for, run_episode
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
@@ -411,3 +413,55 @@ def test_a_cancel_read_with_a_reply_is_stored_behind_the_cancel_sticks_patch() -
     for path in HISTORIES:
         if path.stem != "cancel_sticks":
             assert not _has_patch_marker(path.name, names.PATCH_CANCEL_STICKS), path.stem
+
+
+# --- persistent sessions (workflows/session.py): kept apart, in histories/sessions/ -----------
+
+SESSIONS = Path(__file__).parent / "histories" / "sessions"
+
+
+def test_a_session_history_is_stored() -> None:
+    events = _event_types("sessions/session.json")
+    assert events.count("EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED") == 2  # two turns
+    assert events.count("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED") == 3  # and the close
+    first = json.loads((SESSIONS / "session_turn1.json").read_text())["events"][0]
+    payload = first["workflowExecutionStartedEventAttributes"]["input"]["payloads"][0]["data"]
+    request = json.loads(base64.b64decode(payload))
+    assert request["session"]["turn"] == 1 and request["session"]["repl"]["cell_count"] == 2
+
+
+@pytest.mark.parametrize("name", ["session", "session_turn1"])
+async def test_stored_session_histories_replay(name: str) -> None:
+    replayer = Replayer(
+        workflows=[SessionWorkflow, EpisodeWorkflow],
+        data_converter=pydantic_data_converter,
+        workflow_runner=workflow_runner(),
+    )
+    result = await replayer.replay_workflow(load(SESSIONS / f"{name}.json"))
+    assert result.replay_failure is None
+
+
+@workflow.defn(name=names.SESSION_WORKFLOW, sandboxed=False)
+class LeavesItsSandbox(SessionWorkflow):
+    """Drops the closing step (a local activity): replay must notice."""
+
+    @workflow.init
+    def __init__(self, start: SessionStart) -> None:
+        super().__init__(start)
+
+    @workflow.run
+    async def run(self, start: SessionStart) -> SessionEnd:
+        return await super().run(start)
+
+    async def _close_sandbox(self) -> None:
+        return None
+
+
+async def test_a_session_logic_change_fails_replay() -> None:
+    replayer = Replayer(
+        workflows=[LeavesItsSandbox],
+        data_converter=pydantic_data_converter,
+        workflow_runner=UnsandboxedWorkflowRunner(),
+    )
+    result = await replayer.replay_workflow(load(SESSIONS / "session.json"), raise_on_replay_failure=False)
+    assert result.replay_failure is not None

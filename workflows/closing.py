@@ -9,6 +9,7 @@ existed completed without it, and replay so (the `fallback-extraction` patch).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
@@ -24,7 +25,7 @@ with workflow.unsafe.imports_passed_through():
         extraction_failed_ending,
         unextracted_ending,
     )
-    from durable_rlm.workflows.fallback import ANSWER_FIELDS, FallbackReason, parse_extraction_response
+    from durable_rlm.workflows.fallback import FallbackReason, parse_extraction_response
     from durable_rlm.workflows.models import (
         EpisodeCarry,
         EpisodeRequest,
@@ -32,11 +33,13 @@ with workflow.unsafe.imports_passed_through():
         EpisodeStatus,
         ExtractionInput,
         ExtractionReply,
+        ReplState,
     )
     from durable_rlm.workflows.outages import OutageWaits
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.retries import describe_failure, model_step_options, raise_if_cancelled
     from durable_rlm.workflows.stopping import Stopping
+    from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
 class Closing:
@@ -144,7 +147,18 @@ class Closing:
             children=s.children,
             unaccounted_tokens=s.unaccounted_tokens,
             unaccounted_cost_usd=s.unaccounted_cost_usd,
+            **self._session_fields(),
         )
+
+    def _session_fields(self) -> dict[str, Any]:
+        """A session's turn hands its REPL and conversation to the next (none for others)."""
+        if self.request.session is None:
+            return {}
+        s = self.state
+        repl = ReplState(
+            log_head=s.log_head, cell_count=s.cell_count, snapshot=s.snapshot, variables=s.variables
+        )
+        return {"repl": repl, "conversation": s.conversation}
 
     async def finish(self, ending: Ending) -> EpisodeResult:
         """The episode's result, once its sandbox and its audit row are closed."""

@@ -52,7 +52,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows.deciding import Decider
     from durable_rlm.workflows.display import EpisodeDisplay
     from durable_rlm.workflows.ending import CANCELLED, Ending, LimitReached, cancelled_ending, policy_ending
-    from durable_rlm.workflows.fallback import ANSWER_FIELDS, FallbackReason
+    from durable_rlm.workflows.fallback import FallbackReason
     from durable_rlm.workflows.models import (
         AuditEvent,
         CancelReceipt,
@@ -86,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows.steering_inbox import Moment, SteeringInbox
     from durable_rlm.workflows.stopping import Stopping
     from durable_rlm.workflows.termination import PolicyError, PolicyRegistry, TerminationPolicy
+    from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
 @workflow.defn(name=names.WORKFLOW)
@@ -339,7 +340,10 @@ class EpisodeWorkflow:
 
     async def _loop(self, request: EpisodeRequest) -> Ending | LimitReached:
         s, stop, inbox = self._state, self._stop, self._inbox
-        if request.setup_code and s.iteration == 0 and s.cell_count == 0:
+        # A session's turn runs its setup cell (binding context_k, history_j) over the REPL it
+        # inherits; an episode's setup cell is the REPL's first.
+        first_cell = request.session.repl.cell_count if request.session is not None else 0
+        if request.setup_code and s.iteration == 0 and s.cell_count == first_cell:
             if workflow.patched(names.PATCH_SETUP_CODE):
                 await self._acting.setup(request.setup_code)
         while True:

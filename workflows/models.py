@@ -13,7 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from durable_rlm.workflows import defaults, names
-from durable_rlm.workflows.fallback import ExecutionResult, FallbackReason, FieldSpec, REPLHistoryEntry
+from durable_rlm.workflows.fallback import ExecutionResult, FallbackReason, REPLHistoryEntry
+from durable_rlm.workflows.typed_outputs import FieldSpec
 
 
 class StrictModel(BaseModel):
@@ -335,6 +336,11 @@ class EpisodeRequest(StrictModel):
     fork: ForkOrigin | None = Field(
         default=None, description="set by `drlm fork`: carry is then the source's state at the branch"
     )
+    session: SessionTurn | None = Field(
+        default=None,
+        description="set by a persistent session (workflows/session.py): this episode is one of its "
+        "turns, starting from the REPL the last turn left, with setup_code binding this turn's values",
+    )
 
     @field_validator("task")
     @classmethod
@@ -565,6 +571,12 @@ class EpisodeResult(StrictModel):
     )
     unaccounted_cost_usd: float = Field(
         default=0.0, description="cost shares charged for descendants whose spend is unknown"
+    )
+    repl: ReplState | None = Field(
+        default=None, description="a session turn's REPL at its end: where the next turn starts"
+    )
+    conversation: str | None = Field(
+        default=None, description="a session turn's conversation head (its history_k is read from it)"
     )
 
     @property
@@ -1176,5 +1188,24 @@ class EpisodeCarry(StrictModel):
         self.charge(usage, model_time_s, calls=0)
 
 
+class ReplState(StrictModel):
+    """A REPL as the cell log names it: what a session's next turn starts from. The log's
+    head is the state; the snapshot lets a rebuild skip the cells before it."""
+
+    log_head: str | None = None
+    cell_count: int = Field(default=0, ge=0)
+    snapshot: SnapshotRef | None = None
+    variables: dict[str, str] = Field(default_factory=dict)
+
+
+class SessionTurn(StrictModel):
+    """What makes an episode a session's turn: the REPL it shares and where that REPL is."""
+
+    session_id: str = Field(min_length=1, description="the sandbox's name: each turn's REPL is the session's")
+    turn: int = Field(ge=0)
+    repl: ReplState = Field(default_factory=ReplState)
+
+
 EpisodeRequest.model_rebuild()
+EpisodeResult.model_rebuild()
 EpisodeProgress.model_rebuild()

@@ -97,3 +97,15 @@ PAUSE = "pause"
 RESUME = "resume"
 FINISH_NOW = "finish_now"
 DECIDE_CELL = "decide_cell"  # approve (as written or edited) or reject the cell that waits
+
+# A persistent session (workflows/session.py): one workflow over many turns, each turn an
+# episode (`<session>-turn<k>`) that starts from the REPL the last one left.
+SESSION_WORKFLOW = "RlmSession"
+SESSION_TURN = "turn"  # update: run one turn to its answer
+SESSION_CLOSE = "close"  # update: end the session once no turn runs
+SESSION_STATE = "session"  # query: the session's turns and REPL
+
+
+def turn_episode_id(session_id: str, turn: int) -> str:
+    """The id of a session's turn `turn` (0-based): the CLI finds a session's turns by it."""
+    return f"{session_id}-turn{turn}"

@@ -2,7 +2,8 @@
 
 The workflow draws the seed (`workflow.random()`, unless the request set one) and reads the
 start time; from those this is pure. A fork's first run starts from its source's state
-instead (workflows/forks.py), and a later run from the state the last one carried.
+instead (workflows/forks.py), and a later run from the state the last one carried. A
+persistent session's turn starts with a new conversation over the REPL its last turn left.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from durable_rlm.workflows import prompts
-from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, ReplState
 from durable_rlm.workflows.signals import uses_confidence
 
 
@@ -19,9 +20,15 @@ def first_state(request: EpisodeRequest, seed: int, started: datetime) -> Episod
     deadline = started + request.limits.max_duration
     if request.deadline is not None:  # a child never outlives its parent's deadline
         deadline = min(deadline, request.deadline)
+    repl = request.session.repl if request.session is not None else ReplState()
     return EpisodeCarry(
         seed=seed,
         deadline=deadline,
+        # A session's turn starts from the REPL the last turn left (a new conversation).
+        log_head=repl.log_head,
+        cell_count=repl.cell_count,
+        snapshot=repl.snapshot,
+        variables=dict(repl.variables),
         pending=prompts.opening_messages(
             request.task,
             request.context,

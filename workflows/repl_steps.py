@@ -49,6 +49,13 @@ from durable_rlm.workflows.retries import (
 
 R = TypeVar("R")
 
+
+def sandbox_name(request: EpisodeRequest) -> str:
+    """The name the REPL runs under: the episode's id, or a session's for all its turns, so
+    that each turn finds the REPL the last one left (its sandbox, or its own snapshots)."""
+    return request.session.session_id if request.session is not None else workflow.info().workflow_id
+
+
 LOST_CELL = (
     "{cause}; its effects are discarded and variables from earlier cells are restored. "
     "Run it again if you still need it (split long work into shorter cells)."
@@ -86,7 +93,7 @@ class ReplSteps:
 
     def _sandbox(self) -> SandboxRef:
         return SandboxRef(
-            episode_id=workflow.info().workflow_id,
+            episode_id=sandbox_name(self.request),
             context=self.request.context,
             seed=self.state.seed,
             log_head=self.state.log_head,

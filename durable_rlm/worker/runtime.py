@@ -54,6 +54,7 @@ from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.session import SessionWorkflow
 
 
 def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
@@ -141,7 +142,7 @@ def build_workers(
     shared = Worker(
         client,
         task_queue=task_queue,
-        workflows=[EpisodeWorkflow],
+        workflows=[EpisodeWorkflow, SessionWorkflow],
         activities=[
             models.root_completion,
             models.sub_query,

@@ -645,6 +645,61 @@ async def record_cancel_sticks(client: Client, blobs: BlobStore, work: Path, onl
     (HERE / "cancel_sticks.json").write_text(history.to_json())
 
 
+async def record_session(client: Client, blobs: BlobStore, only: set[str]) -> None:
+    """A persistent session of two turns, closed: the session's history (the workflow
+    SessionWorkflow) and its second turn's (an episode over the REPL the first left), in
+    sessions/, apart from the episodes' histories that the other replay tests read."""
+    if only and "session" not in only:
+        return
+    from durable_rlm.client.sessions import close_session, run_turn, setup_cell, start_session, turn_history
+    from durable_rlm.workflows.session_models import SessionStart, TurnRequest
+
+    turns = {
+        0: ["```repl\nseen = [context_0]\n```", "FINAL_VAR(seen)"],
+        1: ["```repl\nseen.append(context_1)\nn = len(history_0)\n```", "FINAL_VAR(seen)"],
+    }
+
+    def script(request):
+        step = 1 if any("second" in str(m.get("content", "")) for m in request.messages) else 0
+        return turns[step][min(request.turn, 1)]
+
+    folder = HERE / "sessions"
+    folder.mkdir(exist_ok=True)
+    with ScriptedModelServer(script) as server:
+        template = EpisodeRequest(
+            task="template", root_model=ModelSettings(model="scripted", base_url=server.base_url), seed=1
+        )
+        await start_session(client, SessionStart(template=template), "record", "session")
+        context = store_context(blobs, "first")
+        first = TurnRequest(
+            turn=0,
+            task="first",
+            context=context,
+            setup_code=setup_cell(0, "first", True, {}),
+            context_index=0,
+        )
+        done = await run_turn(client, "session", first)
+        print("turn 0", done)
+        assert done.result is not None and done.result.answer == "['first']", done
+        history = turn_history(blobs, done.result.conversation)
+        second = TurnRequest(
+            turn=1,
+            task="second",
+            setup_code=setup_cell(1, "again", False, {0: history}),
+            context_index=1,
+            history_turns=[0],
+        )
+        done = await run_turn(client, "session", second)
+        print("turn 1", done)
+        assert done.result is not None and done.result.answer == "['first', 'again']", done
+        await close_session(client, "session", "recorded")
+        handle = client.get_workflow_handle("session")
+        print("session", await handle.result())
+        (folder / "session.json").write_text((await handle.fetch_history()).to_json())
+        turn = client.get_workflow_handle(names.turn_episode_id("session", 1))
+        (folder / "session_turn1.json").write_text((await turn.fetch_history()).to_json())
+
+
 async def record(only: set[str]) -> None:
     work = Path(tempfile.mkdtemp(prefix="drlm-record-"))
     engine = open_store(f"sqlite:///{work / 'drlm.sqlite'}")
@@ -683,6 +738,7 @@ async def record(only: set[str]) -> None:
             await record_audit_aside(client, only)
             await record_steering(client, only)
             await record_fork(client, only)
+            await record_session(client, blobs, only)
         await record_sandboxes_busy(client, blobs, engine, work, only)
         await record_cancel_sticks(client, blobs, work, only)
 
