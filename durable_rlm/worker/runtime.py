@@ -65,7 +65,7 @@ def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRu
         restrictions=SandboxRestrictions.default.with_passthrough_modules(
             "pydantic",
             "pydantic_core",
-            # Typed outputs are checked in workflow code (workflows/fallback.py): the
+            # Typed outputs are checked in workflow code (workflows/typed_outputs.py): the
             # validator and its dependencies are pure, and not worth re-importing per run.
             "jsonschema",
             "jsonschema_specifications",
