@@ -98,6 +98,19 @@ def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> Non
     assert (state.ended_by, len(state.turns), state.contexts, state.histories) == ("closed", 5, 5, 4)
 
 
+def test_a_session_in_a_with_block_from_synchronous_code(scripted, tmp_path: Path) -> None:
+    """The README's form: `with rlm.session() as s:` and `s.completion(...)`; the block's end
+    closes the session."""
+    server = scripted(session_script)
+    settings = Settings(data_dir=tmp_path)
+    rlm = DurableRLM("gpt-x", base_url=server.base_url, max_iterations=4, settings=settings)
+    with rlm.session() as session:
+        answers = [session.completion(f"c{k}", root_prompt=f"Session step {k}").answer for k in range(2)]
+    assert answers == [expected(0), expected(1)]
+    state = asyncio.run(_state(rlm, session.id))
+    assert (state.ended_by, len(state.turns)) == ("closed", 2)
+
+
 async def _state(rlm: DurableRLM, session_id: str):
     return await rlm.session(session_id=session_id).state()
 

@@ -220,6 +220,14 @@ class Session:
 
     # --- opening --------------------------------------------------------------------------
 
+    def __enter__(self) -> Session:
+        """`with rlm.session() as s:` in synchronous code: each `completion()` connects for
+        its turn; leaving the block closes the session."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     async def __aenter__(self) -> Session:
         stack = contextlib.AsyncExitStack()
         try:
