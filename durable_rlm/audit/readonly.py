@@ -7,8 +7,9 @@ once its episode ended, when its history can no longer change.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,9 @@ if TYPE_CHECKING:  # start-up: `drlm list` needs no timeline (issue 36)
     from durable_rlm.audit.timeline import Timeline
 
 ENDED = ("completed", "failed", "cancelled", "terminated", "timed_out")
+TURN_ID = re.compile(r"^(?P<session>.+)-turn(?P<turn>\d+)$")
+"""A persistent session's turn episode (workflows/names.py's turn_episode_id): the audit store
+has no session column, so `drlm list` groups a session's turns by their ids."""
 
 
 def open_existing(settings: Settings) -> sa.Engine | None:
@@ -144,6 +148,100 @@ def episode_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = No
     query = sa.select(*columns).where(*(where or EpisodeFilter()).clauses(table)).order_by(started.desc())
     with engine.connect() as conn:
         return conn.execute(query.limit(limit)).all()
+
+
+def turn_of(episode_id: str) -> tuple[str, int] | None:
+    """(session id, turn) if the id is a session turn's, by its form alone."""
+    found = TURN_ID.match(episode_id)
+    return None if found is None else (found["session"], int(found["turn"]))
+
+
+def turn_rows(engine: sa.Engine, session_id: str) -> list[sa.Row]:
+    """The audit rows of a session's turns, in turn order (a turn not written yet is absent)."""
+    table = schema.episodes
+    escaped = session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(table).where(table.c.episode_id.like(f"{escaped}-turn%", escape="\\"))
+            ).all()
+    except sa.exc.DatabaseError:  # no audit table yet, or an older schema
+        return []
+    numbered = [
+        (found[1], row) for row in rows if (found := turn_of(row.episode_id)) and found[0] == session_id
+    ]
+    return [row for _, row in sorted(numbered, key=lambda pair: pair[0])]
+
+
+@dataclass
+class SessionRows:
+    """A session as `drlm list` shows it: one line for all its turns' rows."""
+
+    session_id: str
+    turns: list[Any] = field(default_factory=list)
+    status: str | None = None  # the session's own (from the server), when read
+
+    @property
+    def last(self) -> Any:
+        return self.turns[-1]
+
+    def summary(self) -> dict[str, Any]:
+        """The session's line as `drlm list --json` prints it (its turns' rows under `turns`)."""
+        last, first = self.last, self.turns[0]
+        costs = [row.cost_usd for row in self.turns]
+        return {
+            "kind": "session",
+            "episode_id": self.session_id,
+            "session_id": self.session_id,
+            "status": self.status or last.status,
+            "session_status": self.status,
+            "turn_count": len(self.turns),
+            "last_turn": last.episode_id,
+            "last_turn_status": last.status,
+            "ended_by": last.ended_by,
+            "root_model": last.root_model,
+            "task": last.task,
+            "answer": last.answer,
+            "iterations": _total(row.iterations for row in self.turns),
+            "model_calls": _total(row.model_calls for row in self.turns),
+            "prompt_tokens": _total(row.prompt_tokens for row in self.turns),
+            "completion_tokens": _total(row.completion_tokens for row in self.turns),
+            "cost_usd": None if any(c is None for c in costs) else sum(costs),
+            "started_at": first.started_at,
+            "ended_at": last.ended_at,
+            "depth": 0,
+            "turns": [dict(row._mapping) for row in self.turns],
+        }
+
+
+def _total(values: Any) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def grouped_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = None) -> list[Any]:
+    """`drlm list`'s entries, newest first: episode rows, and a SessionRows in place of a
+    session's turns (all of them, whichever matched the filter), up to `limit` entries."""
+    fetch = limit
+    while True:
+        rows = episode_rows(engine, fetch, where)
+        entries: list[Any] = []
+        sessions: dict[str, SessionRows | None] = {}
+        for row in rows:
+            found = turn_of(row.episode_id) if not row.parent_id else None
+            if found is not None and found[0] not in sessions:
+                turns = turn_rows(engine, found[0])
+                # Only named like a turn when no turn 0 stands beside it: an episode of its own.
+                whole = bool(turns) and turns[0].episode_id.endswith("-turn0")
+                sessions[found[0]] = SessionRows(found[0], turns) if whole else None
+                if whole:
+                    entries.append(sessions[found[0]])
+                    continue
+            if found is None or sessions[found[0]] is None:
+                entries.append(row)
+        if len(entries) >= limit or len(rows) < fetch:
+            return entries[:limit]
+        fetch *= 2
 
 
 def parse_moment(text: str, now: datetime | None = None) -> datetime:

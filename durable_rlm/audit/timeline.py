@@ -471,6 +471,8 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
     fork = timeline.request.fork if timeline.request is not None else None
     if fork is not None:
         lines.append(fork_line(fork))
+    if (session := timeline.request.session if timeline.request is not None else None) is not None:
+        lines.append(f"turn {session.turn} of session {session.session_id}: drlm show {session.session_id}")
     actions = sorted(timeline.actions, key=lambda a: a.at)
     for it in timeline.iterations:
         lines.extend(_action_lines(a, clip) for a in actions if a.iteration < it.iteration)

@@ -2,7 +2,10 @@
 
 `show` of an ended episode and `list` read the SQL audit store and answer in a fraction of
 a second, without temporalio: they reach the server (and set the SDK's Runtime up) only
-on the path that needs it, a timeline not stored yet or `list --refresh`.
+on the path that needs it, a timeline not stored yet, a persistent session, or `list --refresh`.
+
+A persistent session (workflows/session.py) is one workflow whose turns are episodes
+`<session>-turn<k>`: `show <session>` prints it turn by turn, and `list` gives it one line.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from durable_rlm.settings import ConfigurationError, Settings
 
 
 def _show_parser(sub: Subparsers) -> None:
-    show = sub.add_parser("show", help="an episode's timeline from its history")
-    show.add_argument("episode_id")
+    show = sub.add_parser(
+        "show", help="an episode's timeline from its history, or a persistent session's turns"
+    )
+    show.add_argument("episode_id", help="an episode's id, or a session's (its turns: <session>-turn<k>)")
     show.add_argument("--json", action="store_true")
     show.add_argument("--full", action="store_true", help="do not shorten long texts")
     show.add_argument(
@@ -50,7 +55,11 @@ def _export_parser(sub: Subparsers) -> None:
 
 
 def _list_parser(sub: Subparsers) -> None:
-    listing = sub.add_parser("list", help="episodes in the audit store, newest first")
+    listing = sub.add_parser(
+        "list",
+        help="episodes in the audit store, newest first; a persistent session is one line for all its "
+        "turns (its status with --refresh; a session is listed once its first turn's row is written)",
+    )
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument(
         "--status", choices=("running", "completed", "failed", "cancelled", "terminated", "timed_out")
@@ -69,6 +78,11 @@ def _list_parser(sub: Subparsers) -> None:
         action="store_true",
         help="first migrate the store and settle rows of episodes that ended without writing theirs",
     )
+    listing.epilog = (
+        "A persistent session shows as one line: its turns' episodes (<session>-turn<k>) summed, "
+        "its last turn's status and answer; the session's own status needs the server (--refresh). "
+        "A session whose turns' rows are not written yet is missing until --refresh settles them."
+    )
     bind(listing, _list, sdk_runtime=False)  # the store first: --refresh sets it up
 
 
@@ -85,28 +99,125 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
         timeline = readonly.cached_timeline(engine, args.episode_id)
     if timeline is None:
         timeline = await _timeline_from_history(settings, args.episode_id)
+    if isinstance(timeline, dict):  # a persistent session
+        from durable_rlm.viewer.listing import session_text  # start-up: rich (~20 ms), sessions only
+
+        print(json.dumps(timeline, default=str) if args.json else session_text(timeline, _width(args)))
+        return EXIT_OK
     if args.json:
         print(timeline.model_dump_json())
     else:
-        print(render(timeline, width=10**9 if args.full else 2_000))
+        print(render(timeline, width=_width(args)))
     return EXIT_OK
 
 
+def _width(args: argparse.Namespace) -> int:
+    return 10**9 if args.full else 2_000
+
+
 async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
-    """Read the history (through the server), and keep the timeline if the episode ended."""
+    """Read the history (through the server), and keep the timeline if the episode ended;
+    a persistent session's id gives the session's view (a dict) instead."""
     from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
     from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
+    from durable_rlm.client.sessions import session_overview  # start-up: temporalio, this path
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
     from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, this path
 
     forward_core_logs()  # before the first client: stdout is the command's own (--json)
     async with connect(settings) as services:
+        try:
+            overview = await session_overview(services.client, episode_id)
+        except LookupError:  # an episode (or an unknown id: episode_timeline says so)
+            pass
+        else:
+            return await _session_view(services, overview)
         timeline = await episode_timeline(services.client, episode_id)
         # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
         if services.engine is not None and timeline.status in readonly.ENDED and not settings.encryption_keys:
             description = await services.client.get_workflow_handle(episode_id).describe()
             await asyncio.to_thread(readonly.store_timeline, services.engine, timeline, description.run_id)
     return timeline
+
+
+async def _session_view(services: Any, overview: Any) -> dict[str, Any]:
+    """A session and its turns: each turn from its audit row, or (no row yet) its timeline."""
+    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
+    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
+
+    session_id = overview.session_id
+    description = await services.client.get_workflow_handle(session_id).describe()
+    model = await description.memo_value("model", default=None)
+    engine = services.engine
+    rows = {} if engine is None else {r.episode_id: r for r in readonly.turn_rows(engine, session_id)}
+    # Visibility may lag a turn's start by a moment, the store its row: the union of both.
+    numbered = {readonly.turn_of(i): i for i in [*overview.episodes, *rows]}
+    turns = []
+    for (_, k), episode_id in sorted((key, i) for key, i in numbered.items() if key is not None):
+        row = rows.get(episode_id)
+        if row is not None:
+            turns.append(_turn_from_row(k, row))
+            continue
+        timeline = None if engine is None else readonly.cached_timeline(engine, episode_id)
+        if timeline is None:
+            timeline = await episode_timeline(services.client, episode_id)
+        turns.append(_turn_from_timeline(k, timeline))
+    costs = [t["cost_usd"] for t in turns]
+    end = overview.end
+    return {
+        "kind": "session",
+        "session_id": session_id,
+        "status": overview.status,
+        "model": model,
+        "ended_by": end.ended_by if end is not None else None,
+        "reason": end.reason if end is not None else None,
+        "tokens": sum(t["tokens"] or 0 for t in turns),
+        "cost_usd": None if any(c is None for c in costs) else sum(costs),
+        "turns": turns,
+    }
+
+
+def _turn_from_row(k: int, row: Any) -> dict[str, Any]:
+    tokens = None if row.prompt_tokens is None else row.prompt_tokens + (row.completion_tokens or 0)
+    return {
+        "turn": k,
+        "episode_id": row.episode_id,
+        "status": row.status,
+        "task": row.task,
+        "answer": row.answer,
+        "ended_by": row.ended_by,
+        "error": row.error,
+        "iterations": row.iterations,
+        "model_calls": row.model_calls,
+        "prompt_tokens": row.prompt_tokens,
+        "completion_tokens": row.completion_tokens,
+        "tokens": tokens,
+        "cost_usd": row.cost_usd,
+        "started_at": row.started_at,
+        "ended_at": row.ended_at,
+    }
+
+
+def _turn_from_timeline(k: int, timeline: Any) -> dict[str, Any]:
+    result = timeline.result
+    usage = result.usage if result is not None else None
+    return {
+        "turn": k,
+        "episode_id": timeline.episode_id,
+        "status": timeline.status,
+        "task": timeline.task,
+        "answer": result.answer if result is not None else None,
+        "ended_by": result.ended_by if result is not None else None,
+        "error": (result.error if result is not None else None) or timeline.failure,
+        "iterations": result.iterations if result is not None else len(timeline.iterations),
+        "model_calls": result.model_calls if result is not None else None,
+        "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+        "completion_tokens": usage.completion_tokens if usage is not None else None,
+        "tokens": usage.total_tokens if usage is not None else None,
+        "cost_usd": usage.cost_usd if usage is not None else None,
+        "started_at": timeline.started_at,
+        "ended_at": timeline.ended_at,
+    }
 
 
 async def _verify(settings: Settings, args: argparse.Namespace) -> int:
@@ -151,12 +262,13 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         max_cost=args.max_cost,
         roots_only=args.roots,
     )
-    rows = [] if engine is None else readonly.episode_rows(engine, args.limit, where)
+    rows = [] if engine is None else readonly.grouped_rows(engine, args.limit, where)
     if args.refresh and rows:
         rows = await _with_live_status(settings, rows)
     if args.json:
         for row in rows:
-            print(json.dumps(dict(row._mapping), default=str))
+            line = row.summary() if isinstance(row, readonly.SessionRows) else dict(row._mapping)
+            print(json.dumps(line, default=str))
         return EXIT_OK
     if not rows:
         stderr("no episodes" + (" match these filters" if where.active else " in the audit store yet"))
@@ -174,20 +286,24 @@ async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
     from durable_rlm.workflows import metadata  # start-up: temporalio's search attributes (~0.1 s)
 
-    running = [row.episode_id for row in rows if row.status == "running"]
-    if not running:
+    sessions = {row.session_id: row for row in rows if hasattr(row, "summary")}
+    running = [row.episode_id for row in rows if not hasattr(row, "summary") and row.status == "running"]
+    if not running and not sessions:
         return rows
     live: dict[str, str] = {}
     async with connect(settings) as services:
-        quoted = ", ".join(json.dumps(episode_id) for episode_id in running[:200])
-        with contextlib.suppress(Exception):  # a server without the attribute: rows as stored
-            async for execution in services.client.list_workflows(f"WorkflowId IN ({quoted})"):
-                status = execution.typed_search_attributes.get(metadata.STATUS)
-                if status and status != "running":
-                    live[execution.id] = status
+        if running:
+            quoted = ", ".join(json.dumps(episode_id) for episode_id in running[:200])
+            with contextlib.suppress(Exception):  # a server without the attribute: rows as stored
+                async for execution in services.client.list_workflows(f"WorkflowId IN ({quoted})"):
+                    status = execution.typed_search_attributes.get(metadata.STATUS)
+                    if status and status != "running":
+                        live[execution.id] = status
+        if sessions:
+            await _session_statuses(services.client, sessions)
     updated = []
     for row in rows:
-        if row.episode_id not in live:
+        if hasattr(row, "summary") or row.episode_id not in live:
             updated.append(row)
             continue
         mapping = {**row._mapping, "status": live[row.episode_id]}
@@ -195,3 +311,14 @@ async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:
         shown._mapping = mapping  # as a Row has: --json prints it
         updated.append(shown)
     return updated
+
+
+async def _session_statuses(client: Any, sessions: dict[str, Any]) -> None:
+    """A session's own status (running: open for turns), which only the server knows; of its
+    runs (continue-as-new makes several), the last one's."""
+    quoted = ", ".join(json.dumps(session_id) for session_id in list(sessions)[:200])
+    with contextlib.suppress(Exception):  # the server did not answer: the sessions' lines without it
+        async for execution in client.list_workflows(f"WorkflowId IN ({quoted})"):
+            status = execution.status.name.lower() if execution.status is not None else None
+            if execution.id in sessions and status not in (None, "continued_as_new"):
+                sessions[execution.id].status = status
