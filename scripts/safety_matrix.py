@@ -57,23 +57,23 @@ MECHANISMS = [
     ),
     Mechanism(
         "network namespace",
-        "activities/sandbox/child.py",
-        "    clone_newnet, clone_newuser = 0x40000000, 0x10000000\n",
-        '    return "none"\n',
-        "isolate_network() returns before unshare",
+        "activities/sandbox/layers.py",
+        '    if root and init.get("namespaces") != "user" and libc.unshare(kernel.CLONE_NEWNET) == 0:',
+        '    if root and init.get("namespaces") != "user" and libc.unshare(0) == 0:',
+        "the root path's unshare leaves the sandbox in the worker's network",
     ),
     Mechanism(
         "uid drop",
-        "activities/sandbox/child.py",
-        '    if os.geteuid() != 0:\n        return f"uid {os.geteuid()} (worker not root: no drop)"\n',
+        "activities/sandbox/layers.py",
+        "    os.setgroups([])\n    os.setgid(uid)\n    os.setuid(uid)\n",
         '    return "kept"\n',
-        "drop_privileges() keeps the worker's uid",
+        "set_ids() keeps the worker's uid",
     ),
     Mechanism(
         "rlimits",
-        "activities/sandbox/child.py",
-        "    import resource\n\n    limits = {",
-        "    return 'off'\n    import resource\n\n    limits = {",
+        "activities/sandbox/layers.py",
+        "            resource.setrlimit(kind, (value, value))",
+        "            pass",
         "set_limits() sets nothing",
     ),
     Mechanism(
@@ -93,8 +93,8 @@ MECHANISMS = [
     Mechanism(
         "claim check",
         "durable_rlm/store/codec.py",
-        "    if blobs is None:\n        return pydantic_data_converter",
-        "    if True:\n        return pydantic_data_converter",
+        "    if blobs is not None:\n        codecs.append(ClaimCheckCodec(blobs, threshold))",
+        "    if False:\n        codecs.append(ClaimCheckCodec(blobs, threshold))",
         "no payload codec: payloads go into history whole",
     ),
     Mechanism(
@@ -142,7 +142,7 @@ MECHANISMS = [
     # Issue 33, finding 6: another user of the machine reads nothing from the shared server.
     Mechanism(
         "shared server's private network",
-        "durable_rlm/server/embedded.py",
+        "durable_rlm/supervisor.py",
         "        private=True,\n",
         "        private=False,\n",
         "the supervisor starts the dev server on the host's loopback",

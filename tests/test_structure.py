@@ -113,3 +113,20 @@ def test_the_floors_hold_with_no_exception(installed: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-4000:]
     assert "2 kept, 0 broken" in done.stdout
+
+
+def test_every_safety_mechanism_of_the_matrix_is_found_where_it_says() -> None:
+    """scripts/safety_matrix.py switches each mechanism off by replacing one text in one file:
+    a text that moved (a split, a rename) would make its run fail to start, unnoticed until
+    someone runs the matrix. Each must be found exactly once."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import safety_matrix
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    stale = [
+        f"{m.name}: {m.file}"
+        for m in safety_matrix.MECHANISMS
+        if not (ROOT / m.file).is_file() or (ROOT / m.file).read_text().count(m.find) != 1
+    ]
+    assert stale == []
