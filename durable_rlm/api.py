@@ -23,22 +23,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import dataclasses
 import gc
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
-from durable_rlm.endpoints import SAMPLING_KEYS, cost_reported_by, missing_key, model_settings
-from durable_rlm.errors import EpisodeFailed, InvalidRequestError
-from durable_rlm.prices import PriceTable
+from durable_rlm.endpoints import missing_key
+from durable_rlm.errors import EpisodeFailed
+from durable_rlm.request_template import episode_request, request_template
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.sdk_logs import quiet_sdk_failures
-from durable_rlm.tools import ToolsArgument, import_tool_modules, offered, tool_specs
-from durable_rlm.workflows import defaults, prompts
-from durable_rlm.workflows.fallback import fields_from_json_schema
+from durable_rlm.tools import ToolsArgument, import_tool_modules
+from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import (
     ContextRef,
     EpisodeLimits,
@@ -48,10 +44,7 @@ from durable_rlm.workflows.models import (
     ModelSettings,
     PendingCell,
     RewardReceipt,
-    RewardSpec,
-    TerminationSpec,
 )
-from durable_rlm.workflows.termination import PolicyError
 
 # Start-up (issue 36): importing this module is what `from durable_rlm import DurableRLM`
 # costs, so what only a running episode needs (temporalio, the stores and SQLAlchemy) is
@@ -62,8 +55,6 @@ if TYPE_CHECKING:
     from durable_rlm.client.steering import SteeringOutcome
     from durable_rlm.timetravel.rerun import RerunReport
     from durable_rlm.worker.runtime import Services
-
-DEFAULT_ROOT_PROMPT = prompts.CHILD_TASK.replace(" (a parent episode handed it to you)", "")
 
 
 class DurableRLM:
@@ -109,7 +100,6 @@ class DurableRLM:
         each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
         price for these models."""
         from durable_rlm.worker.runtime import import_policy_modules  # start-up: temporalio, stores (0.3 s)
-        from durable_rlm.workflows.episode import episode_policy  # start-up: temporalio's workflow module
 
         _freeze_at_exit()
         self.settings = settings or Settings.from_env()
@@ -120,68 +110,37 @@ class DurableRLM:
                 "api_key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
                 "the key to the worker process (in its environment)"
             )
-        offer = _offered(tools)
-        sub_offer = None if sub_tools is None else _offered(sub_tools)
-        if sub_offer is not None and sub_offer.setup_code:
-            # Children run the parent's setup cell; data of their own has no cell yet.
-            raise ConfigurationError(
-                "sub_tools (custom_sub_tools) take functions only here: give data values in "
-                "tools (custom_tools), which child episodes receive too"
-            )
-        try:
-            output_fields = fields_from_json_schema(output_schema) if output_schema is not None else None
-        except ValueError as exc:
-            raise ConfigurationError(f"invalid output schema: {exc}") from exc
-        try:
-            base = {
-                "base_url": base_url,
-                "request_timeout_s": request_timeout_s,
-                "max_attempts": max_attempts,
-                "logprobs": logprobs,
-                "reports_cost": reports_cost if reports_cost is not None else cost_reported_by(base_url),
-            }
-            prices = PriceTable.load(self.settings)
-            root = prices.priced(model_settings(model, base, sampling, provider))
-            shared = root.model_dump(exclude={"model", "price"})
-            sub = None
-            if sub_model or sub_sampling is not None or sub_base_url is not None:
-                # Given its own sampling, the sub-model does not inherit the root's.
-                sub_data = shared if sub_sampling is None else _without(shared, SAMPLING_KEYS)
-                if sub_base_url is not None:
-                    reported = reports_cost if reports_cost is not None else cost_reported_by(sub_base_url)
-                    sub_data = {**sub_data, "base_url": sub_base_url, "reports_cost": reported}
-                sub = model_settings(sub_model or model, sub_data, sub_sampling)
-                if sub_base_url is not None and sub.base_url != sub_base_url:
-                    sub = ModelSettings(**(sub.model_dump() | {"base_url": sub_base_url}))
-                sub = prices.priced(sub)
-            self.template = EpisodeRequest(
-                task="template",
-                root_model=root,
-                sub_model=sub,
-                other_models=[prices.priced(model_settings(name, shared)) for name in other_models],
-                max_depth=max_depth,
-                limits=_limits(limits, limit_values),
-                code_fences=list(code_fences),
-                termination=TerminationSpec(
-                    name=policy, config=policy_config or {}, scan_printed_output=policy_scans_output
-                ),
-                reward=RewardSpec(function=reward_function),
-                output_fields=output_fields,
-                fallback_extraction=fallback_extraction,
-                tools=offer.specs,
-                sub_tools=None if sub_offer is None else sub_offer.specs,
-                system_prompt=system_prompt,
-                setup_code=_joined(offer.setup_code, setup_code),
-                repl_values=offer.values,
-                approve=approve,
-            )
-        except ValidationError as exc:
-            raise InvalidRequestError.of(exc) from exc
-        try:
-            episode_policy(self.template)
-        except PolicyError as exc:
-            raise ConfigurationError(f"invalid episode request: {exc}") from exc
-        self.credentials = {root.api_key_env: api_key} if api_key else {}
+        self.template = request_template(
+            model,
+            settings=self.settings,
+            provider=provider,
+            base_url=base_url,
+            sub_model=sub_model,
+            sub_base_url=sub_base_url,
+            other_models=other_models,
+            max_depth=max_depth,
+            limits=limits,
+            limit_values=limit_values,
+            policy=policy,
+            policy_config=policy_config,
+            policy_scans_output=policy_scans_output,
+            reward_function=reward_function,
+            output_schema=output_schema,
+            tools=tools,
+            sub_tools=sub_tools,
+            system_prompt=system_prompt,
+            setup_code=setup_code,
+            sampling=sampling,
+            sub_sampling=sub_sampling,
+            request_timeout_s=request_timeout_s,
+            max_attempts=max_attempts,
+            logprobs=logprobs,
+            code_fences=code_fences,
+            fallback_extraction=fallback_extraction,
+            approve=approve,
+            reports_cost=reports_cost,
+        )
+        self.credentials = {self.template.root_model.api_key_env: api_key} if api_key else {}
         self._services: Services | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._locks: dict[int, asyncio.Lock] = {}
@@ -189,13 +148,8 @@ class DurableRLM:
     # --- requests -----------------------------------------------------------------------
 
     def request(self, context: ContextRef | None, root_prompt: str | None = None) -> EpisodeRequest:
-        task = root_prompt if root_prompt is not None else DEFAULT_ROOT_PROMPT
-        try:
-            return EpisodeRequest.model_validate(
-                {**self.template.model_dump(), "task": task, "context": context}
-            )
-        except ValidationError as exc:
-            raise InvalidRequestError.of(exc) from exc
+        """One episode's request: the template with its task and context."""
+        return episode_request(self.template, context, root_prompt)
 
     def check_credentials(self) -> None:
         """In embedded mode this process is the worker, so a missing key is known before the
@@ -244,7 +198,7 @@ class DurableRLM:
         self, stack: contextlib.AsyncExitStack, work: bool, task_queue: str | None = None
     ) -> Services:
         from durable_rlm.client.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
-        from durable_rlm.telemetry.otel import forward_core_logs  # start-up: the SDK's Runtime
+        from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: the SDK's Runtime
         from durable_rlm.worker.runtime import session  # start-up: the worker side, needed only here
 
         quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
@@ -512,37 +466,3 @@ def _freeze_at_exit() -> None:
     if not _freezing:
         _freezing = True
         atexit.register(gc.freeze)
-
-
-def _without(data: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if k not in keys}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Offer:
-    specs: list[Any]
-    setup_code: str | None
-    values: list[str]
-
-
-def _offered(tools: ToolsArgument) -> _Offer:
-    """Functions are registered on first use (this process's worker runs them); names
-    must be registered already; data values are bound by the setup cell. None offers
-    every registered tool."""
-    offer = offered(tools)
-    return _Offer(tool_specs(offer.names), offer.setup_code(), offer.value_lines())
-
-
-def _joined(*cells: str | None) -> str | None:
-    code = "\n".join(c for c in cells if c)
-    return code or None
-
-
-def _limits(limits: EpisodeLimits | dict[str, Any] | None, values: dict[str, Any]) -> EpisodeLimits:
-    """`limits` with the keyword limits over it; an unknown keyword is named with the known."""
-    unknown = sorted(set(values) - set(EpisodeLimits.model_fields))
-    if unknown:
-        known = ", ".join(EpisodeLimits.model_fields)
-        raise ConfigurationError(f"unknown argument(s) {', '.join(unknown)}; limits: {known}")
-    base = limits.model_dump() if isinstance(limits, EpisodeLimits) else dict(limits or {})
-    return EpisodeLimits.model_validate({**base, **values})

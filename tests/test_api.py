@@ -252,3 +252,14 @@ def test_a_model_that_is_down_raises_episode_failed_quietly(tmp_path: Path, logg
         assert len(out.stderr.splitlines()) <= 3, out.stderr
     else:
         assert "Completing activity as failed" in out.stderr  # turned up, it is all there
+
+
+def test_a_persistent_session_s_names_are_exported() -> None:
+    """`from durable_rlm import Session, SessionClosed`: what `DurableRLM.session()` returns and
+    what a closed session raises, without knowing the module they live in."""
+    import durable_rlm
+    from durable_rlm.client import sessions
+
+    assert durable_rlm.Session is sessions.Session
+    assert durable_rlm.SessionClosed is sessions.SessionClosed
+    assert {"Session", "SessionClosed"} <= set(durable_rlm.__all__)

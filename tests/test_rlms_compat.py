@@ -453,6 +453,105 @@ async def test_max_timeout_raises_rlms_timeout_and_subcalls_and_verbose_are_repo
     assert "[durable-rlm] iteration 1:" in printed and "[durable-rlm] iteration 2:" in printed
 
 
+async def test_subcalls_are_reported_as_the_child_episodes_start_and_end(
+    temporal_address, session_dir, scripted, worker
+) -> None:
+    """rlms fires on_subcall_start when a child RLM starts and on_subcall_complete when it
+    ends, while the run goes on (issue 36): each child's start is seen before the root's next
+    turn is asked for (which waits for the child, whose reply takes 2 s), and each child is
+    reported once, in order."""
+    root_turns = [
+        "```repl\na = rlm_query('1,2')\nb = rlm_query('3,4')\nprint(a, b)\n```",
+        "```repl\nanswer['content'] = a + ' ' + b\nanswer['ready'] = True\n```",
+    ]
+
+    def script(request: ChatRequest) -> Reply | str:
+        if any(TASK in str(m.get("content", "")) for m in request.messages):
+            return root_turns[min(request.turn, len(root_turns) - 1)]
+        return Reply(text=CHILD_TURN, delay_s=2)
+
+    server = scripted(script)
+
+    def root_turns_asked() -> int:
+        return sum(
+            1 for r in server.root_requests() if any(TASK in str(m.get("content", "")) for m in r.messages)
+        )
+
+    events: list[tuple] = []
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_depth=2,
+        on_subcall_start=lambda depth, model, preview: events.append(
+            ("start", depth, model, preview, root_turns_asked())
+        ),
+        on_subcall_complete=lambda depth, model, took, error: events.append(
+            ("done", depth, model, took, error)
+        ),
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    result = await asyncio.to_thread(made.completion, "ctx", TASK)
+
+    assert result.response == "3 7"
+    assert [e[0] for e in events] == ["start", "done", "start", "done"], events
+    starts, dones = events[0::2], events[1::2]
+    # Live: the root had asked for its first turn only when each child started.
+    assert starts == [("start", 1, "gpt-x", "1,2", 1), ("start", 1, "gpt-x", "3,4", 1)]
+    assert all(d[1:3] == (1, "gpt-x") and d[4] is None for d in dones)
+    assert all(d[3] >= 2.0 for d in dones)  # each child ran at least as long as its reply waited
+    assert root_turns_asked() == 2
+
+
+async def test_a_follower_that_starts_late_reads_every_child_from_the_history(
+    temporal_address, session_dir, scripted, worker
+) -> None:
+    """The children are read from the history's first event: a follower started after the
+    episode ended misses none, and reports each once."""
+    from durable_rlm.rlms.follow import Callbacks, ChildWatcher
+
+    server = scripted(tree_script(EPISODES["depth-2 recursion"][1]))
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_depth=2,
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    events: list[tuple] = []
+    callbacks = Callbacks(
+        on_subcall_start=lambda depth, model, preview: events.append(("start", depth, model, preview)),
+        on_subcall_complete=lambda depth, model, took, error: events.append(("done", depth, model, error)),
+    )
+    async with made:
+        episode = await made.start("ctx", TASK)
+        assert (await episode.result()).answer == "sum 6"
+        watcher = ChildWatcher(episode, callbacks)
+        await asyncio.wait_for(watcher.run(), 60)
+        watcher.close()
+    assert events == [("start", 1, "gpt-x", "1,2,3"), ("done", 1, "gpt-x", None)]
+    assert len(watcher.reported) == 1
+
+
+async def test_a_subcall_callback_that_raises_does_not_break_the_run(
+    temporal_address, session_dir, scripted, worker, capsys
+) -> None:
+    server = scripted(tree_script(EPISODES["depth-2 recursion"][1]))
+    completed: list[str | None] = []
+
+    def broken(depth: int, model: str, preview: str) -> None:
+        raise RuntimeError("the callback broke")
+
+    made = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_depth=2,
+        on_subcall_start=broken,
+        on_subcall_complete=lambda depth, model, took, error: completed.append(error),
+        settings=api_settings(temporal_address, session_dir, worker.task_queue),
+    )
+    result = await asyncio.to_thread(made.completion, "ctx", TASK)
+
+    assert result.response == "sum 6"
+    assert completed == [None]
+    assert "callback 'broken' raised: the callback broke" in capsys.readouterr().err
+
+
 def rlms_readme_example() -> str:
     """The first example of rlms 0.1.3's README (its package metadata), as its users have it."""
     from importlib.metadata import metadata

@@ -18,7 +18,6 @@ from durable_rlm.workflows.parsing import fenced_blocks, shorten_middle
 from durable_rlm.workflows.typed_outputs import (
     FieldSpec,
     check_outputs,
-    fields_from_json_schema,  # noqa: F401 - durable_rlm/api.py's import, until it moves to typed_outputs
     format_output_fields,
 )
 

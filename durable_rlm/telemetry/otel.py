@@ -30,9 +30,6 @@ from temporalio.worker import Interceptor as WorkerInterceptor
 
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.telemetry.instrumentation import SCOPE
-from durable_rlm.telemetry.log_path import (
-    forward_core_logs,  # noqa: F401 - durable_rlm/api.py's and cli/'s import, until it moves to log_path
-)
 from durable_rlm.telemetry.metrics_server import publish, serve_metrics
 from durable_rlm.telemetry.step_telemetry import StepTelemetry
 

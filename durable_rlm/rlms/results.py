@@ -1,0 +1,139 @@
+"""rlms's result types (rlm/core/types.py), and its usage summary read from an episode's
+timeline: calls and tokens per model, over the whole tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from durable_rlm.workflows.models import EpisodeResult, TokenUsage
+
+if TYPE_CHECKING:
+    from durable_rlm.audit.timeline import Timeline
+
+
+@dataclass
+class ModelUsageSummary:
+    total_calls: int
+    total_input_tokens: int
+    total_output_tokens: int
+    total_cost: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "total_calls": self.total_calls,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+        }
+        if self.total_cost is not None:
+            result["total_cost"] = self.total_cost
+        return result
+
+
+@dataclass
+class UsageSummary:
+    model_usage_summaries: dict[str, ModelUsageSummary]
+
+    @property
+    def total_cost(self) -> float | None:
+        costs = [s.total_cost for s in self.model_usage_summaries.values() if s.total_cost is not None]
+        return sum(costs) if costs else None
+
+    @property
+    def total_input_tokens(self) -> int:
+        return sum(s.total_input_tokens for s in self.model_usage_summaries.values())
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(s.total_output_tokens for s in self.model_usage_summaries.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "model_usage_summaries": {m: s.to_dict() for m, s in self.model_usage_summaries.items()}
+        }
+        if self.total_cost is not None:
+            result["total_cost"] = self.total_cost
+        return result
+
+
+@dataclass
+class RLMChatCompletion:
+    """rlms's result, and ours: `episode` is the EpisodeResult, whose fields (`answer`,
+    `ended_by`, `episode_id`, `iterations`...) read through as attributes."""
+
+    root_model: str
+    prompt: Any
+    response: str
+    usage_summary: UsageSummary
+    execution_time: float
+    metadata: dict[str, Any] | None = None
+    episode: EpisodeResult | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        episode = self.__dict__.get("episode")
+        if episode is not None and name in type(episode).model_fields:
+            return getattr(episode, name)
+        raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        result = {
+            "root_model": self.root_model,
+            "prompt": self.prompt,
+            "response": self.response,
+            "usage_summary": self.usage_summary.to_dict(),
+            "execution_time": self.execution_time,
+        }
+        if self.metadata is not None:
+            result["metadata"] = self.metadata
+        return result
+
+
+def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -> UsageSummary:
+    """rlms's usage_summary: calls and tokens per model, over the whole tree. Calls the
+    history does not tie to a model (extraction, compaction) count for the root model, so
+    the totals are the result's."""
+    per: dict[str, list[Any]] = {}
+
+    def add(model: str, calls: int, usage: TokenUsage | None) -> None:
+        row = per.setdefault(model, [0, 0, 0, 0.0, True])
+        row[0] += calls
+        if usage is not None:
+            row[1] += usage.prompt_tokens
+            row[2] += usage.completion_tokens
+            if usage.cost_usd is None:
+                row[4] = False
+            else:
+                row[3] += usage.cost_usd
+
+    def walk(t: Timeline) -> None:
+        for it in t.iterations:
+            if it.usage is not None and not it.inherited_from:
+                add(it.model or root_model, 1, it.usage)
+            for cell in it.cells:
+                for call in cell.sub_calls:
+                    add(call.model, 1, call.usage)
+                for child in cell.children:
+                    if child.timeline is not None:
+                        walk(child.timeline)
+
+    walk(timeline)
+    counted_calls = sum(row[0] for row in per.values())
+    counted = TokenUsage(
+        prompt_tokens=sum(row[1] for row in per.values()),
+        completion_tokens=sum(row[2] for row in per.values()),
+    )
+    rest_calls = result.model_calls - counted_calls
+    rest_in = result.usage.prompt_tokens - counted.prompt_tokens
+    rest_out = result.usage.completion_tokens - counted.completion_tokens
+    total_cost = result.usage.cost_usd
+    rest_cost = None if total_cost is None else max(total_cost - sum(row[3] for row in per.values()), 0.0)
+    if rest_calls > 0 or rest_in > 0 or rest_out > 0:
+        rest = TokenUsage(
+            prompt_tokens=max(rest_in, 0), completion_tokens=max(rest_out, 0), cost_usd=rest_cost
+        )
+        add(root_model, max(rest_calls, 0), rest)
+    summaries = {
+        model: ModelUsageSummary(calls, tokens_in, tokens_out, round(cost, 10) if known and cost else None)
+        for model, (calls, tokens_in, tokens_out, cost, known) in per.items()
+    }
+    return UsageSummary(summaries)
