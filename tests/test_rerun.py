@@ -56,6 +56,7 @@ async def _events(client, episode_id: str) -> int:
     return len((await client.get_workflow_handle(episode_id).fetch_history()).events)
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_rerun_with_the_same_policy_and_with_a_stricter_one(
     client, scripted, worker, blobs, services
 ) -> None:

@@ -101,7 +101,10 @@ def run_script(code: str, base_url: str, depth: int, data_dir: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(EPISODES))
+@pytest.mark.parametrize(
+    "name",  # the plain one in the default run; the others are long (issue 34: near 13 min)
+    [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(EPISODES)],
+)
 def test_one_changed_import_gives_rlms_response(name: str, scripted, tmp_path: Path) -> None:
     depth, turns, expected = EPISODES[name]
     server = scripted(tree_script(turns))
@@ -428,6 +431,7 @@ async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
     assert "base is 100" in server.root_requests()[-1].last_user  # the rebuilt REPL ran it again
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_max_timeout_raises_rlms_timeout_and_subcalls_and_verbose_are_reported(
     temporal_address, session_dir, scripted, worker, capsys
 ) -> None:
