@@ -357,6 +357,7 @@ async def test_a_child_runs_out_of_time_before_its_parent(client, scripted, work
     assert result.ended_by == "max_duration"
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_a_cancel_while_the_episode_closes_changes_nothing(client, scripted, worker) -> None:
     server = scripted(
         by_model({"root-m": ["```repl\nx = 1\n```"]}, extract=Reply(text='{"answer": "x"}', delay_s=3))

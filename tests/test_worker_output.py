@@ -19,6 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
 from temporalio.client import Client
 
 from durable_rlm.client.episodes import start_episode
@@ -110,6 +111,7 @@ async def run_unread(
     return [r.answer for r in results], code, worker.stderr.read()
 
 
+@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_a_worker_whose_output_nobody_reads_finishes_a_flood_of_failed_attempts(
     client: Client, scripted, temporal_address: str, session_dir: Path
 ) -> None:
