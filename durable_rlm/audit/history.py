@@ -21,10 +21,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
-from temporalio.service import RPCError, RPCStatusCode
-
-from durable_rlm.store.display import decode_payloads, unreadable
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import (
     AuditEpisodeInput,
@@ -74,8 +70,10 @@ LOCAL_ACTIVITY_MARKER = "core_local_activity"
 
 
 async def decode(client: Client, payloads: Any, hint: type) -> Any:
-    """One way to read a payload: the codec server's (durable_rlm/viewer/codec_server.py), whole,
+    """One way to read a payload: as a reader sees it (durable_rlm/store/display.py), whole,
     then the converter's JSON. A blob the store lacks is an error naming the store."""
+    from durable_rlm.store.display import decode_payloads, unreadable  # start-up: temporalio, protobuf
+
     items: list[Payload] = list(payloads.payloads) if payloads else []
     if not items:
         return None
@@ -120,6 +118,9 @@ async def episode_runs(client: Client, episode_id: str) -> list[EpisodeRun]:
     """The runs of the episode's current chain, oldest first: the current run, then back
     along continue-as-new links. Runs a reset abandoned are in no chain (module docstring).
     A start time is the started event's: a reset run's copy keeps the episode's own."""
+    from temporalio.api.enums.v1 import EventType  # start-up: temporalio (~0.1 s): drlm show reads no history
+    from temporalio.service import RPCError, RPCStatusCode  # start-up: as above
+
     chain: list[EpisodeRun] = []
     run_id: str | None = None
     while True:
@@ -155,6 +156,8 @@ async def completed_steps(
 ) -> AsyncIterator[Step]:
     """Each completed step the audit store knows, in the order the episode made them (of
     `runs`, when the caller has read the chain already)."""
+    from temporalio.api.enums.v1 import EventType  # start-up: temporalio (~0.1 s): drlm show reads no history
+
     for run in runs if runs is not None else await episode_runs(client, episode_id):
         history = run.history
         scheduled: dict[int, tuple[str, Any]] = {}
@@ -218,6 +221,8 @@ class Reset:
 
 def reset_of(event: Any) -> Reset | None:
     """The reset an event records, None for any other event."""
+    from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause  # start-up: temporalio (~0.1 s)
+
     if event.event_type != EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
         return None
     attrs = event.workflow_task_failed_event_attributes

@@ -16,7 +16,6 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
-from temporalio.api.enums.v1 import EventType
 
 from durable_rlm.audit.history import Reset, decode, episode_runs, repl_marker, reset_of
 from durable_rlm.workflows import names
@@ -176,6 +175,10 @@ _RESULTS: dict[str, type] = {
 async def episode_timeline(client: Client, episode_id: str, children: bool = True) -> Timeline:
     """The episode's timeline; with `children`, each child episode's timeline under its cell.
     Times are the history's event times (the server's clock), so they need no worker's."""
+    from temporalio.api.enums.v1 import (
+        EventType,  # start-up: temporalio (~0.1 s): drlm show of a kept timeline
+    )
+
     runs = await episode_runs(client, episode_id)
     current = runs[-1]
     timeline = Timeline(
