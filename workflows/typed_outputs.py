@@ -14,11 +14,8 @@ import functools
 import json
 from collections.abc import Iterator
 from itertools import islice
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jsonschema_specifications
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError, ValidationError, best_match
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # --- output fields ---------------------------------------------------------------------------
@@ -87,9 +84,9 @@ _DEFINITIONS = ("$defs", "definitions")
 _VALUE_KEYWORDS = ("enum", "const", "default", "examples")  # JSON values, not schemas
 _NAME_KEYWORDS = ("properties", "patternProperties", "dependentSchemas", *_DEFINITIONS)
 
-# The bundled meta-schemas and nothing else: no `$ref` is ever fetched (workflow code does no
-# I/O, and jsonschema's default registry would fetch remote references).
-_REGISTRY = jsonschema_specifications.REGISTRY
+if TYPE_CHECKING:
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import ValidationError
 
 MAX_PROBLEMS = 10  # lines of feedback on one rejected output
 MAX_PROBLEM_CHARS = 300  # ...each
@@ -191,6 +188,9 @@ def _pointer_target(schema: Any, pointer: str) -> Any:
 
 def _schema_error(schema: dict[str, Any]) -> str | None:
     """Why `schema` is not a usable Draft 2020-12 schema, or None."""
+    from jsonschema import Draft202012Validator  # start-up: ~60 ms that drlm show and the API skip
+    from jsonschema.exceptions import SchemaError  # start-up: as above
+
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
@@ -218,8 +218,13 @@ def _schema_problem(key: str) -> str | None:
 
 @functools.lru_cache(maxsize=256)
 def _validator(key: str) -> Draft202012Validator:
-    """Built once per schema (per process): requests are decoded again on every replay."""
-    return Draft202012Validator(json.loads(key), registry=_REGISTRY)
+    """Built once per schema (per process): requests are decoded again on every replay.
+    Its registry is the bundled meta-schemas and nothing else: no `$ref` is ever fetched
+    (workflow code does no I/O; jsonschema's default registry would fetch remote ones)."""
+    import jsonschema_specifications  # start-up: ~60 ms that drlm show and the API skip
+    from jsonschema import Draft202012Validator  # start-up: as above
+
+    return Draft202012Validator(json.loads(key), registry=jsonschema_specifications.REGISTRY)
 
 
 def fields_from_json_schema(schema: dict[str, Any]) -> list[FieldSpec]:
@@ -306,6 +311,8 @@ def _member(name: str) -> str:
 
 
 def _schema_problems(values: dict[str, Any], fields: list[FieldSpec], allow_null: bool) -> Iterator[str]:
+    from jsonschema.exceptions import best_match  # start-up: ~60 ms that drlm show and the API skip
+
     known = {f.name for f in fields}
     for name in values:
         if name not in known and name != "_extraction_notes":
