@@ -82,7 +82,7 @@ def summarise(collapsed: Path, top: int) -> None:
 
 async def main(n: int, latency: float, rate: int, top: int) -> None:
     if not PY_SPY.exists():
-        raise SystemExit(f"py-spy is not installed ({PY_SPY}): pip install py-spy")
+        raise SystemExit(f"py-spy is not installed ({PY_SPY}): pip install -e '.[bench]'")
     RESULTS.mkdir(parents=True, exist_ok=True)
     collapsed = RESULTS / "worker-profile.txt"
     flame = RESULTS / "worker-profile.svg"
