@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -179,7 +180,13 @@ async def test_the_page_shows_everything_drlm_show_prints_and_only_to_its_owner(
         ours = {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
         as_form = fetch(act, body, {**ours, "Content-Type": "text/plain"})
         ended = fetch(act, body, ours)
+        # Every script and style the page links is served (a moved asset once left it inert).
+        origin = base.split("/", 3)[:3]
+        assets = re.findall(r'<(?:script src|link rel="stylesheet" href)="([^"]+)"', page)
+        served = {asset: fetch("/".join(origin) + asset) for asset in assets}
 
+    assert len(assets) == 2 and all(answer[0] == 200 and answer[1] for answer in served.values()), served
+    assert "setTimeout(poll" in served[assets[-1]][1]
     assert status == 200 and child_status == 200 and list_status == 200 and none_status == 200
     text = text_of(page)
     missing = [item for item in show_items(timeline) if item.strip() not in text]
@@ -270,7 +277,16 @@ class Chromium:
         while not self.js(
             f"(() => {{ try {{ return Boolean({condition}); }} catch (e) {{ return false; }} }})()"
         ):
-            assert time.monotonic() < deadline, f"the page never showed: {condition}"
+            if time.monotonic() >= deadline:
+                # What a person would have seen, and what the page's own poll would have read.
+                shown = self.js("document.body ? document.body.innerText : ''")
+                polled = self.js(
+                    "(() => { const x = new XMLHttpRequest();"
+                    " x.open('GET', location.pathname + '/state.json', false); x.send();"
+                    " return x.status + ' ' + x.responseText.slice(0, 300); })()"
+                )
+                seen = f"{shown[-2000:]}\n{polled}"
+                raise AssertionError(f"the page never showed: {condition}; it showed:\n{seen}")
             time.sleep(0.25)
 
     def click(self, selector: str) -> None:

@@ -82,6 +82,8 @@ def test_a_user_s_own_workflows_package_is_not_shadowed(installed: Path, tmp_pat
         "assert workflows.MINE and activities.MINE\n"
         "assert durable_rlm.workflows.models.__file__.startswith(sys.path[1])\n"
         "assert (sql.MIGRATIONS_DIR / 'env.py').is_file(), sql.MIGRATIONS_DIR\n"
+        "from durable_rlm.viewer import episode_page\n"
+        "assert all(episode_page.static_asset(name) for name in episode_page.STATIC)\n"
         "print('ok')\n"
     )
     done = run_beside(installed, code, tmp_path)

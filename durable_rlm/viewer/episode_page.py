@@ -99,6 +99,11 @@ def _html(status: int, text: str) -> PageResponse:
 # --- the routes ---------------------------------------------------------------------------
 
 
+def static_asset(name: str) -> str:
+    """One of STATIC, read from beside this module wherever the package is installed."""
+    return resources.files(__package__).joinpath("static", name).read_text()
+
+
 class EpisodePages:
     """The page's routes under the codec server's capability. Runs its Temporal calls on
     one event loop in a thread of its own (the HTTP server's request threads wait on it)."""
@@ -206,7 +211,7 @@ class EpisodePages:
         return _json(404, {"error": f"no page {path}"})
 
     def _static(self, name: str) -> PageResponse:
-        text = resources.files("durable_rlm").joinpath("static", name).read_text()
+        text = static_asset(name)
         if name == "page.css":
             return PageResponse(200, "text/css; charset=utf-8", (text + self.renderer.style()).encode())
         return PageResponse(200, "text/javascript; charset=utf-8", text.encode())
