@@ -108,10 +108,10 @@ def remove_sandbox_tree(top: Path) -> bool:
     entries are moved up into `top` (a rename) before it is removed, so any depth costs
     one rename per entry (shutil.rmtree recurses, holding a descriptor per level: a deep
     tree ran the worker out of both). Links are removed, never followed. A directory the
-    sandbox made unreadable is made readable first (a worker that is not root shares its
-    uid). True when nothing is left."""
+    sandbox made unreadable or read-only is given search and write back as it is entered (a
+    worker that is not root shares its sandboxes' uid). True when nothing is left."""
     try:
-        top_fd = os.open(top, _DIRECTORY)
+        top_fd = _open_directory_at(os.open(top.parent, _DIRECTORY), top.name, close_dir=True)
     except FileNotFoundError:
         return True
     except OSError:
@@ -139,9 +139,7 @@ def remove_sandbox_tree(top: Path) -> bool:
                             with os.scandir(sub) as children:
                                 for child in children:
                                     hoisted += 1
-                                    os.rename(
-                                        child.name, f".drlm-rm-{hoisted}", src_dir_fd=sub, dst_dir_fd=top_fd
-                                    )
+                                    _hoist(sub, child, top_fd, f".drlm-rm-{hoisted}")
                                     progress = True
                         finally:
                             os.close(sub)
@@ -173,16 +171,39 @@ def _unlink_in(directory: Path, name: str) -> None:
         os.close(dir_fd)
 
 
-def _open_directory_at(dir_fd: int, name: str) -> int:
+def _hoist(dir_fd: int, entry: os.DirEntry[str], top_fd: int, name: str) -> None:
+    """Move one entry of a directory up into the tree's top. A directory moved to another
+    parent needs write on itself (its `..` changes): one a cell made read-only gets it back."""
     try:
-        return os.open(name, _DIRECTORY, dir_fd=dir_fd)
+        os.rename(entry.name, name, src_dir_fd=dir_fd, dst_dir_fd=top_fd)
     except PermissionError:
-        # Mode 000 set by the sandbox (as this worker's uid): no process of it is left to
-        # swap the entry, and O_NOFOLLOW above refused a link, so chmod reaches the directory.
-        if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+        if not entry.is_dir(follow_symlinks=False):
             raise
-        os.chmod(name, 0o700, dir_fd=dir_fd)
-        return os.open(name, _DIRECTORY, dir_fd=dir_fd)
+        os.close(_open_directory_at(dir_fd, entry.name))
+        os.rename(entry.name, name, src_dir_fd=dir_fd, dst_dir_fd=top_fd)
+
+
+def _open_directory_at(dir_fd: int, name: str, close_dir: bool = False) -> int:
+    """A directory of a sandbox's tree, opened to be emptied: never through a link, and
+    with write and search given back (a cell may have made it 0o500 or 0o000 as this
+    worker's uid; root needs neither, and a directory of another user's stays as it is)."""
+    try:
+        try:
+            fd = os.open(name, _DIRECTORY, dir_fd=dir_fd)
+        except PermissionError:
+            # Mode 000: no process of the sandbox is left to swap the entry, and O_NOFOLLOW
+            # above refused a link, so chmod reaches the directory.
+            if not stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                raise
+            os.chmod(name, 0o700, dir_fd=dir_fd)
+            fd = os.open(name, _DIRECTORY, dir_fd=dir_fd)
+    finally:
+        if close_dir:
+            os.close(dir_fd)
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_mode & 0o300 != 0o300:
+            os.fchmod(fd, 0o700)  # the descriptor, not the name: nothing to swap
+    return fd
 
 
 def _kind(mode: int) -> str:

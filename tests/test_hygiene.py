@@ -294,7 +294,13 @@ def test_a_reaper_of_another_uid_reaps_its_own_dead_homes_and_leaves_root_owned_
         """
     )
     done = subprocess.run(
-        [python, "-c", script], user=NOBODY, group=NOBODY, capture_output=True, text=True, timeout=30, cwd="/"
+        [python, "-I", "-B", "-c", script],  # -I: the reaper alone, whatever PYTHONPATH says
+        user=NOBODY,
+        group=NOBODY,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd="/",
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [own.name], done.stderr

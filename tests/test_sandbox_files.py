@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,6 +117,49 @@ def test_a_tree_of_any_depth_is_removed_without_following_links(box: Path, tmp_p
     os.close(fd)
     assert remove_sandbox_tree(box)
     assert not box.exists() and (outside / "kept").read_text() == "kept"
+
+
+def _as_uid(uid: int, work: Callable[[], bool]) -> bool:
+    """`work` in a forked child running as `uid` (a worker that is not root)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            code = 0 if work() else 3
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another uid")
+def test_a_worker_that_is_not_root_removes_what_its_sandbox_made_read_only() -> None:
+    """A worker running as one uid shares it with its sandboxes: a cell may leave a
+    directory read-only (0o500), unreadable (0o000), or the sandbox's own top read-only.
+    The removal gives write and search back on each directory it enters (the standard
+    library fallback in sandbox_reaper.py did; this one once left such trees behind)."""
+    nobody = 65534
+    parent = Path(tempfile.mkdtemp(prefix="drlm-files-", dir="/tmp"))
+    try:
+        parent.chmod(0o777)
+        top = parent / "sandbox"
+        (top / "made" / "deeper").mkdir(parents=True)
+        (top / "made" / "deeper" / "out.txt").write_text("written by a cell")
+        (top / "hidden" / "inside").mkdir(parents=True)
+        (top / "hidden" / "inside" / "f").write_text("x")
+        (top / "made" / "deeper" / "out.txt").chmod(0o000)
+        for path in [top, *top.rglob("*")]:
+            os.chown(path, nobody, nobody)
+        (top / "made").chmod(0o500)
+        (top / "hidden" / "inside").chmod(0o000)
+        (top / "hidden").chmod(0o500)
+        top.chmod(0o500)
+        assert _as_uid(nobody, lambda: remove_sandbox_tree(top))
+        assert not top.exists()
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def test_a_reaper_removes_a_deep_tree_and_never_follows_a_link(tmp_path: Path) -> None:
