@@ -70,6 +70,27 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+# Variants of a test whose other variant stays in the default run (one of each kind there;
+# `pytest -m slow`, which CI runs too, takes these): the same behaviour through a second
+# sandbox start, store or versioning mode, each 5-8 s.
+SLOW_VARIANTS = frozenset(
+    {
+        "test_escape.py::test_memory_is_bounded_for_the_sandbox_as_a_whole[hook-off-spawned-cgroup]",
+        "test_escape.py::test_memory_is_bounded_for_the_sandbox_as_a_whole[hook-off-userns-cgroup]",
+        "test_drain.py::test_a_drained_worker_finishes_its_call_and_its_episode_goes_on_elsewhere[postgresql]",
+        "test_versioning.py::test_a_new_build_rolls_out_while_an_episode_is_in_flight[pinned]",
+        "test_host_protocol.py::test_a_flood_of_large_frames_is_held_within_the_byte_budget[hook-off]",
+    }
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects by mark
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("drlm")
