@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import socket
 
+SERVE_POLL_S = 0.05
+"""How often a listener's `serve_forever` looks for a stop: with socketserver's default
+(0.5 s) every `shutdown()` waited up to half a second, in each process that stops a
+listener and in each test's teardown."""
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from durable_rlm.ports import SERVE_POLL_S
 from durable_rlm.workflows.fallback import EXTRACTION_MARKER
 
 
@@ -128,7 +129,9 @@ class ScriptedModelServer:
         return f"http://{host}:{port}/v1"
 
     def start(self) -> ScriptedModelServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": SERVE_POLL_S}, daemon=True
+        )
         self._thread.start()
         return self
 

@@ -3,6 +3,7 @@ scripted OpenAI-compatible server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import os
 import shutil
@@ -59,6 +60,12 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-tests-")
 os.environ["DRLM_SERVER_IDLE_S"] = "2"
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="drlm-tests-config-")  # no user drlm.toml
+
+# The package's bytecode, as an installed wheel has it (pip compiles at install time): where
+# PYTHONDONTWRITEBYTECODE is set (as on this machine), a checkout's worker, CLI and sandbox
+# processes would each compile the sources again (~0.15 s a worker process).
+for _folder in ("durable_rlm", "activities", "workflows", "migrations"):
+    compileall.compile_dir(ROOT / _folder, quiet=1)
 
 # Property tests: thorough by default; HYPOTHESIS_PROFILE=mutation keeps mutation runs quick.
 settings.register_profile(

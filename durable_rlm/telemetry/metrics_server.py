@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.ports import free_port
+from durable_rlm.ports import SERVE_POLL_S, free_port
 from durable_rlm.telemetry.instrumentation import failed
 from durable_rlm.telemetry.log_path import core_logging
 
@@ -55,7 +55,12 @@ class MetricsEndpoint:
         except BaseException:
             self.server.server_close()
             raise
-        threading.Thread(target=self.server.serve_forever, name="drlm-metrics", daemon=True).start()
+        threading.Thread(
+            target=self.server.serve_forever,
+            kwargs={"poll_interval": SERVE_POLL_S},
+            name="drlm-metrics",
+            daemon=True,
+        ).start()
 
     @property
     def url(self) -> str:

@@ -31,6 +31,7 @@ from urllib.parse import parse_qs
 from temporalio.api.common.v1 import Payload
 
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.ports import SERVE_POLL_S
 from durable_rlm.server.private_net import peer_uid
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.codec import (
@@ -196,7 +197,7 @@ class CodecServer:
         """Serve until `stop` from another thread (or KeyboardInterrupt, for the caller)."""
         self._serving = True
         try:
-            self._server.serve_forever()
+            self._server.serve_forever(poll_interval=SERVE_POLL_S)
         finally:
             self._server.server_close()
 
