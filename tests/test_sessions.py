@@ -103,6 +103,36 @@ def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> Non
     assert (state.ended_by, len(state.turns), state.contexts, state.histories) == ("closed", 5, 5, 4)
 
 
+def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp_path: Path) -> None:
+    """rlms's iteration callbacks follow a session's turn live, as they follow one episode:
+    each turn's first iteration is reported before its last root reply (1.5 s late) came,
+    and every iteration once."""
+
+    def slow_ending(request: ChatRequest) -> str | Reply:
+        reply = session_script(request)
+        return Reply(text=reply, delay_s=1.5) if isinstance(reply, str) and "FINAL" in reply else reply
+
+    server = scripted(slow_ending)
+    events: list[tuple[str, int, int, float]] = []
+    rlm = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url, "api_key": "sk-scripted"},
+        max_iterations=4,
+        persistent=True,
+        settings=Settings(data_dir=tmp_path),
+        on_iteration_start=lambda depth, i: events.append(("start", depth, i, time.monotonic())),
+        on_iteration_complete=lambda depth, i, took: events.append(("done", depth, i, time.monotonic())),
+    )
+    returned = []
+    for k in range(2):
+        assert rlm.completion(f"c{k}", root_prompt=f"Session step {k}").response == expected(k)
+        returned.append(time.monotonic())
+    rlm.close()
+    turns = [[e for e in events if e[3] <= returned[0]], [e for e in events if e[3] > returned[0]]]
+    for turn, ended in zip(turns, returned, strict=True):
+        assert [e[:3] for e in turn] == [("start", 0, 1), ("done", 0, 1), ("start", 0, 2), ("done", 0, 2)]
+        assert ended - turn[0][3] >= 1.0, (ended, turn)  # live: long before the turn's answer
+
+
 def test_a_session_in_a_with_block_from_synchronous_code(scripted, tmp_path: Path) -> None:
     """The README's form: `with rlm.session() as s:` and `s.completion(...)`; the block's end
     closes the session."""

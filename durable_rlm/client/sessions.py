@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from durable_rlm.worker.runtime import Services
 
 TURN_WAIT_POLL_S = 0.5
+WATCH_SETTLE_S = 10.0  # a turn's watcher, after the turn answered (a child's callbacks)
 
 
 class SessionClosed(DurableRLMError):
@@ -292,8 +293,15 @@ class Session:
         async with self._services() as services:
             return await session_state(services.client, self.id)
 
-    async def turn(self, context: Any = None, root_prompt: str | None = None) -> TurnResult:
-        """Run one turn to its end: the raw result (the turn's EpisodeResult, or its error)."""
+    async def turn(
+        self,
+        context: Any = None,
+        root_prompt: str | None = None,
+        watch: Callable[[str], Awaitable[object]] | None = None,
+    ) -> TurnResult:
+        """Run one turn to its end: the raw result (the turn's EpisodeResult, or its error).
+        `watch(episode_id)` runs beside it from the moment the turn's episode id is known
+        (the episode may not have started yet): rlms's live callbacks follow the turn so."""
         self._request(None, root_prompt)  # a bad task is reported before anything else
         self._check_credentials()
         async with self._services() as services:
@@ -320,7 +328,20 @@ class Session:
                 context_index=index,
                 history_turns=list(state.unbound),
             )
-            return await run_turn(services.client, self.id, ask)
+            if watch is None:
+                return await run_turn(services.client, self.id, ask)
+            watching = asyncio.ensure_future(watch(names.turn_episode_id(self.id, k)))
+            try:
+                done = await run_turn(services.client, self.id, ask)
+                # The watcher sees the turn's end on its own: a moment for its last callbacks.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(watching), WATCH_SETTLE_S)
+                return done
+            finally:
+                if not watching.done():
+                    watching.cancel()
+                with contextlib.suppress(BaseException):
+                    await watching
 
     async def _after_running_turn(self, services: Services) -> SessionState:
         """The session's state once no turn runs (another client's may still)."""
@@ -330,9 +351,14 @@ class Session:
                 return state
             await asyncio.sleep(TURN_WAIT_POLL_S)
 
-    async def acompletion(self, context: Any = None, root_prompt: str | None = None) -> EpisodeResult:
+    async def acompletion(
+        self,
+        context: Any = None,
+        root_prompt: str | None = None,
+        watch: Callable[[str], Awaitable[object]] | None = None,
+    ) -> EpisodeResult:
         """A turn's result; raises EpisodeFailed when the turn ended without one."""
-        done = await self.turn(context, root_prompt)
+        done = await self.turn(context, root_prompt, watch)
         if done.result is not None:
             if done.result.status == "failed":
                 end = EpisodeEnd(episode_id=done.episode_id, status="failed", result=done.result)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from durable_rlm.api import DurableRLM
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
-from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children
+from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
 from durable_rlm.rlms.limits import CancellationError, raise_for_limit
 from durable_rlm.rlms.logger import Logged, replay_to_logger
 from durable_rlm.rlms.options import (
@@ -190,8 +190,8 @@ class RLM(DurableRLM):
         if self.logger is not None:
             self.logger.clear_iterations()
         if self.persistent:
-            result, timeline, services = await self._turn(prompt, root_prompt)
-            return self._completed(prompt, result, timeline, services, started, set())
+            result, timeline, services, reported = await self._turn(prompt, root_prompt)
+            return self._completed(prompt, result, timeline, services, started, reported)
         async with self._session() as services:
             episode = await self._start(services, prompt, root_prompt, None)
             try:
@@ -222,24 +222,41 @@ class RLM(DurableRLM):
         attaches to it from another process), once the first completion() started it."""
         return self._turns.id if self._turns is not None else None
 
-    async def _turn(self, prompt: Any, root_prompt: str | None) -> tuple[EpisodeResult, Timeline, Services]:
-        """persistent=True: one turn of the session; the first call starts it. Its iterations
-        and children are reported once it ended."""
+    async def _turn(
+        self, prompt: Any, root_prompt: str | None
+    ) -> tuple[EpisodeResult, Timeline, Services, set[str]]:
+        """persistent=True: one turn of the session; the first call starts it. The turn's
+        episode is followed while it runs, so the callbacks fire live, as for one episode;
+        the child episodes already reported come back with it."""
         if self._turns is None:
             self._turns = self.session()
+        callbacks = self.callbacks
+        reported: set[str] = set()
+        followed = False
+
+        async def watch(episode_id: str) -> None:
+            nonlocal followed
+            episode = await started_episode(services, episode_id)
+            _, seen = await follow(episode, callbacks)
+            reported.update(seen)
+            followed = True
+
         async with self._turns.opened() as services:
             try:
-                result = await self._turns.acompletion(prompt, root_prompt)
+                result = await self._turns.acompletion(
+                    prompt, root_prompt, watch if callbacks.iterations or callbacks.subcalls else None
+                )
             except (KeyboardInterrupt, asyncio.CancelledError):
                 # The turn runs on in the session (durably); the next call waits for it.
                 raise CancellationError(message="Execution cancelled by user (Ctrl+C)") from None
             timeline = await self._timeline(services, result.episode_id)
-        for number in range(1, result.iterations + 1):  # the turn's iterations, once it ended
-            quietly(self.on_iteration_start, 0, number)
-            quietly(self.on_iteration_complete, 0, number, 0.0)
-            if self.verbose:
-                print(f"[durable-rlm] iteration {number}")
-        return result, timeline, services
+        if callbacks.iterations and not followed:  # the turn could not be followed: told now
+            for number in range(1, result.iterations + 1):
+                quietly(self.on_iteration_start, 0, number)
+                quietly(self.on_iteration_complete, 0, number, 0.0)
+                if self.verbose:
+                    print(f"[durable-rlm] iteration {number}")
+        return result, timeline, services, reported
 
     def _completed(
         self,

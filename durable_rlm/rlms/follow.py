@@ -19,15 +19,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from durable_rlm.api import Episode
 from durable_rlm.workflows.models import EpisodeRequest, EpisodeResult
 
 if TYPE_CHECKING:
-    from durable_rlm.api import Episode
     from durable_rlm.audit.timeline import Timeline
     from durable_rlm.client.episodes import EpisodeEnd
     from durable_rlm.store.blobs import BlobStore
+    from durable_rlm.worker.runtime import Services
 
 PROGRESS_POLL_S = 0.2
+START_POLL_S = 0.1  # a session's turn episode, asked for and not started yet
 """How often a run with iteration callbacks or `verbose` asks the episode for its progress (a
 query: nothing is added to history)."""
 CHILDREN_SETTLE_S = 10.0
@@ -68,6 +70,22 @@ def quietly(callback: Callable[..., Any] | None, *args: Any) -> None:
             f"[durable-rlm] callback {getattr(callback, '__name__', callback)!r} raised: {exc}",
             file=sys.stderr,
         )
+
+
+async def started_episode(services: Services, episode_id: str) -> Episode:
+    """The episode of that id once it exists: a session's turn starts a moment after the
+    turn is asked for (as a child of the session's workflow)."""
+    from temporalio.service import RPCError, RPCStatusCode  # start-up: temporalio, not on import
+
+    handle = services.client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    while True:
+        try:
+            await handle.describe()
+            return Episode(services, handle)
+        except RPCError as exc:
+            if exc.status != RPCStatusCode.NOT_FOUND:
+                raise
+        await asyncio.sleep(START_POLL_S)
 
 
 async def follow(episode: Episode, callbacks: Callbacks) -> tuple[EpisodeEnd, set[str]]:
