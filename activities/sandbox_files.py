@@ -104,7 +104,7 @@ def write_sandbox_file(directory: Path, name: str, data: bytes, owner: int | Non
 def remove_sandbox_tree(top: Path) -> bool:
     """Remove a sandbox's directory and everything in it, after its processes are gone.
 
-    Iterative, never recursive, with four descriptors open at most: each subdirectory's
+    Iterative, never recursive, with five descriptors open at most: each subdirectory's
     entries are moved up into `top` (a rename) before it is removed, so any depth costs
     one rename per entry (shutil.rmtree recurses, holding a descriptor per level: a deep
     tree ran the worker out of both). Links are removed, never followed. A directory the

@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from durable_rlm.worker.runtime import Services
 
 TURN_WAIT_POLL_S = 0.5
-WATCH_SETTLE_S = 10.0  # a turn's watcher, after the turn answered (a child's callbacks)
+WATCH_SETTLE_S = 15.0  # a turn's watcher, after the turn answered: past rlms/follow.py's settle
 
 
 class SessionClosed(DurableRLMError):
@@ -96,12 +96,18 @@ async def session_state(client: Client, session_id: str) -> SessionState:
     return await session_handle(client, session_id).query(names.SESSION_STATE, result_type=SessionState)
 
 
-async def run_turn(client: Client, session_id: str, ask: TurnRequest) -> TurnResult:
-    """The turn to its end; a refused turn raises SessionClosed or SessionBusy."""
+async def run_turn(
+    client: Client, session_id: str, ask: TurnRequest, accepted: Callable[[], object] | None = None
+) -> TurnResult:
+    """The turn to its end; a refused turn raises SessionClosed or SessionBusy. `accepted`
+    is called once the session took the turn (before, it may still be another client's)."""
     try:
-        return await session_handle(client, session_id).execute_update(
-            names.SESSION_TURN, ask, result_type=TurnResult
+        update = await session_handle(client, session_id).start_update(
+            names.SESSION_TURN, ask, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=TurnResult
         )
+        if accepted is not None:
+            accepted()
+        return await update.result()
     except WorkflowUpdateFailedError as err:
         why = str(err.cause.message if err.cause is not None and hasattr(err.cause, "message") else err)
         if "the session is" in why:
@@ -330,18 +336,26 @@ class Session:
             )
             if watch is None:
                 return await run_turn(services.client, self.id, ask)
-            watching = asyncio.ensure_future(watch(names.turn_episode_id(self.id, k)))
+            episode_id = names.turn_episode_id(self.id, k)
+            watching: list[asyncio.Future[object]] = []
+
+            def accepted() -> None:
+                watching.append(asyncio.ensure_future(watch(episode_id)))
+
             try:
-                done = await run_turn(services.client, self.id, ask)
-                # The watcher sees the turn's end on its own: a moment for its last callbacks.
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(watching), WATCH_SETTLE_S)
+                done = await run_turn(services.client, self.id, ask, accepted)
+                if watching and done.result is not None:
+                    # The watcher sees the turn's end on its own: a moment for its last callbacks.
+                    await asyncio.wait(watching, timeout=WATCH_SETTLE_S)
                 return done
             finally:
-                if not watching.done():
-                    watching.cancel()
-                with contextlib.suppress(BaseException):
-                    await watching
+                for task in watching:
+                    if not task.done():
+                        task.cancel()
+                if watching:  # its end, without taking a cancellation meant for the caller
+                    await asyncio.wait(watching)
+                    if not watching[0].cancelled():
+                        watching[0].exception()  # retrieved: best effort, the turn's answer counts
 
     async def _after_running_turn(self, services: Services) -> SessionState:
         """The session's state once no turn runs (another client's may still)."""

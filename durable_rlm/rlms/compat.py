@@ -26,6 +26,7 @@ rlms backends without an OpenAI-compatible endpoint (portkey), `user_prologue`,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -230,32 +231,34 @@ class RLM(DurableRLM):
         the child episodes already reported come back with it."""
         if self._turns is None:
             self._turns = self.session()
-        callbacks = self.callbacks
+        told = self.callbacks
         reported: set[str] = set()
-        followed = False
+        completed = [0]  # the turn's iterations reported complete, live
+
+        def complete(depth: int, number: int, took: float) -> None:
+            completed[0] = max(completed[0], number)
+            quietly(told.on_iteration_complete, depth, number, took)
+
+        callbacks = dataclasses.replace(told, on_iteration_complete=complete) if told.iterations else told
 
         async def watch(episode_id: str) -> None:
-            nonlocal followed
-            episode = await started_episode(services, episode_id)
-            _, seen = await follow(episode, callbacks)
-            reported.update(seen)
-            followed = True
+            await follow(await started_episode(services, episode_id), callbacks, reported)
 
         async with self._turns.opened() as services:
             try:
                 result = await self._turns.acompletion(
-                    prompt, root_prompt, watch if callbacks.iterations or callbacks.subcalls else None
+                    prompt, root_prompt, watch if told.iterations or told.subcalls else None
                 )
             except (KeyboardInterrupt, asyncio.CancelledError):
                 # The turn runs on in the session (durably); the next call waits for it.
                 raise CancellationError(message="Execution cancelled by user (Ctrl+C)") from None
             timeline = await self._timeline(services, result.episode_id)
-        if callbacks.iterations and not followed:  # the turn could not be followed: told now
-            for number in range(1, result.iterations + 1):
-                quietly(self.on_iteration_start, 0, number)
-                quietly(self.on_iteration_complete, 0, number, 0.0)
-                if self.verbose:
-                    print(f"[durable-rlm] iteration {number}")
+        # What the watcher could not tell (cut short, or the turn paused on a key): told now.
+        for number in range(completed[0] + 1, result.iterations + 1):
+            quietly(told.on_iteration_start, 0, number)
+            quietly(told.on_iteration_complete, 0, number, 0.0)
+            if self.verbose:
+                print(f"[durable-rlm] iteration {number}")
         return result, timeline, services, reported
 
     def _completed(

@@ -88,10 +88,13 @@ async def started_episode(services: Services, episode_id: str) -> Episode:
         await asyncio.sleep(START_POLL_S)
 
 
-async def follow(episode: Episode, callbacks: Callbacks) -> tuple[EpisodeEnd, set[str]]:
+async def follow(
+    episode: Episode, callbacks: Callbacks, reported: set[str] | None = None
+) -> tuple[EpisodeEnd, set[str]]:
     """The episode's end, the callbacks fired on the way; and the child episodes already
-    reported (the rest, if reading the history failed, are the timeline's: `report_children`)."""
-    watcher = ChildWatcher(episode, callbacks) if callbacks.subcalls else None
+    reported (the rest, if reading the history failed, are the timeline's: `report_children`).
+    `reported`, if given, is filled as children are told (a follower cut short still says)."""
+    watcher = ChildWatcher(episode, callbacks, reported) if callbacks.subcalls else None
     watching = asyncio.ensure_future(watcher.run()) if watcher is not None else None
     try:
         if callbacks.iterations:
@@ -114,8 +117,17 @@ async def follow(episode: Episode, callbacks: Callbacks) -> tuple[EpisodeEnd, se
 
 async def _iterations(episode: Episode, callbacks: Callbacks) -> EpisodeEnd:
     """The episode's end; its iterations reported as the progress query shows them."""
-    start, complete = callbacks.on_iteration_start, callbacks.on_iteration_complete
     ending = asyncio.ensure_future(episode.end())
+    try:
+        return await _reported_until(ending, episode, callbacks)
+    finally:
+        ending.cancel()  # a follower cancelled (a session's turn cut short) leaves no poller
+
+
+async def _reported_until(
+    ending: asyncio.Future[EpisodeEnd], episode: Episode, callbacks: Callbacks
+) -> EpisodeEnd:
+    start, complete = callbacks.on_iteration_start, callbacks.on_iteration_complete
     seen, since = 0, time.perf_counter()
     while True:
         done, _ = await asyncio.wait({ending}, timeout=PROGRESS_POLL_S)
@@ -154,11 +166,11 @@ class ChildWatcher:
     in that event: model, context), its completion when its result (or failure) is recorded.
     Runs of a continue-as-new chain are followed in order."""
 
-    def __init__(self, episode: Episode, callbacks: Callbacks) -> None:
+    def __init__(self, episode: Episode, callbacks: Callbacks, reported: set[str] | None = None) -> None:
         self._episode = episode
         self._callbacks = callbacks
         self._open: dict[str, tuple[str, datetime]] = {}  # child id -> (model, when it started)
-        self.reported: set[str] = set()
+        self.reported: set[str] = set() if reported is None else reported  # filled as they are told
 
     async def run(self) -> None:
         """Until the episode's last run ends; a failure to read is reported, not raised (the
