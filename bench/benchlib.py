@@ -293,6 +293,7 @@ class BenchEnv:
     engine: sa.Engine
     blobs: BlobStore
     client: Client
+    server_pid: int | None = None  # the embedded server's process (and its own children)
 
     @contextlib.asynccontextmanager
     async def workers(self, task_queue: str) -> AsyncIterator[Any]:
@@ -311,9 +312,11 @@ async def bench_env(directory: Path, tuned: bool = True) -> AsyncIterator[BenchE
     database_url = f"sqlite:///{directory / 'drlm.sqlite'}"
     engine = open_store(database_url)
     blobs = BlobStore(SqlBackend(engine))
-    async with EmbeddedServer(directory / "temporal.sqlite", tuned=tuned) as address:
+    server = EmbeddedServer(directory / "temporal.sqlite", tuned=tuned)
+    async with server as address:
         client = await Client.connect(address, data_converter=data_converter(blobs))
-        yield BenchEnv(directory, address, database_url, engine, blobs, client)
+        pid = server.process.pid if server.process is not None else None
+        yield BenchEnv(directory, address, database_url, engine, blobs, client, pid)
 
 
 class WorkerProcess:

@@ -11,6 +11,7 @@ Sections (each also runs alone: python bench/<module>.py [--quick]):
     rlms         wall time against rlms==0.1.3 in its own virtualenv     (bench/rlms_compare.py)
     concurrency  N concurrent episodes on one worker process             (bench/concurrency.py)
     processes    N=200 on one worker process and on two (--processes 2)  (bench/processes.py)
+    partitions   1, 2, 3 worker processes on task queues of their own    (bench/partitions.py)
     history      history bytes per iteration at 10, 50, 200 iterations   (bench/history.py)
     rebuild      REPL rebuild for 10 and 100 cells; a 100 MB context     (bench/rebuild.py)
     recovery     SIGKILL the only worker mid-call; time to the next step (bench/recovery.py)
@@ -43,6 +44,7 @@ SECTIONS = {
     "rlms": "rlms_compare",
     "concurrency": "concurrency",
     "processes": "processes",
+    "partitions": "partitions",
     "history": "history",
     "rebuild": "rebuild",
     "recovery": "recovery",

@@ -122,6 +122,16 @@ def test_the_time_travel_benchmark_prints_its_ratios() -> None:
 
 
 @pytest.mark.slow
+def test_the_partitions_benchmark_gives_each_worker_a_queue_and_measures_the_server() -> None:
+    """Past one machine (issue 38, item 5), in small: 1, 2 and 3 worker processes on task
+    queues of their own, their throughput against one's, and the server's CPU per episode."""
+    out = run_bench("partitions.py", "--quick", timeout=600)
+    assert len(re.findall(r"[0-9.]+x of one worker's", out)) == 2, out
+    assert len(re.findall(r"Temporal server CPU per episode\s+│\s+[0-9.]+ ms", out)) == 3, out
+    assert "no-op workflows with the same events" in out
+
+
+@pytest.mark.slow
 def test_the_concurrency_benchmark_files_its_worker_output_and_counts_late_tasks() -> None:
     """A small N (5 episodes at 0.5 s): the worker's output is filed and measured, and the
     tasks past their timeout are counted apart from waits (issue 38)."""
