@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
+import json
 import os
 import shutil
 import statistics
@@ -256,18 +258,30 @@ async def run_section(
     return section
 
 
-def section_main(run: Callable[[Context], Awaitable[Section]], description: str) -> None:
-    """`python bench/<section>.py [--quick] [--repeats R]`: run one section, print its table."""
-    parser = argparse.ArgumentParser(description=description)
+def section_main(
+    run: Callable[[Context], Awaitable[Section]], description: str, script: str | None = None
+) -> None:
+    """`python bench/<section>.py [--quick] [--repeats R] [--merge]`: run one section, print
+    its table; with `script` named, `--merge` adds it to bench/results/latest.json."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny smoke version")
     parser.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3, quick 1)")
+    if script is not None:
+        parser.add_argument(
+            "--merge", action="store_true", help="add the section to bench/results/latest.json"
+        )
     args = parser.parse_args()
     ctx = make_context(args.quick, args.repeats)
     try:
         section = asyncio.run(run(ctx))
     finally:
         shutil.rmtree(ctx.work, ignore_errors=True)
-    render(section.to_json())
+    data = section.to_json()
+    render(data)
+    if getattr(args, "merge", False) and not args.quick and not section.error:
+        merge_section(data, f"python bench/{script} --merge")
     finish(1 if section.error else 0)
 
 
@@ -280,6 +294,25 @@ def finish(code: int) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def merge_section(section: dict, command: str, path: Path | None = None) -> None:
+    """Put one section run alone into the suite's figures (bench/results/latest.json),
+    keeping the others, with when, from which commit and by which command it was merged."""
+    path = path or RESULTS / "latest.json"
+    results = json.loads(path.read_text())
+    results["sections"][section["name"]] = section
+    results["meta"].setdefault("merged", {})[section["name"]] = {
+        "started": (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=section["duration_s"])).isoformat(
+            timespec="seconds"
+        ),
+        "git": git_commit(),
+        "command": command,
+        "duration_s": section["duration_s"],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    path.write_text(json.dumps(results, indent=1))
+    say(f"merged into {path}")
 
 
 # --- server, stores, workers ------------------------------------------------------------------

@@ -222,6 +222,16 @@ def admission_said(log: str) -> str:
 # --- one size ---------------------------------------------------------------------------------------
 
 
+async def answered_histories(env: benchlib.BenchEnv, handles: list, results: list) -> list[list]:
+    """The episodes' histories, once every one of them is checked to have answered right."""
+    bad = [r for r in results if r.answer != f"answer to question {CELLS - 1}"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(results)} episodes answered wrongly, e.g. {bad[0]}")
+    return await asyncio.gather(
+        *(benchlib.histories(env.client, h.id, h.first_execution_run_id) for h in handles)
+    )
+
+
 async def one_size(env: benchlib.BenchEnv, n: int, latency: float, processes: int = 1) -> dict:
     """N episodes at once on one `worker.py` (of `processes` worker processes: bench/processes.py)."""
     queue = f"bench-conc-{n}-{uuid.uuid4().hex[:6]}"
@@ -260,12 +270,7 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float, processes: in
             for line in worker.tail(10**7).splitlines()
             if "drlm.logs: " in line
         ]
-    bad = [r for r in results if r.answer != f"answer to question {CELLS - 1}"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {n} episodes answered wrongly, e.g. {bad[0]}")
-    all_events = await asyncio.gather(
-        *(benchlib.histories(env.client, h.id, h.first_execution_run_id) for h in handles)
-    )
+    all_events = await answered_histories(env, handles, results)
     wft_timeouts = sum(
         benchlib.count_events(ev, EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT) for ev in all_events
     )

@@ -20,19 +20,15 @@ worker processes and server capacity for 10,000 concurrent episodes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime as dt
-import json
 import os
-import shutil
 import statistics
 import time
 import uuid
 
 import benchlib
-from benchlib import RESULTS, Context, Section, render, run_section, say
-from concurrency import CELLS, LATENCY_S, MODEL_CALLS, noop_wall, plan_of, turns
+from benchlib import Context, Section, run_section, say, section_main
+from concurrency import LATENCY_S, MODEL_CALLS, answered_histories, noop_wall, plan_of, turns
 from temporalio.api.enums.v1 import EventType
 
 from durable_rlm.client.episodes import start_episode
@@ -77,12 +73,7 @@ async def partitioned(env: benchlib.BenchEnv, workers: int, per_worker: int, lat
             for proc in procs:
                 proc.stop()
     n = len(handles)
-    bad = [r for r in results if r.answer != f"answer to question {CELLS - 1}"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {n} episodes answered wrongly, e.g. {bad[0]}")
-    histories = await asyncio.gather(
-        *(benchlib.histories(env.client, h.id, h.first_execution_run_id) for h in handles)
-    )
+    histories = await answered_histories(env, handles, results)
     timeouts = sum(
         benchlib.count_events(ev, EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT) for ev in histories
     )
@@ -171,40 +162,5 @@ async def run(ctx: Context) -> Section:
     )
 
 
-def merge(section: dict) -> None:
-    """Put this section into the suite's figures, keeping the others (as bench/startup.py)."""
-    path = RESULTS / "latest.json"
-    results = json.loads(path.read_text())
-    results["sections"]["partitions"] = section
-    results["meta"].setdefault("merged", {})["partitions"] = {
-        "started": (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=section["duration_s"])).isoformat(
-            timespec="seconds"
-        ),
-        "git": benchlib.git_commit(),
-        "command": "python bench/partitions.py --merge",
-        "duration_s": section["duration_s"],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-    }
-    path.write_text(json.dumps(results, indent=1))
-    say(f"merged into {path}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke version")
-    parser.add_argument("--merge", action="store_true", help="add the section to bench/results/latest.json")
-    args = parser.parse_args()
-    ctx = benchlib.make_context(args.quick, None)
-    try:
-        section = asyncio.run(run(ctx))
-    finally:
-        shutil.rmtree(ctx.work, ignore_errors=True)
-    data = section.to_json()
-    render(data)
-    if args.merge and not args.quick and not section.error:
-        merge(data)
-    benchlib.finish(1 if section.error else 0)
-
-
 if __name__ == "__main__":
-    main()
+    section_main(run, __doc__, "partitions.py")

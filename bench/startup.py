@@ -26,13 +26,10 @@ startup` would, without replacing the other sections' figures).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import compileall
-import datetime as dt
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -41,8 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import benchlib
-from benchlib import RESULTS, Context, Section, Target, ratio, render, run_section, say
+from benchlib import Context, Section, Target, ratio, run_section, say, section_main
 from rlms_compare import rlms_python
 
 import durable_rlm
@@ -373,42 +369,5 @@ async def run(ctx: Context) -> Section:
     return await run_section("startup", "9. Start-up: fast to first answer, against rlms", body, ctx)
 
 
-def merge(section: dict, path: Path = RESULTS / "latest.json") -> None:
-    """Put this section into the suite's figures, keeping the others (as snapshots was)."""
-    results = json.loads(path.read_text())
-    results["sections"]["startup"] = section
-    results["meta"].setdefault("merged", {})["startup"] = {
-        "started": (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=section["duration_s"])).isoformat(
-            timespec="seconds"
-        ),
-        "git": benchlib.git_commit(),
-        "command": "python bench/startup.py --merge",
-        "duration_s": section["duration_s"],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-    }
-    path.write_text(json.dumps(results, indent=1))
-    say(f"merged into {path}")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke version")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per figure (default 3, quick 1)")
-    parser.add_argument("--merge", action="store_true", help="add the section to bench/results/latest.json")
-    args = parser.parse_args()
-    ctx = benchlib.make_context(args.quick, args.repeats)
-    try:
-        section = asyncio.run(run(ctx))
-    finally:
-        shutil.rmtree(ctx.work, ignore_errors=True)
-    data = section.to_json()
-    render(data)
-    if args.merge and not args.quick and not section.error:
-        merge(data)
-    benchlib.finish(1 if section.error else 0)
-
-
 if __name__ == "__main__":
-    main()
+    section_main(run, __doc__, "startup.py")
