@@ -105,12 +105,12 @@ def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> Non
 
 def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp_path: Path) -> None:
     """rlms's iteration callbacks follow a session's turn live, as they follow one episode:
-    each turn's first iteration is reported before its last root reply (1.5 s late) came,
+    each turn's first iteration is reported before its last root reply (3 s late) came,
     and every iteration once."""
 
     def slow_ending(request: ChatRequest) -> str | Reply:
         reply = session_script(request)
-        return Reply(text=reply, delay_s=1.5) if isinstance(reply, str) and "FINAL" in reply else reply
+        return Reply(text=reply, delay_s=3.0) if isinstance(reply, str) and "FINAL" in reply else reply
 
     server = scripted(slow_ending)
     events: list[tuple[str, int, int, float]] = []
