@@ -9,25 +9,18 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from durable_rlm import RLM
-from durable_rlm.settings import Settings
 from durable_rlm.store import schema
 from durable_rlm.store.sql import create_engine
 from durable_rlm.workflows import names
 from tests.test_cli import drlm
-from tests.test_sessions import expected, session_script
+from tests.test_sessions import expected, persistent_rlm, session_script
 
 TURNS = 3
 
 
 def test_show_and_list_give_a_session_of_three_turns(scripted, tmp_path: Path) -> None:
     server = scripted(session_script)
-    rlm = RLM(
-        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url, "api_key": "sk-scripted"},
-        max_iterations=4,
-        persistent=True,
-        settings=Settings(data_dir=tmp_path),
-    )
+    rlm = persistent_rlm(server, tmp_path)
     answers = [rlm.completion(f"c{k}", root_prompt=f"Session step {k}").response for k in range(TURNS)]
     assert answers == [expected(k) for k in range(TURNS)]
     session_id = rlm.session_id

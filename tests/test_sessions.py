@@ -10,13 +10,14 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from durable_rlm import RLM, DurableRLM
 from durable_rlm.client.sessions import SessionClosed, session_overview, setup_cell
 from durable_rlm.errors import EpisodeFailed
-from durable_rlm.scripted import ChatRequest, Reply
+from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
 from durable_rlm.settings import Settings
 from durable_rlm.worker.runtime import Services, running_workers
 from durable_rlm.workflows import names
@@ -57,6 +58,17 @@ def expected(k: int) -> str:
     return "+".join(f"c{j}" for j in range(k + 1))
 
 
+def persistent_rlm(server: ScriptedModelServer, data_dir: Path, **options: Any) -> RLM:
+    """rlms's form of a session, on the scripted model: `RLM(persistent=True)`."""
+    return RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url, "api_key": "sk-scripted"},
+        max_iterations=4,
+        persistent=True,
+        settings=Settings(data_dir=data_dir),
+        **options,
+    )
+
+
 def test_the_setup_cell_binds_rlms_names() -> None:
     assert setup_cell(0, "x", True, {}) == "context_0 = context"
     assert setup_cell(None, None, False, {}) is None
@@ -81,12 +93,7 @@ def test_the_setup_cell_binds_rlms_names() -> None:
 
 def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> None:
     server = scripted(session_script)
-    rlm = RLM(
-        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url, "api_key": "sk-scripted"},
-        max_iterations=4,
-        persistent=True,
-        settings=Settings(data_dir=tmp_path),
-    )
+    rlm = persistent_rlm(server, tmp_path)
     answers = [rlm.completion(f"c{k}", root_prompt=f"Session step {k}") for k in range(5)]
     assert [a.response for a in answers] == [expected(k) for k in range(5)]
     session_id = rlm.session_id
@@ -114,11 +121,9 @@ def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp
 
     server = scripted(slow_ending)
     events: list[tuple[str, int, int, float]] = []
-    rlm = RLM(
-        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url, "api_key": "sk-scripted"},
-        max_iterations=4,
-        persistent=True,
-        settings=Settings(data_dir=tmp_path),
+    rlm = persistent_rlm(
+        server,
+        tmp_path,
         on_iteration_start=lambda depth, i: events.append(("start", depth, i, time.monotonic())),
         on_iteration_complete=lambda depth, i, took: events.append(("done", depth, i, time.monotonic())),
     )

@@ -65,6 +65,20 @@ class VariableRead:
     problem: str | None = None  # why it could not be read, when the read itself failed
 
 
+async def close_sandbox_here(summary: str) -> None:
+    """Close this workflow's sandbox on the worker that runs it (a local activity, one
+    attempt): the episode's last step and a session's end. The caller decides what a failure
+    means; idle reaping covers a sandbox left open."""
+    await workflow.execute_local_activity(
+        names.REPL_CLOSE,
+        CloseSandboxInput(episode_id=workflow.info().workflow_id),
+        result_type=bool,
+        start_to_close_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
+        retry_policy=RetryPolicy(maximum_attempts=1),
+        summary=summary,
+    )
+
+
 class ReplSteps:
     def __init__(
         self,
@@ -176,14 +190,7 @@ class ReplSteps:
     async def close(self) -> None:
         if self.local:
             try:
-                await workflow.execute_local_activity(
-                    names.REPL_CLOSE,
-                    CloseSandboxInput(episode_id=workflow.info().workflow_id),
-                    result_type=bool,
-                    start_to_close_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
-                    retry_policy=RetryPolicy(maximum_attempts=1),
-                    summary="close the sandbox",
-                )
+                await close_sandbox_here("close the sandbox")
             except STEP_FAILURES:
                 pass  # idle reaping covers a sandbox that would not close
             return

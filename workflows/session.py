@@ -26,16 +26,15 @@ from temporalio import workflow
 from temporalio.exceptions import ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from temporalio.common import RetryPolicy
     from temporalio.workflow import ParentClosePolicy
 
-    from durable_rlm.workflows import defaults, metadata, names
+    from durable_rlm.workflows import metadata, names
     from durable_rlm.workflows.models import (
-        CloseSandboxInput,
         EpisodeRequest,
         EpisodeResult,
         SessionTurn,
     )
+    from durable_rlm.workflows.repl_steps import close_sandbox_here
     from durable_rlm.workflows.retries import describe_failure
     from durable_rlm.workflows.session_models import (
         TURN_ANSWER_CHARS,
@@ -262,13 +261,6 @@ class SessionWorkflow:
         """The session's sandbox, on this worker if the last turn ran here; elsewhere the idle
         reaper ends it (nothing is lost either way: the cell log is the state)."""
         try:
-            await workflow.execute_local_activity(
-                names.REPL_CLOSE,
-                CloseSandboxInput(episode_id=workflow.info().workflow_id),
-                result_type=bool,
-                start_to_close_timeout=timedelta(seconds=defaults.CLOSE_SANDBOX_TIMEOUT_S),
-                retry_policy=RetryPolicy(maximum_attempts=1),
-                summary="close the session's sandbox",
-            )
+            await close_sandbox_here("close the session's sandbox")
         except Exception:  # noqa: BLE001 - best effort: idle reaping covers a sandbox left open
             workflow.logger.info("session %s: its sandbox was not closed here", workflow.info().workflow_id)
