@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm.audit import readonly
+from durable_rlm.audit import readonly, timeline_store
 from durable_rlm.audit.history import episode_runs
 from durable_rlm.audit.projection import _forget, rebuild_episode, reconcile_audit
 from durable_rlm.audit.timeline import episode_timeline, render
@@ -126,7 +126,7 @@ async def test_a_reset_episode_with_children_reads_as_its_reset_run(
     old_run = (await client.get_workflow_handle(episode_id).describe()).run_id
     # `drlm show` kept the ended episode's timeline, as it does.
     shown = await episode_timeline(client, episode_id)
-    assert readonly.store_timeline(engine, shown, old_run)
+    assert timeline_store.store_timeline(engine, shown, old_run)
     assert readonly.cached_timeline(engine, episode_id) is not None
 
     point = reset_point(await client.get_workflow_handle(episode_id).fetch_history())

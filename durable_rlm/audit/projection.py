@@ -23,8 +23,9 @@ from temporalio.service import RPCError
 
 from durable_rlm.activities.audit import Row, rows_of_step, upsert_episode, write_rows
 from durable_rlm.audit.history import Reset, completed_steps, episode_runs, resets
-from durable_rlm.audit.readonly import ENDED, cached_ids, store_timeline
+from durable_rlm.audit.readonly import ENDED
 from durable_rlm.audit.timeline import episode_timeline
+from durable_rlm.audit.timeline_store import cached_ids, store_timeline
 from durable_rlm.client.episodes import closing_error
 from durable_rlm.server.connection import open_stores
 from durable_rlm.settings import Settings

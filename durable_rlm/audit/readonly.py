@@ -1,24 +1,23 @@
 """Answers from the SQL store alone: `drlm show` of an ended episode and `drlm list` need
 no Temporal server (and must not start one), so they answer in a fraction of a second.
 
+The queries are SQL text, run by store/reading.py's readers: the standard library's sqlite3
+for a SQLite file (`drlm show`/`list` without SQLAlchemy's import, issue 36), SQLAlchemy's
+engine for any other store. A function here takes a reader or an engine.
+
 The tables are projections of histories (DESIGN invariant 6): a timeline is stored only
-once its episode ended, when its history can no longer change.
+once its episode ended, when its history can no longer change (audit/timeline_store.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy as sa
-
 from durable_rlm.settings import Settings
-from durable_rlm.store import schema
-from durable_rlm.store.sql import create_engine
+from durable_rlm.store.reading import Reader, as_reader, open_reader
 
 if TYPE_CHECKING:  # start-up: `drlm list` needs no timeline (issue 36)
     from durable_rlm.audit.timeline import Timeline
@@ -28,56 +27,41 @@ TURN_ID = re.compile(r"^(?P<session>.+)-turn(?P<turn>\d+)$")
 """A persistent session's turn episode (workflows/names.py's turn_episode_id): the audit store
 has no session column, so `drlm list` groups a session's turns by their ids."""
 
+EPISODE_COLUMNS = (
+    "episode_id run_id task root_model status ended_by answer iterations model_calls prompt_tokens "
+    "completion_tokens error updated_at answer_source confidence stop_reason parent_id depth "
+    "sub_model limits execution_variant fallback_reason started_at ended_at sub_calls cost_usd "
+    "model_time_s tree_episodes forked_from forked_at"
+).split()
+"""store/schema.py's `episodes` columns in its order (tests/test_readonly.py holds them equal):
+named here so that reading them needs no SQLAlchemy."""
+EPISODE_DATETIMES = ("updated_at", "started_at", "ended_at")
 
-def open_existing(settings: Settings) -> sa.Engine | None:
-    """An engine on the SQL store if it exists (nothing is created or migrated)."""
-    url = settings.effective_database_url
-    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
-        return None
-    return create_engine(url)
+CACHED_TIMELINE = """
+SELECT t.timeline FROM episode_timelines AS t
+WHERE t.episode_id = :episode_id
+  AND COALESCE((SELECT e.run_id FROM episodes AS e WHERE e.episode_id = :episode_id), t.run_id) = t.run_id
+"""
 
 
-def cached_timeline(engine: sa.Engine, episode_id: str) -> Timeline | None:
+def open_existing(settings: Settings) -> Reader | None:
+    """A reader of the SQL store if it exists (nothing is created or migrated)."""
+    return open_reader(settings.effective_database_url)
+
+
+def cached_timeline(source: Any, episode_id: str) -> Timeline | None:
     """The stored timeline, if it is of the run the audit row names: a `temporal workflow
     reset` makes a new current run, whose row (written by it, or by the reconciler) names it."""
-    table, rows = schema.episode_timelines, schema.episodes
-    current = sa.select(rows.c.run_id).where(rows.c.episode_id == episode_id).scalar_subquery()
+    reader = as_reader(source)
     try:
-        with engine.connect() as conn:
-            found = conn.execute(
-                sa.select(table.c.timeline).where(
-                    table.c.episode_id == episode_id,
-                    sa.or_(current.is_(None), table.c.run_id == current),
-                )
-            ).scalar_one_or_none()
-    except sa.exc.DatabaseError:  # an older schema: no table yet
+        found = reader.rows(CACHED_TIMELINE, {"episode_id": episode_id})
+    except reader.errors:  # an older schema: no table yet
+        return None
+    if not found:
         return None
     from durable_rlm.audit.timeline import Timeline  # start-up: the models behind it cost drlm list 0.05 s
 
-    return None if found is None else Timeline.model_validate_json(found)
-
-
-def store_timeline(engine: sa.Engine, timeline: Timeline, run_id: str) -> bool:
-    """Keep an ended episode's timeline; a running one is not kept (it still changes)."""
-    if timeline.status not in ENDED:
-        return False
-    table = schema.episode_timelines
-    values: dict[str, Any] = {
-        "run_id": run_id,
-        "status": timeline.status,
-        "timeline": timeline.model_dump_json(),
-        "cached_at": datetime.now(UTC),
-    }
-    with engine.begin() as conn:
-        updated = conn.execute(table.update().where(table.c.episode_id == timeline.episode_id).values(values))
-        if updated.rowcount == 0:
-            conn.execute(table.insert().values(episode_id=timeline.episode_id, **values))
-    return True
-
-
-def cached_ids(engine: sa.Engine) -> set[str]:
-    with engine.connect() as conn:
-        return set(conn.execute(sa.select(schema.episode_timelines.c.episode_id)).scalars())
+    return Timeline.model_validate_json(found[0].timeline)
 
 
 @dataclass(frozen=True)
@@ -104,50 +88,59 @@ class EpisodeFilter:
             or self.roots_only
         )
 
-    def clauses(self, table: sa.Table) -> list[Any]:
-        clauses: list[Any] = []
+    def clauses(self) -> tuple[list[str], dict[str, Any]]:
+        """The SQL conditions on `episodes` and their parameters."""
+        clauses: list[str] = []
+        params: dict[str, Any] = {}
+
+        def add(clause: str, **values: Any) -> None:
+            clauses.append(clause)
+            params.update(values)
+
         if self.status is not None:
-            clauses.append(table.c.status == self.status)
+            add("status = :status", status=self.status)
         if self.model is not None:
-            clauses.append(sa.or_(table.c.root_model == self.model, table.c.sub_model == self.model))
-        started = sa.func.coalesce(table.c.started_at, table.c.updated_at)
+            add("(root_model = :model OR sub_model = :model)", model=self.model)
         if self.since is not None:
-            clauses.append(started >= self.since)
+            add(f"{STARTED} >= :since", since=self.since)
         if self.until is not None:
-            clauses.append(started < self.until)
+            add(f"{STARTED} < :until", until=self.until)
         if self.min_cost is not None:
-            clauses.append(table.c.cost_usd >= self.min_cost)
+            add("cost_usd >= :min_cost", min_cost=self.min_cost)
         if self.max_cost is not None:
-            clauses.append(table.c.cost_usd <= self.max_cost)
+            add("cost_usd <= :max_cost", max_cost=self.max_cost)
         if self.roots_only:
-            clauses.append(table.c.parent_id.is_(None))
-        return clauses
+            add("parent_id IS NULL")
+        return clauses, params
 
 
-def episode_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = None) -> Sequence[sa.Row]:
+STARTED = "COALESCE(started_at, updated_at)"
+"""When an episode started; one without a start time (before revision 0004): its last write."""
+
+
+def episode_rows(source: Any, limit: int, where: EpisodeFilter | None = None) -> list[Any]:
     """The newest episodes first (an episode without a start time: by its last write)."""
-    table = schema.episodes
-    try:
-        present = {column["name"] for column in sa.inspect(engine).get_columns(table.name)}
-    except sa.exc.DatabaseError:
-        present = set()
+    reader = as_reader(source)
+    present = reader.columns("episodes")
     if not present:
         return []  # no audit table yet: nothing has run against this store
-    missing = [c.name for c in table.columns if c.name not in present]
-    if missing:
+    missing = [name for name in EPISODE_COLUMNS if name not in present]
+    if missing and where is not None and where.needs_new_columns:
         # A store from before the latest migration (it migrates when a worker or a run
         # opens it): list what it has; a filter on a column it lacks is a clear error.
-        if where is not None and where.needs_new_columns:
-            raise LookupError(
-                f"the audit store has an older schema (no {', '.join(missing[:3])}, ...) for these "
-                "filters: `drlm list --refresh` migrates it"
-            )
-    columns = [c if c.name in present else sa.null().label(c.name) for c in table.columns]
-    updated = table.c.updated_at
-    started = sa.func.coalesce(table.c.started_at, updated) if "started_at" in present else updated
-    query = sa.select(*columns).where(*(where or EpisodeFilter()).clauses(table)).order_by(started.desc())
-    with engine.connect() as conn:
-        return conn.execute(query.limit(limit)).all()
+        raise LookupError(
+            f"the audit store has an older schema (no {', '.join(missing[:3])}, ...) for these "
+            "filters: `drlm list --refresh` migrates it"
+        )
+    columns = ", ".join(name if name in present else f"NULL AS {name}" for name in EPISODE_COLUMNS)
+    clauses, params = (where or EpisodeFilter()).clauses()
+    started = STARTED if "started_at" in present else "updated_at"
+    sql = (
+        f"SELECT {columns} FROM episodes"
+        + (f" WHERE {' AND '.join(clauses)}" if clauses else "")
+        + f" ORDER BY {started} DESC LIMIT :limit"
+    )
+    return reader.rows(sql, {**params, "limit": limit}, EPISODE_DATETIMES)
 
 
 def turn_of(episode_id: str) -> tuple[str, int] | None:
@@ -156,16 +149,14 @@ def turn_of(episode_id: str) -> tuple[str, int] | None:
     return None if found is None else (found["session"], int(found["turn"]))
 
 
-def turn_rows(engine: sa.Engine, session_id: str) -> list[sa.Row]:
+def turn_rows(source: Any, session_id: str) -> list[Any]:
     """The audit rows of a session's turns, in turn order (a turn not written yet is absent)."""
-    table = schema.episodes
+    reader = as_reader(source)
     escaped = session_id.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    sql = f"SELECT {', '.join(EPISODE_COLUMNS)} FROM episodes WHERE episode_id LIKE :pattern ESCAPE '\\'"
     try:
-        with engine.connect() as conn:
-            rows = conn.execute(
-                sa.select(table).where(table.c.episode_id.like(f"{escaped}-turn%", escape="\\"))
-            ).all()
-    except sa.exc.DatabaseError:  # no audit table yet, or an older schema
+        rows = reader.rows(sql, {"pattern": f"{escaped}-turn%"}, EPISODE_DATETIMES)
+    except reader.errors:  # no audit table yet, or an older schema
         return []
     numbered = [
         (found[1], row) for row in rows if (found := turn_of(row.episode_id)) and found[0] == session_id
@@ -219,18 +210,19 @@ def _total(values: Any) -> int | None:
     return sum(known) if known else None
 
 
-def grouped_rows(engine: sa.Engine, limit: int, where: EpisodeFilter | None = None) -> list[Any]:
+def grouped_rows(source: Any, limit: int, where: EpisodeFilter | None = None) -> list[Any]:
     """`drlm list`'s entries, newest first: episode rows, and a SessionRows in place of a
     session's turns (all of them, whichever matched the filter), up to `limit` entries."""
+    reader = as_reader(source)
     fetch = limit
     while True:
-        rows = episode_rows(engine, fetch, where)
+        rows = episode_rows(reader, fetch, where)
         entries: list[Any] = []
         sessions: dict[str, SessionRows | None] = {}
         for row in rows:
             found = turn_of(row.episode_id) if not row.parent_id else None
             if found is not None and found[0] not in sessions:
-                turns = turn_rows(engine, found[0])
+                turns = turn_rows(reader, found[0])
                 # Only named like a turn when no turn 0 stands beside it: an episode of its own.
                 whole = bool(turns) and turns[0].episode_id.endswith("-turn0")
                 sessions[found[0]] = SessionRows(found[0], turns) if whole else None

@@ -90,13 +90,15 @@ PARSERS = {"show": _show_parser, "verify": _verify_parser, "export": _export_par
 
 
 async def _show(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
-    from durable_rlm.audit.timeline import render  # start-up: the timeline's models (~0.4 s)
+    from durable_rlm.audit import readonly  # start-up: the store's reader (~10 ms), not for --help
+    from durable_rlm.audit.timeline import render  # start-up: the timeline's models (~0.05 s)
 
-    engine = readonly.open_existing(settings)
     timeline = None
-    if engine is not None and not args.refresh:
-        timeline = readonly.cached_timeline(engine, args.episode_id)
+    if not args.refresh:
+        reader = readonly.open_existing(settings)
+        if reader is not None:
+            with contextlib.closing(reader):
+                timeline = readonly.cached_timeline(reader, args.episode_id)
     if timeline is None:
         timeline = await _timeline_from_history(settings, args.episode_id)
     if isinstance(timeline, dict):  # a persistent session
@@ -118,8 +120,9 @@ def _width(args: argparse.Namespace) -> int:
 async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
     """Read the history (through the server), and keep the timeline if the episode ended;
     a persistent session's id gives the session's view (a dict) instead."""
-    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
-    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
+    from durable_rlm.audit import readonly  # start-up: the store's reader (~10 ms), not for --help
+    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.05 s)
+    from durable_rlm.audit.timeline_store import store_timeline  # start-up: SQLAlchemy, this path
     from durable_rlm.client.sessions import session_overview  # start-up: temporalio, this path
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
     from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, this path
@@ -136,14 +139,14 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
         # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
         if services.engine is not None and timeline.status in readonly.ENDED and not settings.encryption_keys:
             description = await services.client.get_workflow_handle(episode_id).describe()
-            await asyncio.to_thread(readonly.store_timeline, services.engine, timeline, description.run_id)
+            await asyncio.to_thread(store_timeline, services.engine, timeline, description.run_id)
     return timeline
 
 
 async def _session_view(services: Any, overview: Any) -> dict[str, Any]:
     """A session and its turns: each turn from its audit row, or (no row yet) its timeline."""
-    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
-    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.4 s)
+    from durable_rlm.audit import readonly  # start-up: the store's reader (~10 ms), not for --help
+    from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.05 s)
 
     session_id = overview.session_id
     description = await services.client.get_workflow_handle(session_id).describe()
@@ -238,7 +241,7 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
     """From the audit store alone (no server). Rows of episodes that ended without writing
     theirs (terminated, timed out) are settled by every worker each minute, by the shared
     server before it stops, and here with --refresh."""
-    from durable_rlm.audit import readonly  # start-up: SQLAlchemy (~0.2 s), not for --help
+    from durable_rlm.audit import readonly  # start-up: the store's reader (~10 ms), not for --help
 
     if args.refresh:
         from durable_rlm.audit.projection import reconcile_audit  # start-up: the audit writer (~0.6 s)
@@ -252,7 +255,7 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
                 await reconcile_audit(services.client, services.engine)
             except Exception as exc:  # noqa: BLE001 - a store that cannot be written: list what it holds
                 stderr(f"drlm: rows not settled (the store refused the write): {type(exc).__name__}")
-    engine = readonly.open_existing(settings)
+    reader = readonly.open_existing(settings)
     where = readonly.EpisodeFilter(
         status=args.status,
         model=args.model,
@@ -262,7 +265,10 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
         max_cost=args.max_cost,
         roots_only=args.roots,
     )
-    rows = [] if engine is None else readonly.grouped_rows(engine, args.limit, where)
+    rows: list[Any] = []
+    if reader is not None:
+        with contextlib.closing(reader):
+            rows = readonly.grouped_rows(reader, args.limit, where)
     if args.refresh and rows:
         rows = await _with_live_status(settings, rows)
     if args.json:

@@ -7,7 +7,8 @@ import fcntl
 import importlib.resources
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,40 @@ def create_engine(url: str) -> sa.Engine:
 
         return engine
     return sa.create_engine(url, pool_pre_ping=True)
+
+
+DATETIME = sa.DateTime(timezone=True)  # as store/schema.py's date-time columns
+
+
+class EngineReader:
+    """store/reading.py's reader over a SQLAlchemy engine (PostgreSQL, a worker's engine):
+    the same SQL text as the stdlib SQLite reader, date-times typed as the schema types them."""
+
+    errors: tuple[type[Exception], ...] = (sa.exc.DatabaseError,)
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = engine
+
+    def rows(
+        self, sql: str, params: Mapping[str, Any] | None = None, datetimes: Collection[str] = ()
+    ) -> list[Any]:
+        params = dict(params or {})
+        statement: Any = sa.text(sql).bindparams(
+            *(sa.bindparam(k, type_=DATETIME) for k, v in params.items() if isinstance(v, datetime))
+        )
+        if datetimes:
+            statement = statement.columns(**dict.fromkeys(datetimes, DATETIME))
+        with self.engine.connect() as conn:
+            return list(conn.execute(statement, params).all())
+
+    def columns(self, table: str) -> set[str]:
+        try:
+            return {column["name"] for column in sa.inspect(self.engine).get_columns(table)}
+        except (sa.exc.DatabaseError, sa.exc.NoSuchTableError):
+            return set()
+
+    def close(self) -> None:
+        self.engine.dispose()
 
 
 def alembic_config(engine: sa.Engine) -> Any:
