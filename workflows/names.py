@@ -53,6 +53,7 @@ TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
 STORE_UNAVAILABLE = "StoreUnavailable"  # the audit or blob store failed a step: waited out
 STALE_ATTEMPT = "StaleAttempt"  # a paused worker's attempt the server gave up: it pays nothing
+WORKER_LOST = "WorkerLost"  # the attempt's worker died (durable_rlm/worker/liveness.py): retried at once
 REPL_STEP_ABANDONED = "ReplStepAbandoned"  # a local REPL step started too often without finishing
 
 # workflow.patched() ids: each guards a change that alters the commands of old histories.

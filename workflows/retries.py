@@ -95,14 +95,15 @@ def waits_for_store(err: BaseException) -> bool:
 def model_step_outage(err: BaseException) -> str | None:
     """What to wait for when a model step failed on every attempt through no fault of the
     model or the request: the store (StoreUnavailable), or a worker (every attempt's worker
-    stopped heartbeating, or was paused past its attempt: StaleAttempt). None otherwise.
+    stopped heartbeating, died (WorkerLost, a type newer than the patch: no history before it
+    holds one), or was paused past its attempt: StaleAttempt). None otherwise.
     Lost workers ended episodes before (as infrastructure failures): those histories
     replay as they ran, behind the `wait-out-lost-workers` patch."""
     if waits_for_store(err):
         return f"waiting for the store: {describe_failure(err)}"
     cause = err.cause if isinstance(err, ActivityError) else err
     lost = isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT
-    if (lost or error_type(err) == names.STALE_ATTEMPT) and workflow.patched(
+    if (lost or error_type(err) in (names.STALE_ATTEMPT, names.WORKER_LOST)) and workflow.patched(
         names.PATCH_WAIT_OUT_LOST_WORKERS
     ):
         return f"waiting for a worker: {describe_failure(err)} (the step's worker was lost or paused)"

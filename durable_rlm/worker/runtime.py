@@ -52,9 +52,13 @@ from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
+from durable_rlm.worker.liveness import WorkerLiveness
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
+
+LIVENESS_FOLDER = "workers"
+"""In the data directory: each running worker's lock and ledger (worker/liveness.py)."""
 
 
 def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
@@ -112,6 +116,7 @@ def build_workers(
     deployment: WorkerDeploymentConfig | None = None,
     hold_new_episodes: bool = False,
     admission: AdmittingWorkflowSlots | None = None,
+    liveness: WorkerLiveness | None = None,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
@@ -153,7 +158,8 @@ def build_workers(
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
-        interceptors=interceptors,
+        # The liveness ledger outermost: it holds an attempt's token for all of the attempt.
+        interceptors=[liveness.interceptor(), *interceptors] if liveness is not None else interceptors,
         # With a Worker Deployment, the server routes each episode to the deployment's
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
@@ -209,7 +215,54 @@ async def running_workers(
     at once: their episodes go on when a worker next runs."""
     settings = services.settings
     admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
-    workers, repl = build_workers(
+    # Dead workers' calls on this machine are retried as this worker starts, not after
+    # their heartbeat timeout (worker/liveness.py): the look runs while the workers are built.
+    liveness = WorkerLiveness(settings.prepare_data_dir() / LIVENESS_FOLDER, services.client).start()
+    watching = asyncio.create_task(liveness.watch())
+    try:
+        workers, repl = _workers_of(services, credentials, drain_grace_s, admission, liveness)
+    except BaseException:
+        watching.cancel()
+        liveness.close()
+        raise
+    runs = [asyncio.create_task(w.run()) for w in workers]
+    chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
+    chores.append(watching)
+    chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
+    if settings.deployment_name is not None and settings.build_id is not None:
+        chores.append(
+            asyncio.create_task(_first_build(services, settings.deployment_name, settings.build_id))
+        )
+    try:
+        yield repl
+    finally:
+        for chore in chores:  # no idle eviction may race the drain's own closing
+            chore.cancel()
+        for chore in chores:
+            with contextlib.suppress(BaseException):
+                await chore
+        report = await drain(workers, runs, repl, drain_grace_s, services.client)
+        liveness.close()
+        forget_sandboxes(repl.slots)
+        if services.engine is not None and UNSETTLED:
+            # Rows this process fenced off are settled before it goes (audit.py): bounded,
+            # and best effort (any other worker's reconciler, or audit-rebuild, can too).
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(_settle(services), SETTLE_AT_EXIT_S)
+        if on_drained is not None:
+            on_drained(report)
+
+
+def _workers_of(
+    services: Services,
+    credentials: Mapping[str, str] | None,
+    drain_grace_s: float,
+    admission: AdmittingWorkflowSlots,
+    liveness: WorkerLiveness,
+) -> tuple[list[Worker], ReplActivities]:
+    """build_workers with this process's settings."""
+    settings = services.settings
+    return build_workers(
         services.client,
         settings.task_queue,
         services.blobs,
@@ -229,31 +282,8 @@ async def running_workers(
         deployment=settings.worker_deployment(),
         hold_new_episodes=settings.hold_new_episodes,
         admission=admission,
+        liveness=liveness,
     )
-    runs = [asyncio.create_task(w.run()) for w in workers]
-    chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
-    chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
-    if settings.deployment_name is not None and settings.build_id is not None:
-        chores.append(
-            asyncio.create_task(_first_build(services, settings.deployment_name, settings.build_id))
-        )
-    try:
-        yield repl
-    finally:
-        for chore in chores:  # no idle eviction may race the drain's own closing
-            chore.cancel()
-        for chore in chores:
-            with contextlib.suppress(BaseException):
-                await chore
-        report = await drain(workers, runs, repl, drain_grace_s, services.client)
-        forget_sandboxes(repl.slots)
-        if services.engine is not None and UNSETTLED:
-            # Rows this process fenced off are settled before it goes (audit.py): bounded,
-            # and best effort (any other worker's reconciler, or audit-rebuild, can too).
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(_settle(services), SETTLE_AT_EXIT_S)
-        if on_drained is not None:
-            on_drained(report)
 
 
 @dataclass(frozen=True)

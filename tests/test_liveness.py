@@ -1,0 +1,174 @@
+"""A liveness signal of our own (durable_rlm/worker/liveness.py, issue 38 item 4): a dead
+worker's calls are retried as soon as another worker on the machine sees its lock free, not
+after their heartbeat timeout; a live worker, even one that does not run at all for a while
+(SIGSTOP), keeps its lock, and its call is paid once."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client
+
+from durable_rlm.client.episodes import start_episode
+from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.worker.liveness import LOCK_SUFFIX, WorkerLiveness
+from durable_rlm.workflows import names
+from durable_rlm.workflows.models import DurabilitySettings
+from tests.conftest import request_for
+from tests.test_crash import wait_until
+
+pytestmark = pytest.mark.chaos
+
+SLOW_HEARTBEAT = DurabilitySettings(heartbeat_timeout_s=60, sticky_schedule_to_start_s=3)
+"""A heartbeat timeout far longer than the tests: whatever retries a call, it is not that."""
+
+
+async def root_call_attempts(client: Client, episode_id: str) -> list[tuple[int, str]]:
+    """(attempt, the last failure's type) of each root call's started attempt, in order."""
+    scheduled: dict[int, str] = {}
+    found = []
+    async for event in client.get_workflow_handle(episode_id).fetch_history_events():
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+            scheduled[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+        if event.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+            started = event.activity_task_started_event_attributes
+            if scheduled.get(started.scheduled_event_id) == names.ROOT_COMPLETION:
+                failure = started.last_failure.application_failure_info.type
+                found.append((started.attempt, failure))
+    return found
+
+
+async def test_a_killed_worker_s_call_is_retried_when_a_new_worker_starts_not_after_its_timeout(
+    client, scripted, worker_processes
+) -> None:
+    turns = [
+        "```repl\nx = 6 * 7\n```",
+        Reply(text="```repl\nresult = str(x)\n```", delay_s=4),
+        "FINAL_VAR(result)",
+    ]
+    server = scripted(root_and_sub(turns, lambda p: p))
+    first = worker_processes()
+    episode_id = f"lost-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, request_for(server, durability=SLOW_HEARTBEAT), worker_processes.queue, episode_id
+    )
+    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    first.kill()  # mid-call, its lock released by the kernel
+    killed = time.monotonic()
+    worker_processes()  # looks at the machine's workers as it starts
+    result = await asyncio.wait_for(handle.result(), 50)
+    assert time.monotonic() - killed < SLOW_HEARTBEAT.heartbeat_timeout_s  # not the timeout's doing
+    assert result.answer == "42"
+    attempts = await root_call_attempts(client, episode_id)
+    # The cut call's retry says why: the worker died (not a heartbeat timeout), at attempt 2.
+    assert (2, names.WORKER_LOST) in attempts, attempts
+    assert sorted(r.turn for r in server.root_requests()) == [0, 1, 1, 2]
+
+
+async def test_a_stopped_but_living_worker_keeps_its_call(client, scripted, worker_processes) -> None:
+    """SIGSTOP: the worker runs not at all for 4 s, as under the heaviest load, while another
+    worker looks every second. Its lock holds; its call is not failed, and is paid once."""
+    turns = ["```repl\nx = 1\n```", Reply(text="FINAL(kept)", delay_s=2)]
+    server = scripted(root_and_sub(turns, lambda p: p))
+    first = worker_processes()
+    episode_id = f"alive-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, request_for(server, durability=SLOW_HEARTBEAT), worker_processes.queue, episode_id
+    )
+    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    first.process.send_signal(signal.SIGSTOP)
+    try:
+        worker_processes()  # its first look is at its start; then one each second
+        await asyncio.sleep(4)
+    finally:
+        first.process.send_signal(signal.SIGCONT)
+    result = await asyncio.wait_for(handle.result(), 50)
+    assert result.answer == "kept"
+    assert [r.turn for r in server.root_requests()] == [0, 1]  # no call paid twice
+    assert all(failure != names.WORKER_LOST for _, failure in await root_call_attempts(client, episode_id))
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def dead_worker(folder: Path, name: str, records: dict[str, dict]) -> subprocess.Popen:
+    """A process holding a worker's lock, with a ledger of records; the caller kills it."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder / f"{name}{LOCK_SUFFIX}")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    (folder / name).mkdir(mode=0o700)
+    for file, entry in records.items():
+        (folder / name / file).write_text(json.dumps(entry) if isinstance(entry, dict) else entry)
+    return holder
+
+
+async def test_a_look_reaps_only_dead_workers_and_drops_what_it_cannot_act_on(
+    tmp_path: Path, client: Client
+) -> None:
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    neighbour = WorkerLiveness(folder, client).start()  # alive, in this very process
+    target = str(client.service_client.config.target_host)
+    token = base64.b64encode(b"not a task token the server made").decode()
+    mine = {"token": token, "target": target, "namespace": client.namespace, "started": time.time()}
+    records = {
+        "ours.json": {**mine, "workflow_id": "w", "run_id": "r", "activity_type": "a", "attempt": 1},
+        "torn.json": '{"token": "abc',
+        "fresh-elsewhere.json": {**mine, "target": "10.0.0.9:7233"},
+        "old-elsewhere.json": {**mine, "target": "10.0.0.9:7233", "started": 0.0},
+    }
+    holder = dead_worker(folder, "4242-dead", records)
+    alive = await me.reap()
+    assert alive.dead_workers == [] and alive.failed == []  # its holder lives: nothing touched
+    assert len(list((folder / "4242-dead").iterdir())) == 4
+    holder.kill()
+    holder.wait()
+    report = await me.reap()
+    assert report.dead_workers == ["4242-dead"]
+    assert report.gone == 1  # the server knows no such attempt: dropped, nothing failed
+    assert report.kept == 1  # another server's, recent: that server's workers will reap it
+    assert [p.name for p in (folder / "4242-dead").iterdir()] == ["fresh-elsewhere.json"]
+    assert (folder / f"4242-dead{LOCK_SUFFIX}").exists()  # kept while its ledger is not empty
+    # The neighbour in this process holds its own lock (flock is per open file, not per process).
+    assert neighbour.ledger.is_dir() and (await neighbour.reap()).dead_workers == ["4242-dead"]
+    neighbour.close()
+    me.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["4242-dead", f"4242-dead{LOCK_SUFFIX}"]
+
+
+async def test_a_worker_s_folder_is_private_and_its_lock_is_never_seen_unheld(
+    tmp_path: Path, client: Client
+) -> None:
+    folder = tmp_path / "workers"
+    liveness = WorkerLiveness(folder, client).start()
+    assert folder.stat().st_mode & 0o777 == 0o700 and liveness.ledger.stat().st_mode & 0o777 == 0o700
+    lock = folder / f"{liveness.worker_id}{LOCK_SUFFIX}"
+    assert lock.stat().st_mode & 0o777 == 0o600
+    assert not list(folder.glob(".*.new"))  # named only once held
+    other = WorkerLiveness(folder, client).start()
+    assert (await other.reap()).dead_workers == []
+    other.close()
+    liveness.close()
+    assert list(folder.iterdir()) == []
+    assert os.path.isdir(folder)
