@@ -10,10 +10,13 @@ ActivityTaskCompleted, or a MarkerRecorded of a local activity: REPL steps may r
 activities). Reported: the time from the new worker's start (its process being started)
 to that step, from the new worker being ready, and from the kill.
 
-The model call that was cut off is retried when the server notices the worker is gone: its
-heartbeat timeout (a call this short never heartbeats, so the timeout runs from its start).
-That timeout is an episode setting (`DurabilitySettings.heartbeat_timeout_s`); the section
-runs with the shipped default (and, when that is over 3 s, with 2 s for comparison).
+The model call that was cut off is retried as soon as a worker on the same machine sees the
+killed worker's lock free (durable_rlm/worker/liveness.py: the new worker looks as it
+starts): its attempt is failed as `WorkerLost` and retried at once. Without that signal (the
+new worker on another machine: here, another data directory) the server notices only when
+the call's heartbeat timeout expires (a call this short never heartbeats, so the timeout runs
+from its start): `DurabilitySettings.heartbeat_timeout_s`, 5 s as shipped. Both are measured
+in the same run; the target is the first's.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ LATENCY_S = 0.5
 ITERATIONS = 6
 KILL_AT_TURN = 2  # the third root call
 TARGET_S = 3.0
+TARGET = Target("<=", TARGET_S + LATENCY_S, text=f"<= {TARGET_S:g} s + the step ({LATENCY_S:g} s)")
 
 
 def completed_after(events: list, after: float) -> float | None:
@@ -52,8 +56,11 @@ def completed_after(events: list, after: float) -> float | None:
     return None
 
 
-async def one_run(env: benchlib.BenchEnv, heartbeat_s: float) -> dict[str, float]:
+async def one_run(env: benchlib.BenchEnv, heartbeat_s: float, same_machine: bool) -> dict[str, float]:
     queue = f"bench-recovery-{uuid.uuid4().hex[:6]}"
+    # The workers' data directories: one (the machine's), or the new worker's elsewhere.
+    first_dir = env.directory / "data"
+    new_dir = first_dir if same_machine else env.directory / f"elsewhere-{uuid.uuid4().hex[:6]}"
     reached = threading.Event()
     cells = [f"```repl\nv{i} = llm_query('question {i}')\nprint(len(v{i}))\n```" for i in range(ITERATIONS)]
     inner = root_and_sub(
@@ -71,7 +78,7 @@ async def one_run(env: benchlib.BenchEnv, heartbeat_s: float) -> dict[str, float
         # The killed worker's request still gets its reply written to a closed socket.
         server._server.handle_error = lambda *a: None  # noqa: SLF001
         try:
-            workers.append(await env.worker_process(queue).ready())
+            workers.append(await env.worker_process(queue, DRLM_DATA_DIR=str(first_dir)).ready())
             request = EpisodeRequest(
                 task="recover",
                 root_model=ModelSettings(model="scripted", base_url=server.base_url),
@@ -83,7 +90,7 @@ async def one_run(env: benchlib.BenchEnv, heartbeat_s: float) -> dict[str, float
             await asyncio.sleep(LATENCY_S / 4)  # well inside the 500 ms call
             workers[0].kill()
             killed_at = time.time()
-            workers.append(env.worker_process(queue))
+            workers.append(env.worker_process(queue, DRLM_DATA_DIR=str(new_dir)))
             new = workers[-1]
             ready_task = asyncio.create_task(new.ready())
             step_at = None
@@ -111,17 +118,16 @@ async def one_run(env: benchlib.BenchEnv, heartbeat_s: float) -> dict[str, float
 
 
 async def body(ctx: Context, section: Section) -> None:
-    shipped = defaults.HEARTBEAT_TIMEOUT_S
-    variants = [shipped] if shipped <= 3 or ctx.quick else [shipped, 2.0]
+    heartbeat = defaults.HEARTBEAT_TIMEOUT_S
+    variants = [(True, "same machine (liveness signal)"), (False, "another machine (heartbeat timeout only)")]
     async with benchlib.bench_env(ctx.scratch("recovery")) as env:
-        for heartbeat in variants:
+        for same_machine, what in variants:
             rows = []
             for r in range(ctx.repeats):
-                say(f"recovery: heartbeat timeout {heartbeat:g} s, run {r + 1}/{ctx.repeats}")
-                rows.append(await one_run(env, heartbeat))
-            tag = "as shipped" if heartbeat == shipped else "episode setting"
-            label = f"heartbeat timeout {heartbeat:g} s ({tag})"
-            key = f"hb{heartbeat:g}"
+                say(f"recovery: {what}, run {r + 1}/{ctx.repeats}")
+                rows.append(await one_run(env, heartbeat, same_machine))
+            label = f"{what}, heartbeat timeout {heartbeat:g} s"
+            key = "local" if same_machine else "remote"
             section.add(
                 f"worker_start_{key}",
                 f"{label}: new worker start to ready",
@@ -139,11 +145,7 @@ async def body(ctx: Context, section: Section) -> None:
                     benchlib.median([x["worker_start"] for x in rows]),
                 ),
                 ratio_label="of worker start",
-                target=Target(
-                    "<=", TARGET_S + LATENCY_S, text=f"<= {TARGET_S:g} s + the step ({LATENCY_S:g} s)"
-                )
-                if heartbeat == variants[0]
-                else None,
+                target=TARGET if same_machine else None,
             )
             section.add(
                 f"from_ready_{key}",
@@ -159,8 +161,9 @@ async def body(ctx: Context, section: Section) -> None:
             )
     section.notes.append(
         f"the worker is SIGKILLed {LATENCY_S / 4:g} s into the third root call ({LATENCY_S:g} s); the new "
-        "worker is started right after the kill; the interrupted call is retried once the server's "
-        "heartbeat timeout for it expires, so the figures follow that setting"
+        "worker is started right after the kill; on the same machine (one data directory) it fails the "
+        "dead worker's call as it starts (WorkerLost, retried at once); from another machine the call "
+        "waits for its heartbeat timeout"
     )
 
 
@@ -169,4 +172,4 @@ async def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    section_main(run, __doc__)
+    section_main(run, __doc__, "recovery.py")
