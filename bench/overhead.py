@@ -17,7 +17,8 @@ from engine_overhead import direct, durable, script, sub_answer
 from durable_rlm.scripted import ScriptedModelServer, root_and_sub
 
 LATENCIES_MS = (0, 250)
-TARGET_MS = 40.0
+TARGET_MS = 25.0
+"""Issue 38, item 3: at 0 ms of model latency (issue 17's 40 ms before it)."""
 
 
 async def body(ctx: Context, section: Section) -> None:
@@ -60,7 +61,7 @@ async def body(ctx: Context, section: Section) -> None:
                 d_over,
                 ratio=ratio(median(d_over), median(b_over)),
                 ratio_label="durable / direct",
-                target=Target("<=", TARGET_MS, text=f"<= {TARGET_MS:g} ms"),
+                target=Target("<=", TARGET_MS, text=f"<= {TARGET_MS:g} ms") if latency == 0 else None,
             )
             section.add(
                 f"engine_added_{latency}ms",
@@ -94,4 +95,4 @@ async def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    section_main(run, __doc__)
+    section_main(run, __doc__, "overhead.py")

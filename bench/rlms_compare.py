@@ -38,6 +38,7 @@ from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, ModelSet
 
 RLMS_VERSION = "0.1.3"
 LATENCIES_MS = (0, 250, 1000)
+RLMS_RATIO = 0.95  # issue 38, item 3: wall time at 250 ms and 1 s of model latency (1.0x before it)
 ROOT_PROMPT = "How many lines does the context have?"
 
 
@@ -212,7 +213,7 @@ async def body(ctx: Context, section: Section) -> None:
             )
             target = None
             if latency >= 250:
-                target = Target("<=", 1.0, on="ratio", text="<= 1.0x rlms")
+                target = Target("<=", RLMS_RATIO, on="ratio", text=f"<= {RLMS_RATIO:g}x rlms")
             section.add(
                 f"durable_wall_{latency}ms",
                 f"durable episode wall time, {latency} ms model",
@@ -236,4 +237,4 @@ async def run(ctx: Context) -> Section:
 
 
 if __name__ == "__main__":
-    section_main(run, __doc__)
+    section_main(run, __doc__, "rlms_compare.py")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Mapping
 from contextvars import ContextVar
 from pathlib import Path
@@ -382,7 +383,8 @@ class Settings(BaseSettings):
     def effective_database_url(self) -> str:
         if self.database_url:
             return self.database_url
-        return f"sqlite:///{(self.data_dir / 'drlm.sqlite').resolve()}"
+        # Quoted: SQLAlchemy reads %-escapes in the path (a data directory named `a%20b`).
+        return f"sqlite:///{urllib.parse.quote(str((self.data_dir / 'drlm.sqlite').resolve()))}"
 
     @property
     def temporal_db_file(self) -> Path:

@@ -22,7 +22,7 @@ from temporalio.client import Client
 
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.worker.liveness import LOCK_SUFFIX, WorkerLiveness
+from durable_rlm.worker.liveness import LOCK_SUFFIX, PENDING_STALE_S, LivenessUnavailable, WorkerLiveness
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import DurabilitySettings
 from tests.conftest import request_for
@@ -135,18 +135,20 @@ async def test_a_look_reaps_only_dead_workers_and_drops_what_it_cannot_act_on(
     records = {
         "ours.json": {**mine, "workflow_id": "w", "run_id": "r", "activity_type": "a", "attempt": 1},
         "torn.json": '{"token": "abc',
+        "bad-token.json": {**mine, "token": "a"},
         "fresh-elsewhere.json": {**mine, "target": "10.0.0.9:7233"},
         "old-elsewhere.json": {**mine, "target": "10.0.0.9:7233", "started": 0.0},
     }
     holder = dead_worker(folder, "4242-dead", records)
     alive = await me.reap()
     assert alive.dead_workers == [] and alive.failed == []  # its holder lives: nothing touched
-    assert len(list((folder / "4242-dead").iterdir())) == 4
+    assert len(list((folder / "4242-dead").iterdir())) == 5
     holder.kill()
     holder.wait()
     report = await me.reap()
     assert report.dead_workers == ["4242-dead"]
     assert report.gone == 1  # the server knows no such attempt: dropped, nothing failed
+    assert report.dropped == 3  # torn, an undecodable token, past every timeout
     assert report.kept == 1  # another server's, recent: that server's workers will reap it
     assert [p.name for p in (folder / "4242-dead").iterdir()] == ["fresh-elsewhere.json"]
     assert (folder / f"4242-dead{LOCK_SUFFIX}").exists()  # kept while its ledger is not empty
@@ -155,6 +157,68 @@ async def test_a_look_reaps_only_dead_workers_and_drops_what_it_cannot_act_on(
     neighbour.close()
     me.close()
     assert sorted(p.name for p in folder.iterdir()) == ["4242-dead", f"4242-dead{LOCK_SUFFIX}"]
+
+
+async def test_planted_files_neither_block_a_look_nor_steer_what_it_removes(
+    tmp_path: Path, client: Client
+) -> None:
+    """What a look meets in a dead worker's ledger that is not a record: a FIFO (read, it
+    would block the worker's event loop), a link to /dev/zero (an endless read), a ledger
+    that is a link to another folder (its files would be removed as torn records)."""
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    first = dead_worker(folder, "1-fifo", {})
+    os.mkfifo(folder / "1-fifo" / "pipe.json")
+    (folder / "1-fifo" / "zero.json").symlink_to("/dev/zero")
+    elsewhere = tmp_path / "precious"
+    elsewhere.mkdir()
+    (elsewhere / "keep.json").write_text("not a record")
+    second = dead_worker(folder, "2-link", {})
+    (folder / "2-link").rmdir()
+    (folder / "2-link").symlink_to(elsewhere)
+    (folder / f"3-dir{LOCK_SUFFIX}").mkdir()  # a "lock" that is a directory: never opened
+    for holder in (first, second):
+        holder.kill()
+        holder.wait()
+    report = await asyncio.wait_for(me.reap(), 30)
+    assert sorted(report.dead_workers) == ["1-fifo", "2-link"]
+    assert report.dropped == 2 and report.failed == []
+    assert (elsewhere / "keep.json").read_text() == "not a record"  # the link was not followed
+    assert not (folder / "1-fifo").exists()  # its planted entries removed (links, not targets)
+    assert Path("/dev/zero").exists()
+    me.close()
+
+
+async def test_a_folder_others_can_write_turns_the_signal_off(tmp_path: Path, client: Client) -> None:
+    folder = tmp_path / "shared" / "workers"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)
+    with pytest.raises(LivenessUnavailable, match="only it can write"):
+        WorkerLiveness(folder, client).start()
+    folder.chmod(0o700)
+    (tmp_path / "shared").chmod(0o757)  # its parent, writable by others: it could be swapped
+    with pytest.raises(LivenessUnavailable):
+        WorkerLiveness(folder, client).start()
+    (tmp_path / "shared").chmod(0o700)
+    WorkerLiveness(folder, client).start().close()
+    host = WorkerLiveness.in_data_dir(tmp_path, client)
+    assert host.folder.parent == tmp_path / "workers"  # one folder per machine
+
+
+async def test_a_starting_worker_s_unnamed_lock_is_left_alone_until_it_is_old(
+    tmp_path: Path, client: Client
+) -> None:
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    young = folder / ".77-starting.new"
+    young.write_text("")
+    old = folder / ".78-died-starting.new"
+    old.write_text("")
+    long_ago = time.time() - 2 * PENDING_STALE_S
+    os.utime(old, (long_ago, long_ago))
+    await me.reap()
+    assert young.exists() and not old.exists()
+    me.close()
 
 
 async def test_a_worker_s_folder_is_private_and_its_lock_is_never_seen_unheld(

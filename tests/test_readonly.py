@@ -9,9 +9,10 @@ import os
 import sqlite3
 import subprocess
 import sys
+import urllib.parse
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 from durable_rlm.audit import readonly
 from durable_rlm.audit.timeline import Timeline
 from durable_rlm.audit.timeline_store import store_timeline
+from durable_rlm.settings import Settings
 from durable_rlm.store import schema
 from durable_rlm.store.reading import SqliteReader, open_reader, sqlite_datetime
 from durable_rlm.store.sql import EngineReader, open_store
@@ -263,3 +265,36 @@ def test_drlm_show_and_list_read_a_sqlite_store_without_sqlalchemy(tmp_path: Pat
         imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
         assert "sqlite3" in imported  # the probe sees imports: the store was read
         assert not {"sqlalchemy", "temporalio"} & imported, command
+
+
+def test_both_readers_open_the_same_file_and_bind_zones_alike(tmp_path: Path) -> None:
+    """A URL's %-escapes name the file SQLAlchemy opens; a moment with another zone's offset
+    is the same instant for both readers."""
+    path = tmp_path / "my store%.sqlite"
+    url = "sqlite:///" + urllib.parse.quote(str(path))
+    engine = open_store(url)
+    assert path.is_file()
+    earlier = NOW - timedelta(hours=3)
+    write(engine, [{"episode_id": "a", "started_at": NOW}, {"episode_id": "b", "started_at": earlier}])
+    reader = open_reader(url)
+    assert isinstance(reader, SqliteReader)
+    paris = timezone(timedelta(hours=2))
+    since = (NOW - timedelta(hours=1)).astimezone(paris)  # 1 h ago, written with +02:00
+    where = readonly.EpisodeFilter(since=since)
+    assert [r.episode_id for r in readonly.episode_rows(reader, 5, where)] == ["a"]
+    assert [r.episode_id for r in readonly.episode_rows(engine, 5, where)] == ["a"]
+    reader.close()
+    engine.dispose()
+
+
+def test_a_data_directory_with_escapes_in_its_name_holds_its_own_store(tmp_path: Path) -> None:
+    """`a%20b` is a name, not `a b`: the store is made, migrated and read where it says."""
+    settings = Settings(data_dir=tmp_path / "data a%20b")
+    engine = open_store(settings.effective_database_url)
+    write(engine, [{"episode_id": "here"}])
+    assert (tmp_path / "data a%20b" / "drlm.sqlite").is_file()
+    assert not (tmp_path / "data a b").exists()
+    reader = readonly.open_existing(settings)
+    assert reader is not None and [r.episode_id for r in readonly.episode_rows(reader, 5)] == ["here"]
+    reader.close()
+    engine.dispose()

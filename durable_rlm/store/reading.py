@@ -2,8 +2,9 @@
 
 `drlm show` of an ended episode and `drlm list` answer from the store in a new process each
 time, and importing SQLAlchemy alone cost them ~0.17 s of their 0.35 s budget (issue 36). So
-a SQLite file is read with the standard library's `sqlite3` (opened without creating it,
-never written: `query_only`), and any other store through SQLAlchemy's engine
+a SQLite file is read with the standard library's `sqlite3` (opened without creating it;
+no statement can write: `query_only`, though closing may checkpoint the WAL into the file,
+as any SQLite connection's close does), and any other store through SQLAlchemy's engine
 (`store.sql.EngineReader`). Both run the same SQL text: the queries exist once
 (`audit/readonly.py`); only how they are run differs.
 
@@ -20,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-SQLITE_PREFIX = "sqlite:///"
+from durable_rlm.store.urls import sqlite_file
 
 
 class StoredRow:
@@ -75,9 +76,9 @@ class SqliteReader:
     errors: tuple[type[Exception], ...] = (sqlite3.DatabaseError,)
 
     def __init__(self, path: Path) -> None:
-        # mode=rw: a missing file is an error, never an empty new store; query_only: no
-        # statement can write. timeout: a writer's transaction (WAL) is waited for as
-        # store/sql.py's engines wait (busy_timeout 30 s).
+        # mode=rw: a missing file is an error, never an empty new store (mode=ro cannot open
+        # a WAL store whose -shm is missing); query_only: no statement can write. timeout: a
+        # writer's transaction is waited for as store/sql.py's engines wait (30 s).
         self._conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=30)
         self._conn.execute("PRAGMA query_only = ON")
 
@@ -124,14 +125,6 @@ def parsed_datetime(value: Any) -> Any:
     if isinstance(value, str):
         return datetime.fromisoformat(value)
     return value
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The file of a plain `sqlite:///path` URL (None for any other store or URL form)."""
-    if not url.startswith(SQLITE_PREFIX) or "?" in url:
-        return None
-    rest = url.removeprefix(SQLITE_PREFIX)
-    return Path(rest) if rest else None  # ":memory:" is no file: nothing to read
 
 
 def open_reader(url: str) -> Reader | None:

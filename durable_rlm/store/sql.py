@@ -8,7 +8,7 @@ import importlib.resources
 import os
 import socket
 from collections.abc import Collection, Iterator, Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.store import schema
+from durable_rlm.store.urls import sqlite_file
 
 MIGRATIONS_DIR = Path(
     str(importlib.resources.files("durable_rlm.migrations"))
@@ -54,7 +55,12 @@ class EngineReader:
     def rows(
         self, sql: str, params: Mapping[str, Any] | None = None, datetimes: Collection[str] = ()
     ) -> list[Any]:
-        params = dict(params or {})
+        # Aware date-times in UTC, as the SQLite reader binds them (SQLAlchemy's SQLite
+        # dialect would drop another offset's zone and compare the local digits).
+        params = {
+            k: v.astimezone(UTC) if isinstance(v, datetime) and v.tzinfo is not None else v
+            for k, v in (params or {}).items()
+        }
         statement: Any = sa.text(sql).bindparams(
             *(sa.bindparam(k, type_=DATETIME) for k, v in params.items() if isinstance(v, datetime))
         )
@@ -78,7 +84,10 @@ def alembic_config(engine: sa.Engine) -> Any:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # Escaped: the option goes through configparser's interpolation, where a `%` (a data
+    # directory's name, a password, an escaped path) would stop every migration.
+    url = engine.url.render_as_string(hide_password=False)
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 
 
@@ -123,8 +132,9 @@ def downgrade(engine: sa.Engine, revision: str = "base") -> None:
 
 def open_store(url: str) -> sa.Engine:
     """An engine on a migrated database; creates the SQLite file's folder if needed."""
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    path = sqlite_file(url)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url)
     migrate(engine)
     return engine

@@ -12,11 +12,19 @@ activity attempt it runs (its task token) in a folder beside that file.
 Any worker on the machine, a new one as it starts and every live one each `SCAN_EVERY_S`,
 takes the lock of each other worker it can: a lock it can take is a dead worker's. It
 fails that worker's attempts by their task tokens (`WorkerLost`, retried at once, each
-retry of the step counted as the heartbeat timeout's would be), and gives those episodes'
-sticky queues back, so that their next workflow tasks do not wait for the dead worker
-either. A live worker keeps its lock however loaded it is: its calls are never failed for
-it. A token the server no longer knows (the attempt completed, or timed out first) is
-simply dropped.
+retry of the step counted as the heartbeat timeout's would be), and gives the sticky queues
+of those attempts' episodes back, so that their next workflow tasks do not wait for the
+dead worker either (an episode of the dead worker with no attempt in flight, waiting on a
+timer or a person, still waits out its sticky schedule-to-start timeout). A live worker
+keeps its lock however loaded it is: its calls are never failed for it. A token the server
+no longer knows (the attempt completed, or timed out first) is simply dropped.
+
+The folder is per host (`workers/<hostname>/`): a data directory shared between machines
+(a home on NFS, where `flock` may be local to each machine) never lets one machine judge
+another's workers. It must be the user's own and writable by nobody else, or the worker
+runs without the signal (a warning says so): a record is a task token, and a planted file
+must not steer what a worker fails or removes. Records are read without following links,
+only as regular files of at most 64 KB; the file work of a look runs off the event loop.
 
 Not covered: workers on other machines (one PostgreSQL store, no shared data directory),
 whose attempts wait for the heartbeat timeout as before; a REPL step on a worker's own
@@ -27,15 +35,18 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
+import socket
+import stat
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -58,9 +69,20 @@ SCAN_EVERY_S = 1.0
 RETRY_AFTER = timedelta(milliseconds=10)
 """The failed attempt's retry delay: at once (zero would read as unset, the policy's 1 s)."""
 LOCK_SUFFIX = ".lock"
+PENDING_SUFFIX = ".new"
+PENDING_STALE_S = 60.0
+"""A lock file not yet named (a worker that died as it started) is removed after this: a
+younger one may be a worker starting right now, between making its file and locking it."""
 STALE_RECORD_S = 3600.0
-"""A dead worker's record of another server's attempt is dropped this long after the attempt
-started: whatever its timeouts, that server has retried or failed the attempt by then."""
+"""A record is dropped this long after its attempt started, whatever its server says (or
+if it says nothing): every timeout of the attempt has run out by then."""
+MAX_RECORD_BYTES = 64 * 1024
+MAX_RECORDS_PER_LOOK = 5_000
+"""A look reads at most this many records (of all dead workers); the rest wait for the next."""
+
+
+class LivenessUnavailable(Exception):
+    """The folder cannot be trusted (not the user's own, or writable by others)."""
 
 
 @dataclass
@@ -70,7 +92,20 @@ class ReapReport:
     dead_workers: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # "workflow_id/activity_type#attempt"
     gone: int = 0  # tokens the server no longer knew (the attempt had ended already)
-    kept: int = 0  # records kept for the next look (the server did not answer)
+    dropped: int = 0  # records that could not be acted on: torn, not a file, too old, bad token
+    kept: int = 0  # records kept for the next look (another server's, or the server did not answer)
+
+
+@dataclass
+class _DeadWorker:
+    """A dead worker's lock, taken (held until `_finish`), and its ledger's records."""
+
+    worker_id: str
+    lock_fd: int
+    lock_path: Path
+    ledger: Path
+    records: list[tuple[Path, dict[str, Any] | None]]
+    done: list[Path] = field(default_factory=list)  # records to remove
 
 
 class WorkerLiveness:
@@ -85,16 +120,28 @@ class WorkerLiveness:
         self._lock_fd: int | None = None
         self._target = _target_of(client)
 
+    @classmethod
+    def in_data_dir(cls, data_dir: Path, client: Client) -> WorkerLiveness:
+        """The liveness of a worker whose data directory is `data_dir`: this host's folder."""
+        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
+        return cls(data_dir / "workers" / host, client)
+
     def start(self) -> WorkerLiveness:
         """Take this worker's lock (held until `close` or death), then make its ledger. The
         lock file gets its name only once locked: no reaper ever sees it unheld."""
-        self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        pending = self.folder / f".{self.worker_id}.new"
+        _private_folder(self.folder)
+        pending = self.folder / f".{self.worker_id}{PENDING_SUFFIX}"
         fd = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(pending, self.folder / f"{self.worker_id}{LOCK_SUFFIX}")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new, and too young for any reaper
+            os.rename(pending, self.folder / f"{self.worker_id}{LOCK_SUFFIX}")
+            self.ledger.mkdir(mode=0o700)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                pending.unlink()
+            raise
         self._lock_fd = fd
-        self.ledger.mkdir(mode=0o700)
         return self
 
     def close(self) -> None:
@@ -132,7 +179,7 @@ class WorkerLiveness:
             "started": time.time(),
         }
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 os.write(fd, json.dumps(entry).encode())
             finally:
@@ -153,27 +200,13 @@ class WorkerLiveness:
     async def reap(self) -> ReapReport:
         """Fail the attempts of every dead worker on this machine (see the module's doc)."""
         report = ReapReport()
-        for pending in self.folder.glob(".*.new"):  # a worker that died as it started
-            with _taken(pending) as taken:
-                if taken:
-                    with contextlib.suppress(OSError):
-                        pending.unlink()
-        for lock_path in _lock_files(self.folder):
-            worker_id = lock_path.name.removesuffix(LOCK_SUFFIX)
-            if worker_id == self.worker_id:
-                continue
-            with _taken(lock_path) as taken:
-                if not taken:
-                    continue  # alive: its lock is held
-                report.dead_workers.append(worker_id)
-                await self._fail_attempts(self.folder / worker_id, report)
-                ledger = self.folder / worker_id
-                with contextlib.suppress(OSError):
-                    if not any(ledger.iterdir()):
-                        ledger.rmdir()
-                if not ledger.exists():
-                    with contextlib.suppress(OSError):
-                        lock_path.unlink()  # while held: a second reaper finds nothing left
+        dead = await asyncio.to_thread(_find_dead, self.folder, self.worker_id)
+        try:
+            for worker in dead:
+                report.dead_workers.append(worker.worker_id)
+                await self._fail_attempts(worker, report)
+        finally:
+            await asyncio.to_thread(_finish, dead)
         if report.failed:
             log.warning(
                 "liveness: %d attempt(s) of dead worker(s) %s failed for a retry now: %s",
@@ -183,26 +216,22 @@ class WorkerLiveness:
             )
         return report
 
-    async def _fail_attempts(self, ledger: Path, report: ReapReport) -> None:
-        records = sorted(ledger.glob("*.json")) if ledger.is_dir() else []
+    async def _fail_attempts(self, worker: _DeadWorker, report: ReapReport) -> None:
         executions: set[tuple[str, str]] = set()
-        for path in records:
-            entry = _read(path)
-            if entry is None:
-                self.release(path)  # torn or foreign: nothing to act on
+        for path, entry in worker.records:
+            token = _token(entry)
+            if entry is None or token is None or _age_s(entry) > STALE_RECORD_S:
+                report.dropped += 1  # torn, not a file, a bad token, or past every timeout
+                worker.done.append(path)
                 continue
             if entry.get("target") != self._target or entry.get("namespace") != self.client.namespace:
-                if _age_s(entry) > STALE_RECORD_S:
-                    self.release(path)  # its server gave the attempt up long ago
-                else:
-                    report.kept += 1  # another server's worker: that server's workers reap it
+                report.kept += 1  # another server's worker: that server's workers reap it
                 continue
-            what = f"{entry.get('workflow_id')}/{entry.get('activity_type')}#{entry.get('attempt')}"
-            handle = self.client.get_async_activity_handle(task_token=base64.b64decode(entry["token"]))
+            handle = self.client.get_async_activity_handle(task_token=token)
             try:
                 await handle.fail(
                     ApplicationError(
-                        f"the worker running this attempt died ({ledger.name}): retried at once",
+                        f"the worker running this attempt died ({worker.worker_id}): retried at once",
                         type=names.WORKER_LOST,
                         next_retry_delay=RETRY_AFTER,
                     )
@@ -213,9 +242,10 @@ class WorkerLiveness:
                     continue
                 report.gone += 1
             else:
+                what = f"{entry.get('workflow_id')}/{entry.get('activity_type')}#{entry.get('attempt')}"
                 report.failed.append(what)
                 executions.add((str(entry.get("workflow_id")), str(entry.get("run_id"))))
-            self.release(path)
+            worker.done.append(path)
         await asyncio.gather(
             *(
                 self.client.workflow_service.reset_sticky_task_queue(
@@ -260,34 +290,128 @@ class _LedgerInbound(ActivityInboundInterceptor):
             self.liveness.release(path)
 
 
-def _target_of(client: Client) -> str:
-    return str(getattr(client.service_client.config, "target_host", ""))
+def _private_folder(folder: Path) -> None:
+    """Make the folder (0700) or check it: a real directory of this user's, and neither it nor
+    its parent writable by anyone else (who could plant records or swap it)."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for path in (folder, folder.parent):
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+            raise LivenessUnavailable(
+                f"{path} is not a directory of this user's that only it can write "
+                f"(uid {info.st_uid}, mode {stat.filemode(info.st_mode)})"
+            )
 
 
-def _lock_files(folder: Path) -> list[Path]:
+def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
+    """The workers whose locks this process could take, each lock held, their records read.
+    Runs in a thread: nothing here may hold up the event loop."""
+    dead: list[_DeadWorker] = []
+    budget = MAX_RECORDS_PER_LOOK
     try:
-        return sorted(p for p in folder.iterdir() if p.name.endswith(LOCK_SUFFIX))
+        names_here = sorted(os.listdir(folder))
+    except OSError:
+        return dead
+    now = time.time()
+    for name in names_here:
+        path = folder / name
+        if name.startswith(".") and name.endswith(PENDING_SUFFIX):
+            with contextlib.suppress(OSError):
+                if now - os.lstat(path).st_mtime > PENDING_STALE_S and (fd := _take(path)) is not None:
+                    path.unlink()  # a worker that died as it started
+                    os.close(fd)
+            continue
+        if not name.endswith(LOCK_SUFFIX) or name.startswith("."):
+            continue
+        worker_id = name.removesuffix(LOCK_SUFFIX)
+        if worker_id == own_id or budget <= 0:
+            continue
+        fd = _take(path)
+        if fd is None:
+            continue  # alive (its lock is held), or not a lock file
+        ledger = folder / worker_id
+        records = _records(ledger, budget)
+        budget -= len(records)
+        dead.append(_DeadWorker(worker_id, fd, path, ledger, records))
+    return dead
+
+
+def _finish(dead: list[_DeadWorker]) -> None:
+    """Remove what was handled; a dead worker with nothing left goes, lock last (held while
+    it is removed: a second reaper that took it after finds nothing); every lock let go."""
+    for worker in dead:
+        try:
+            for path in worker.done:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            with contextlib.suppress(OSError):
+                info = os.lstat(worker.ledger)
+                if stat.S_ISDIR(info.st_mode) and not os.listdir(worker.ledger):
+                    worker.ledger.rmdir()
+            if not os.path.lexists(worker.ledger):
+                with contextlib.suppress(OSError):
+                    worker.lock_path.unlink()
+        finally:
+            os.close(worker.lock_fd)
+
+
+def _take(path: Path) -> int | None:
+    """The lock of a regular file, taken (its descriptor), or None: held by a live process,
+    or not a regular file (a link, a FIFO, a directory are never opened as locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _records(ledger: Path, budget: int) -> list[tuple[Path, dict[str, Any] | None]]:
+    """Up to `budget` records of a ledger that is a real directory (a link is not followed)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(ledger).st_mode):
+            return []
+        names_here = sorted(n for n in os.listdir(ledger) if n.endswith(".json"))[:budget]
     except OSError:
         return []
+    return [(ledger / name, _read(ledger / name)) for name in names_here]
 
 
-@contextlib.contextmanager
-def _taken(lock_path: Path) -> Iterator[bool]:
-    """Whether this process could take the lock (its holder is dead), held while inside."""
+def _read(path: Path) -> dict[str, Any] | None:
+    """A record: a regular file (no link followed, no FIFO waited on) of at most 64 KB."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        yield False  # gone meanwhile (its worker stopped cleanly, or another reaper)
-        return
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_RECORD_BYTES:
+            return None
+        data = os.read(fd, MAX_RECORD_BYTES + 1)
+    except OSError:
+        return None
     finally:
         os.close(fd)
+    try:
+        entry = json.loads(data)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) else None
+
+
+def _token(entry: dict[str, Any] | None) -> bytes | None:
+    if entry is None or not isinstance(entry.get("token"), str):
+        return None
+    try:
+        return base64.b64decode(entry["token"], validate=True) or None
+    except (binascii.Error, ValueError):
+        return None
 
 
 def _age_s(entry: dict[str, Any]) -> float:
@@ -297,9 +421,5 @@ def _age_s(entry: dict[str, Any]) -> float:
         return float("inf")
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        entry = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-    return entry if isinstance(entry, dict) and isinstance(entry.get("token"), str) else None
+def _target_of(client: Client) -> str:
+    return str(getattr(client.service_client.config, "target_host", ""))

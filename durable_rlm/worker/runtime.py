@@ -52,13 +52,10 @@ from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
-from durable_rlm.worker.liveness import WorkerLiveness
+from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
-
-LIVENESS_FOLDER = "workers"
-"""In the data directory: each running worker's lock and ledger (worker/liveness.py)."""
 
 
 def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
@@ -217,17 +214,19 @@ async def running_workers(
     admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     # Dead workers' calls on this machine are retried as this worker starts, not after
     # their heartbeat timeout (worker/liveness.py): the look runs while the workers are built.
-    liveness = WorkerLiveness(settings.prepare_data_dir() / LIVENESS_FOLDER, services.client).start()
-    watching = asyncio.create_task(liveness.watch())
+    liveness = _liveness(settings, services.client)
+    watching = [asyncio.create_task(liveness.watch())] if liveness is not None else []
     try:
         workers, repl = _workers_of(services, credentials, drain_grace_s, admission, liveness)
     except BaseException:
-        watching.cancel()
-        liveness.close()
+        for task in watching:
+            task.cancel()
+        if liveness is not None:
+            liveness.close()
         raise
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
-    chores.append(watching)
+    chores.extend(watching)
     chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
     if settings.deployment_name is not None and settings.build_id is not None:
         chores.append(
@@ -241,8 +240,11 @@ async def running_workers(
         for chore in chores:
             with contextlib.suppress(BaseException):
                 await chore
-        report = await drain(workers, runs, repl, drain_grace_s, services.client)
-        liveness.close()
+        try:
+            report = await drain(workers, runs, repl, drain_grace_s, services.client)
+        finally:
+            if liveness is not None:
+                liveness.close()
         forget_sandboxes(repl.slots)
         if services.engine is not None and UNSETTLED:
             # Rows this process fenced off are settled before it goes (audit.py): bounded,
@@ -253,12 +255,24 @@ async def running_workers(
             on_drained(report)
 
 
+def _liveness(settings: Settings, client: Client) -> WorkerLiveness | None:
+    """This worker's liveness signal (worker/liveness.py), or None where its folder cannot
+    be trusted: the worker runs, and a crash of it waits for the heartbeat timeout."""
+    try:
+        return WorkerLiveness.in_data_dir(settings.prepare_data_dir(), client).start()
+    except (LivenessUnavailable, OSError) as exc:
+        logging.getLogger(__name__).warning(
+            "liveness signal off (a dead worker's calls wait for their heartbeat timeout): %s", exc
+        )
+        return None
+
+
 def _workers_of(
     services: Services,
     credentials: Mapping[str, str] | None,
     drain_grace_s: float,
     admission: AdmittingWorkflowSlots,
-    liveness: WorkerLiveness,
+    liveness: WorkerLiveness | None,
 ) -> tuple[list[Worker], ReplActivities]:
     """build_workers with this process's settings."""
     settings = services.settings
