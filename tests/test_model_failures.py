@@ -34,6 +34,7 @@ from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.store.codec import CUT_MARK, data_converter
 from durable_rlm.worker.runtime import Services, running_workers, workflow_runner
 from durable_rlm.workflows import names
 from durable_rlm.workflows.episode import EpisodeWorkflow
@@ -448,3 +449,28 @@ async def test_a_stale_attempt_sends_no_model_request(
     error = await raised(env.run(attempt))
     assert error.type == names.STALE_ATTEMPT and why in error.message
     assert server.requests == []  # nothing paid
+
+
+def test_a_deep_failure_keeps_its_innermost_frames_under_the_server_s_warning_size() -> None:
+    """However deep the stack (the SDK, the worker's interceptors, the activity), a failure
+    stays under 2 KB and keeps where it was raised; each cause in the chain too."""
+
+    # Eighty distinct frames (a recursion's repeated frames are folded by the formatter).
+    chain: dict[str, object] = {"ApplicationError": ApplicationError}
+    exec("def f0():\n    raise ApplicationError('the innermost failure', type='Deep')\n", chain)
+    for k in range(1, 80):
+        exec(f"def f{k}():\n    f{k - 1}()\n", chain)
+
+    try:
+        try:
+            chain["f79"]()  # type: ignore[operator]
+        except ApplicationError as inner:
+            raise RuntimeError("wrapping it") from inner
+    except RuntimeError as outer:
+        failure = Failure()
+        converter = data_converter(None)
+        converter.failure_converter.to_failure(outer, converter.payload_converter, failure)
+    assert failure.ByteSize() < SERVER_LIMIT // 2
+    kept = failure.cause.stack_trace
+    assert kept.startswith(CUT_MARK) and kept.endswith("in f0\n")  # where it was raised
+    assert failure.cause.message == "the innermost failure"

@@ -16,8 +16,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from temporalio.api.common.v1 import Payload
+from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter, PayloadCodec
+from temporalio.converter import DataConverter, DefaultFailureConverter, PayloadCodec, PayloadConverter
 
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.encryption import Keyring, MissingKey
@@ -122,6 +123,36 @@ def encrypts(converter: DataConverter) -> bool:
     return any(isinstance(c, EncryptionCodec) and c.keyring is not None for c in codecs)
 
 
+STACK_TRACE_CHARS = 900
+"""A failure keeps its innermost frames up to this many characters: the server keeps at most
+4 KB of a failure (message, stack traces and causes; it warns past 2 KB) and puts "Failure
+exceeds size limit." in place of a larger one. The outer frames are the SDK's and the
+worker's interceptors (each a frame or two), which say nothing about what failed."""
+CUT_MARK = "  ... (outer frames cut)\n"
+
+
+class BoundedFailureConverter(DefaultFailureConverter):
+    """The SDK's failure converter, each stack trace in the chain cut to its innermost frames."""
+
+    def to_failure(
+        self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure
+    ) -> None:
+        super().to_failure(exception, payload_converter, failure)
+        current: Failure | None = failure
+        while current is not None:
+            current.stack_trace = innermost_frames(current.stack_trace)
+            current = current.cause if current.HasField("cause") else None
+
+
+def innermost_frames(stack_trace: str, limit: int = STACK_TRACE_CHARS) -> str:
+    """The end of a formatted stack, from a frame's start, within `limit` characters."""
+    if len(stack_trace) <= limit:
+        return stack_trace
+    tail = stack_trace[-limit:]
+    start = tail.find('  File "')
+    return CUT_MARK + (tail[start:] if start != -1 else tail)
+
+
 def data_converter(
     blobs: BlobStore | None, threshold: int = DEFAULT_THRESHOLD, keyring: Keyring | None = None
 ) -> DataConverter:
@@ -132,4 +163,8 @@ def data_converter(
     if blobs is not None:
         codecs.append(ClaimCheckCodec(blobs, threshold))
     codecs.append(EncryptionCodec(keyring))
-    return dataclasses.replace(pydantic_data_converter, payload_codec=ChainCodec(*codecs))
+    return dataclasses.replace(
+        pydantic_data_converter,
+        payload_codec=ChainCodec(*codecs),
+        failure_converter_class=BoundedFailureConverter,
+    )
