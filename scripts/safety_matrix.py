@@ -23,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
+    "tests/test_liveness.py",  # issue 38: a minute
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
     "tests/test_repl.py",
     "tests/test_escape.py",  # the kernel layers, attacked with the audit hook on and off
@@ -35,6 +36,7 @@ FIRST = [
     "tests/test_everyday.py",
     "tests/test_sandbox_files.py",  # issue 33: seconds
     "tests/test_host_protocol.py",
+    "tests/test_model_failures.py",
 ]
 
 
@@ -252,6 +254,28 @@ MECHANISMS = [
         "    if not whole and processes is not None:\n",
         "    if False:\n",
         "without a cgroup, each process may have the whole budget",
+    ),
+    # Issue 38, item 4: a dead worker's calls retried at once, and planted files not followed.
+    Mechanism(
+        "liveness: dead workers reaped",
+        "durable_rlm/worker/liveness.py",
+        "        dead = await asyncio.to_thread(_find_dead, self.folder, self.worker_id)\n",
+        "        dead: list[_DeadWorker] = []\n",
+        "a worker never fails a dead worker's attempts (they wait for the heartbeat timeout)",
+    ),
+    Mechanism(
+        "liveness: a ledger link not followed",
+        "durable_rlm/worker/liveness.py",
+        "        if not stat.S_ISDIR(os.lstat(ledger).st_mode):\n",
+        "        if not ledger.is_dir():\n",
+        "a dead worker's ledger that is a link is read (and its files removed) where it points",
+    ),
+    Mechanism(
+        "failure stack traces bounded",
+        "durable_rlm/store/codec.py",
+        "            current.stack_trace = innermost_frames(current.stack_trace)\n",
+        "            pass\n",
+        "a failure carries every frame of its stack (the server warns past 2 KB, drops past 4 KB)",
     ),
     Mechanism(
         "seccomp: io_uring and memfd",

@@ -49,6 +49,19 @@ async def root_call_attempts(client: Client, episode_id: str) -> list[tuple[int,
     return found
 
 
+async def in_second_call(client: Client, scripted, worker_processes, turns: list, prefix: str):  # type: ignore[no-untyped-def]
+    """An episode on a first worker process, once its second root call (turn 1) is in flight:
+    (that worker, the model server, the episode's handle, its id)."""
+    server = scripted(root_and_sub(turns, lambda p: p))
+    first = worker_processes()
+    episode_id = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client, request_for(server, durability=SLOW_HEARTBEAT), worker_processes.queue, episode_id
+    )
+    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    return first, server, handle, episode_id
+
+
 async def test_a_killed_worker_s_call_is_retried_when_a_new_worker_starts_not_after_its_timeout(
     client, scripted, worker_processes
 ) -> None:
@@ -57,13 +70,8 @@ async def test_a_killed_worker_s_call_is_retried_when_a_new_worker_starts_not_af
         Reply(text="```repl\nresult = str(x)\n```", delay_s=4),
         "FINAL_VAR(result)",
     ]
-    server = scripted(root_and_sub(turns, lambda p: p))
-    first = worker_processes()
-    episode_id = f"lost-{uuid.uuid4().hex[:6]}"
-    handle = await start_episode(
-        client, request_for(server, durability=SLOW_HEARTBEAT), worker_processes.queue, episode_id
-    )
-    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    started = await in_second_call(client, scripted, worker_processes, turns, "lost")
+    first, server, handle, episode_id = started
     first.kill()  # mid-call, its lock released by the kernel
     killed = time.monotonic()
     worker_processes()  # looks at the machine's workers as it starts
@@ -80,13 +88,8 @@ async def test_a_stopped_but_living_worker_keeps_its_call(client, scripted, work
     """SIGSTOP: the worker runs not at all for 4 s, as under the heaviest load, while another
     worker looks every second. Its lock holds; its call is not failed, and is paid once."""
     turns = ["```repl\nx = 1\n```", Reply(text="FINAL(kept)", delay_s=2)]
-    server = scripted(root_and_sub(turns, lambda p: p))
-    first = worker_processes()
-    episode_id = f"alive-{uuid.uuid4().hex[:6]}"
-    handle = await start_episode(
-        client, request_for(server, durability=SLOW_HEARTBEAT), worker_processes.queue, episode_id
-    )
-    await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
+    started = await in_second_call(client, scripted, worker_processes, turns, "alive")
+    first, server, handle, episode_id = started
     first.process.send_signal(signal.SIGSTOP)
     try:
         worker_processes()  # its first look is at its start; then one each second
