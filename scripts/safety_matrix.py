@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
     "tests/test_liveness.py",  # issue 38: a minute
+    "tests/test_model_failures.py",  # half a minute
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
     "tests/test_repl.py",
     "tests/test_escape.py",  # the kernel layers, attacked with the audit hook on and off
@@ -36,7 +37,6 @@ FIRST = [
     "tests/test_everyday.py",
     "tests/test_sandbox_files.py",  # issue 33: seconds
     "tests/test_host_protocol.py",
-    "tests/test_model_failures.py",
 ]
 
 
