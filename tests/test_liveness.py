@@ -204,8 +204,15 @@ async def test_a_folder_others_can_write_turns_the_signal_off(tmp_path: Path, cl
         WorkerLiveness(folder, client).start()
     (tmp_path / "shared").chmod(0o700)
     WorkerLiveness(folder, client).start().close()
-    host = WorkerLiveness.in_data_dir(tmp_path, client)
-    assert host.folder.parent == tmp_path / "workers"  # one folder per machine
+    host = WorkerLiveness.in_data_dir(tmp_path / "data", client)
+    assert host.folder.parent == tmp_path / "data" / "workers"  # one folder per machine
+    (tmp_path / "data").mkdir(mode=0o700)
+    umask = os.umask(0o002)  # a user-private-group umask: new folders 0775 by default
+    try:
+        host.start().close()  # its folders made 0700 all the same
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "data" / "workers").stat().st_mode & 0o777 == 0o700
 
 
 async def test_a_starting_worker_s_unnamed_lock_is_left_alone_until_it_is_old(

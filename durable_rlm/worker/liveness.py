@@ -293,7 +293,10 @@ class _LedgerInbound(ActivityInboundInterceptor):
 def _private_folder(folder: Path) -> None:
     """Make the folder (0700) or check it: a real directory of this user's, and neither it nor
     its parent writable by anyone else (who could plant records or swap it)."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Each level made 0700 itself: `parents=True` would make the middle one by the umask
+    # (0775 under a umask of 002), which the check below would then refuse.
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
     for path in (folder, folder.parent):
         info = os.lstat(path)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
