@@ -89,17 +89,15 @@ class SqliteReader:
         cursor = self._conn.execute(sql, bound)
         names = [d[0] for d in cursor.description]
         parse = [name in datetimes for name in names]
-        found = []
-        for values in cursor.fetchall():
-            found.append(
-                StoredRow(
-                    {
-                        name: parsed_datetime(value) if wanted else value
-                        for name, value, wanted in zip(names, values, parse, strict=True)
-                    }
-                )
+        return [
+            StoredRow(
+                {
+                    name: parsed_datetime(value) if wanted else value
+                    for name, value, wanted in zip(names, values, parse, strict=True)
+                }
             )
-        return found
+            for values in cursor.fetchall()
+        ]
 
     def columns(self, table: str) -> set[str]:
         if not table.isidentifier():

@@ -53,13 +53,13 @@ from pathlib import Path
 from typing import Any
 
 from temporalio import activity
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
+from durable_rlm.activities.sandbox_files import read_sandbox_file
+from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import names
 
 log = logging.getLogger(__name__)
@@ -246,18 +246,7 @@ class WorkerLiveness:
                 report.failed.append(what)
                 executions.add((str(entry.get("workflow_id")), str(entry.get("run_id"))))
             worker.done.append(path)
-        await asyncio.gather(
-            *(
-                self.client.workflow_service.reset_sticky_task_queue(
-                    ResetStickyTaskQueueRequest(
-                        namespace=self.client.namespace,
-                        execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
-                    )
-                )
-                for workflow_id, run_id in executions
-            ),
-            return_exceptions=True,  # an episode that ended meanwhile: nothing to give back
-        )
+        await hand_back(self.client, executions)
 
     async def watch(self) -> None:
         """Look now, then every SCAN_EVERY_S, until cancelled."""
@@ -387,20 +376,12 @@ def _records(ledger: Path, budget: int) -> list[tuple[Path, dict[str, Any] | Non
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    """A record: a regular file (no link followed, no FIFO waited on) of at most 64 KB."""
+    """A record: a regular file of this user's with one link, at most 64 KB, opened without
+    following a link or waiting on a FIFO (the reads the host makes of a sandbox's files)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        data = read_sandbox_file(path.parent, path.name, MAX_RECORD_BYTES, os.geteuid())
     except OSError:
         return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_RECORD_BYTES:
-            return None
-        data = os.read(fd, MAX_RECORD_BYTES + 1)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     try:
         entry = json.loads(data)
     except ValueError:

@@ -17,8 +17,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import sqlalchemy as sa
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest
 from temporalio.client import Client
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentConfig, WorkerTuner
@@ -53,6 +51,7 @@ from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, work
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
+from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
@@ -402,17 +401,7 @@ async def _hand_back_sticky(client: Client, workers: Sequence[Worker], stopping:
                 info = getattr(activity, "info", None)
                 if info is not None and not getattr(info, "is_local", False):
                     executions.add((str(info.workflow_id), str(info.workflow_run_id)))
-        resets = [
-            client.workflow_service.reset_sticky_task_queue(
-                ResetStickyTaskQueueRequest(
-                    namespace=client.namespace,
-                    execution=WorkflowExecution(workflow_id=workflow_id, run_id=run_id),
-                )
-            )
-            for workflow_id, run_id in executions
-            if workflow_id
-        ]
-        await asyncio.gather(*resets, return_exceptions=True)  # an ended episode: nothing to do
+        await hand_back(client, executions)
         await asyncio.wait([stopping], timeout=HAND_BACK_EVERY_S)
 
 
