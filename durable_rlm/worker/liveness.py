@@ -310,8 +310,10 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
         if name.startswith(".") and name.endswith(PENDING_SUFFIX):
             with contextlib.suppress(OSError):
                 if now - os.lstat(path).st_mtime > PENDING_STALE_S and (fd := _take(path)) is not None:
-                    path.unlink()  # a worker that died as it started
-                    os.close(fd)
+                    try:
+                        path.unlink()  # a worker that died as it started
+                    finally:
+                        os.close(fd)
             continue
         if not name.endswith(LOCK_SUFFIX) or name.startswith("."):
             continue
