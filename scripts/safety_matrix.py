@@ -273,8 +273,8 @@ MECHANISMS = [
     Mechanism(
         "failure stack traces bounded",
         "durable_rlm/store/codec.py",
-        "            current.stack_trace = innermost_frames(current.stack_trace)\n",
-        "            pass\n",
+        "        failure.stack_trace = innermost_frames(failure.stack_trace)\n",
+        "        pass\n",
         "a failure carries every frame of its stack (the server warns past 2 KB, drops past 4 KB)",
     ),
     Mechanism(

@@ -26,9 +26,7 @@ def json_object(text: str) -> dict[str, Any]:
 
 
 def moment(text: str) -> datetime:
-    from durable_rlm.audit.readonly import (
-        parse_moment,  # start-up: the store reader (~10 ms), only with a date
-    )
+    from durable_rlm.audit.readonly import parse_moment  # start-up: the store reader, only with a date
 
     try:
         return parse_moment(text)

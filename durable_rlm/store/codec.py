@@ -137,11 +137,8 @@ class BoundedFailureConverter(DefaultFailureConverter):
     def to_failure(
         self, exception: BaseException, payload_converter: PayloadConverter, failure: Failure
     ) -> None:
-        super().to_failure(exception, payload_converter, failure)
-        current: Failure | None = failure
-        while current is not None:
-            current.stack_trace = innermost_frames(current.stack_trace)
-            current = current.cause if current.HasField("cause") else None
+        super().to_failure(exception, payload_converter, failure)  # its causes through this method too
+        failure.stack_trace = innermost_frames(failure.stack_trace)
 
 
 def innermost_frames(stack_trace: str, limit: int = STACK_TRACE_CHARS) -> str:
