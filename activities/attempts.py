@@ -125,7 +125,8 @@ class AttemptClock:
     def beat(self) -> None:
         self.last_beat = time.monotonic()
         self.beats += 1
-        activity.heartbeat()
+        if not activity.info().is_local:  # a local step's liveness is its workflow task's
+            activity.heartbeat()
 
     def stale(self) -> str | None:
         """Why the server no longer takes this attempt's result, or None."""
@@ -139,8 +140,9 @@ class AttemptClock:
         beat = info.heartbeat_timeout.total_seconds() if info.heartbeat_timeout else None
         # By the server's clock too: a task handed to this worker's poll while the worker
         # stood still (a SIGSTOP) began its clocks then, before this process saw it at all.
-        # (The server's clock and this machine's are compared: SERVER_CLOCK_SLACK_S apart.)
-        waited = (datetime.now(UTC) - info.started_time).total_seconds() - SERVER_CLOCK_SLACK_S
+        # Counted with SERVER_MARGIN_S more: a doubt costs another attempt, a request sent
+        # to a given-up attempt costs the call twice.
+        waited = (datetime.now(UTC) - info.started_time).total_seconds() + SERVER_MARGIN_S
         if limit and max(now - self.started, waited) > limit:
             return f"it ran past its start-to-close timeout ({limit:g} s)"
         silent = now - self.last_beat if self.beats else max(now - self.last_beat, waited)
@@ -161,8 +163,12 @@ class AttemptClock:
             )
 
 
-SERVER_CLOCK_SLACK_S = 1.0
-"""How far the server's clock (an attempt's start time) may be from this machine's."""
+SERVER_MARGIN_S = 1.0
+"""What an attempt must have left of its server-side timeouts to send a request: room for the
+server's clock to be this far ahead of this machine's, and for the first heartbeat (sent at
+once, `with_heartbeats`) to reach the server before the heartbeat timeout. (The soak of
+2026-11-27 caught an attempt handed to a stopped worker's poll, checked on waking with 1 s of
+its 5 s left, whose first heartbeat was due a second later: the server gave it up mid-call.)"""
 
 PAUSE_FENCE_S = 5.0
 """A stall of the worker's event loop this long during a step, or ending less than

@@ -411,6 +411,10 @@ async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None
         (5.0, 5.0, None, 3.0, "start-to-close"),
         (0.0, 5.0, 2.0, 60.0, "sent no heartbeat"),  # handed to its poll while it stood still
         (0.0, 0.0, 2.0, 60.0, None),
+        # Handed while it stood still, woken with less than SERVER_MARGIN_S of its heartbeat
+        # timeout left: the first beat might reach the server too late (the soak of 11-27).
+        (0.0, 4.5, 5.0, 60.0, "sent no heartbeat"),
+        (0.0, 3.5, 5.0, 60.0, None),
     ],
 )
 async def test_a_stale_attempt_sends_no_model_request(
@@ -429,7 +433,13 @@ async def test_a_stale_attempt_sends_no_model_request(
 
     from durable_rlm.activities.attempts import start_attempt_clock
 
-    server = scripted(lambda r: "fine")
+    beats: list[float] = []
+
+    def reply(request: object) -> str:
+        # The server's heartbeat clock was reset before anything was paid for.
+        return "fine" if beats else "no heartbeat came before the request"
+
+    server = scripted(reply)
 
     async def attempt() -> str:
         clock = start_attempt_clock()
@@ -443,6 +453,7 @@ async def test_a_stale_attempt_sends_no_model_request(
         start_to_close_timeout=timedelta(seconds=start_to_close_s),
         started_time=datetime.now(UTC) - timedelta(seconds=handed_s),  # the server's start
     )
+    env.on_heartbeat = lambda *details: beats.append(time.monotonic())
     if why is None:
         assert await env.run(attempt) == "fine" and len(server.requests) == 1
         return
