@@ -128,6 +128,20 @@ class AttemptClock:
         if not activity.info().is_local:  # a local step's liveness is its workflow task's
             activity.heartbeat()
 
+    def beat_if_due(self, every_s: float) -> None:
+        """Beat at once when the server's heartbeat clock, running since it handed the task
+        out, could run out before the regular beat `every_s` from now reaches it: a task handed
+        to this worker's poll while it stood still, or one that waited in a saturated worker.
+        A fresh attempt's first beat waits its turn, sparing the server a write per call."""
+        if not activity.in_activity() or activity.info().is_local or self.beats:
+            return
+        info = activity.info()
+        if info.heartbeat_timeout is None:
+            return
+        waited = (datetime.now(UTC) - info.started_time).total_seconds()
+        if waited + every_s + SERVER_MARGIN_S >= info.heartbeat_timeout.total_seconds():
+            self.beat()
+
     def stale(self) -> str | None:
         """Why the server no longer takes this attempt's result, or None."""
         if not activity.in_activity():
@@ -166,7 +180,7 @@ class AttemptClock:
 SERVER_MARGIN_S = 1.0
 """What an attempt must have left of its server-side timeouts to send a request: room for the
 server's clock to be this far ahead of this machine's, and for the first heartbeat (sent at
-once, `with_heartbeats`) to reach the server before the heartbeat timeout. (The soak of
+once when due, `beat_if_due`) to reach the server before the heartbeat timeout. (The soak of
 2026-11-27 caught an attempt handed to a stopped worker's poll, checked on waking with 1 s of
 its 5 s left, whose first heartbeat was due a second later: the server gave it up mid-call.)"""
 

@@ -51,12 +51,12 @@ T = TypeVar("T")
 
 async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
     """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives. The
-    first beat goes at once: the server's heartbeat timeout has run since it handed the task
-    out, perhaps to a poll this process answered only after a pause (`AttemptClock`)."""
+    first beat goes at once when the server's heartbeat timeout, running since it handed the
+    task out (perhaps to a poll this process answered only after a pause), is near."""
     task = asyncio.ensure_future(work)
     clock = attempt_clock() if activity.in_activity() else None
     if clock is not None:
-        clock.beat()
+        clock.beat_if_due(every_s)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=every_s)

@@ -405,20 +405,21 @@ async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None
 
 
 @pytest.mark.parametrize(
-    ("paused_s", "handed_s", "heartbeat_s", "start_to_close_s", "why"),
+    ("paused_s", "handed_s", "heartbeat_s", "start_to_close_s", "why", "beat_first"),
     [
-        (5.0, 5.0, 2.0, 60.0, "sent no heartbeat"),  # stopped after the attempt began
-        (5.0, 5.0, None, 3.0, "start-to-close"),
-        (0.0, 5.0, 2.0, 60.0, "sent no heartbeat"),  # handed to its poll while it stood still
-        (0.0, 0.0, 2.0, 60.0, None),
+        (5.0, 5.0, 2.0, 60.0, "sent no heartbeat", None),  # stopped after the attempt began
+        (5.0, 5.0, None, 3.0, "start-to-close", None),
+        (0.0, 5.0, 2.0, 60.0, "sent no heartbeat", None),  # handed to its poll while it stood still
+        (0.0, 0.0, 2.0, 60.0, None, True),  # the regular beat (1 s) would come too near 2 s
         # Handed while it stood still, woken with less than SERVER_MARGIN_S of its heartbeat
         # timeout left: the first beat might reach the server too late (the soak of 11-27).
-        (0.0, 4.5, 5.0, 60.0, "sent no heartbeat"),
-        (0.0, 3.5, 5.0, 60.0, None),
+        (0.0, 4.5, 5.0, 60.0, "sent no heartbeat", None),
+        (0.0, 3.5, 5.0, 60.0, None, True),  # sent, after a beat that resets the server's clock
+        (0.0, 0.0, 5.0, 60.0, None, False),  # fresh: its first beat waits its turn (no write)
     ],
 )
 async def test_a_stale_attempt_sends_no_model_request(
-    models: ModelActivities, scripted, paused_s, handed_s, heartbeat_s, start_to_close_s, why
+    models: ModelActivities, scripted, paused_s, handed_s, heartbeat_s, start_to_close_s, why, beat_first
 ) -> None:
     """A worker stopped (SIGSTOP, a starved loop) between an attempt's start and its model
     request, or handed the attempt while it stood still: past its heartbeat or
@@ -434,10 +435,11 @@ async def test_a_stale_attempt_sends_no_model_request(
     from durable_rlm.activities.attempts import start_attempt_clock
 
     beats: list[float] = []
+    beats_before: list[int] = []  # heartbeats sent before the request came, by request
 
     def reply(request: object) -> str:
-        # The server's heartbeat clock was reset before anything was paid for.
-        return "fine" if beats else "no heartbeat came before the request"
+        beats_before.append(len(beats))
+        return "fine"
 
     server = scripted(reply)
 
@@ -456,6 +458,8 @@ async def test_a_stale_attempt_sends_no_model_request(
     env.on_heartbeat = lambda *details: beats.append(time.monotonic())
     if why is None:
         assert await env.run(attempt) == "fine" and len(server.requests) == 1
+        # Handed late, the attempt reset the server's heartbeat clock before it paid.
+        assert (beats_before[0] > 0) == beat_first
         return
     error = await raised(env.run(attempt))
     assert error.type == names.STALE_ATTEMPT and why in error.message
