@@ -138,8 +138,7 @@ class AttemptClock:
         info = activity.info()
         if info.heartbeat_timeout is None:
             return
-        waited = (datetime.now(UTC) - info.started_time).total_seconds()
-        if waited + every_s + SERVER_MARGIN_S >= info.heartbeat_timeout.total_seconds():
+        if handed_out_s(info) + every_s + SERVER_MARGIN_S >= info.heartbeat_timeout.total_seconds():
             self.beat()
 
     def stale(self) -> str | None:
@@ -156,7 +155,7 @@ class AttemptClock:
         # stood still (a SIGSTOP) began its clocks then, before this process saw it at all.
         # Counted with SERVER_MARGIN_S more: a doubt costs another attempt, a request sent
         # to a given-up attempt costs the call twice.
-        waited = (datetime.now(UTC) - info.started_time).total_seconds() + SERVER_MARGIN_S
+        waited = handed_out_s(info) + SERVER_MARGIN_S
         if limit and max(now - self.started, waited) > limit:
             return f"it ran past its start-to-close timeout ({limit:g} s)"
         silent = now - self.last_beat if self.beats else max(now - self.last_beat, waited)
@@ -175,6 +174,12 @@ class AttemptClock:
                 "paused or starved); another attempt makes the call",
                 type=names.STALE_ATTEMPT,
             )
+
+
+def handed_out_s(info: activity.Info) -> float:
+    """How long ago the server handed this attempt out (its start time, by the server's clock),
+    by this machine's clock: its heartbeat and start-to-close timeouts have run since."""
+    return (datetime.now(UTC) - info.started_time).total_seconds()
 
 
 SERVER_MARGIN_S = 1.0
