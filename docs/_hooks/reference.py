@@ -51,7 +51,8 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
                 metavar = formatter._format_args(action, formatter._get_default_metavar_for_optional(action))
                 name += f" `{metavar}`"
         else:
-            name = f"`{formatter._format_args(action, formatter._get_default_metavar_for_positional(action))}`"
+            metavar = formatter._get_default_metavar_for_positional(action)
+            name = f"`{formatter._format_args(action, metavar)}`"
         help_text = formatter._expand_help(action) if action.help else ""
         if action.choices and not isinstance(action.choices, dict):
             help_text += f" (one of: {', '.join(f'`{c}`' for c in action.choices)})"
@@ -101,7 +102,7 @@ def cli_reference() -> str:
         parser = build_parser()
         commands = _subcommands(parser)
         lines = ["| command | what it does |", "| --- | --- |"]
-        lines += [f"| [`drlm {name}`](#drlm-{name}) | {_cell(help_text)} |" for name, help_text, _ in commands]
+        lines += [f"| [`drlm {name}`](#drlm-{name}) | {_cell(text)} |" for name, text, _ in commands]
         lines.append("")
         for name, help_text, sub in commands:
             lines += _command(name, help_text, sub, 3)
