@@ -81,7 +81,9 @@ def _command(name: str, help_text: str, parser: argparse.ArgumentParser, level: 
     lines = [f"{'#' * level} `{parser.prog}`", "", f"{help_text}." if help_text else "", ""]
     if parser.description and parser.description != help_text:
         lines += [parser.description, ""]
-    usage = parser.format_usage().strip().removeprefix("usage: ")
+    formatter = parser._get_formatter()
+    formatter.add_usage(parser.usage, parser._actions, parser._mutually_exclusive_groups, prefix="")
+    usage = formatter.format_help().strip()
     lines += ["```", usage, "```", ""]
     rows = _argument_rows(parser)
     if rows:
