@@ -136,9 +136,15 @@ def rlm(tmp_path: Path, **kwargs) -> RLM:
 def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
     made = rlm(tmp_path, max_iterations=7, max_tokens=5_000, max_timeout=30, max_concurrent_subcalls=2)
     limits = made.template.limits
-    assert (limits.max_iterations, limits.max_tokens, limits.max_duration.total_seconds()) == (7, 5_000, 30)
+    assert (limits.max_iterations, limits.max_duration.total_seconds()) == (7, 30)
     assert limits.max_parallel_subcalls == 2
-    assert made.template.max_depth == 1  # rlms's default: sub-calls are plain model calls
+    # rlms checks tokens, spend and errors after each iteration (a policy), and caps no sub-calls.
+    assert limits.max_tokens is None and limits.max_llm_calls >= 10**9
+    assert made.template.termination.config["policies"][0] == {
+        "name": "rlms_limits",
+        "config": {"max_errors": None, "max_budget": None, "max_tokens": 5_000},
+    }
+    assert made.template.rlms and made.template.max_depth == 1  # rlms's default: plain sub-calls
     assert rlm(tmp_path, compaction=True, compaction_threshold_pct=0.6).template.limits.compact_at == 0.6
 
 
@@ -146,7 +152,7 @@ def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"environment": "docker"}, "environment 'docker' is not available.*'local'"),
-        ({"backend": "portkey"}, "backend 'portkey' is not available: durable-rlm speaks openai, vllm"),
+        ({"backend": "bedrock"}, "backend 'bedrock' is not available: durable-rlm speaks openai, vllm"),
         ({"backend": "vllm", "backend_kwargs": {"model_name": "m"}}, "'vllm': backend_kwargs needs base_url"),
         ({"backend_kwargs": {"base_url": "http://x/v1"}}, "backend_kwargs needs model_name"),
         (
@@ -254,8 +260,11 @@ async def test_max_tokens_raises_rlms_token_limit(temporal_address, session_dir,
     )
     with pytest.raises(TokenLimitExceededError) as info:
         await asyncio.to_thread(made.completion, "ctx", TASK)
-    assert info.value.token_limit == 2_500 and 0 < info.value.tokens_used <= 2_500
-    assert server.root_requests()  # the budget paid for root calls before it ran out
+    # rlms's: checked after each iteration, raised once the run passed the limit.
+    assert info.value.token_limit == 2_500 and info.value.tokens_used > 2_500
+    iterations = len(server.root_requests())
+    assert str(info.value).startswith(f"Token limit exceeded after iteration {iterations}: ")
+    assert info.value.partial_answer == "```repl\nprint('looking')\n```"  # the reply before the last
 
 
 async def test_setup_code_tools_callbacks_and_logger(

@@ -168,6 +168,7 @@ def child_request(
         deadline=budget.deadline,
         private_text=parent.private_text,
         approve=parent.approve,  # a child's cells wait for a person as the parent's do
+        rlms=parent.rlms,
     )
 
 

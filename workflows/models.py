@@ -325,6 +325,13 @@ class EpisodeRequest(StrictModel):
     approve: ApproveMode = Field(
         default="none", description="cells that wait for a person's approval before they run"
     )
+    rlms: bool = Field(
+        default=False,
+        description="rlms 0.1.3's semantics where ours differ (the rlms-compatible `RLM` sets it): "
+        'a failed llm_query returns an "Error: ..." string, `context` and `history` are put '
+        "back after each cell, `context_0` is bound, a custom system prompt is composed as "
+        "rlms composes it",
+    )
     private_text: bool = Field(
         default=False,
         description="payloads are encrypted (DRLM_ENCRYPTION_KEYS): search attributes, which the "
@@ -726,6 +733,7 @@ class SandboxRef(StrictModel):
         default=None, description="most prompts per rlm_query_batched when it starts children"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
+    rlms: bool = Field(default=False, description="the REPL behaves as rlms 0.1.3's (EpisodeRequest.rlms)")
     snapshots: SnapshotPolicy | None = Field(default=None, description="None: no snapshots are taken")
     lineage: list[str] = Field(
         default_factory=list,

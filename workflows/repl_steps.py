@@ -114,6 +114,7 @@ class ReplSteps:
                 self.request.limits.max_children_per_batch if self.request.spawns_children else None
             ),
             tools=self.request.tools,
+            rlms=self.request.rlms,
             # Episodes begun before snapshots keep rebuilding by re-running every cell.
             snapshots=(
                 self.request.durability.snapshots if workflow.patched(names.PATCH_SNAPSHOTS) else None

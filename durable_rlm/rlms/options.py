@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.rlms.limits import MAX_ERRORS_POLICY
+from durable_rlm.workflows.rlms_limits import RLMS_LIMITS_POLICY
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,11 @@ BACKENDS = {
     # Azure's v1 API is OpenAI-compatible at <endpoint>/openai/v1/ (azure_endpoint below).
     "azure_openai": Backend("openai", None, "AZURE_OPENAI_API_KEY"),
     "anthropic": Backend("anthropic", None, "ANTHROPIC_API_KEY"),
+    # Portkey's gateway is OpenAI-compatible; its key goes as the bearer token.
+    "portkey": Backend("openai", "https://api.portkey.ai/v1", "PORTKEY_API_KEY"),
 }
 ENVIRONMENTS = ("local",)
+UNCAPPED_LLM_CALLS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -163,21 +166,19 @@ def translate(
     limits: dict[str, Any] = {
         "max_iterations": max_iterations,
         "max_parallel_subcalls": max_concurrent_subcalls,
+        # rlms has no cap on sub-calls: its own limits (tokens, budget, time) bound them.
+        "max_llm_calls": UNCAPPED_LLM_CALLS,
     }
     if max_timeout is not None:
         limits["max_duration"] = timedelta(seconds=max_timeout)
-    if max_tokens is not None:
-        limits["max_tokens"] = max_tokens
-    if max_budget is not None:
-        limits["max_cost_usd"] = max_budget
     if compaction:
         limits["compact_at"] = compaction_threshold_pct
     policy, policy_config = "final_pattern", None
-    if max_errors is not None:
+    checked = {"max_errors": max_errors, "max_budget": max_budget, "max_tokens": max_tokens}
+    if any(value is not None for value in checked.values()):
+        # Checked after each iteration, before the answer, as rlms checks them.
         policy = "composite"
-        policy_config = {
-            "policies": ["final_pattern", {"name": MAX_ERRORS_POLICY, "config": {"max_errors": max_errors}}]
-        }
+        policy_config = {"policies": [{"name": RLMS_LIMITS_POLICY, "config": checked}, "final_pattern"]}
     arguments = {
         "base_url": root.base_url,
         "sub_model": prefixed(sub) if sub else None,
