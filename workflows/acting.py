@@ -66,7 +66,9 @@ class Acting:
         outcome = IterationOutcome(s.iteration, reply.text, reply.mean_logprob)
         signal: FinalSignal | None
         if self.honest:
-            parsed = parse_reply(reply.text, request.code_fences, request.limits.max_cells_per_reply)
+            parsed = parse_reply(
+                reply.text, request.code_fences, request.limits.max_cells_per_reply, inline=request.rlms
+            )
             blocks, signal = parsed.code_blocks, parsed.signal
             if parsed.more_blocks:
                 outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))
