@@ -712,7 +712,10 @@ class ToolCallInput(StrictModel):
 
 
 class ToolReply(StrictModel):
-    result: str = Field(description="the tool's return value as JSON")
+    result: str = Field(
+        description="the tool's return value as JSON, or pickled (names.TOOL_VALUE_PREFIX) when it "
+        "is no JSON value: the sandbox loads it"
+    )
 
 
 # --- REPL activities ----------------------------------------------------------------------

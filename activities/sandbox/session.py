@@ -189,6 +189,7 @@ class Session:
         self.child_batch_cap = int(cap) if cap is not None else None
         self.calls.limit(message)
         self.rlms = bool(message.get("rlms"))
+        self.calls.own_errors = self.rlms
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
