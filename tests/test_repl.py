@@ -193,12 +193,16 @@ async def test_an_rlms_repl_binds_context_0_and_puts_context_and_history_back(ho
 async def test_a_failed_llm_query_is_an_error_string_in_an_rlms_repl(host: ReplActivities) -> None:
     episode = Episode(host, rlms=True)
     out = await host.execute_cell(
-        ExecuteCellInput(sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('x')\nprint(r)")
+        ExecuteCellInput(
+            sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('x')\nprint(r)"
+        )
     )
     assert out.status == "suspended"
     episode.head = out.log_head
     (asked,) = out.requests
-    failed = CallAnswer(call_index=asked.call_index, prompt_digest=asked.prompt_digest, ok=False, text="HTTP 503")
+    failed = CallAnswer(
+        call_index=asked.call_index, prompt_digest=asked.prompt_digest, ok=False, text="HTTP 503"
+    )
     done = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[failed]))
     assert done.stdout == "Error: HTTP 503\n" and done.error is None
 

@@ -137,9 +137,12 @@ def opening_messages(
     tools: list[ToolSpec] | None = None,
     system_prompt: str | None = None,
     repl_values: list[str] | None = None,
+    composed: bool = False,
 ) -> list[Message]:
     """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it). A
-    `system_prompt` (rlms's custom_system_prompt) replaces the built-in one as it is."""
+    `system_prompt` (rlms's custom_system_prompt) replaces the built-in one, its
+    `{custom_tools_section}` filled; `composed`: it is the whole system message already
+    (the rlms-compatible RLM composes it as rlms does)."""
     offered = TOOLS + "".join(_tool_line(t) for t in tools) if tools else ""
     if repl_values:
         offered += VALUES + "".join(f"\n- {line}" for line in repl_values)
@@ -148,7 +151,7 @@ def opening_messages(
         context_description=describe_context(context), fence=fence, recursion=recursion + offered
     )
     if system_prompt is not None:
-        system = custom_system_prompt(system_prompt, offered)
+        system = system_prompt if composed else custom_system_prompt(system_prompt, offered)
     if output_fields:
         system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:

@@ -19,8 +19,7 @@ messages as `history_j`; `close()` ends it, and `session_id` names it (`drlm sho
 
 What does not fit a durable, sandboxed runtime is refused with a ConfigurationError that says
 what works, never ignored: environments other than "local" (ours is a sandboxed process),
-rlms backends without an OpenAI-compatible endpoint (portkey), `user_prologue`,
-`orchestrator=False`.
+`user_prologue`.
 """
 
 from __future__ import annotations
@@ -114,7 +113,7 @@ class RLM(DurableRLM):
         *,
         settings: Any = None,
     ) -> None:
-        refuse_what_does_not_fit(environment, depth, user_prologue, orchestrator)
+        refuse_what_does_not_fit(environment, depth, user_prologue)
         translated = translate(
             backend=backend,
             backend_kwargs=backend_kwargs,
@@ -135,6 +134,7 @@ class RLM(DurableRLM):
             max_concurrent_subcalls=max_concurrent_subcalls,
             sampling_args=sampling_args,
             sub_sampling_args=sub_sampling_args,
+            orchestrator=orchestrator,
         )
         root, sub = translated.root, translated.sub
         super().__init__(prefixed(root), **translated.arguments, settings=settings)

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.rlms.prompts import composed_system_prompt
 from durable_rlm.workflows.rlms_limits import RLMS_LIMITS_POLICY
 
 
@@ -107,9 +108,7 @@ class Translation:
     arguments: dict[str, Any]
 
 
-def refuse_what_does_not_fit(
-    environment: str, depth: int, user_prologue: str | None, orchestrator: bool
-) -> None:
+def refuse_what_does_not_fit(environment: str, depth: int, user_prologue: str | None) -> None:
     """rlms options that have no meaning here, each refused with what works."""
     if environment not in ENVIRONMENTS:
         raise ConfigurationError(
@@ -120,8 +119,6 @@ def refuse_what_does_not_fit(
         raise ConfigurationError("depth is rlms's own bookkeeping for child RLMs: leave it 0")
     if user_prologue is not None:
         raise ConfigurationError("user_prologue is not available: put it in root_prompt")
-    if not orchestrator:
-        raise ConfigurationError("orchestrator=False is not available: the REPL prompt is durable-rlm's")
 
 
 def translate(
@@ -145,6 +142,7 @@ def translate(
     max_concurrent_subcalls: int,
     sampling_args: dict[str, Any] | None,
     sub_sampling_args: dict[str, Any] | None,
+    orchestrator: bool = True,
 ) -> Translation:
     """rlms's arguments as DurableRLM's: the models, the limits, max_errors as a policy."""
     env_kwargs = dict(environment_kwargs or {})
@@ -189,7 +187,7 @@ def translate(
         "policy_config": policy_config,
         "tools": custom_tools or [],
         "sub_tools": custom_sub_tools,
-        "system_prompt": custom_system_prompt,
+        "system_prompt": system_prompt(custom_system_prompt, custom_tools, orchestrator),
         "setup_code": setup_code,
         "sampling": sampling or None,
         "sub_sampling": sub_sampling,
@@ -197,6 +195,22 @@ def translate(
         "reports_cost": root.reports_cost or None,
     }
     return Translation(root, sub, arguments)
+
+
+def system_prompt(
+    template: str | None, custom_tools: dict[str, Any] | None, orchestrator: bool
+) -> str | None:
+    """rlms's system message for a custom_system_prompt (durable_rlm/rlms/prompts.py); None
+    keeps durable-rlm's own prompt."""
+    if template is None:
+        return None
+    try:
+        return composed_system_prompt(template, custom_tools, orchestrator)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigurationError(
+            f"custom_system_prompt is a str.format template with only {{custom_tools_section}} "
+            f"in braces (as rlms formats it); write other braces doubled: {exc!r}"
+        ) from None
 
 
 def run_metadata(

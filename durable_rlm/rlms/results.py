@@ -124,7 +124,8 @@ class RLMChatCompletion:
 
 def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -> UsageSummary:
     """rlms's usage_summary: the calls the run made itself, per model: its root calls, the
-    sub-calls its cells made, compaction and the closing extraction (rlms's default answer).
+    sub-calls its cells made that answered, compaction and the closing extraction (rlms's
+    default answer).
     A child episode's calls (rlm_query) are the child's own, as a child RLM's are in rlms;
     the whole tree stays in the result's `episode.usage`. Calls the history does not tie to
     a model count for the root model, so the totals are the run's own."""
@@ -142,19 +143,22 @@ def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -
                 row[3] += usage.cost_usd
 
     children = TokenUsage()
-    children_calls = 0
+    children_calls = failed = 0
     for it in timeline.iterations:
         if it.usage is not None and not it.inherited_from:
             add(it.model or root_model, 1, it.usage)
         for cell in it.cells:
             for call in cell.sub_calls:
+                if call.error is not None:
+                    failed += 1  # rlms counts the calls that answered
+                    continue
                 add(call.model, 1, call.usage)
     for child in result.children:
         ended = _child_result(timeline, child.episode_id)
         children_calls += ended.model_calls if ended is not None else child.model_calls
         spent = ended.usage if ended is not None else TokenUsage(prompt_tokens=child.tokens, cost_usd=None)
         children = children.add(spent)
-    rest_calls = result.model_calls - children_calls - sum(row[0] for row in per.values())
+    rest_calls = result.model_calls - children_calls - failed - sum(row[0] for row in per.values())
     rest_in = result.usage.prompt_tokens - children.prompt_tokens - sum(row[1] for row in per.values())
     rest_out = (
         result.usage.completion_tokens - children.completion_tokens - sum(row[2] for row in per.values())
