@@ -38,3 +38,56 @@ def persistent_turns(request: ChatRequest) -> str | Reply:
     if step > 0:
         said += " + ' (saw turn ' + " + PREVIOUS_STEP.format(k=step - 1) + " + ')'"
     return f"```repl\nanswer['content'] = {said}\nanswer['ready'] = True\n```"
+
+
+def marker(request: ChatRequest) -> str:
+    """Which script's episode asks: the root prompt it was given, as both libraries send it."""
+    text = "\n".join(str(m.get("content", "")) for m in request.messages[:3])
+    for name in (
+        "Limit errors",
+        "Limit budget",
+        "Limit tokens",
+        "Limit none",
+        "Many sub-calls",
+        "Inline fence",
+    ):
+        if name in text:
+            return name
+    return ""
+
+
+ANSWER = "```repl\nanswer['content'] = {value}\nanswer['ready'] = True\n```"
+
+MANY_SUB_CALLS = """```repl
+single = [llm_query(f"q{i}") for i in range(70)]
+batch = llm_query_batched([f"b{i}" for i in range(70)])
+failed = llm_query("fail please")
+print(len(single), len(batch), failed[:6], context_0 == context)
+```"""
+
+
+def limits_and_calls(request: ChatRequest) -> str | Reply:
+    """The replies of limits.py, subcalls.py and fences_and_loops.py."""
+    if not request.is_root:
+        prompt = request.last_user
+        if prompt == "fail please":
+            return Reply(status=400, error="the sub-model refused this prompt")
+        return prompt.upper()
+    name, turn = marker(request), request.turn
+    if name == "Limit errors":
+        return "```repl\n1 / 0\n```"
+    if name == "Limit budget":
+        return Reply(text="```repl\nprint('step')\n```", cost=0.02)
+    if name == "Limit tokens":
+        return "```repl\nprint('x' * 4000)\n```"
+    if name == "Limit none":
+        return "```repl\nprint('looked')\n```" if turn == 0 else ANSWER.format(value="'none hit'")
+    if name == "Many sub-calls":
+        if turn == 0:
+            return MANY_SUB_CALLS
+        return ANSWER.format(value="f'{single[69]} {batch[69]} {failed[:6]} {len(single) + len(batch)}'")
+    if name == "Inline fence":
+        if turn == 0:
+            return "Let me look. Here: ```repl\nn = len(context.split())\nprint(n)\n``` and then we will see."
+        return "Done: ```repl\nanswer['content'] = f'{n} words'\nanswer['ready'] = True\n```"
+    raise AssertionError(f"no reply scripted for {request.messages[:3]}")
