@@ -145,7 +145,16 @@ def test_rlms_limits_become_the_episodes(tmp_path: Path) -> None:
         "config": {"max_errors": None, "max_budget": None, "max_tokens": 5_000},
     }
     assert made.template.rlms and made.template.max_depth == 1  # rlms's default: plain sub-calls
-    assert rlm(tmp_path, compaction=True, compaction_threshold_pct=0.6).template.limits.compact_at == 0.6
+    compacting = rlm(
+        tmp_path,
+        backend_kwargs={"model_name": "@openai/gpt-5-nano"},
+        compaction=True,
+        compaction_threshold_pct=0.02,
+    ).template
+    # rlms's window for the model (its table), its threshold (its examples use 2%), its `history`.
+    assert (compacting.limits.context_window_tokens, compacting.limits.compact_at) == (272_000, 0.02)
+    assert compacting.setup_code == "history = []"
+    assert rlm(tmp_path).template.limits.context_window_tokens is None  # no compaction asked
 
 
 @pytest.mark.parametrize(

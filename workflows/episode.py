@@ -187,7 +187,7 @@ class EpisodeWorkflow:
             wait_for_store=waits.wait_for_store,
             reserve=self._reserve,
         )
-        self._root = RootCalls(request, s, waits, display, honest, self._reserve, self._fits)
+        self._root = RootCalls(request, s, waits, display, honest, self._reserve, self._fits, repl)
         running = partial(self._audit, request, "running")
         self._gate = SteeringGate(request, s, repl, self._inbox, display, stop, self._audit_writer, running)
         self._acting = Acting(request, s, repl, self._gate, stop, display, honest, self._steering)

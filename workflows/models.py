@@ -118,7 +118,7 @@ class EpisodeLimits(StrictModel):
     context_window_tokens: int | None = Field(
         default=None, ge=1_000, description="the root model's window; compaction keeps requests inside it"
     )
-    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0.1, le=1.0)
+    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0, le=1.0)
     resent_message_chars: int = Field(default=defaults.RESENT_MESSAGE_CHARS, ge=1_000)
     max_model_calls: int | None = Field(
         default=None,
@@ -675,6 +675,9 @@ class CompactionInput(StrictModel):
     keep_messages: int = defaults.COMPACTION_KEEP_MESSAGES
     input_chars: int = defaults.COMPACTION_INPUT_CHARS
     reason: str = ""
+    history: bool = Field(
+        default=False, description="return the turns summarised and the summary as rlms's `history` entries"
+    )
 
 
 class CompactionReply(CallFacts):
@@ -685,6 +688,10 @@ class CompactionReply(CallFacts):
     kept_messages: int
     usage: TokenUsage
     model_time_s: float
+    history: str | None = Field(
+        default=None,
+        description="JSON: rlms's `history` entries (each turn's messages, then the summary), when asked",
+    )
 
 
 class SubQueryInput(StrictModel):

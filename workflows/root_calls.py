@@ -8,11 +8,13 @@ refused key or a store outage waits (workflows/outages.py) and runs the same cal
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import defaults, names
+    from durable_rlm.workflows import defaults, names, prompts
     from durable_rlm.workflows.budget import root_call_limit
     from durable_rlm.workflows.compaction import needs_compaction, summary_input_chars
     from durable_rlm.workflows.display import EpisodeDisplay
@@ -35,6 +37,9 @@ with workflow.unsafe.imports_passed_through():
         raise_if_cancelled,
     )
 
+if TYPE_CHECKING:
+    from durable_rlm.workflows.repl_steps import ReplSteps
+
 
 class RootCalls:
     """The root model's steps: a completion, and the compaction that makes room for it."""
@@ -48,9 +53,11 @@ class RootCalls:
         honest: bool = True,
         reserve: bool = False,
         fits: bool = False,
+        repl: ReplSteps | None = None,
     ) -> None:
         self.request = request
         self.state = state
+        self.repl = repl  # runs the cell that gives rlms's `history` what a compaction removed
         self.waits = waits
         self.display = display
         self.honest = honest  # False only when replaying histories from before honest endings
@@ -60,7 +67,7 @@ class RootCalls:
     async def ask(self) -> RootCompletion | Ending | LimitReached:
         """The root model's next reply. A context overflow compacts and retries once."""
         request, s = self.request, self.state
-        if self.honest and needs_compaction(s, s.pending, request.limits, request.root_model):
+        if self.honest and needs_compaction(s, s.pending, request.limits, request.root_model, request.rlms):
             over = root_call_limit(request, s, calls=2, reserve=self.reserve, fits=self.fits)
             if over is not None:
                 return LimitReached(over)
@@ -133,8 +140,9 @@ class RootCalls:
                         model=model,
                         conversation=s.conversation,
                         keep_messages=keep,
-                        input_chars=summary_input_chars(request.limits, model),
+                        input_chars=summary_input_chars(request.limits, model, request.rlms),
                         reason=why,
+                        history=request.rlms,
                     ),
                     result_type=CompactionReply,
                     summary=f"compaction: {why}",
@@ -153,4 +161,8 @@ class RootCalls:
         s.charge(reply.usage, reply.model_time_s)
         s.last_prompt_tokens = reply.conversation_chars // defaults.CHARS_PER_TOKEN
         s.last_reply_tokens = 0
+        if reply.history is not None and self.repl is not None:
+            # rlms's `history`: the turns just summarised and the summary, for the model's code.
+            s.cell_count += 1
+            await self.repl.run_cell(s.iteration, s.cell_count, prompts.history_cell(reply.history))
         return None

@@ -12,6 +12,7 @@ from typing import Any
 
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.rlms.prompts import composed_system_prompt
+from durable_rlm.rlms.windows import context_window
 from durable_rlm.workflows.rlms_limits import RLMS_LIMITS_POLICY
 
 
@@ -170,7 +171,10 @@ def translate(
     if max_timeout is not None:
         limits["max_duration"] = timedelta(seconds=max_timeout)
     if compaction:
+        # rlms's window for the model (its table), its share; rlms's `history` list from the start.
+        limits["context_window_tokens"] = context_window(root.name)
         limits["compact_at"] = compaction_threshold_pct
+        setup_code = "\n".join(c for c in ("history = []", setup_code) if c)
     policy, policy_config = "final_pattern", None
     checked = {"max_errors": max_errors, "max_budget": max_budget, "max_tokens": max_tokens}
     if any(value is not None for value in checked.values()):

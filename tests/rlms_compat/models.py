@@ -91,3 +91,36 @@ def limits_and_calls(request: ChatRequest) -> str | Reply:
             return "Let me look. Here: ```repl\nn = len(context.split())\nprint(n)\n``` and then we will see."
         return "Done: ```repl\nanswer['content'] = f'{n} words'\nanswer['ready'] = True\n```"
     raise AssertionError(f"no reply scripted for {request.messages[:3]}")
+
+
+COMPACTION_STEPS = [
+    "```repl\nimport random\nrandom.seed(42)\ndata_a = [random.randint(1, 1000) for _ in range(50)]\n"
+    "print(data_a)\nprint('PAD' * 4000)\n```",
+    "```repl\ndata_b = [random.randint(1, 1000) for _ in range(50)]\nprint(data_b)\nprint('PAD' * 4000)\n```",
+    "```repl\nmean_a = sum(data_a) / len(data_a)\nprint('mean_a', mean_a)\nprint('PAD' * 4000)\n```",
+    "```repl\nmean_b = sum(data_b) / len(data_b)\nprint('mean_b', mean_b)\nprint('PAD' * 4000)\n```",
+    "```repl\nsummaries = [e for e in history if isinstance(e, dict) and e.get('type') == 'summary']\n"
+    "segments = [e for e in history if isinstance(e, list)]\n"
+    "seen = any('data_a = ' in m['content'] for segment in segments for m in segment)\n"
+    "answer['content'] = f'{round(mean_a + mean_b, 2)} summarised={bool(summaries)} found_data_a={seen}'\n"
+    "answer['ready'] = True\n```",
+]
+COMPACTED_SUMMARY = "SUMMARY: data_a and data_b were generated; the means come next."
+
+
+class CompactingModel:
+    """The root model of compaction.py: step k of COMPACTION_STEPS on its k-th root call
+    (counted per library: each sends its own system prompt), a summary when asked for one,
+    by rlms (its progress question) or by us (our compaction call)."""
+
+    def __init__(self) -> None:
+        self.calls: dict[int, int] = {}
+
+    def __call__(self, request: ChatRequest) -> str | Reply:
+        if request.is_compaction or request.last_user.startswith("Summarize your progress so far"):
+            return COMPACTED_SUMMARY
+        assert request.is_root, request.messages
+        key = hash(request.messages[0]["content"])
+        step = self.calls.get(key, 0)
+        self.calls[key] = step + 1
+        return COMPACTION_STEPS[min(step, len(COMPACTION_STEPS) - 1)]
