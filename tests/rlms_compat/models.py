@@ -124,3 +124,54 @@ class CompactingModel:
         step = self.calls.get(key, 0)
         self.calls[key] = step + 1
         return COMPACTION_STEPS[min(step, len(COMPACTION_STEPS) - 1)]
+
+
+DEPTH_ROOT = {
+    "Depth one call": [
+        "```repl\nprimes = rlm_query('What are the first 5 primes? Reply with just the numbers.')\n"
+        "print(primes)\n```",
+        "```repl\nanswer['content'] = primes\nanswer['ready'] = True\n```",
+    ],
+    "Depth batched calls": [
+        "```repl\nresponses = rlm_query_batched(['primes please', 'evens please', 'squares please'])\n"
+        "print(responses)\n```",
+        "```repl\nanswer['content'] = ' | '.join(responses)\nanswer['ready'] = True\n```",
+    ],
+}
+CHILD_ANSWERS = {"primes": "2, 3, 5, 7, 11", "evens": "2, 4, 6, 8, 10", "squares": "1, 4, 9, 16, 25"}
+
+
+def depth_tree(request: ChatRequest) -> str | Reply:
+    """depth_metadata.py's model. Its prompt is the context, which rlms and we both show only
+    to code: every episode prints `context` first; the root then asks its children and
+    answers, a child (whose context is its prompt) answers from a table."""
+    assert request.is_root, request.messages
+    if request.turn == 0:
+        return "```repl\nprint(context)\n```"
+    seen = "\n".join(str(m.get("content", "")) for m in request.messages)
+    for name, turns in DEPTH_ROOT.items():
+        if name in seen:
+            return turns[min(request.turn - 1, len(turns) - 1)]
+    key = next(k for k in CHILD_ANSWERS if k in seen)
+    return f"```repl\nanswer['content'] = {CHILD_ANSWERS[key]!r}\nanswer['ready'] = True\n```"
+
+
+TOOLS_TURNS = [
+    "Let me look.\n```repl\nprint(SHOW_VARS())\naapl = fetch_stock_price('AAPL')['price']\n"
+    "googl = fetch_stock_price('googl')['price']\n"
+    "print(type(MARKET_CONFIG['opened']).__name__, type(SYMBOLS).__name__, sorted(holidays(2024))[0])\n```",
+    "```repl\ntotal = format_currency(100 * (aapl + googl))\nanswer['content'] = f'{total} {SYMBOLS[0]}'\n"
+    "answer['ready'] = True\n```",
+]
+
+
+def tools_and_logger(request: ChatRequest) -> str | Reply:
+    """tools_and_logger.py's model; the system prompt must be rlms's composition."""
+    assert request.is_root, request.messages
+    system = request.messages[0]["content"]
+    assert system.startswith("You are a trading desk assistant.\n6. Custom tools and data available"), system
+    assert (
+        "- `fetch_stock_price`: Price data for a symbol" in system
+        and "- `SYMBOLS`: A custom tuple value" in system
+    )
+    return TOOLS_TURNS[min(request.turn, len(TOOLS_TURNS) - 1)]
