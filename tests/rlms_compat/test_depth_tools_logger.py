@@ -19,3 +19,10 @@ def test_tools_data_prompt_callbacks_and_logger_as_rlms_has_them(differential) -
     run = differential("tools_and_logger", tools_and_logger)
     assert run.ours.printed == run.theirs.printed
     assert run.theirs.printed[0] == "Response: $31,975.00 AAPL"
+
+
+def test_a_program_drives_a_local_repl_through_an_lm_handler(differential) -> None:
+    run = differential("lm_in_repl", lambda request: "4")
+    assert run.ours.printed == run.theirs.printed
+    assert run.theirs.printed[3] == "response variable: '4'"
+    assert run.theirs.printed[-2:] == ["error: ZeroDivisionError: division by zero", "answered: 4"]
