@@ -48,7 +48,9 @@ class Acting:
         request, s, repl, stop = self.ctx.request, self.ctx.state, self.repl, self.ctx.stop
         fields = request.output_fields or ANSWER_FIELDS
         outcome = IterationOutcome(s.iteration, reply.text, reply.mean_logprob)
-        parsed = parse_reply(reply.text, request.code_fences, request.limits.max_cells_per_reply)
+        parsed = parse_reply(
+            reply.text, request.code_fences, request.limits.max_cells_per_reply, inline=self.ctx.rules.rlms
+        )
         blocks, signal = parsed.code_blocks, parsed.signal
         if parsed.more_blocks:
             outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))

@@ -101,6 +101,7 @@ class ReplSteps:
                 self.request.limits.max_children_per_batch if self.request.spawns_children else None
             ),
             tools=self.request.tools,
+            rlms=self.request.rlms,
             snapshots=self.request.durability.snapshots,
             # A fork starts from its source's latest snapshot: it may load that episode's.
             lineage=self.request.fork.lineage if self.request.fork is not None else [],
