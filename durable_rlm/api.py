@@ -366,7 +366,8 @@ class Episode:
         return end.result
 
     async def progress(self) -> EpisodeProgress:
-        return await self.handle.query("progress", result_type=EpisodeProgress)
+        progress: EpisodeProgress = await self.handle.query("progress", result_type=EpisodeProgress)
+        return progress
 
     async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
         from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session

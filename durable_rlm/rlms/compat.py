@@ -29,7 +29,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from durable_rlm.api import DurableRLM
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
@@ -71,7 +71,8 @@ def on_own_thread(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     thread.join()
     if "error" in done:
         raise done["error"]
-    return done["value"]
+    value: T = done["value"]
+    return value
 
 
 class RLM(DurableRLM):
@@ -355,6 +356,6 @@ class RLM(DurableRLM):
     def __enter__(self) -> RLM:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()  # rlms's: the persistent session ends with the block
         return False

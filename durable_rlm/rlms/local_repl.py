@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.client.episodes import store_context
@@ -172,7 +172,7 @@ class LocalREPL:
     def __enter__(self) -> LocalREPL:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.cleanup()
         return False
 
