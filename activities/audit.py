@@ -399,11 +399,15 @@ _UPSERT_DIALECTS = ("sqlite", "postgresql")
 @functools.lru_cache(maxsize=256)
 def _upsert(dialect: str, table: sa.Table, columns: tuple[str, ...]) -> Any:
     """`INSERT ... ON CONFLICT (primary key) DO UPDATE SET` the other columns given."""
+    statement: sqlite.Insert | postgresql.Insert  # each dialect's own ON CONFLICT
     if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert  # optional: the dialect the store uses
+        from sqlalchemy.dialects import sqlite  # optional: the dialect the store uses
+
+        statement = sqlite.insert(table)
     else:
-        from sqlalchemy.dialects.postgresql import insert  # optional: the dialect the store uses
-    statement = insert(table)
+        from sqlalchemy.dialects import postgresql  # optional: the dialect the store uses
+
+        statement = postgresql.insert(table)
     keys = [c.name for c in table.primary_key.columns]
     others = {name: statement.excluded[name] for name in columns if name not in keys}
     if not others:

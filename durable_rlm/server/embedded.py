@@ -155,7 +155,7 @@ class EmbeddedServer:
             return ("--headless",)
         args = ("--ui-port", str(self.ui_port), "--ui-ip", "127.0.0.1", "--ui-disable-news-fetch")
         if self.codec_endpoint:
-            args += ("--ui-codec-endpoint", self.codec_endpoint)
+            return (*args, "--ui-codec-endpoint", self.codec_endpoint)
         return args
 
     def _command(self) -> list[str]:

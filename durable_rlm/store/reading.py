@@ -138,7 +138,7 @@ def open_reader(url: str) -> Reader | None:
 def as_reader(source: Any) -> Reader:
     """A reader as given, or one over a SQLAlchemy engine (a worker's, the episode page's)."""
     if hasattr(source, "rows") and hasattr(source, "errors"):
-        return source  # type: ignore[no-any-return]
+        return source
     from durable_rlm.store.sql import EngineReader  # start-up: SQLAlchemy, which an engine's owner has
 
     return EngineReader(source)
