@@ -157,7 +157,7 @@ def _cell_rows(
     """A cell's row grows step by step: the first step gives its code, the last its output.
     A local step's input is not in history, so its echo (in the result) names the cell."""
     echo = outcome.step
-    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]
+    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]  # no echo: a remote step
     values: dict[str, Any] = {
         "episode_id": episode_id,
         "cell_index": cell_index,
@@ -166,8 +166,8 @@ def _cell_rows(
         "rebuilt": outcome.rebuilt,
     }
     if activity_type == names.REPL_EXECUTE:
-        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]
-        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]
+        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]  # no echo: a remote step
+        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]  # no echo: a remote step
         values["started_at"] = outcome.started_at
     if outcome.status == "completed":
         values.update(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
@@ -145,7 +145,7 @@ def describe_failure(err: BaseException) -> str:
     return getattr(err, "message", "") or str(err)
 
 
-def ending_of(cause: BaseException | None) -> str:
+def ending_of(cause: BaseException | None) -> Literal["cancelled", "terminated", "timed_out", "failed"]:
     """How a workflow that closed without a result ended, from its failure's cause."""
     if isinstance(cause, CancelledError):
         return "cancelled"

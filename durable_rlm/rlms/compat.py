@@ -199,7 +199,7 @@ class RLM(DurableRLM):
 
     # --- completion ---------------------------------------------------------------------------
 
-    def completion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
+    def completion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]  # rlms's
         """Run an episode over `prompt` (the context) to its answer, as rlms's completion. It
         blocks, as rlms's does, also when called inside a running event loop (a notebook, an
         async app): the episode then runs on a thread of its own."""
@@ -215,7 +215,7 @@ class RLM(DurableRLM):
             raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")
         return on_own_thread(make)
 
-    async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
+    async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]  # rlms's
         started = time.perf_counter()
         self.request(None, root_prompt)
         self.check_credentials()
@@ -334,7 +334,7 @@ class RLM(DurableRLM):
 
         return await episode_timeline(services.client, episode_id)
 
-    def close(self) -> None:  # type: ignore[override]
+    def close(self) -> None:  # type: ignore[override]  # rlms's close() is not awaited
         """rlms's close(), which is not awaited: with persistent=True it ends the session;
         otherwise nothing is held between completion() calls (an open connection is closed by
         `async with rlm:` or `aclose()`)."""

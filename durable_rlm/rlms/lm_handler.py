@@ -101,4 +101,4 @@ def handler_at(address: tuple[str, int] | None) -> LMHandler | None:
     if address is None:
         return None
     with _LOCK:
-        return _RUNNING.get(tuple(address))  # type: ignore[arg-type]
+        return _RUNNING.get(tuple(address))  # type: ignore[arg-type]  # a (host, port) list from JSON too

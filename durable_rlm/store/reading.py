@@ -44,7 +44,7 @@ class StoredRow:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StoredRow) and self._mapping == other._mapping
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # equal by value, so never a key (Python's rule)
 
     def __repr__(self) -> str:
         return f"StoredRow({self._mapping!r})"
