@@ -9,7 +9,9 @@ number is printed and stated on the docs' testing page (docs/testing.md, "Types"
 
 from __future__ import annotations
 
+import ast
 import collections
+import importlib
 import io
 import os
 import re
@@ -134,3 +136,24 @@ def test_the_ignore_policy_reads_each_comment(comment: str, problem: str | None)
 def test_only_comments_count_as_ignores() -> None:
     source = 'x = "# type: ignore"  # type: ignore[assignment]  # a reason\n'
     assert ignores_in(source) == [(1, "# type: ignore[assignment]  # a reason")]
+
+
+def test_a_type_checker_sees_every_public_name_the_package_exports() -> None:
+    """`durable_rlm` loads its names on first use (`__getattr__`), which a type checker
+    cannot follow: its `if TYPE_CHECKING:` imports must name the same ones, from the same
+    modules, or a user's checker sees Any."""
+    import durable_rlm
+
+    tree = ast.parse((ROOT / "durable_rlm" / "__init__.py").read_text(encoding="utf-8"))
+    guarded = next(
+        node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    )
+    imported = {
+        alias.asname or alias.name: node.module
+        for node in guarded.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert sorted(imported) == durable_rlm.__all__
+    for name, module in imported.items():
+        assert getattr(durable_rlm, name) is getattr(importlib.import_module(module), name), name
