@@ -49,11 +49,16 @@ def start_cell() -> None:
     _SET[0] = None
 
 
-def end_cell(namespace: dict[str, Any]) -> str | None:
-    """After a cell: the answer it set, if any; `answer` is an AnswerDict again (a rebound
-    plain dict keeps its items and, if ready, is the answer; any other value is replaced)."""
+def end_cell(namespace: dict[str, Any], rlms: bool = False) -> str | None:
+    """After a cell: the answer it set, if any; a rebound plain dict keeps its items, is the
+    answer if ready, and is an AnswerDict again. Any other value bound to `answer` is the
+    model's own variable (`answer = 6 * 7`, then `FINAL_VAR(answer)`), kept as it is; in an
+    rlms program (`rlms`) it is replaced by an empty AnswerDict, as rlms 0.1.3 puts its
+    scaffold back after each cell."""
     current = namespace.get("answer")
-    if not isinstance(current, AnswerDict):
+    if not isinstance(current, AnswerDict) and (
+        rlms or isinstance(current, dict) or "answer" not in namespace
+    ):
         replacement = AnswerDict()
         if isinstance(current, dict):
             dict.update(replacement, current)
@@ -64,11 +69,14 @@ def end_cell(namespace: dict[str, Any]) -> str | None:
     return answer
 
 
-def rewrap(namespace: dict[str, Any]) -> None:
-    """After a snapshot was loaded: `answer` an AnswerDict, whatever the snapshot held (older
-    snapshots hold a plain dict), and nothing it holds counts as set."""
+def rewrap(namespace: dict[str, Any], rlms: bool = False) -> None:
+    """After a snapshot was loaded: `answer` an AnswerDict if the snapshot held a dict there
+    (older snapshots hold a plain one), or anything in an rlms program (as `end_cell`);
+    nothing it holds counts as set."""
     current = namespace.get("answer")
-    if not isinstance(current, AnswerDict):
+    if not isinstance(current, AnswerDict) and (
+        rlms or isinstance(current, dict) or "answer" not in namespace
+    ):
         replacement = AnswerDict()
         if isinstance(current, dict):
             dict.update(replacement, current)

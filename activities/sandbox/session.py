@@ -246,7 +246,7 @@ class Session:
                 self._run(code, cell_name)
             finally:
                 # Inside the cell's time limit: a rebound `answer` may be a hostile dict.
-                ready = answers.end_cell(self.namespace)
+                ready = answers.end_cell(self.namespace, self.rlms)
                 if self.rlms:
                     self._put_back_aliases()
         except CellTimeout as exc:
