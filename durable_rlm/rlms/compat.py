@@ -305,7 +305,7 @@ class RLM(DurableRLM):
         elapsed = time.perf_counter() - started
         usage = usage_by_model(timeline, result, self.root_model_name)
         if self.logger is not None:
-            replay_to_logger(self.logger, timeline, services.blobs)
+            replay_to_logger(self.logger, timeline, services.blobs, self._run_metadata)
         report_children(timeline, services.blobs, self.callbacks, reported)
         raise_for_limit(
             result,
