@@ -307,10 +307,14 @@ def test_an_unreadable_context_file_is_a_clear_error(tmp_path: Path, monkeypatch
     path = tmp_path / "secret.txt"
     path.write_text("x")
 
-    def refuse(*_: object, **__: object) -> str:
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "read_text", refuse)
+    def refuse(target: object, *args: object, **kwargs: object) -> int:
+        if str(target) == str(path):  # root reads any file: the refusal a user would meet
+            raise PermissionError(13, "Permission denied")
+        return real_open(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refuse)
     with pytest.raises(ConfigurationError, match="cannot read context file .*secret.txt: Permission denied"):
         read_context_text(path)
 

@@ -112,6 +112,11 @@ MISSING_VAR_TURN = (
 def describe_context(context: ContextRef | None) -> str:
     if context is None:
         return "None (this query has no separate context)."
+    if context.kind == "documents":
+        return (
+            f"a list of {context.documents:,} documents (strings, or for .json files their values), "
+            f"{context.size:,} characters in all; `context.names` lists their file names."
+        )
     return f"a {context.type_name} of {context.size:,} characters."
 
 

@@ -147,9 +147,13 @@ class StoreMismatch(ConfigurationError):
 def agree_on_blob_store(engine: sa.Engine, blob_store: str) -> None:
     """Refuse a process whose blob store differs from the one the SQL store has recorded:
     episodes it started would hold digests of blobs no other worker can read (stranded).
-    The first process to use a store records its choice."""
+    The first process to use a store records its choice. `blob_store` is "sql", a resolved
+    directory, or an object store's URL (Settings.blob_store_name)."""
     table = schema.store_facts
-    here = "sql" if blob_store == "sql" else f"directory {Path(blob_store).resolve()}"
+    if blob_store == "sql" or blob_store.startswith("s3://"):
+        here = blob_store
+    else:
+        here = f"directory {Path(blob_store).resolve()}"
     who = f"{socket.gethostname()} pid {os.getpid()}"
     with engine.begin() as conn:
         known = conn.execute(sa.select(table).where(table.c.name == "blob_store")).mappings().first()
