@@ -383,7 +383,9 @@ class Verifier:
         try:
             with self.engine.connect() as conn:
                 text = conn.execute(
-                    sa.select(table.c.timeline).where(table.c.episode_id == episode_id)
+                    sa.select(table.c.timeline).where(
+                        table.c.episode_id == episode_id, table.c.blobs_expired_at.is_(None)
+                    )
                 ).scalar_one_or_none()
         except sa.exc.DatabaseError:
             return None
@@ -421,7 +423,10 @@ class Verifier:
             return set()
         try:
             with self.engine.connect() as conn:
-                return set(conn.execute(sa.select(schema.episode_timelines.c.episode_id)).scalars())
+                table = schema.episode_timelines
+                # An episode whose history passed retention: `drlm gc` removed its blobs.
+                query = sa.select(table.c.episode_id).where(table.c.blobs_expired_at.is_(None))
+                return set(conn.execute(query).scalars())
         except sa.exc.DatabaseError:
             return set()
 

@@ -114,7 +114,7 @@ class LocalObjectStore:
                 return
             except (BotoCoreError, ClientError):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"weed mini not ready in {START_S:.0f} s: see {self.log.name}") from None
+                    raise TimeoutError(f"weed mini not ready in {START_S:.0f} s: {self.log.name}") from None
                 time.sleep(0.2)
 
     def stop(self) -> None:
