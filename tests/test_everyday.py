@@ -284,12 +284,13 @@ def test_ctrl_c_says_the_episode_goes_on_and_resume_finishes_it(tmp_path: Path, 
     [
         (["run", "t", "--max-iterations", "many"], "drlm run: argument --max-iterations: invalid int value"),
         (["frobnicate"], "drlm: argument command: invalid choice: 'frobnicate'"),
-        (["run", "t", "--context", "."], "is a directory"),
+        (["run", "t", "--context", "pipe"], "is a FIFO (named pipe)"),
         (["run", "t", "--context", "latin1.txt"], "context file is not UTF-8 text"),
     ],
 )
 def test_bad_flags_and_files_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    os.mkfifo(tmp_path / "pipe")
     out = (
         drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1")
         if args[0] == "run"
