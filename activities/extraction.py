@@ -44,7 +44,9 @@ class ExtractionActivities:
             )
         )
         try:
-            done = await self.models.complete(request.model, [Message(role="user", content=prompt)])
+            done = await self.models.complete(
+                request.model, [Message(role="user", content=prompt)], request.max_reply_chars
+            )
         except ApplicationError as exc:
             # Retry while attempts remain; on the last one, hand back the history with the
             # error so the episode's Failed result keeps it (seed 004).

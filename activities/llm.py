@@ -30,6 +30,14 @@ from durable_rlm.activities import chains
 from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.activities.providers import client_library, error_types
+from durable_rlm.activities.reply_limits import (
+    body_cap,
+    cut_reply,
+    read_capped_body,
+    reading_at_most,
+    text_of_cut_body,
+    was_cut,
+)
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import (
@@ -69,6 +77,23 @@ async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
             task.cancel()
 
 
+class BodyCut(Exception):
+    """The reply's body was larger than its cap and was read only up to it: the text comes
+    from the head read, and its token counts, which came after it, are estimated."""
+
+    def __init__(self, head: bytes, api: str) -> None:
+        super().__init__(f"reply body cut at {len(head):,} bytes")
+        self.head, self.api = head, api
+
+    def completion(self, settings: ModelSettings, messages: list[Message], elapsed: float) -> Completion:
+        text, whole = text_of_cut_body(self.head, self.api)
+        sent = sum(len(m.content) for m in messages)
+        usage = TokenUsage.priced(
+            sent // defaults.CHARS_PER_TOKEN, len(text) // defaults.CHARS_PER_TOKEN, settings.price
+        )
+        return Completion(text, usage, elapsed, whole=whole)
+
+
 @dataclass(frozen=True)
 class Completion:
     text: str
@@ -77,6 +102,7 @@ class Completion:
     mean_logprob: float | None = None
     facts: CallFacts = dataclasses.field(default_factory=CallFacts)
     said: dict[str, Any] = dataclasses.field(default_factory=dict)  # response_* facts (CallFacts)
+    whole: bool = True  # False: the body was cut inside the text (activities/reply_limits.py)
 
     def __post_init__(self) -> None:
         # A reply may carry a lone surrogate ("\ud800" in its JSON): no UTF-8 encodes it, so
@@ -165,17 +191,39 @@ class ModelActivities:
                 kind = client_library("anthropic").AsyncAnthropic
             else:
                 kind = client_library("openai").AsyncOpenAI
-            client = kind(api_key=key, base_url=base_url, max_retries=0, timeout=settings.request_timeout_s)
+            library = client_library(settings.provider)
+            client = kind(
+                api_key=key,
+                base_url=base_url,
+                max_retries=0,
+                timeout=settings.request_timeout_s,
+                # The library's own client, plus a hook that reads the body within its cap.
+                http_client=library.DefaultAsyncHttpxClient(event_hooks={"response": [read_capped_body]}),
+            )
             self._clients[cache_key] = client
         return client
 
-    async def complete(self, settings: ModelSettings, messages: list[Message]) -> Completion:
+    async def complete(
+        self,
+        settings: ModelSettings,
+        messages: list[Message],
+        max_reply_chars: int = defaults.MAX_REPLY_CHARS,
+    ) -> Completion:
+        """One call; of its reply at most `max_reply_chars` characters are read, and a longer
+        reply is cut there and says so (activities/reply_limits.py)."""
         facts = call_facts(messages)
-        if settings.provider == "anthropic":
-            done = await self._complete_anthropic(settings, messages)
-        else:
-            done = await self._complete_openai(settings, messages)
-        return dataclasses.replace(done, facts=facts.model_copy(update=done.said))
+        began = time.monotonic()
+        with reading_at_most(body_cap(max_reply_chars)):
+            try:
+                if settings.provider == "anthropic":
+                    done = await self._complete_anthropic(settings, messages)
+                else:
+                    done = await self._complete_openai(settings, messages)
+            except BodyCut as cut:
+                done = cut.completion(settings, messages, time.monotonic() - began)
+        text, cut_at = cut_reply(done.text, max_reply_chars, whole=done.whole)
+        said = {**done.said, "reply_cut_at": cut_at} if cut_at is not None else done.said
+        return dataclasses.replace(done, text=text, facts=facts.model_copy(update=said))
 
     async def _complete_openai(self, settings: ModelSettings, messages: list[Message]) -> Completion:
         client = self._client(settings)
@@ -236,6 +284,8 @@ class ModelActivities:
             raw = await with_heartbeats(request)
         except error_types("OpenAIError", "AnthropicError") as exc:
             raise classify(exc, settings, base_url) from None
+        if was_cut(getattr(raw, "http_response", None)):
+            raise BodyCut(raw.http_response.content, settings.provider)
         try:
             parsed = raw.parse()
             if inspect.isawaitable(parsed):  # anthropic's async raw responses parse asynchronously
@@ -307,7 +357,7 @@ class ModelActivities:
     async def _root_completion(self, request: RootCompletionInput) -> RootCompletion:
         head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
         sent = resent_view(messages, request.resent_message_chars)
-        done = await self.complete(request.model, sent)
+        done = await self.complete(request.model, sent, request.max_reply_chars)
         head = await asyncio.to_thread(
             chains.append_message, self.blobs, head, Message(role="assistant", content=done.text)
         )
@@ -325,7 +375,9 @@ class ModelActivities:
     async def sub_query(self, request: SubQueryInput) -> SubQueryReply:
         start_attempt_clock()
         with compact_failures():
-            done = await self.complete(request.model, [Message(role="user", content=request.prompt)])
+            done = await self.complete(
+                request.model, [Message(role="user", content=request.prompt)], request.max_reply_chars
+            )
         return SubQueryReply(
             text=done.text, usage=done.usage, model_time_s=done.elapsed, **done.facts.model_dump()
         )
@@ -351,7 +403,7 @@ class ModelActivities:
                 usage=TokenUsage(),
                 model_time_s=0.0,
             )
-        done = await self._summarise(request.model, middle, request.input_chars)
+        done = await self._summarise(request.model, middle, request.input_chars, request.max_reply_chars)
         summary = Message(role="user", content=f"{COMPACTED_PREFIX}\n{done.text.strip()}")
         kept = [*head, summary, *tail]
         new_head = await asyncio.to_thread(self._rewrite, kept)
@@ -366,13 +418,15 @@ class ModelActivities:
             **done.facts.model_dump(),
         )
 
-    async def _summarise(self, model: ModelSettings, middle: list[Message], input_chars: int) -> Completion:
+    async def _summarise(
+        self, model: ModelSettings, middle: list[Message], input_chars: int, max_reply_chars: int
+    ) -> Completion:
         """The summary call; when even it does not fit the window (unknown to us), it reads
         half as much of the earlier turns and tries again."""
         while True:
             prompt = compaction_prompt(middle, input_chars)
             try:
-                return await self.complete(model, [Message(role="user", content=prompt)])
+                return await self.complete(model, [Message(role="user", content=prompt)], max_reply_chars)
             except ApplicationError as exc:
                 if exc.type != names.MODEL_CONTEXT_OVERFLOW or input_chars <= MIN_SUMMARY_INPUT_CHARS:
                     raise

@@ -7,6 +7,7 @@ and that none was repeated.
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import struct
@@ -35,6 +36,7 @@ class Reply:
     content_type: str = "application/json"
     reset: bool = False  # the connection is reset (RST) instead of any reply
     cost: float | None = None  # sent as usage.cost, as OpenRouter and LiteLLM proxies report it
+    gzip: bool = False  # the body goes gzip-compressed (Content-Encoding: gzip)
 
 
 @dataclass
@@ -171,6 +173,12 @@ class ScriptedModelServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
+            def handle(self) -> None:
+                try:
+                    super().handle()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # a client that read only so much of a reply hung up: not the server's error
+
             def setup(self) -> None:
                 super().setup()
                 # Headers and body go out in separate writes; without this, Nagle and delayed
@@ -183,15 +191,23 @@ class ScriptedModelServer:
                 body: dict[str, Any] | str,
                 headers: dict[str, str] | None = None,
                 content_type: str = "application/json",
+                compress: bool = False,
             ) -> None:
                 data = (body if isinstance(body, str) else json.dumps(body)).encode()
+                if compress:
+                    data = gzip.compress(data, compresslevel=6)
+                    headers = {**(headers or {}), "Content-Encoding": "gzip"}
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 for key, value in (headers or {}).items():
                     self.send_header(key, value)
                 self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # A client that reads only so much of a reply closes the connection.
+                    self.close_connection = True
 
             api = "openai"
 
@@ -289,7 +305,7 @@ class ScriptedModelServer:
                     self.connection.close()
                     return None
                 if reply.raw is not None:
-                    self._send(reply.status, reply.raw, reply.headers, reply.content_type)
+                    self._send(reply.status, reply.raw, reply.headers, reply.content_type, reply.gzip)
                     with server._lock:
                         server.completed += 1
                     return None
@@ -345,6 +361,7 @@ class ScriptedModelServer:
                         },
                     },
                     reply.headers,
+                    compress=reply.gzip,
                 )
                 with server._lock:
                     server.completed += 1

@@ -37,6 +37,7 @@ FIRST = [
     "tests/test_everyday.py",
     "tests/test_sandbox_files.py",  # issue 33: seconds
     "tests/test_host_protocol.py",
+    "tests/test_reply_limits.py",  # issue 45: a minute and a half
 ]
 
 
@@ -290,6 +291,28 @@ MECHANISMS = [
         'DENIED_SOCKET_FAMILIES = {"AF_NETLINK": AF_NETLINK, "AF_PACKET": AF_PACKET, "AF_VSOCK": AF_VSOCK}',
         'DENIED_SOCKET_FAMILIES = {"AF_PACKET": AF_PACKET}',
         "netlink and vsock sockets are allowed",
+    ),
+    # Issue 45, item 2: every size the host takes from a model is bounded before it is parsed.
+    Mechanism(
+        "reply body read within its cap",
+        "activities/llm.py",
+        "        with reading_at_most(body_cap(max_reply_chars)):",
+        "        with contextlib.nullcontext():",
+        "the client reads a reply's whole body (a 100 MB reply, decompressed, into the worker)",
+    ),
+    Mechanism(
+        "reply cut at max_reply_chars",
+        "activities/reply_limits.py",
+        "    if len(text) <= limit and whole:\n        return text, None",
+        "    if True:\n        return text, None",
+        "a reply of any length goes to the workflow task, history and the conversation",
+    ),
+    Mechanism(
+        "extraction reads the first fences only",
+        "workflows/fallback.py",
+        "itertools.islice(iter_fenced_blocks(text), EXTRACTION_FENCES_READ)",
+        "iter_fenced_blocks(text)",
+        "an extraction reply of a million fenced blocks costs a million parses in a workflow task",
     ),
 ]
 

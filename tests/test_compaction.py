@@ -145,7 +145,7 @@ async def test_an_overflow_compaction_cannot_fix_ends_in_extraction(client, work
 
 
 async def test_a_huge_reply_is_stored_whole_and_resent_shortened(client, worker, scripted, blobs) -> None:
-    huge = "```repl\nx = 1\n```\n" + "word " * 200_000  # a 1 MB reply
+    huge = "```repl\nx = 1\n```\n" + "word " * 190_000  # a ~1 MB reply, within max_reply_chars
     turns = [huge, "```repl\nprint('y' * 100_000)\n```", "```repl\nprint(x)\n```", "FINAL_VAR(x)"]
     server = scripted(counting_script(turns))
     episode_id = f"huge-{uuid.uuid4().hex[:6]}"

@@ -302,7 +302,7 @@ async def test_a_refused_root_key_pauses_until_a_worker_with_the_right_key_retri
     # `drlm run` has exited; `drlm resume` runs a worker with the fixed key and retries.
     async with worker_with_key(client, store, session_dir, queue, RIGHT):
         outcome = await retry_credentials(client, handle.id)
-        assert (outcome.accepted, outcome.waiting_calls) == (True, 1)
+        assert (outcome.accepted, outcome.waiting_calls) == (True, 1), outcome.message
         assert not (await retry_credentials(client, handle.id)).accepted  # nothing waits now
         end = await asyncio.wait_for(follow(handle), 60)
     assert end.status == "completed" and end.result is not None

@@ -104,6 +104,7 @@ async def sub_model_call(
                     call_index=call.call_index,
                     model=model,
                     prompt=call.prompt,
+                    max_reply_chars=site.request.limits.max_reply_chars,
                 ),
                 result_type=SubQueryReply,
                 summary=metadata.call_summary(

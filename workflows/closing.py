@@ -73,6 +73,7 @@ class Closing:
                         variables=s.variables,
                         output_fields=fields,
                         reason=reason,
+                        max_reply_chars=request.limits.max_reply_chars,
                     ),
                     result_type=ExtractionReply,
                     summary=f"extraction after {reason.kind}",

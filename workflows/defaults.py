@@ -59,6 +59,17 @@ block is a REPL step in history."""
 
 # --- models --------------------------------------------------------------------------------
 
+MAX_REPLY_CHARS = 1_000_000
+"""Characters of one model reply the worker reads; a longer reply is cut there and says so
+(activities/reply_limits.py). No provider's largest output (128k tokens, ~500k characters)
+comes near it: past it is a model repeating itself until its max_tokens, or an endpoint that
+is broken or hostile. Everything after the call (the workflow task that parses the reply,
+history, the conversation) then handles a bounded text."""
+
+MAX_REPLY_CHARS_CEILING = 4_000_000
+"""The largest max_reply_chars an episode may set: a reply this long is parsed, recorded and
+acted on in one workflow task well within Temporal's ~2 s (tests/test_reply_limits.py)."""
+
 REQUEST_TIMEOUT_S = 120.0
 """One model request. Long replies from large models take a minute or more."""
 

@@ -6,7 +6,9 @@ output fields and their check are workflows/typed_outputs.py.
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -14,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from durable_rlm.workflows import defaults
-from durable_rlm.workflows.parsing import fenced_blocks, shorten_middle
+from durable_rlm.workflows.parsing import iter_fenced_blocks, shorten_middle
 from durable_rlm.workflows.typed_outputs import (
     FieldSpec,
     check_outputs,
@@ -197,16 +199,26 @@ def extraction_prompt(inputs: ExtractFallbackInputs) -> str:
 # --- the reply -----------------------------------------------------------------------------------
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
-    fenced = [b.code.strip() for b in fenced_blocks(text) if b.language in ("", "json", "JSON")]
-    candidates = [text.strip(), *fenced]
+EXTRACTION_FENCES_READ = 16
+"""Fenced blocks of an extraction reply looked into for its JSON: the answer is in one of
+the first, and a reply of a million blocks must not cost a million parses (workflow code)."""
+
+
+def _json_candidates(text: str) -> Iterator[str]:
+    yield text.strip()
+    for block in itertools.islice(iter_fenced_blocks(text), EXTRACTION_FENCES_READ):
+        if block.language in ("", "json", "JSON"):
+            yield block.code.strip()
     start, end = text.find("{"), text.rfind("}")
     if 0 <= start < end:
-        candidates.append(text[start : end + 1])
-    for candidate in candidates:
+        yield text[start : end + 1]
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    for candidate in _json_candidates(text):
         try:
             value = json.loads(candidate)
-        except (json.JSONDecodeError, ValueError):
+        except (ValueError, RecursionError):  # not JSON; or nested past the parser's depth
             continue
         if isinstance(value, dict):
             return value

@@ -158,6 +158,13 @@ class EpisodeLimits(StrictModel):
         default=defaults.MAX_CHILDREN_PER_BATCH, ge=1, le=defaults.MAX_CHILDREN_PER_BATCH_CEILING
     )
     max_tool_calls: int = Field(default=defaults.MAX_TOOL_CALLS, ge=0, description="custom-tool calls")
+    max_reply_chars: int = Field(
+        default=defaults.MAX_REPLY_CHARS,
+        ge=1_000,
+        le=defaults.MAX_REPLY_CHARS_CEILING,
+        description="characters of one model reply read (root, sub-call, compaction, extraction); "
+        "a longer reply is cut there, and the cut text ends with a note saying so",
+    )
 
     @field_validator("max_duration")
     @classmethod
@@ -651,6 +658,9 @@ class CallFacts(StrictModel):
     response_model: str | None = Field(default=None, description="the model that answered, as named")
     response_id: str | None = Field(default=None, description="the provider's id of the reply")
     finish_reasons: list[str] | None = Field(default=None, description="why the reply stopped")
+    reply_cut_at: int | None = Field(
+        default=None, description="the reply was longer than max_reply_chars: the characters kept"
+    )
 
 
 class RootCompletionInput(StrictModel):
@@ -663,6 +673,7 @@ class RootCompletionInput(StrictModel):
     conversation: str | None
     append: list[Message]
     resent_message_chars: int = defaults.RESENT_MESSAGE_CHARS
+    max_reply_chars: int = defaults.MAX_REPLY_CHARS
 
 
 class RootCompletion(CallFacts):
@@ -684,6 +695,7 @@ class CompactionInput(StrictModel):
     keep_messages: int = defaults.COMPACTION_KEEP_MESSAGES
     input_chars: int = defaults.COMPACTION_INPUT_CHARS
     reason: str = ""
+    max_reply_chars: int = defaults.MAX_REPLY_CHARS
 
 
 class CompactionReply(CallFacts):
@@ -703,6 +715,7 @@ class SubQueryInput(StrictModel):
     call_index: int
     model: ModelSettings
     prompt: str
+    max_reply_chars: int = defaults.MAX_REPLY_CHARS
 
 
 class SubQueryReply(CallFacts):
@@ -872,6 +885,7 @@ class ExtractionInput(StrictModel):
     output_fields: list[FieldSpec]
     reason: FallbackReason
     max_history: int = defaults.EXTRACTION_HISTORY_ENTRIES
+    max_reply_chars: int = defaults.MAX_REPLY_CHARS
 
 
 class ExtractionReply(CallFacts):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -59,16 +60,23 @@ def _language(info: str) -> str:
     return words[0] if words else ""
 
 
+def iter_fenced_blocks(text: str | None) -> Iterator[FencedBlock]:
+    """The fenced blocks of `text`, in order, found as they are asked for: a reader that
+    needs only the first few pays for those (a reply may hold a million empty blocks)."""
+    text = text or ""
+    if "```" not in text:
+        return
+    for match in _FENCE_BLOCK.finditer(text):
+        info, body, rest = match.group("info", "body", "rest")
+        if body is not None:
+            yield FencedBlock(_language(info), body[:-1], True)
+        else:
+            yield FencedBlock(_language(info), (rest or "")[1:], False)
+
+
 def fenced_blocks(text: str | None) -> list[FencedBlock]:
     """Every fenced block of `text`, in order; the last may be unclosed."""
-    parts = _split_fences(text or "")
-    blocks: list[FencedBlock] = []
-    for info, body, rest in zip(parts[1::4], parts[2::4], parts[3::4], strict=True):
-        if body is not None:
-            blocks.append(FencedBlock(_language(info), body[:-1], True))
-        else:
-            blocks.append(FencedBlock(_language(info), (rest or "")[1:], False))
-    return blocks
+    return list(iter_fenced_blocks(text))
 
 
 def strip_code_blocks(text: str | None) -> str:

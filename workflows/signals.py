@@ -8,8 +8,12 @@ from typing import Any
 
 from durable_rlm.workflows.termination import ActionResult, PolicyError
 
-# A line of its own: `CONFIDENCE: 0.9` or `confidence = 85%`. The last one in a reply counts.
-_STATED_CONFIDENCE = re.compile(r"^[ \t]*CONFIDENCE[ \t]*[:=][ \t]*([0-9]*\.?[0-9]+)[ \t]*(%?)", re.M | re.I)
+# A line of its own: `CONFIDENCE: 0.9` or `confidence = 85%`. The last one in a reply counts:
+# the leading `[\s\S]*` runs to the end and backs off to the last such line, one step a
+# character, so a reply of a million such lines costs no list of a million matches.
+_LAST_STATED_CONFIDENCE = re.compile(
+    r"[\s\S]*^[ \t]*CONFIDENCE[ \t]*[:=][ \t]*([0-9]*\.?[0-9]+)[ \t]*(%?)", re.M | re.I
+)
 
 CONFIDENCE_INSTRUCTION = (
     "End every reply with a line `CONFIDENCE: <number between 0 and 1>` stating how sure you "
@@ -18,10 +22,10 @@ CONFIDENCE_INSTRUCTION = (
 
 
 def stated_confidence(text: str | None) -> float | None:
-    matches = _STATED_CONFIDENCE.findall(text or "")
-    if not matches:
+    last = _LAST_STATED_CONFIDENCE.match(text or "")
+    if last is None:
         return None
-    number, percent = matches[-1]
+    number, percent = last.groups()
     value = float(number)
     if percent or value > 1:
         value /= 100
