@@ -20,6 +20,7 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
+from durable_rlm.activities.context_cache import ContextCache
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
@@ -79,6 +80,7 @@ class SandboxStarter:
         self, blobs: BlobStore, config: SandboxConfig, home: SandboxHome, uids: SandboxUids | None
     ) -> None:
         self.blobs = blobs
+        self.contexts = ContextCache(blobs, encrypting=blobs.keyring is not None)
         self.config = config
         self.home = home
         self.uids = uids
@@ -117,10 +119,9 @@ class SandboxStarter:
         uid = self.uids.claim() if self.uids is not None else None
         try:
             if ref.context is not None:
-                data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
-                path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
-                path.write_bytes(data)
-                init.update(context_path=str(path), context_kind=ref.context.kind)
+                # The worker's read-only copy, made once and mapped by every sandbox over it.
+                copy = await self.contexts.copy_of(ref.context)
+                init["context"] = copy.init_message()
             if uid is not None:
                 init["uid"] = uid
                 for p in [directory, *directory.iterdir()]:
@@ -215,6 +216,7 @@ class SandboxStarter:
                 await self.template.close()
                 self.template = None
             self.home.remove()  # made again if this host starts another sandbox
+            self.contexts.close()  # and the context copies with it
             if self.uids is not None:
                 self.uids.reap_stale()
 

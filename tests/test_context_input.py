@@ -3,6 +3,7 @@ server, no episode. Each bad input a person (or a script) can hand `drlm run --c
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -115,3 +116,30 @@ def test_a_file_that_is_not_utf8_is_refused_with_where(tmp_path: Path) -> None:
 def test_invalid_json_is_refused(tmp_path: Path) -> None:
     (tmp_path / "data.json").write_text('{"a": [1, 2,')
     _refused(_run(tmp_path, "data.json"), "is not valid JSON", tmp_path)
+
+
+def test_a_directory_and_several_files_become_documents(tmp_path: Path, scripted) -> None:  # noqa: ANN001
+    from durable_rlm.scripted import root_and_sub
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "one.txt").write_text("alpha\nbeta\n")
+    (corpus / "two.txt").write_text("gamma\n")
+    (tmp_path / "data.json").write_text('{"n": 41}')
+    turns = [
+        "```repl\nlines = sum(d.count(chr(10)) for d in context[:2])\n"
+        "answer_text = f'{len(context)} {list(context.names)} {lines}'\n```",
+        "FINAL_VAR(answer_text)",
+    ]
+    server = scripted(root_and_sub(turns))
+    out = drlm(tmp_path, tmp_path, "run", "t", "--context", "corpus", "--base-url", server.base_url,
+               "--model", "m", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["answer"] == "2 ['one.txt', 'two.txt'] 3"
+
+    turns = ["```repl\nv = context[1]['n'] + len(context[0])\n```", "FINAL_VAR(v)"]
+    server = scripted(root_and_sub(turns))
+    out = drlm(tmp_path, tmp_path, "run", "t", "--context", "corpus/two.txt", "--context", "data.json",
+               "--base-url", server.base_url, "--model", "m", "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["answer"] == "47"
