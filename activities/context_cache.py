@@ -26,8 +26,11 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
+import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -108,8 +111,11 @@ class ContextCache:
         self.capacity = capacity
         self._directory: Path | None = None
         self._entries: OrderedDict[str, CachedContext] = OrderedDict()
+        self._entries_lock = threading.Lock()  # a client's copy arrives from another thread
         self._locks: dict[str, asyncio.Lock] = {}
-        self.made = 0  # copies made (tests and benchmarks count them)
+        self.made = 0  # copies made from the store (tests and benchmarks count them)
+        self.adopted = 0  # copies written as a client of this process stored the context
+        _LOCAL.add(self)
 
     @property
     def directory(self) -> Path:
@@ -122,16 +128,44 @@ class ContextCache:
         key = f"{ref.kind}:{ref.digest}"
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:  # ten sandboxes at once over one context: one copy is made
-            entry = self._entries.get(key)
-            if entry is not None and self._intact(entry):
-                self._entries.move_to_end(key)
-                return entry
+            with self._entries_lock:
+                entry = self._entries.get(key)
+                if entry is not None and self._intact(entry):
+                    self._entries.move_to_end(key)
+                    return entry
             entry = await asyncio.to_thread(self._make, ref)
-            self._entries[key] = entry
-            self._entries.move_to_end(key)
+            self._keep(key, entry)
             self.made += 1
             await asyncio.to_thread(self._evict)
             return entry
+
+    def _keep(self, key: str, entry: CachedContext) -> None:
+        with self._entries_lock:
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+
+    def teeing(self) -> CopyInPassing:
+        """A copy written while a client of this process streams a context to the store
+        (embedded mode: the client is the worker), so no sandbox waits for it to be read back."""
+        return CopyInPassing(self)
+
+    def adopt(self, ref: ContextRef, made: Path) -> None:
+        """Take `made` (the bytes just stored as `ref`, written in this cache's directory) as
+        the copy of `ref`, unless one is there already."""
+        key = f"{ref.kind}:{ref.digest}"
+        with self._entries_lock:
+            present = self._entries.get(key)
+        if present is not None and self._intact(present):
+            with contextlib.suppress(OSError):
+                os.unlink(made)
+            return
+        _, hexpart = split_digest(ref.digest)
+        final = made.parent / f"{ref.kind}-{hexpart}"
+        os.chmod(made, 0o444)
+        os.replace(made, final)
+        info = os.lstat(final)
+        self._keep(key, CachedContext(final, ref.kind, info.st_size, _signature(info)))
+        self.adopted += 1
 
     def _intact(self, entry: CachedContext) -> bool:
         try:
@@ -189,19 +223,57 @@ class ContextCache:
                 )
 
     def _evict(self) -> None:
-        total = sum(e.size for e in self._entries.values())
-        while total > self.capacity and len(self._entries) > 1:
-            _, oldest = self._entries.popitem(last=False)
-            total -= oldest.size
-            with contextlib.suppress(OSError):
-                os.unlink(oldest.path)  # a sandbox that opened it keeps reading it
+        with self._entries_lock:
+            total = sum(e.size for e in self._entries.values())
+            while total > self.capacity and len(self._entries) > 1:
+                _, oldest = self._entries.popitem(last=False)
+                total -= oldest.size
+                with contextlib.suppress(OSError):
+                    os.unlink(oldest.path)  # a sandbox that opened it keeps reading it
 
     def close(self) -> None:
         """Remove the cache (the worker stops): nothing of a context stays behind."""
+        _LOCAL.discard(self)
         directory, self._directory = self._directory, None
         self._entries.clear()
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
+
+
+_LOCAL: weakref.WeakSet[ContextCache] = weakref.WeakSet()
+
+
+def local_cache(blobs: BlobStore) -> ContextCache | None:
+    """The cache of a worker running in this process over the same blob store, if any."""
+    where = blobs.backend.describe()
+    for cache in list(_LOCAL):
+        if cache.blobs is blobs or cache.blobs.backend.describe() == where:
+            return cache
+    return None
+
+
+class CopyInPassing:
+    """Writes the pieces of a context to a file of the cache as they go to the store."""
+
+    def __init__(self, cache: ContextCache) -> None:
+        self.cache = cache
+        fd, name = tempfile.mkstemp(dir=cache.directory, prefix=".teeing-")
+        self.path = Path(name)
+        self.out = os.fdopen(fd, "wb")
+
+    def pieces(self, pieces: Iterator[bytes]) -> Iterator[bytes]:
+        for piece in pieces:
+            self.out.write(piece)
+            yield piece
+
+    def keep(self, ref: ContextRef) -> None:
+        self.out.close()
+        self.cache.adopt(ref, self.path)
+
+    def drop(self) -> None:
+        self.out.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
 
 
 def sweep_stale_caches(base: Path | None = None, older_than_s: float = 3600.0) -> int:

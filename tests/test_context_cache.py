@@ -29,6 +29,11 @@ def _cache(host: ReplActivities) -> ContextCache:
     return host.pool.starter.contexts
 
 
+def _copies(host: ReplActivities) -> int:
+    """Copies made: read back from the store, or written as this process stored the context."""
+    return _cache(host).made + _cache(host).adopted
+
+
 async def test_two_episodes_over_one_context_share_one_copy(host: ReplActivities) -> None:
     text = ("a line of a large log, " * 50 + "\n") * (CHUNK_BYTES // 1000)  # > one chunk
     first, second = Episode(host, context=text), Episode(host, context=text)
@@ -37,6 +42,17 @@ async def test_two_episodes_over_one_context_share_one_copy(host: ReplActivities
         f"{len(text)} {text.count(chr(10))}\n"
     )
     assert (await second.run("print(type(context).__name__, context[:6])")).stdout == "str a line\n"
+    assert _copies(host) == 1
+
+
+async def test_a_context_stored_elsewhere_is_read_back_from_the_store_once(host: ReplActivities) -> None:
+    from durable_rlm.store.contexts import store_text
+
+    ref = store_text(host.blobs, "stored by another process")  # no local worker saw it go by
+    first, second = Episode(host), Episode(host)
+    first.context = second.context = ref
+    for episode in (first, second):
+        assert (await episode.run("print(context)")).stdout == "stored by another process\n"
     assert _cache(host).made == 1
 
 
@@ -46,7 +62,7 @@ async def test_a_rebuild_maps_the_same_copy(host: ReplActivities) -> None:
     await host.pool.close_episode(episode.episode_id)  # the sandbox is gone: the next step rebuilds
     outcome = await episode.run("print(x, context[:11])")
     assert outcome.stdout == f"{len('the context, ' * 1000)} the context\n"
-    assert _cache(host).made == 1
+    assert _copies(host) == 1
 
 
 async def test_the_copy_is_out_of_the_sandbox_s_reach(host: ReplActivities) -> None:
@@ -62,14 +78,14 @@ async def test_the_copy_is_out_of_the_sandbox_s_reach(host: ReplActivities) -> N
 
 
 async def test_a_copy_changed_on_disk_is_made_again(host: ReplActivities) -> None:
-    first = Episode(host, context="the true context")
-    await first.run("pass")
+    episode = Episode(host, context="the true context")
+    await episode.run("pass")
     copy = next(iter(_cache(host)._entries.values()))
     os.chmod(copy.path, 0o644)
     copy.path.write_text("a forged context")
-    second = Episode(host, context="the true context")
-    assert (await second.run("print(context)")).stdout == "the true context\n"
-    assert _cache(host).made == 2
+    await host.pool.close_episode(episode.episode_id)  # the next step starts a sandbox again
+    assert (await episode.run("print(context)")).stdout == "the true context\n"
+    assert _cache(host).made == 1  # read back from the store: the forged copy was not used
 
 
 @pytest.mark.parametrize(

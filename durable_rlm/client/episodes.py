@@ -27,6 +27,7 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from durable_rlm.activities.context_cache import local_cache
 from durable_rlm.errors import EpisodeIdInUse
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.codec import encrypts
@@ -50,8 +51,20 @@ from durable_rlm.workflows.retries import describe_failure, ending_of
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
-    """Put the context in the blob store once, as a stream; the episode carries its digest."""
-    return store_value(blobs, value)
+    """Put the context in the blob store once, as a stream; the episode carries its digest.
+    When a worker of this process uses the same store (embedded mode), its cache copy is
+    written on the way, so its sandbox maps it without reading the store back."""
+    cache = local_cache(blobs)
+    if cache is None:
+        return store_value(blobs, value)
+    copy = cache.teeing()
+    try:
+        ref = store_value(blobs, value, copy.pieces)
+    except BaseException:
+        copy.drop()
+        raise
+    copy.keep(ref)
+    return ref
 
 
 def read_context_text(path: Path) -> str:

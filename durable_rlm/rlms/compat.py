@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from durable_rlm.api import DurableRLM
+from durable_rlm.api import DurableRLM, run_blocking
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
 from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
 from durable_rlm.rlms.limits import CancellationError, raise_for_limit
@@ -181,7 +181,7 @@ class RLM(DurableRLM):
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.acompletion(prompt, root_prompt))
+            return run_blocking(self.acompletion(prompt, root_prompt))
         raise ConfigurationError("completion() blocks; inside an event loop, await acompletion()")
 
     async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]

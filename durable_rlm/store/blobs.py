@@ -160,28 +160,29 @@ class BlobStore(TypedBlobs):
         and written as it fills (up to `parallel` writes in flight), the manifest last, so a
         manifest never names a chunk that is not stored. A stream of one chunk or less is
         stored as a plain blob."""
-        chunks: list[tuple[str, int]] = []
+        written: list[Future[tuple[str, int]]] = []
         first: bytes | None = None
-        pending: list[Future[None]] = []
         with ThreadPoolExecutor(max_workers=self.parallel, thread_name_prefix="blob-put") as pool:
 
+            def store(chunk: bytes) -> tuple[str, int]:
+                digest = raw_digest(chunk)  # hashed here, beside the next chunk's making
+                self.backend.write(digest, self._stored(digest, chunk))
+                return digest, len(chunk)
+
             def write(chunk: bytes) -> None:
-                digest = raw_digest(chunk)
-                chunks.append((digest, len(chunk)))
-                while len(pending) >= self.parallel:
-                    pending.pop(0).result()
-                pending.append(pool.submit(self.backend.write, digest, self._stored(digest, chunk)))
+                while sum(not f.done() for f in written) >= self.parallel:
+                    next(f for f in written if not f.done()).result()
+                written.append(pool.submit(store, chunk))
 
             for chunk in rechunk(pieces):
-                if first is None and not chunks:
+                if first is None and not written:
                     first = chunk  # held until a second one shows the stream is large
                     continue
                 if first is not None:
                     write(first)
                     first = None
                 write(chunk)
-            for future in pending:
-                future.result()
+            chunks = [future.result() for future in written]
         if not chunks:
             data = first or b""
             return Stored(self.put(data), len(data))

@@ -19,7 +19,7 @@ import codecs
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,9 +81,17 @@ def _encoded_text(text: str, measure: TextMeasure) -> Iterator[bytes]:
     measure.width = str_width(text) if text else 1
 
 
-def store_text(blobs: BlobStore, text: str) -> ContextRef:
+Through = Callable[[Iterator[bytes]], Iterator[bytes]]
+"""A pass over the encoded pieces on their way to the store (a local worker's cache copy)."""
+
+
+def _through(pieces: Iterator[bytes], through: Through | None) -> Iterator[bytes]:
+    return pieces if through is None else through(pieces)
+
+
+def store_text(blobs: BlobStore, text: str, through: Through | None = None) -> ContextRef:
     measure = TextMeasure()
-    stored = blobs.put_stream(_encoded_text(text, measure))
+    stored = blobs.put_stream(_through(_encoded_text(text, measure), through))
     return ContextRef(
         digest=stored.digest, kind="text", size=measure.chars, type_name="str",
         stored_bytes=stored.size, char_width=measure.width,
@@ -106,21 +114,21 @@ def _encoded_json(value: Any, measure: TextMeasure) -> Iterator[bytes]:
     yield data
 
 
-def store_json(blobs: BlobStore, value: Any) -> ContextRef:
+def store_json(blobs: BlobStore, value: Any, through: Through | None = None) -> ContextRef:
     measure = TextMeasure()
-    stored = blobs.put_stream(_encoded_json(value, measure))
+    stored = blobs.put_stream(_through(_encoded_json(value, measure), through))
     return ContextRef(
         digest=stored.digest, kind="json", size=measure.chars, type_name=type(value).__name__,
         stored_bytes=stored.size, char_width=measure.width,
     )  # fmt: skip
 
 
-def store_value(blobs: BlobStore, value: Any) -> ContextRef:
+def store_value(blobs: BlobStore, value: Any, through: Through | None = None) -> ContextRef:
     """A context as rlms takes it: a `str` stays text; anything else is JSON."""
     if isinstance(value, str):
-        return store_text(blobs, value)
+        return store_text(blobs, value, through)
     try:
-        return store_json(blobs, value)
+        return store_json(blobs, value, through)
     except TypeError as exc:  # a value JSON cannot hold: said before anything starts
         raise ConfigurationError(f"the context cannot be stored: {exc}") from None
 
