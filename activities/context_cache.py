@@ -120,6 +120,8 @@ class ContextCache:
     @property
     def directory(self) -> Path:
         if self._directory is None or not self._directory.is_dir():
+            with contextlib.suppress(OSError):
+                sweep_stale_caches()  # those of this uid's workers that died without closing theirs
             self._directory = owned_cache_dir(self.encrypting)
         return self._directory
 
