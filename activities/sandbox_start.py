@@ -21,6 +21,7 @@ from typing import Any
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.activities.context_cache import ContextCache
+from durable_rlm.activities.context_room import sandbox_room
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
@@ -56,6 +57,19 @@ def prepare_sandbox_root(root: Path) -> Path:
                     f"{parent} is not traversable by others (chmod o+x, or choose another root)"
                 )
     return root
+
+
+def refuse_too_large(ref: SandboxRef, memory_mb: int) -> None:
+    """A context no sandbox of this worker can hold as one string ends the step with the
+    reason (a client elsewhere checked it against the budget at best, not this host's)."""
+    context = ref.context
+    if context is None or context.kind == "documents" or not context.stored_bytes:
+        return
+    refusal = sandbox_room(memory_mb).refusal(
+        f"the context ({context.size:,} characters)", context.size * context.char_width, context.stored_bytes
+    )
+    if refusal is not None:
+        raise ApplicationError(refusal, type=names.SANDBOX_FAILURE, non_retryable=True)
 
 
 @dataclass
@@ -119,6 +133,7 @@ class SandboxStarter:
         uid = self.uids.claim() if self.uids is not None else None
         try:
             if ref.context is not None:
+                refuse_too_large(ref, config.memory_mb)
                 # The worker's read-only copy, made once and mapped by every sandbox over it.
                 copy = await self.contexts.copy_of(ref.context)
                 init["context"] = copy.init_message()

@@ -166,3 +166,20 @@ def test_a_cache_directory_that_is_not_the_worker_s_own_is_refused(tmp_path: Pat
         check_owned(theirs)
     with pytest.raises(OSError, match="not memory-backed"):
         owned_cache_dir(True, tmp_path)
+
+
+async def test_a_context_too_large_for_this_worker_s_sandbox_ends_the_step_with_the_reason(
+    tmp_path: Path, sandboxes: Path
+) -> None:
+    """A client elsewhere checked the budget at best; this worker's sandboxes are smaller."""
+    from temporalio.exceptions import ApplicationError
+
+    blobs = BlobStore(DirectoryBackend(tmp_path / "blobs"))
+    host = ReplActivities(blobs, "queue-small", sandboxes, memory_mb=300)
+    try:
+        episode = Episode(host, context="0123456789abcdef\n" * (30 * MB // 17))
+        with pytest.raises(ApplicationError, match="needs .* MB to load as one string") as caught:
+            await episode.run("print(len(context))")
+        assert caught.value.non_retryable and "a sandbox holds 300 MB" in str(caught.value)
+    finally:
+        await host.close_all()
