@@ -143,3 +143,17 @@ def test_a_directory_and_several_files_become_documents(tmp_path: Path, scripted
                "--base-url", server.base_url, "--model", "m", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["answer"] == "47"
+
+
+def test_drlm_gc_reports_what_it_would_remove(tmp_path: Path, scripted) -> None:  # noqa: ANN001
+    from durable_rlm.scripted import root_and_sub
+
+    (tmp_path / "notes.txt").write_text("one\ntwo\n")
+    server = scripted(root_and_sub(["```repl\nn = context.count(chr(10))\n```", "FINAL_VAR(n)"]))
+    run = ("run", "t", "--context", "notes.txt", "--base-url", server.base_url, "--model", "m", "--json")
+    assert json.loads(drlm(tmp_path, tmp_path, *run).stdout)["answer"] == "2"
+    out = drlm(tmp_path, tmp_path, "gc", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["dry_run"] and report["histories"] >= 1 and report["removed"] == 0  # all young
+    assert drlm(tmp_path, tmp_path, "gc", "--grace", "soon").returncode == 2

@@ -191,3 +191,28 @@ async def test_a_temporal_schedule_runs_the_collection_on_a_worker(deployment: D
         with pytest.raises(BlobNotFound):
             blobs.get(orphan)
         await schedule.delete()
+
+
+async def test_verify_names_a_corrupt_or_missing_chunk_of_a_large_context(
+    deployment: Deployment, scripted: Any
+) -> None:
+    client, blobs, engine = deployment.client, deployment.blobs, deployment.engine
+    queue = f"gc-{uuid.uuid4().hex[:8]}"
+    server = scripted(root_and_sub(TURNS, _halves))
+    async with workers_for(client, (blobs, engine), deployment.directory, queue):
+        ref = store_context(blobs, "x" * (CHUNK_BYTES + 10))
+        episode_id = f"verify-{uuid.uuid4().hex[:6]}"
+        await run_episode(client, request_for(server, context=ref), queue, episode_id)
+    manifest = blobs.manifest(ref.digest)
+    assert manifest is not None
+    second = manifest.chunks[1][0]
+    with engine.begin() as conn:
+        conn.execute(sa.text("update blobs set data = :d where digest = :k"), {"d": b"y" * 10, "k": second})
+    report = await verify(client, blobs, engine)
+    problem = report.problems[ref.digest]
+    assert problem.state == "corrupt" and second in problem.detail
+    assert {r.episode_id for r in problem.references} == {episode_id}
+    with engine.begin() as conn:
+        conn.execute(sa.text("delete from blobs where digest = :k"), {"k": second})
+    report = await verify(client, blobs, engine)
+    assert report.problems[ref.digest].state == "missing" and second in report.problems[ref.digest].detail
