@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,16 @@ def test_a_directory_and_several_files_become_documents(tmp_path: Path, scripted
                "--base-url", server.base_url, "--model", "m", "--json")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["answer"] == "47"
+    verified = drlm(tmp_path, tmp_path, "verify", "--all", "--json")
+    report = json.loads(verified.stdout)
+    assert verified.returncode == 0 and report["ok"] and report["episodes"] == 2, verified.stdout
+    # Each document and its index are named by the episodes' requests: gc keeps them (only
+    # the local steps' start markers, named by nothing, go), and verify still finds them whole.
+    time.sleep(1.5)
+    swept = json.loads(drlm(tmp_path, tmp_path, "gc", "--grace", "1s", "--json").stdout)
+    assert swept["histories"] == 2 and swept["removed"] > 0, swept
+    after = json.loads(drlm(tmp_path, tmp_path, "verify", "--all", "--json").stdout)
+    assert after["ok"] and after["checked"] == report["checked"], after
 
 
 def test_drlm_gc_reports_what_it_would_remove(tmp_path: Path, scripted) -> None:  # noqa: ANN001
