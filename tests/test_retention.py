@@ -88,6 +88,7 @@ async def _delete_history(client: Client, workflow_id: str) -> None:
     raise AssertionError(f"{workflow_id} was not deleted")
 
 
+@pytest.mark.slow  # the dev server deletes a history in the background: ~32 s here
 async def test_gc_after_a_fork_keeps_what_the_fork_needs_and_verify_passes(
     deployment: Deployment, scripted: Any
 ) -> None:
