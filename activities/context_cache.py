@@ -45,6 +45,7 @@ DEFAULT_CACHE_BYTES = 32 * 1024**3
 """Copies kept before the least recently used go (one larger copy is always kept)."""
 
 MEMORY_BACKED = Path("/dev/shm")
+EVICT_AFTER_S = 300.0
 
 
 def owned_cache_dir(encrypting: bool, base: Path | None = None) -> Path:
@@ -112,6 +113,7 @@ class ContextCache:
         self._directory: Path | None = None
         self._entries: OrderedDict[str, CachedContext] = OrderedDict()
         self._entries_lock = threading.Lock()  # a client's copy arrives from another thread
+        self._used: dict[str, float] = {}  # when each copy was last handed out
         self._locks: dict[str, asyncio.Lock] = {}
         self.made = 0  # copies made from the store (tests and benchmarks count them)
         self.adopted = 0  # copies written as a client of this process stored the context
@@ -134,6 +136,7 @@ class ContextCache:
                 entry = self._entries.get(key)
                 if entry is not None and self._intact(entry):
                     self._entries.move_to_end(key)
+                    self._used[key] = time.monotonic()
                     return entry
             entry = await asyncio.to_thread(self._make, ref)
             self._keep(key, entry)
@@ -145,6 +148,7 @@ class ContextCache:
         with self._entries_lock:
             self._entries[key] = entry
             self._entries.move_to_end(key)
+            self._used[key] = time.monotonic()
 
     def teeing(self) -> CopyInPassing:
         """A copy written while a client of this process streams a context to the store
@@ -225,13 +229,20 @@ class ContextCache:
                 )
 
     def _evict(self) -> None:
+        """Least recently used first, never one handed out in the last EVICT_AFTER_S (its
+        sandbox may not have opened it yet); a sandbox that opened it keeps reading it."""
+        now = time.monotonic()
         with self._entries_lock:
             total = sum(e.size for e in self._entries.values())
-            while total > self.capacity and len(self._entries) > 1:
-                _, oldest = self._entries.popitem(last=False)
+            for key in list(self._entries):
+                if total <= self.capacity or len(self._entries) <= 1:
+                    break
+                if now - self._used.get(key, 0.0) < EVICT_AFTER_S:
+                    continue
+                oldest = self._entries.pop(key)
                 total -= oldest.size
                 with contextlib.suppress(OSError):
-                    os.unlink(oldest.path)  # a sandbox that opened it keeps reading it
+                    os.unlink(oldest.path)
 
     def close(self) -> None:
         """Remove the cache (the worker stops): nothing of a context stays behind."""

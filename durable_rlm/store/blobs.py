@@ -140,7 +140,8 @@ class BlobStore(TypedBlobs):
         return self.keyring.seal(digest, bytes(data)) if self.keyring is not None else data
 
     def recently_stored(self, digest: str) -> bool:
-        """Whether this process stored or read the blob lately: a put may skip the backend."""
+        """Whether this process wrote the blob lately: a put may skip the backend. (A blob only
+        read lately is written again: its write is what keeps it young for retention.)"""
         entry = self._cache.get(digest)
         return entry is not None and time.monotonic() - entry[1] < WRITE_SKIP_S
 
@@ -257,7 +258,7 @@ class BlobStore(TypedBlobs):
             self._cache.move_to_end(digest)
             return entry[0]
         data = b"".join(self.chunks(digest)) if is_manifest(digest) else self._read_raw(digest)
-        self._remember(digest, data)
+        self._remember(digest, data, written=False)
         return data
 
     def chunks(self, digest: str) -> Iterator[bytes]:
@@ -300,10 +301,15 @@ class BlobStore(TypedBlobs):
         the manifest are whole; BlobNotFound or CorruptBlob naming the first that is not."""
         return sum(len(chunk) for chunk in self.chunks(digest))
 
-    def _remember(self, digest: str, data: bytes) -> None:
+    def _remember(self, digest: str, data: bytes, written: bool = True) -> None:
         if len(data) > CACHED_BYTES:
             return
-        self._cache[digest] = (data, time.monotonic())
+        previous = self._cache.get(digest)
+        if written:
+            when = time.monotonic()
+        else:  # a read keeps the time of this process's last write, if any
+            when = previous[1] if previous is not None else -WRITE_SKIP_S
+        self._cache[digest] = (data, when)
         self._cache.move_to_end(digest)
         while len(self._cache) > self._cache_entries:
             self._cache.popitem(last=False)
