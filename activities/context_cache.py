@@ -97,8 +97,8 @@ class CachedContext:
     size: int
     signature: tuple[int, int, int, int, int]  # inode, size, mode, mtime_ns, ctime_ns
 
-    def init_message(self) -> dict[str, str]:
-        return {"path": str(self.path), "kind": self.kind}
+    def init_message(self, view: str = "str") -> dict[str, str]:
+        return {"path": str(self.path), "kind": self.kind, "view": view}
 
 
 def _signature(info: os.stat_result) -> tuple[int, int, int, int, int]:

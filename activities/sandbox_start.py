@@ -63,7 +63,7 @@ def refuse_too_large(ref: SandboxRef, memory_mb: int) -> None:
     """A context no sandbox of this worker can hold as one string ends the step with the
     reason (a client elsewhere checked it against the budget at best, not this host's)."""
     context = ref.context
-    if context is None or context.kind == "documents" or not context.stored_bytes:
+    if context is None or context.kind == "documents" or context.view == "mapped" or not context.stored_bytes:
         return
     refusal = sandbox_room(memory_mb).refusal(
         f"the context ({context.size:,} characters)", context.size * context.char_width, context.stored_bytes
@@ -136,7 +136,7 @@ class SandboxStarter:
                 refuse_too_large(ref, config.memory_mb)
                 # The worker's read-only copy, made once and mapped by every sandbox over it.
                 copy = await self.contexts.copy_of(ref.context)
-                init["context"] = copy.init_message()
+                init["context"] = copy.init_message(ref.context.view)
             if uid is not None:
                 init["uid"] = uid
                 for p in [directory, *directory.iterdir()]:

@@ -10,9 +10,12 @@ import hashlib
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from durable_rlm.activities.context_cache import ContextCache, check_owned, owned_cache_dir
 from durable_rlm.activities.repl import ReplActivities
@@ -183,3 +186,25 @@ async def test_a_context_too_large_for_this_worker_s_sandbox_ends_the_step_with_
         assert caught.value.non_retryable and "a sandbox holds 300 MB" in str(caught.value)
     finally:
         await host.close_all()
+
+
+@settings(max_examples=300)
+@given(
+    text=st.text(alphabet="ab\n", max_size=80), sub=st.sampled_from(["a", "ab", "aa", "aba", "\n", "b\na"])
+)
+def test_the_mapped_view_answers_as_the_str_would(text: str, sub: str) -> None:
+    from durable_rlm.activities.sandbox import contexts
+
+    with tempfile.NamedTemporaryFile("w", delete=False) as handle:
+        handle.write(text)
+    try:
+        original, contexts.WINDOW = contexts.WINDOW, 7  # windows far smaller than the text
+        view = contexts.MappedText(os.open(handle.name, os.O_RDONLY))
+        assert (len(view), view[:], view[::-1], view[3:17:2]) == (len(text), text, text[::-1], text[3:17:2])
+        assert (view.count(sub), view.find(sub), view.rfind(sub), sub in view) == (
+            text.count(sub), text.find(sub), text.rfind(sub), sub in text,
+        )  # fmt: skip
+        assert list(view.lines()) == text.splitlines()
+    finally:
+        contexts.WINDOW = original
+        os.unlink(handle.name)

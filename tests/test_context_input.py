@@ -168,3 +168,29 @@ def test_drlm_gc_reports_what_it_would_remove(tmp_path: Path, scripted) -> None:
     report = json.loads(out.stdout)
     assert report["dry_run"] and report["histories"] >= 1 and report["removed"] == 0  # all young
     assert drlm(tmp_path, tmp_path, "gc", "--grace", "soon").returncode == 2
+
+
+def test_a_text_too_large_for_a_str_runs_as_a_mapped_view(tmp_path: Path, scripted) -> None:  # noqa: ANN001
+    from durable_rlm.scripted import root_and_sub
+
+    (tmp_path / "big.log").write_bytes(b"0123456789abcdef\n" * (100 * MB // 17))
+    budget = {"DRLM_SANDBOX_MEMORY_MB": "320"}
+    _refused(_run(tmp_path, "big.log", **budget), "a sandbox holds 320 MB here", tmp_path)
+    turns = [
+        "```repl\nn = context.count(chr(10))\nfirst = next(context.lines())\n"
+        "r = f'{n} {len(context)} {first}'\n```",
+        "FINAL_VAR(r)",
+    ]
+    server = scripted(root_and_sub(turns))
+    run = ("run", "t", "--context", "big.log", "--context-view", "mapped", "--base-url", server.base_url)
+    out = drlm(tmp_path, tmp_path, *run, "--model", "m", "--json", **budget)
+    assert out.returncode == 0, out.stderr
+    lines = 100 * MB // 17
+    assert json.loads(out.stdout)["answer"] == f"{lines} {lines * 17} 0123456789abcdef"
+
+
+def test_the_mapped_view_refuses_text_that_is_not_ascii(tmp_path: Path) -> None:
+    (tmp_path / "accents.txt").write_text("café\n" * 10)
+    out = drlm(tmp_path, tmp_path, "run", "t", "--context", "accents.txt", "--context-view", "mapped",
+               "--base-url", "http://127.0.0.1:9/v1")  # fmt: skip
+    _refused(out, "is not ASCII text: the mapped view indexes characters as bytes", tmp_path)

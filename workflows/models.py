@@ -106,6 +106,9 @@ class ContextRef(StrictModel):
     stored_bytes: int = Field(default=0, ge=0, description="UTF-8 bytes stored; 0: not recorded")
     char_width: int = Field(default=1, ge=1, le=4, description="bytes per character of the `str`")
     documents: int = Field(default=0, ge=0, description="how many, for documents")
+    view: Literal["str", "mapped"] = Field(
+        default="str", description="text only: a `str`, or a read-only view of the worker's copy (ASCII)"
+    )
 
 
 class DocumentRef(StrictModel):

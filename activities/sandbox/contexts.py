@@ -49,6 +49,8 @@ def load_context(fd: int | None, message: dict[str, Any]) -> Any:
     kind = str(message["context"]["kind"])
     if kind == "documents":
         return Documents(fd)
+    if message["context"].get("view") == "mapped":
+        return MappedText(fd)
     try:
         text = _decode(fd, 0, os.fstat(fd).st_size)
     finally:
@@ -124,3 +126,98 @@ class Documents(Sequence):  # type: ignore[type-arg]
 
     def __reduce__(self) -> Any:
         raise TypeError("the documents context is read from the worker's cache: it cannot be pickled")
+
+
+WINDOW = 64 * 1024 * 1024
+
+
+class MappedText:
+    """`context` as a read-only view of the worker's copy of an ASCII text, for a text too
+    large to hold as one `str` (opted into with `--context-view mapped`): its pages are the
+    page cache's, shared by every sandbox over it, and a `str` is made only of what code
+    takes. `len`, indexing and slices (each a `str`), `find`/`rfind`/`index`/`count`/`in`,
+    `startswith`/`endswith`, `lines()` (one line at a time), and `context.bytes` (the map,
+    for `re` with bytes patterns). `str(context)` makes the whole string."""
+
+    def __init__(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else b""
+        os.close(fd)
+        self._size = size
+
+    @property
+    def bytes(self) -> Any:
+        return memoryview(self._map) if self._size else b""
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, index: Any) -> str:
+        if not self._size:
+            return ""[index]
+        if isinstance(index, slice):
+            return self._map[index].decode("ascii")
+        return chr(self._map[range(self._size)[index]])
+
+    def __str__(self) -> str:
+        return self[:]
+
+    def __repr__(self) -> str:
+        return f"<mapped text of {self._size:,} characters: {self[:60]!r}...>"
+
+    def __contains__(self, sub: str) -> bool:
+        return self.find(sub) != -1
+
+    def find(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        if not self._size:
+            return "".find(sub)
+        return self._map.find(sub.encode("ascii"), start, self._size if end is None else end)
+
+    def rfind(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        if not self._size:
+            return "".rfind(sub)
+        return self._map.rfind(sub.encode("ascii"), start, self._size if end is None else end)
+
+    def index(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        found = self.find(sub, start, end)
+        if found == -1:
+            raise ValueError("substring not found")
+        return found
+
+    def count(self, sub: str, start: int = 0, end: int | None = None) -> int:
+        """Non-overlapping matches, as `str.count`: a one-character `sub` (a line end) a
+        window at a time; a longer one match by match, so no match is split or counted twice."""
+        end = self._size if end is None else min(end, self._size)
+        needle = sub.encode("ascii")
+        if not needle:
+            return max(end - start, 0) + 1
+        total = 0
+        if len(needle) == 1:
+            for position in range(start, end, WINDOW):
+                total += self._map[position : min(position + WINDOW, end)].count(needle)
+            return total
+        position = self._map.find(needle, start, end) if self._size else -1
+        while position != -1:
+            total += 1
+            position = self._map.find(needle, position + len(needle), end)
+        return total
+
+    def startswith(self, prefix: str) -> bool:
+        return self[: len(prefix)] == prefix
+
+    def endswith(self, suffix: str) -> bool:
+        return self[self._size - len(suffix) :] == suffix if suffix else True
+
+    def lines(self) -> Any:
+        """Each line (without its end), one at a time."""
+        position = 0
+        while position < self._size:
+            stop = self._map.find(b"\n", position)
+            if stop == -1:
+                yield self._map[position:].decode("ascii")
+                return
+            yield self._map[position:stop].decode("ascii")
+            position = stop + 1
+
+    def __reduce__(self) -> Any:
+        raise TypeError("the mapped context is the worker's read-only copy: it cannot be pickled")

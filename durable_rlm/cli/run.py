@@ -35,6 +35,13 @@ def _run_parser(sub: Subparsers) -> None:
         help="a file whose text (or JSON, for .json) is `context`; a directory, or --context given "
         "more than once, makes `context` a list of documents, one per file, each loaded when touched",
     )
+    run.add_argument(
+        "--context-view",
+        choices=("str", "mapped"),
+        default="str",
+        help="mapped: one ASCII text too large for a str, as a read-only view of the worker's copy "
+        "(slices, find, count, lines(); pages shared by every sandbox)",
+    )
     _model_args(run)
     _limit_args(run)
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
@@ -188,7 +195,7 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
     import_extensions(settings)
-    plan = _plan_context(args.context, settings)
+    plan = _plan_context(args.context, settings, getattr(args, "context_view", "str"))
     rlm = _rlm(args, settings)  # validate before starting anything
     rlm.request(None, args.task)
     rlm.check_credentials()
@@ -299,14 +306,14 @@ def _store_context(settings: Settings, plan: Any) -> Any:
         engine.dispose()
 
 
-def _plan_context(paths: list[Path] | None, settings: Settings) -> Any:
+def _plan_context(paths: list[Path] | None, settings: Settings, view: str = "str") -> Any:
     """The --context paths checked before anything starts (what they are, their size against
     what a sandbox holds), none of them read yet: every problem is a one-line error."""
     if not paths:
         return None
     from durable_rlm.client.context_input import plan_context  # start-up: the stores (~0.3 s)
 
-    return plan_context(paths, _room(settings))
+    return plan_context(paths, _room(settings), view)
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:

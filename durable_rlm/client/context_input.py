@@ -34,6 +34,7 @@ class ContextPlan:
 
     files: tuple[tuple[str, Path], ...]
     documents: bool
+    mapped: bool = False  # one ASCII text, `context` a read-only view of the worker's copy
 
     def describe(self) -> str:
         if not self.documents:
@@ -41,7 +42,7 @@ class ContextPlan:
         return f"{len(self.files)} documents"
 
 
-def plan_context(paths: list[Path] | None, room: Room | None = None) -> ContextPlan | None:
+def plan_context(paths: list[Path] | None, room: Room | None = None, view: str = "str") -> ContextPlan | None:
     """The paths checked for what they are (and, against `room`, for their size: a file's
     string is at least half its bytes), reading no content."""
     if not paths:
@@ -55,8 +56,11 @@ def plan_context(paths: list[Path] | None, room: Room | None = None) -> ContextP
             refuse_kind(paths[0], mode, directories=True)
     files = context_files(paths)
     documents = len(paths) > 1 or Path(paths[0]).is_dir()
-    plan = ContextPlan(tuple(files), documents)
-    if room is not None:
+    mapped = view == "mapped"
+    if mapped and (documents or files[0][1].suffix.lower() == ".json"):
+        raise ContextFileError("--context-view mapped is for one text file (documents are read when touched)")
+    plan = ContextPlan(tuple(files), documents, mapped)
+    if room is not None and not mapped:
         for name, path in plan.files:
             size = path.stat().st_size
             # The least a string of `size` UTF-8 bytes takes (two-byte Latin-1 text: half).
@@ -77,6 +81,13 @@ def store_plan(blobs: BlobStore, plan: ContextPlan, room: Room | None = None) ->
     if not plan.documents:
         _, path = plan.files[0]
         ref = store_json_file(blobs, path) if path.suffix.lower() == ".json" else store_file(blobs, path)
+        if plan.mapped:
+            if ref.size != ref.stored_bytes:
+                raise ContextFileError(
+                    f"context {path} is not ASCII text: the mapped view indexes characters as bytes "
+                    "(pass it as `str`, the default, or split it into documents)"
+                )
+            return ref.model_copy(update={"view": "mapped"})
         if room is not None:
             refusal = room.refusal(f"context {path}", ref.size * ref.char_width, ref.stored_bytes)
             if refusal is not None:
