@@ -86,7 +86,10 @@ def rows_of_step(episode_id: str, activity_type: str, arg: Any, result: Any) -> 
     if activity_type in (names.REPL_EXECUTE, names.REPL_RESUME):
         return _cell_rows(episode_id, activity_type, arg, result)
     if activity_type == names.RUN_TOOL:
-        detail = f"{arg.tool}({_clip(arg.arguments)}) -> {_clip(result.result)}"
+        shown = result.result
+        if shown.startswith(names.TOOL_VALUE_PREFIX):  # pickled: what it shows, not its bytes
+            shown = shown.partition("\n")[2]
+        detail = f"{arg.tool}({_clip(arg.arguments)}) -> {_clip(shown)}"
         key = f"tool:{arg.cell_index}.{arg.call_index}"
         return [_event(episode_id, key, "tool_call", arg.iteration, detail=detail)]
     if activity_type == names.AUDIT_EPISODE:
@@ -154,7 +157,7 @@ def _cell_rows(
     """A cell's row grows step by step: the first step gives its code, the last its output.
     A local step's input is not in history, so its echo (in the result) names the cell."""
     echo = outcome.step
-    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]
+    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]  # no echo: a remote step
     values: dict[str, Any] = {
         "episode_id": episode_id,
         "cell_index": cell_index,
@@ -163,8 +166,8 @@ def _cell_rows(
         "rebuilt": outcome.rebuilt,
     }
     if activity_type == names.REPL_EXECUTE:
-        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]
-        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]
+        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]  # no echo: a remote step
+        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]  # no echo: a remote step
         values["started_at"] = outcome.started_at
     if outcome.status == "completed":
         values.update(
@@ -396,11 +399,15 @@ _UPSERT_DIALECTS = ("sqlite", "postgresql")
 @functools.lru_cache(maxsize=256)
 def _upsert(dialect: str, table: sa.Table, columns: tuple[str, ...]) -> Any:
     """`INSERT ... ON CONFLICT (primary key) DO UPDATE SET` the other columns given."""
+    statement: sqlite.Insert | postgresql.Insert  # each dialect's own ON CONFLICT
     if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert  # optional: the dialect the store uses
+        from sqlalchemy.dialects import sqlite  # optional: the dialect the store uses
+
+        statement = sqlite.insert(table)
     else:
-        from sqlalchemy.dialects.postgresql import insert  # optional: the dialect the store uses
-    statement = insert(table)
+        from sqlalchemy.dialects import postgresql  # optional: the dialect the store uses
+
+        statement = postgresql.insert(table)
     keys = [c.name for c in table.primary_key.columns]
     others = {name: statement.excluded[name] for name in columns if name not in keys}
     if not others:

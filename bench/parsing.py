@@ -3,7 +3,8 @@
     python bench/parsing.py [--max-mb 10]
 
 What the workflow runs on every reply (`parse_reply`: fences, code blocks, FINAL /
-FINAL_VAR) must stay linear and far below Temporal's ~2 s deadlock detector on any text.
+FINAL_VAR; for the rlms-compatible RLM, code blocks found as rlms finds them) must stay
+linear and far below Temporal's ~2 s deadlock detector on any text.
 Each shape is parsed at 10 KB, 100 KB, 1 MB and 10 MB; the figure is milliseconds per MB,
 which is flat when the parser is linear. The baseline in the same run is a plain scan of
 the same text (`str.count` of its newlines): the parser's cost is shown as a multiple of it.
@@ -43,6 +44,8 @@ SHAPES: dict[str, Callable[[int], str]] = {
     "backslashes": lambda n: 'FINAL("' + "\\" * n,
     "fence lines ```": lambda n: "```\n" * (n // 4),
     "unclosed ```python": lambda n: "```python\nFINAL(x)\n" * (n // 19),
+    "inline ```repl, unclosed": lambda n: "x ```repl\n y " * (n // 13),
+    "```repl + blanks, no newline": lambda n: "```repl" + " " * n,
 }
 
 SIZES = [10_000, 100_000, 1_000_000, 10_000_000]
@@ -67,6 +70,13 @@ def main() -> None:
         ours = [timed(lambda t=t: parse_reply(t, ["repl"], 16)) for t in texts]
         worst = max(worst, max(ours))
         print(f"{name:<26}" + "".join(f"{o / len(t) * 1e9:>13.1f}" for o, t in zip(ours, texts, strict=True)))
+        # The rlms-compatible RLM finds code blocks as rlms does (inline fences too).
+        inline = [timed(lambda t=t: parse_reply(t, ["repl"], 16, inline=True)) for t in texts]
+        worst = max(worst, max(inline))
+        print(
+            f"{'  inline (rlms)':<26}"
+            + "".join(f"{o / len(t) * 1e9:>13.1f}" for o, t in zip(inline, texts, strict=True))
+        )
         scan = timed(lambda t=texts[-1]: t.count("\n")) or 1e-9
         print(
             f"{'  a plain scan of it':<26}"

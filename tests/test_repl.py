@@ -180,6 +180,33 @@ async def test_an_answer_counts_when_a_cell_sets_ready_as_in_rlms(
     assert outcomes[-1].stdout == printed
 
 
+async def test_an_rlms_repl_binds_context_0_and_puts_context_and_history_back(host: ReplActivities) -> None:
+    episode = Episode(host, context="alpha beta", rlms=True)
+    await episode.run("history_0 = [{'role': 'user', 'content': 'q'}]\ncontext = 'mine'\nhistory = []")
+    outcome = await episode.run("print(context is context_0, context, history is history_0)")
+    assert outcome.stdout == "True alpha beta True\n"
+    plain = Episode(host, context="alpha beta")
+    await plain.run("context = 'mine'")
+    assert (await plain.run("print(context, 'context_0' in globals())")).stdout == "mine False\n"
+
+
+async def test_a_failed_llm_query_is_an_error_string_in_an_rlms_repl(host: ReplActivities) -> None:
+    episode = Episode(host, rlms=True)
+    out = await host.execute_cell(
+        ExecuteCellInput(
+            sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('x')\nprint(r)"
+        )
+    )
+    assert out.status == "suspended"
+    episode.head = out.log_head
+    (asked,) = out.requests
+    failed = CallAnswer(
+        call_index=asked.call_index, prompt_digest=asked.prompt_digest, ok=False, text="HTTP 503"
+    )
+    done = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[failed]))
+    assert done.stdout == "Error: HTTP 503\n" and done.error is None
+
+
 async def test_show_vars_lists_user_variables(host: ReplActivities) -> None:
     episode = Episode(host)
     await episode.run("alpha = 1\nbeta = 'b'")

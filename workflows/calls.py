@@ -20,6 +20,7 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
+    ApplicationError,
     WorkflowAlreadyStartedError,
 )
 from temporalio.workflow import ParentClosePolicy
@@ -171,6 +172,7 @@ def child_request(
         deadline=budget.deadline,
         private_text=parent.private_text,
         approve=parent.approve,  # a child's cells wait for a person as the parent's do
+        rlms=parent.rlms,
     )
 
 
@@ -302,8 +304,19 @@ async def tool_call(
         raise_if_cancelled(err)
         if is_timeout(err):
             return CallResult(ok=False, text=f"{name} timed out ({spec.timeout_s:g} s per attempt)")
-        return CallResult(ok=False, text=describe_failure(err))
+        return CallResult(ok=False, text=_raised(err) or describe_failure(err))
     return CallResult(ok=True, text=reply.result)
+
+
+def _raised(err: ActivityError) -> str | None:
+    """The exception the tool raised, pickled by the worker, for the cell to raise as its
+    own type; None when the failure carries none."""
+    cause = err.cause
+    if isinstance(cause, ApplicationError) and cause.type == names.TOOL_FAILED and cause.details:
+        pickled = cause.details[0]
+        if isinstance(pickled, str) and pickled.startswith(names.TOOL_VALUE_PREFIX):
+            return pickled
+    return None
 
 
 TOOL = Route(tool_call, kind="tool")

@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows import (
+    defaults,
+    names,
+    rlms_limits,  # noqa: F401 - registers rlms's limits policy, for every worker
+)
 from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest
 from durable_rlm.workflows.outcome import IterationOutcome
 from durable_rlm.workflows.reward_inbox import RewardInbox
@@ -58,6 +62,8 @@ class Decider:
                 "iteration": s.iteration,
                 "model_calls": s.model_calls,
                 "sub_calls": s.sub_calls,
+                "tokens": s.usage.total_tokens,
+                "cost_usd": (s.usage.cost_usd or 0.0) + s.unaccounted_cost_usd,
             },
         )
         try:

@@ -160,7 +160,7 @@ class EpisodeWorkflow:
         """The loop's collaborators, each given the one context of this episode."""
         ctx = EpisodeContext(request, s, EpisodeRules.of(request), self._display, self._stop, self._waits)
         repl = ReplSteps(ctx)
-        self._root = RootCalls(ctx)
+        self._root = RootCalls(ctx, repl)
         running = partial(self._audit, request, "running")
         self._gate = SteeringGate(ctx, repl, self._inbox, self._audit_writer, running)
         self._acting = Acting(ctx, repl, self._gate)

@@ -40,6 +40,9 @@ class EpisodeRules:
     """The termination policy reads what cells printed, not only the reply and the answer."""
     extraction: bool
     """A limit reached before an answer ends in one fallback extraction call."""
+    rlms: bool
+    """The episode runs an rlms program (`durable_rlm.RLM`): code blocks are found as rlms
+    finds them (inline fences too), and a compaction hands the REPL rlms's `history`."""
 
     @classmethod
     def of(cls, request: EpisodeRequest) -> EpisodeRules:
@@ -48,6 +51,7 @@ class EpisodeRules:
             approval=request.approve != "none",
             policy_sees_printed_output=request.termination.scan_printed_output,
             extraction=request.fallback_extraction,
+            rlms=request.rlms,
         )
 
 
@@ -88,7 +92,7 @@ STATE_OWNERS: dict[str, frozenset[str]] = {
         "last_reply_tokens": "root_calls",
         "compactions": "root_calls",
         # The REPL: its cells, its log, where its sandbox is, what its variables look like.
-        "cell_count": "acting",
+        "cell_count": "acting root_calls",  # root_calls: the cell of rlms's compaction `history`
         "log_head": "repl_steps",
         "snapshot": "repl_steps",
         "repl_queue": "repl_steps",

@@ -137,7 +137,7 @@ class EpisodeLimits(StrictModel):
     context_window_tokens: int | None = Field(
         default=None, ge=1_000, description="the root model's window; compaction keeps requests inside it"
     )
-    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0.1, le=1.0)
+    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0, le=1.0)
     resent_message_chars: int = Field(default=defaults.RESENT_MESSAGE_CHARS, ge=1_000)
     max_model_calls: int | None = Field(
         default=None,
@@ -351,6 +351,13 @@ class EpisodeRequest(StrictModel):
     approve: ApproveMode = Field(
         default="none", description="cells that wait for a person's approval before they run"
     )
+    rlms: bool = Field(
+        default=False,
+        description="rlms 0.1.3's semantics where ours differ (the rlms-compatible `RLM` sets it): "
+        'a failed llm_query returns an "Error: ..." string, `context` and `history` are put '
+        "back after each cell, `context_0` is bound, a custom system prompt is composed as "
+        "rlms composes it",
+    )
     private_text: bool = Field(
         default=False,
         description="payloads are encrypted (DRLM_ENCRYPTION_KEYS): search attributes, which the "
@@ -508,7 +515,7 @@ class TokenUsage(StrictModel):
     def priced(cls, prompt_tokens: int, completion_tokens: int, price: ModelPrice | None) -> TokenUsage:
         """A call's usage and its cost: null for a model without a price, never a guess."""
         cost = None if price is None else price.cost(prompt_tokens, completion_tokens)
-        source = None if price is None else "price_table"
+        source: Literal["price_table"] | None = None if price is None else "price_table"
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -529,11 +536,11 @@ class TokenUsage(StrictModel):
         )
 
     def add(self, other: TokenUsage) -> TokenUsage:
-        known = self.cost_usd is not None and other.cost_usd is not None
+        mine, theirs = self.cost_usd, other.cost_usd
         return TokenUsage(
             prompt_tokens=self.prompt_tokens + other.prompt_tokens,
             completion_tokens=self.completion_tokens + other.completion_tokens,
-            cost_usd=round(self.cost_usd + other.cost_usd, COST_DIGITS) if known else None,  # type: ignore[operator]
+            cost_usd=round(mine + theirs, COST_DIGITS) if mine is not None and theirs is not None else None,
         )
 
 
@@ -699,6 +706,9 @@ class CompactionInput(StrictModel):
     input_chars: int = defaults.COMPACTION_INPUT_CHARS
     reason: str = ""
     max_reply_chars: int = defaults.MAX_REPLY_CHARS
+    history: bool = Field(
+        default=False, description="return the turns summarised and the summary as rlms's `history` entries"
+    )
 
 
 class CompactionReply(CallFacts):
@@ -709,6 +719,10 @@ class CompactionReply(CallFacts):
     kept_messages: int
     usage: TokenUsage
     model_time_s: float
+    history: str | None = Field(
+        default=None,
+        description="JSON: rlms's `history` entries (each turn's messages, then the summary), when asked",
+    )
 
 
 class SubQueryInput(StrictModel):
@@ -737,7 +751,10 @@ class ToolCallInput(StrictModel):
 
 
 class ToolReply(StrictModel):
-    result: str = Field(description="the tool's return value as JSON")
+    result: str = Field(
+        description="the tool's return value as JSON, or pickled (names.TOOL_VALUE_PREFIX) when it "
+        "is no JSON value: the sandbox loads it"
+    )
 
 
 # --- REPL activities ----------------------------------------------------------------------
@@ -758,6 +775,7 @@ class SandboxRef(StrictModel):
         default=None, description="most prompts per rlm_query_batched when it starts children"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
+    rlms: bool = Field(default=False, description="the REPL behaves as rlms 0.1.3's (EpisodeRequest.rlms)")
     snapshots: SnapshotPolicy | None = Field(default=None, description="None: no snapshots are taken")
     lineage: list[str] = Field(
         default_factory=list,

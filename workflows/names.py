@@ -51,6 +51,9 @@ MODEL_BAD_REPLY = "ModelBadReply"  # HTTP 200 that is not a completion (not JSON
 TOOL_NOT_REGISTERED = "ToolNotRegistered"
 TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
+TOOL_VALUE_PREFIX = "pickle:"
+"""A tool's result or exception that is no JSON value travels to the sandbox pickled, as
+`pickle:<base64>\n<what it shows>`; JSON text never starts so. Only the sandbox loads it."""
 STORE_UNAVAILABLE = "StoreUnavailable"  # the audit or blob store failed a step: waited out
 STALE_ATTEMPT = "StaleAttempt"  # a paused worker's attempt the server gave up: it pays nothing
 WORKER_LOST = "WorkerLost"  # the attempt's worker died (durable_rlm/worker/liveness.py): retried at once

@@ -21,7 +21,7 @@ _SET: list[Any] = [None]
 """The content the last `answer["ready"] = <truthy>` of the running cell set (None: none)."""
 
 
-class AnswerDict(dict):  # type: ignore[type-arg]
+class AnswerDict(dict[str, Any]):
     """`{"content": "", "ready": False}`, which reports `answer["ready"] = True`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -48,7 +48,7 @@ class BoundedWriter(io.TextIOBase):
         self.kept = 0
         self.dropped = 0
 
-    def write(self, text: str) -> int:  # type: ignore[override]
+    def write(self, text: str) -> int:
         text = str(text)
         room = self.limit - self.kept
         if room > 0:
@@ -97,11 +97,14 @@ class Session:
         self.helpers: dict[str, Any] = {}  # the REPL's own functions, put back before each cell
         self.defined_by: dict[str, int] = {}  # name -> the last cell that bound it
         self.sandbox_dir = "."
+        self.rlms = False  # rlms 0.1.3's semantics (the host's init says so)
 
     @repl_helper("llm_query")
     def llm_query(self, prompt: str, model: str | None = None) -> str:
         check_prompts("llm_query", [prompt], model)
         answer = self.calls.call("llm_query", [prompt], model)[0]
+        if self.rlms:
+            return text_or_error(answer)  # rlms's: the cell goes on with an "Error: ..." string
         if not answer["ok"]:
             raise RuntimeError(f"llm_query failed: {answer['text']}")
         return answer["text"]
@@ -183,6 +186,8 @@ class Session:
         cap = message.get("child_batch_cap")
         self.child_batch_cap = int(cap) if cap is not None else None
         self.calls.limit(message)
+        self.rlms = bool(message.get("rlms"))
+        self.calls.own_errors = self.rlms
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
@@ -195,6 +200,8 @@ class Session:
         for spec in message.get("tools") or []:
             self.namespace[spec["name"]] = self.calls.tool(spec)
         self.reserved = set(self.namespace)
+        if self.rlms:
+            self.namespace["context_0"] = context  # rlms binds it, and `context` as its alias
         # The REPL's own functions, put back before every cell: code that overwrote one
         # (`llm_query = None`, by accident or not) does not cost the episode its helpers.
         self.helpers = {k: v for k, v in self.namespace.items() if callable(v) or k == "ToolError"}
@@ -228,7 +235,7 @@ class Session:
             raise CellTimeout(f"cell exceeded its {timeout:g} s time limit")
 
         signal.signal(signal.SIGALRM, on_alarm)
-        sys.stdout, sys.stderr = stdout, stderr  # type: ignore[assignment]
+        sys.stdout, sys.stderr = stdout, stderr
         ready: str | None = None
         answers.start_cell()
         try:
@@ -238,6 +245,8 @@ class Session:
             finally:
                 # Inside the cell's time limit: a rebound `answer` may be a hostile dict.
                 ready = answers.end_cell(self.namespace)
+                if self.rlms:
+                    self._put_back_aliases()
         except CellTimeout as exc:
             status, error = "timeout", f"TimeoutError: {exc}"
         except SystemExit:
@@ -267,6 +276,13 @@ class Session:
             "elapsed": elapsed,
             "volatile": volatile,
         }
+
+    def _put_back_aliases(self) -> None:
+        """rlms's: a cell that rebinds `context` or `history` changes nothing after it;
+        they are context_0 and history_0 again."""
+        for alias, name in (("context", "context_0"), ("history", "history_0")):
+            if name in self.namespace:
+                self.namespace[alias] = self.namespace[name]
 
     def _note_bindings(self, before: dict[str, int], cell: int) -> None:
         """Which cell last bound each name: a rebuild re-runs it for a name no snapshot holds."""

@@ -28,7 +28,7 @@ def create_engine(url: str) -> sa.Engine:
         engine = sa.create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_connection, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
             # WAL lets the CLI, workers and tests share one file without blocking readers.
             cursor = dbapi_connection.cursor()
             # Set only where the file is new (it is fixed once WAL is on): a blob's chunk of
