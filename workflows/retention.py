@@ -39,7 +39,7 @@ GC_HEARTBEAT = timedelta(minutes=2)
 class BlobRetentionWorkflow:
     @workflow.run
     async def run(self, request: GcRequest) -> GcSummary:
-        return await workflow.execute_activity(
+        summary: GcSummary = await workflow.execute_activity(
             names.COLLECT_GARBAGE,
             request,
             result_type=GcSummary,
@@ -48,3 +48,4 @@ class BlobRetentionWorkflow:
             # A store or server away is waited out a while; the next scheduled run goes on.
             retry_policy=RetryPolicy(maximum_attempts=5, initial_interval=timedelta(seconds=30)),
         )
+        return summary

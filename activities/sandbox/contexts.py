@@ -72,7 +72,7 @@ def _decode(fd: int, offset: int, length: int) -> str:
             view.release()
 
 
-class Documents(Sequence):  # type: ignore[type-arg]
+class Documents(Sequence[Any]):
     """`context` as documents: `len(context)`, `context[i]`, slices, iteration, `in`;
     `context.names` are their file names. Each document is a `str` (or, for a .json file,
     its value), read from the worker's cached pack when touched."""

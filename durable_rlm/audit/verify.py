@@ -206,7 +206,7 @@ class Verifier:
         checked: a manifest's chunks are each read, checked and dropped, never held whole."""
         known = self._read.get(digest, _UNSEEN)
         if known is not _UNSEEN and (known is not _CHECKED or not keep):
-            return None if known is _CHECKED else known  # type: ignore[return-value]
+            return known if isinstance(known, bytes) else None  # None: checked only, or broken
         data: bytes | None = None
         outcome: object = None
         try:

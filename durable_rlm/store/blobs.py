@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -261,7 +261,7 @@ class BlobStore(TypedBlobs):
         self._remember(digest, data, written=False)
         return data
 
-    def chunks(self, digest: str) -> Iterator[bytes]:
+    def chunks(self, digest: str) -> Generator[bytes, None, None]:
         """The blob as a stream of checked chunks, reading up to `parallel` ahead."""
         manifest = self.manifest(digest)
         if manifest is None:

@@ -39,13 +39,13 @@ class TextMeasure:
     """What a stream of UTF-8 says about the `str` it decodes to, learnt as it passes."""
 
     chars: int = 0
-    bytes: int = 0
+    encoded: int = 0  # UTF-8 bytes seen
     width: int = 1
     _decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("strict"))
     _clean: bool = True  # no multi-byte sequence left open by the previous piece
 
     def feed(self, piece: bytes) -> None:
-        self.bytes += len(piece)
+        self.encoded += len(piece)
         if self._clean and piece.isascii():
             self.chars += len(piece)  # the common case: no decoding, nothing allocated
             return
@@ -75,7 +75,7 @@ def str_width(text: str) -> int:
 def _encoded_text(text: str, measure: TextMeasure) -> Iterator[bytes]:
     for start in range(0, len(text), TEXT_SLICE):
         piece = text[start : start + TEXT_SLICE].encode("utf-8")
-        measure.bytes += len(piece)
+        measure.encoded += len(piece)
         yield piece
     measure.chars = len(text)
     measure.width = str_width(text) if text else 1
@@ -93,9 +93,13 @@ def store_text(blobs: BlobStore, text: str, through: Through | None = None) -> C
     measure = TextMeasure()
     stored = blobs.put_stream(_through(_encoded_text(text, measure), through))
     return ContextRef(
-        digest=stored.digest, kind="text", size=measure.chars, type_name="str",
-        stored_bytes=stored.size, char_width=measure.width,
-    )  # fmt: skip
+        digest=stored.digest,
+        kind="text",
+        size=measure.chars,
+        type_name="str",
+        stored_bytes=stored.size,
+        char_width=measure.width,
+    )
 
 
 def _encoded_json(value: Any, measure: TextMeasure) -> Iterator[bytes]:
@@ -118,9 +122,13 @@ def store_json(blobs: BlobStore, value: Any, through: Through | None = None) -> 
     measure = TextMeasure()
     stored = blobs.put_stream(_through(_encoded_json(value, measure), through))
     return ContextRef(
-        digest=stored.digest, kind="json", size=measure.chars, type_name=type(value).__name__,
-        stored_bytes=stored.size, char_width=measure.width,
-    )  # fmt: skip
+        digest=stored.digest,
+        kind="json",
+        size=measure.chars,
+        type_name=type(value).__name__,
+        stored_bytes=stored.size,
+        char_width=measure.width,
+    )
 
 
 def store_value(blobs: BlobStore, value: Any, through: Through | None = None) -> ContextRef:
@@ -216,7 +224,7 @@ def read_file_pieces(path: Path, measure: TextMeasure | None = None) -> Iterator
                 try:
                     measure.feed(piece)
                 except UnicodeDecodeError as exc:
-                    at = measure.bytes - len(piece) + exc.start
+                    at = measure.encoded - len(piece) + exc.start
                     raise ContextFileError(
                         f"context file is not UTF-8 text: {path} ({exc.reason} at byte {at})"
                     ) from None
@@ -241,9 +249,13 @@ def store_file(blobs: BlobStore, path: Path) -> ContextRef:
     measure = TextMeasure()
     stored = blobs.put_stream(read_file_pieces(path, measure))
     return ContextRef(
-        digest=stored.digest, kind="text", size=measure.chars, type_name="str",
-        stored_bytes=stored.size, char_width=measure.width,
-    )  # fmt: skip
+        digest=stored.digest,
+        kind="text",
+        size=measure.chars,
+        type_name="str",
+        stored_bytes=stored.size,
+        char_width=measure.width,
+    )
 
 
 _JSON_TYPES = {ord("["): "list", ord("{"): "dict", ord('"'): "str"}
@@ -272,9 +284,13 @@ def store_json_file(blobs: BlobStore, path: Path) -> ContextRef:
         type_name = type(value).__name__
         del value
     return ContextRef(
-        digest=stored.digest, kind="json", size=measure.chars, type_name=type_name,
-        stored_bytes=stored.size, char_width=measure.width,
-    )  # fmt: skip
+        digest=stored.digest,
+        kind="json",
+        size=measure.chars,
+        type_name=type_name,
+        stored_bytes=stored.size,
+        char_width=measure.width,
+    )
 
 
 JSON_CHECK_BYTES = 64 * 1024 * 1024
@@ -325,20 +341,24 @@ def store_documents(blobs: BlobStore, files: list[tuple[str, Path]]) -> tuple[Co
             DocumentRef(
                 name=name,
                 digest=ref.digest,
-                kind=ref.kind,
+                kind="json" if ref.kind == "json" else "text",
                 size=ref.size,
                 stored_bytes=ref.stored_bytes,
                 char_width=ref.char_width,
-            )  # fmt: skip
+            )
         )
     index = {"format": DOCUMENTS_INDEX, "documents": [d.model_dump(mode="json") for d in documents]}
     digest = blobs.put_json(index)
     total = sum(d.size for d in documents)
     ref = ContextRef(
-        digest=digest, kind="documents", size=total, type_name="list", documents=len(documents),
+        digest=digest,
+        kind="documents",
+        size=total,
+        type_name="list",
+        documents=len(documents),
         stored_bytes=sum(d.stored_bytes for d in documents),
         char_width=max((d.char_width for d in documents), default=1),
-    )  # fmt: skip
+    )
     return ref, documents
 
 
