@@ -20,6 +20,8 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
+from durable_rlm.activities.context_cache import ContextCache
+from durable_rlm.activities.context_room import sandbox_room
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
@@ -57,6 +59,19 @@ def prepare_sandbox_root(root: Path) -> Path:
     return root
 
 
+def refuse_too_large(ref: SandboxRef, memory_mb: int) -> None:
+    """A context no sandbox of this worker can hold as one string ends the step with the
+    reason (a client elsewhere checked it against the budget at best, not this host's)."""
+    context = ref.context
+    if context is None or context.kind == "documents" or context.view == "mapped" or not context.stored_bytes:
+        return
+    refusal = sandbox_room(memory_mb).refusal(
+        f"the context ({context.size:,} characters)", context.size * context.char_width, context.stored_bytes
+    )
+    if refusal is not None:
+        raise ApplicationError(refusal, type=names.SANDBOX_FAILURE, non_retryable=True)
+
+
 @dataclass
 class SandboxConfig:
     """How this worker makes and keeps its sandboxes (ReplActivities' arguments). Read as
@@ -79,6 +94,7 @@ class SandboxStarter:
         self, blobs: BlobStore, config: SandboxConfig, home: SandboxHome, uids: SandboxUids | None
     ) -> None:
         self.blobs = blobs
+        self.contexts = ContextCache(blobs, encrypting=blobs.keyring is not None)
         self.config = config
         self.home = home
         self.uids = uids
@@ -118,10 +134,10 @@ class SandboxStarter:
         uid = self.uids.claim() if self.uids is not None else None
         try:
             if ref.context is not None:
-                data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
-                path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
-                path.write_bytes(data)
-                init.update(context_path=str(path), context_kind=ref.context.kind)
+                refuse_too_large(ref, config.memory_mb)
+                # The worker's read-only copy, made once and mapped by every sandbox over it.
+                copy = await self.contexts.copy_of(ref.context)
+                init["context"] = copy.init_message(ref.context.view)
             if uid is not None:
                 init["uid"] = uid
                 for p in [directory, *directory.iterdir()]:
@@ -216,6 +232,7 @@ class SandboxStarter:
                 await self.template.close()
                 self.template = None
             self.home.remove()  # made again if this host starts another sandbox
+            self.contexts.close()  # and the context copies with it
             if self.uids is not None:
                 self.uids.reap_stale()
 

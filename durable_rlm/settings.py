@@ -86,7 +86,18 @@ class Settings(BaseSettings):
         "data_dir", "DRLM_DATA_DIR", None, description="default: the user data dir (platformdirs)"
     )
     database_url: str | None = _env("database_url", "DRLM_DATABASE_URL", None)
-    blob_store: str = _env("blob_store", "DRLM_BLOB_STORE", "sql", description="'sql' or a directory path")
+    blob_store: str = _env(
+        "blob_store",
+        "DRLM_BLOB_STORE",
+        "sql",
+        description="'sql', a directory path, or s3://BUCKET/PREFIX (an S3-compatible object store)",
+    )
+    s3_endpoint_url: str | None = _env(
+        "s3_endpoint_url",
+        "DRLM_S3_ENDPOINT_URL",
+        None,
+        description="the endpoint of an s3:// blob store; unset: AWS S3 (or AWS_ENDPOINT_URL)",
+    )
     claim_check_threshold: int = _env("claim_check_threshold", "DRLM_CLAIM_CHECK_THRESHOLD", 4096, ge=256)
     sandbox_memory_mb: int = _env(
         "sandbox_memory_mb", "DRLM_SANDBOX_MEMORY_MB", defaults.SANDBOX_MEMORY_MB, ge=64
@@ -422,12 +433,20 @@ class Settings(BaseSettings):
             ),
             "SQL store": (database_url, chosen("database_url", in_data_dir)),
             "blob store": (
-                f"table 'blobs' of {database_url}"
-                if self.blob_store == "sql"
-                else str(Path(self.blob_store).resolve()),
+                f"table 'blobs' of {database_url}" if self.blob_store == "sql" else self.blob_store_name,
                 chosen("blob_store", "DRLM_BLOB_STORE unset: in the SQL store"),
             ),
         }
+
+    @property
+    def blob_store_name(self) -> str:
+        """Where blobs live, as every process of a deployment must name it the same way."""
+        if self.blob_store == "sql":
+            return "sql"
+        if self.blob_store.startswith("s3://"):
+            endpoint = f" at {self.s3_endpoint_url}" if self.s3_endpoint_url else ""
+            return f"{self.blob_store}{endpoint}"
+        return str(Path(self.blob_store).resolve())
 
     def prepare_data_dir(self) -> Path:
         """The data directory, created private (0700) with its SQLite files 0600: it holds

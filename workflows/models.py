@@ -95,12 +95,31 @@ class ModelSettings(StrictModel):
 
 
 class ContextRef(StrictModel):
-    """The episode's context, stored once in the blob store before the episode starts."""
+    """The episode's context, stored once in the blob store before the episode starts:
+    text (a `str`), a JSON value, or documents (an index blob naming one blob per document,
+    loaded by the sandbox when code touches it)."""
 
+    digest: str
+    kind: Literal["text", "json", "documents"] = "text"
+    size: int = Field(ge=0, description="characters (of all documents, for documents)")
+    type_name: str = "str"
+    stored_bytes: int = Field(default=0, ge=0, description="UTF-8 bytes stored; 0: not recorded")
+    char_width: int = Field(default=1, ge=1, le=4, description="bytes per character of the `str`")
+    documents: int = Field(default=0, ge=0, description="how many, for documents")
+    view: Literal["str", "mapped"] = Field(
+        default="str", description="text only: a `str`, or a read-only view of the worker's copy (ASCII)"
+    )
+
+
+class DocumentRef(StrictModel):
+    """One document of a documents context, as its index lists it."""
+
+    name: str
     digest: str
     kind: Literal["text", "json"] = "text"
     size: int = Field(ge=0)
-    type_name: str = "str"
+    stored_bytes: int = Field(default=0, ge=0)
+    char_width: int = Field(default=1, ge=1, le=4)
 
 
 class EpisodeLimits(StrictModel):

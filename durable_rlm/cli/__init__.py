@@ -40,7 +40,8 @@ _GROUPS = (run, follow, reading, steering, timetravel, operations)
 # The order `drlm --help` lists the commands in (and a usage error names them in).
 _LISTED = (
     "run demo scripted-server show worker watch ui codec-server config info resume cancel doctor reward "
-    "audit-rebuild verify hint limits pause finish pending approve reject deployment fork rerun export list"
+    "audit-rebuild verify gc hint limits pause finish pending approve reject deployment fork rerun export "
+    "list"
 ).split()
 
 

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import webbrowser
+from datetime import timedelta
 from urllib.parse import quote
 
 from durable_rlm.cli.handlers import Subparsers, bind
@@ -84,6 +85,43 @@ def _audit_rebuild_parser(sub: Subparsers) -> None:
     bind(rebuild, _audit_rebuild)
 
 
+def _gc_parser(sub: Subparsers) -> None:
+    gc = sub.add_parser(
+        "gc", help="remove blobs only histories past the namespace's retention named (--schedule: on a timer)"
+    )
+    gc.add_argument(
+        "--grace", type=_duration, default="24h", help="keep unnamed blobs younger than this (default 24h)"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="count what would go; remove nothing")
+    gc.add_argument(
+        "--schedule", type=_duration, metavar="EVERY", help="create or update a Temporal Schedule (e.g. 6h)"
+    )
+    gc.add_argument("--json", action="store_true")
+    bind(gc, _gc)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> timedelta:
+    """`90s`, `30m`, `6h`, `7d` (a bare number is seconds)."""
+    text = text.strip().lower()
+    unit = _UNITS.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if unit else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 6h or 7d") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
+    return timedelta(seconds=value * (unit or 1))
+
+
+async def _gc(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.audit.gc import gc_command  # start-up: temporalio, the stores (~0.5 s)
+
+    return await gc_command(settings, args.grace, args.dry_run, args.json, args.schedule)
+
+
 def _deployment_parser(sub: Subparsers) -> None:
     deployment = sub.add_parser(
         "deployment", help="the Worker Deployment's builds; make one current or ramp it (rolling upgrades)"
@@ -103,6 +141,7 @@ PARSERS = {
     "info": _info_parser,
     "doctor": _doctor_parser,
     "audit-rebuild": _audit_rebuild_parser,
+    "gc": _gc_parser,
     "deployment": _deployment_parser,
 }
 

@@ -28,7 +28,20 @@ if TYPE_CHECKING:
 def _run_parser(sub: Subparsers) -> None:
     run = sub.add_parser("run", help="run an episode and print its answer")
     run.add_argument("task")
-    run.add_argument("--context", type=Path, help="file whose text (or JSON, for .json) is `context`")
+    run.add_argument(
+        "--context",
+        type=Path,
+        action="append",
+        help="a file whose text (or JSON, for .json) is `context`; a directory, or --context given "
+        "more than once, makes `context` a list of documents, one per file, each loaded when touched",
+    )
+    run.add_argument(
+        "--context-view",
+        choices=("str", "mapped"),
+        default="str",
+        help="mapped: one ASCII text too large for a str, as a read-only view of the worker's copy "
+        "(slices, find, count, lines(); pages shared by every sandbox)",
+    )
     _model_args(run)
     _limit_args(run)
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
@@ -182,10 +195,11 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
 
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
     import_extensions(settings)
-    context = _read_context(args.context)
+    plan = _plan_context(args.context, settings, getattr(args, "context_view", "str"))
     rlm = _rlm(args, settings)  # validate before starting anything
     rlm.request(None, args.task)
     rlm.check_credentials()
+    context = None if plan is None else await asyncio.to_thread(_store_context, settings, plan)
     return await _run_episode(settings, args, context)
 
 
@@ -270,20 +284,36 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
         await rlm.close()
 
 
-def _read_context(path: Path | None) -> Any:
-    """The --context file's value, read before anything starts: its text, or for .json its
-    JSON value. Every problem with the file is a one-line error."""
-    if path is None:
-        return None
-    from durable_rlm.client.episodes import read_context_text  # start-up: temporalio, the stores (~0.6 s)
+def _room(settings: Settings) -> Any:
+    """What one sandbox can hold: as this host's worker sets it when the session's workers
+    are embedded (or local), as a worker at best would otherwise."""
+    from durable_rlm.activities.context_room import sandbox_room  # start-up: the sandbox's limits (~20 ms)
 
-    text = read_context_text(path)
-    if path.suffix.lower() != ".json":
-        return text
+    return sandbox_room(settings.sandbox_memory_mb, local=settings.embedded)
+
+
+def _store_context(settings: Settings, plan: Any) -> Any:
+    """Stream the planned files into the blob store, then measure them against what a
+    sandbox holds: a context that cannot load is refused before the server or an episode
+    starts (its blobs, named by nothing, go at the next `drlm gc`)."""
+    from durable_rlm.client.context_input import store_plan  # start-up: the stores (~0.3 s)
+    from durable_rlm.server.connection import open_stores  # start-up: as the line above
+
+    blobs, engine = open_stores(settings)
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from None
+        return store_plan(blobs, plan, _room(settings))
+    finally:
+        engine.dispose()
+
+
+def _plan_context(paths: list[Path] | None, settings: Settings, view: str = "str") -> Any:
+    """The --context paths checked before anything starts (what they are, their size against
+    what a sandbox holds), none of them read yet: every problem is a one-line error."""
+    if not paths:
+        return None
+    from durable_rlm.client.context_input import plan_context  # start-up: the stores (~0.3 s)
+
+    return plan_context(paths, _room(settings), view)
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:

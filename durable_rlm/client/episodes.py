@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 import weakref
 from collections.abc import Callable
@@ -28,10 +27,11 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from durable_rlm.activities.context_cache import local_cache
 from durable_rlm.errors import EpisodeIdInUse
-from durable_rlm.settings import ConfigurationError
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.codec import encrypts
+from durable_rlm.store.contexts import TextMeasure, read_file_pieces, store_file, store_json_file, store_value
 from durable_rlm.workflows import metadata, names
 from durable_rlm.workflows.ending import CANCELLED, TIMED_OUT
 from durable_rlm.workflows.episode import episode_policy
@@ -51,39 +51,31 @@ from durable_rlm.workflows.retries import describe_failure, ending_of
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
-    """Put the context in the blob store once; the episode carries only its digest."""
-    if isinstance(value, str):
-        return ContextRef(digest=blobs.put_text(value), kind="text", size=len(value), type_name="str")
-    text = json.dumps(value, ensure_ascii=False)
-    return ContextRef(
-        digest=blobs.put_text(text), kind="json", size=len(text), type_name=type(value).__name__
-    )
+    """Put the context in the blob store once, as a stream; the episode carries its digest.
+    When a worker of this process uses the same store (embedded mode), its cache copy is
+    written on the way, so its sandbox maps it without reading the store back."""
+    cache = local_cache(blobs)
+    if cache is None:
+        return store_value(blobs, value)
+    copy = cache.teeing()
+    try:
+        ref = store_value(blobs, value, copy.pieces)
+    except BaseException:
+        copy.drop()
+        raise
+    copy.keep(ref)
+    return ref
 
 
 def read_context_text(path: Path) -> str:
-    """A context file's text, or a one-line error saying what is wrong with the file."""
-    if path.is_dir():
-        raise ConfigurationError(f"context file {path} is a directory")
-    if not path.exists():
-        raise ConfigurationError(f"context file not found: {path}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigurationError(
-            f"context file is not UTF-8 text: {path} ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read context file {path}: {exc.strerror or exc}") from None
+    """A small context file's text, or a one-line error saying what is wrong with the file
+    (for files read whole on purpose; contexts are streamed by `load_context_file`)."""
+    return b"".join(read_file_pieces(path, TextMeasure())).decode("utf-8")
 
 
 def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
-    text = read_context_text(path)
-    if path.suffix.lower() == ".json":
-        try:
-            return store_context(blobs, json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from exc
-    return store_context(blobs, text)
+    """A context file streamed into the store: a .json file as its value, any other as text."""
+    return store_json_file(blobs, path) if path.suffix.lower() == ".json" else store_file(blobs, path)
 
 
 # client -> whether its namespace has our attributes (asked once per client)

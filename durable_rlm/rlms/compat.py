@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from durable_rlm.api import DurableRLM
+from durable_rlm.api import DurableRLM, run_blocking
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
 from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
 from durable_rlm.rlms.limits import CancellationError, raise_for_limit, trail_of
@@ -209,7 +209,7 @@ class RLM(DurableRLM):
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(make())
+            return run_blocking(make())
         if self._services is not None:
             # Opened with `async with rlm:`: its connection belongs to the running loop.
             raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")

@@ -29,6 +29,7 @@ from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import WorkflowSlots
 from durable_rlm.activities.tools import run_tool
+from durable_rlm.audit.gc import RetentionActivities
 from durable_rlm.audit.projection import rebuild_episode, reconcile_audit, settle_at_close
 from durable_rlm.server.connection import (  # noqa: F401 - re-exported: one import for the worker side
     Services,
@@ -55,6 +56,7 @@ from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.retention import BlobRetentionWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
 
 Takes = Literal["all", "workflows", "activities"]
@@ -160,7 +162,7 @@ def build_workers(
     shared = Worker(
         client,
         task_queue=task_queue,
-        workflows=[EpisodeWorkflow, SessionWorkflow] if takes != "activities" else [],
+        workflows=[EpisodeWorkflow, SessionWorkflow, BlobRetentionWorkflow] if takes != "activities" else [],
         activities=[
             models.root_completion,
             models.sub_query,
@@ -168,6 +170,7 @@ def build_workers(
             extraction.extract_fallback,
             audit.audit_episode,
             run_tool,
+            RetentionActivities(blobs, engine).collect,
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
