@@ -38,6 +38,8 @@ FIRST = [
     "tests/test_sandbox_files.py",  # issue 33: seconds
     "tests/test_host_protocol.py",
     "tests/test_reply_limits.py",  # issue 45: a minute and a half
+    "tests/test_wire_values.py",  # seconds
+    "tests/test_frame_bounds.py",  # half a minute
 ]
 
 
@@ -313,6 +315,27 @@ MECHANISMS = [
         "itertools.islice(iter_fenced_blocks(text), EXTRACTION_FENCES_READ)",
         "iter_fenced_blocks(text)",
         "an extraction reply of a million fenced blocks costs a million parses in a workflow task",
+    ),
+    Mechanism(
+        "frames bounded in values and depth",
+        "activities/sandbox_protocol.py",
+        "        values.check(body, defaults.SANDBOX_FRAME_VALUES, defaults.SANDBOX_FRAME_DEPTH)\n",
+        "        pass\n",
+        "a frame's JSON is parsed whatever it builds (60 MB of `[{},...]`: 20 million objects)",
+    ),
+    Mechanism(
+        "MAX_CALL_BYTES on the host",
+        "activities/sandbox_protocol.py",
+        "    if isinstance(frame, Call) and len(body) > defaults.MAX_CALL_BYTES:",
+        "    if False:",
+        "a call the sandbox's own check let through (its code changed) reaches the provider",
+    ),
+    Mechanism(
+        "tool arguments bounded in values",
+        "activities/tools.py",
+        '        values.check(request.arguments.encode("utf-8", "surrogatepass"))\n',
+        "",
+        "a tool call's arguments are parsed whatever they build",
     ),
 ]
 

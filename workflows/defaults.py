@@ -235,6 +235,14 @@ frame being read included), whatever their number; also the largest frame. Past 
 worker stops reading and the sandbox blocks on its pipe: N hostile sandboxes cost at most
 N x this, not what they write."""
 
+SANDBOX_FRAME_VALUES = 400_000
+SANDBOX_FRAME_DEPTH = 100
+"""Values (containers, keys, scalars) and nesting of one frame from a sandbox, counted on its
+bytes before any object is built (activities/sandbox/values.py): bytes alone do not bound
+what JSON builds (a 60 MB frame of `[{},{},...]` is 20 million objects, 3.2 GB); this many
+are ~30 MB at most. An honest frame's largest part is a SUBMIT of at most
+SANDBOX_FIELD_CHARS as the sandbox writes it (", " between values): ~333,000 values."""
+
 SNAPSHOT_MAX_MB = 512
 """Largest REPL snapshot the worker reads from a sandbox (compressed). A namespace past it is
 not snapshotted: a rebuild re-runs its cells instead of the worker holding that much."""
