@@ -40,6 +40,7 @@ FIRST = [
     "tests/test_reply_limits.py",  # issue 45: a minute and a half
     "tests/test_wire_values.py",  # seconds
     "tests/test_frame_bounds.py",  # half a minute
+    "tests/test_owned_dirs.py",  # seconds
 ]
 
 
@@ -336,6 +337,35 @@ MECHANISMS = [
         '        values.check(request.arguments.encode("utf-8", "surrogatepass"))\n',
         "",
         "a tool call's arguments are parsed whatever they build",
+    ),
+    # Issue 45, item 1: no directory another user made, could swap or could write.
+    Mechanism(
+        "sandbox root of the worker's own",
+        "activities/sandbox_start.py",
+        "    root = owned_directory(root, mode=mode, parents_mode=mode)\n",
+        "    root = root.resolve()\n    root.mkdir(parents=True, exist_ok=True)\n    os.chmod(root, mode)\n",
+        "a root worker uses (and chmods) a sandbox root another user made, or a link one left",
+    ),
+    Mechanism(
+        "reaper: own homes only",
+        "activities/sandbox_reaper.py",
+        "    if info.st_uid != os.geteuid():\n        return None  # another user's",
+        "    if os.geteuid() != 0 and info.st_uid != os.geteuid():\n        return None  # another user's",
+        "a root reaper judges homes other users made",
+    ),
+    Mechanism(
+        "reaper: own records only",
+        "activities/sandbox_reaper.py",
+        "if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > RECORD_BYTES:",
+        "if not stat.S_ISREG(info.st_mode) or info.st_size > RECORD_BYTES:",
+        "the reaper kills the processes named by records another user wrote",
+    ),
+    Mechanism(
+        "data directory of the user's own",
+        "durable_rlm/settings.py",
+        "    owned_directory(path, 0o700)\n    return path",
+        "    path.mkdir(parents=True, exist_ok=True, mode=0o700)\n    return path",
+        "the data directory (store, snapshot key) may be one another user made",
     ),
 ]
 

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -27,6 +26,7 @@ from durable_rlm.activities.extraction import ExtractionActivities
 from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import WorkflowSlots
+from durable_rlm.activities.sandbox_start import default_sandbox_root
 from durable_rlm.activities.tools import run_tool
 from durable_rlm.audit.projection import rebuild_episode, reconcile_audit, settle_at_close
 from durable_rlm.server.connection import (  # noqa: F401 - re-exported: one import for the worker side
@@ -119,7 +119,7 @@ def build_workers(
     import_policy_modules(policy_modules)
     import_tool_modules(tool_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
-    root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
+    root = sandbox_root or default_sandbox_root()
     repl = ReplActivities(
         blobs,
         worker_queue,
@@ -289,6 +289,7 @@ def _workers_of(
         activity_slots=settings.activity_slots,
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
+        sandbox_root=settings.sandbox_dir,
         snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
         drain_grace_s=drain_grace_s,
         max_sandboxes=settings.max_sandboxes,
