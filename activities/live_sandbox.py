@@ -19,6 +19,7 @@ from typing import Any
 
 from durable_rlm.activities.chains import LoggedCell, SnapshotTaken
 from durable_rlm.activities.sandbox.framing import encode_frame
+from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
 from durable_rlm.activities.sandbox_files import remove_sandbox_tree
 from durable_rlm.activities.sandbox_processes import SandboxProcess, SandboxUids, kill_uid
 from durable_rlm.activities.sandbox_protocol import BROKEN, FrameInbox, decode_frame
@@ -58,10 +59,20 @@ class LiveSandbox:
     last_cell: int | None = None
     cells: dict[int, LoggedCell] = field(default_factory=dict)
     snapshot_cost_s: float = 0.0  # what the last snapshot took, sandbox and store
+    snapshot_note: str | None = None  # why the last snapshot due was not taken
     uid: int | None = None  # its own uid (root workers), released when it is gone
     seq: int = 0  # the number of the last request sent to it
     output_limit: int = defaults.STORED_OUTPUT_CHARS  # the stdout it may send for the cell
     uids: SandboxUids | None = None
+
+    @property
+    def view(self) -> Path:
+        """Its directory as the host reads what the sandbox wrote there: through the
+        sandbox's own view (/proc/PID/root) when that directory is a tmpfs of its mount
+        namespace, which the host's path does not show."""
+        if OWN_TMPFS in self.layers.get("filesystem", ""):
+            return Path(f"/proc/{self.process.pid}/root{self.directory}")
+        return self.directory
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
         """A cell finished (live or re-run): the snapshot policy counts it."""

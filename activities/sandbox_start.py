@@ -80,6 +80,7 @@ class SandboxConfig:
     memory_budget_mb: int | None
     filesystem: bool  # the private root; tests of the other layers turn it off
     namespaces: str  # "user": as a root worker without CAP_SYS_ADMIN would
+    files_mb: int | None = defaults.SANDBOX_FILES_MB  # its own directory a tmpfs this big (None: the host's)
 
 
 class SandboxStarter:
@@ -121,6 +122,7 @@ class SandboxStarter:
             # The sandbox refuses larger calls in the cell; a frame past them is refused here.
             "max_prompts": defaults.MAX_PROMPTS_PER_CALL,
             "max_call_bytes": defaults.MAX_CALL_BYTES,
+            "dir_mb": config.files_mb,
         }
         if config.namespaces == "user":
             init["namespaces"] = "user"  # tests: the path of a root worker without CAP_SYS_ADMIN

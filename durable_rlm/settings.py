@@ -100,6 +100,14 @@ class Settings(BaseSettings):
         description="the sandboxes' root, a directory of this user's own that only it can write "
         "(refused otherwise); default: $TMPDIR/drlm-sandboxes",
     )
+    sandbox_files_mb: int = _env(
+        "sandbox_files_mb",
+        "DRLM_SANDBOX_FILES_MB",
+        defaults.SANDBOX_FILES_MB,
+        ge=1,
+        description="a sandbox's own directory, a tmpfs of this size counted in its memory "
+        "(with the private root; without it the host's disk, 256 MB a file)",
+    )
     sandbox_start: Literal["fork", "spawn"] = _env(
         "sandbox_start",
         "DRLM_SANDBOX_START",

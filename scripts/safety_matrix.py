@@ -41,6 +41,7 @@ FIRST = [
     "tests/test_wire_values.py",  # seconds
     "tests/test_frame_bounds.py",  # half a minute
     "tests/test_owned_dirs.py",  # seconds
+    "tests/test_disk_quotas.py",  # half a minute
 ]
 
 
@@ -366,6 +367,35 @@ MECHANISMS = [
         "    owned_directory(path, 0o700)\n    return path",
         "    path.mkdir(parents=True, exist_ok=True, mode=0o700)\n    return path",
         "the data directory (store, snapshot key) may be one another user made",
+    ),
+    # Issue 45, item 3: what one episode may put on disk.
+    Mechanism(
+        "sandbox directory a tmpfs",
+        "activities/sandbox/layers.py",
+        '    dir_mb = int(init["dir_mb"]) if init.get("dir_mb") else None',
+        "    dir_mb = None",
+        "a sandbox's own directory is the host's: its cells write to the host's disk without bound",
+    ),
+    Mechanism(
+        "snapshot quota: older ones go",
+        "activities/repl_snapshots.py",
+        "        while len(kept) > 1 and total > quota:",
+        "        while False:",
+        "every snapshot an episode takes stays in the store",
+    ),
+    Mechanism(
+        "snapshot quota: room beside the last",
+        "activities/repl_snapshots.py",
+        "        limit = min(defaults.SNAPSHOT_MAX_MB * 2**20, room)",
+        "        limit = defaults.SNAPSHOT_MAX_MB * 2**20",
+        "a snapshot larger than the quota leaves room for is taken anyway",
+    ),
+    Mechanism(
+        "large buffers returned to the system",
+        "durable_rlm/worker/runtime.py",
+        "    return_large_buffers()  # a snapshot or a reply of megabytes leaves no heap behind\n",
+        "",
+        "a worker that read a few large snapshots stays hundreds of megabytes larger",
     ),
 ]
 

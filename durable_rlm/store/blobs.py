@@ -59,6 +59,7 @@ class BlobBackend(Protocol):
     def write_many(self, items: dict[str, bytes]) -> None: ...
     def add(self, digest: str, data: bytes) -> bool: ...
     def read(self, digest: str) -> bytes | None: ...
+    def delete(self, digest: str) -> bool: ...
 
 
 class DirectoryBackend:
@@ -98,6 +99,13 @@ class DirectoryBackend:
     def read(self, digest: str) -> bytes | None:
         path = self._path(digest)
         return path.read_bytes() if path.exists() else None
+
+    def delete(self, digest: str) -> bool:
+        try:
+            self._path(digest).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
 
 class SqlBackend:
@@ -155,6 +163,12 @@ class SqlBackend:
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(schema.blobs.c.data).where(schema.blobs.c.digest == digest)).first()
         return None if row is None else bytes(row[0])
+
+    def delete(self, digest: str) -> bool:
+        _check_digest(digest)
+        with self.engine.begin() as conn:
+            done = conn.execute(schema.blobs.delete().where(schema.blobs.c.digest == digest))
+        return bool(done.rowcount)
 
 
 class TypedBlobs:
@@ -230,6 +244,17 @@ class BlobStore(TypedBlobs):
         for digest, data in fresh.items():
             self._remember(digest, data)
         return digests
+
+    def delete(self, digest: str) -> bool:
+        """Remove a blob nothing will read again (a snapshot the episode's quota replaced);
+        True when the store held it. Only for blobs of one owner: a digest names content, and
+        content two episodes made alike is one blob."""
+        self._cache.pop(digest, None)
+        return self.backend.delete(digest)
+
+    def holds(self, digest: str) -> bool:
+        """Does the store hold this blob? (Read whole: for small blobs, markers.)"""
+        return digest in self._cache or self.backend.read(digest) is not None
 
     def add(self, data: bytes) -> bool:
         """Store `data` unless the backend has it; True when this call stored it. Always asks

@@ -50,6 +50,7 @@ from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
+from durable_rlm.worker.heap import return_large_buffers
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import defaults
@@ -113,9 +114,11 @@ def build_workers(
     hold_new_episodes: bool = False,
     admission: AdmittingWorkflowSlots | None = None,
     liveness: WorkerLiveness | None = None,
+    sandbox_files_mb: int | None = defaults.SANDBOX_FILES_MB,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox."""
+    return_large_buffers()  # a snapshot or a reply of megabytes leaves no heap behind
     import_policy_modules(policy_modules)
     import_tool_modules(tool_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
@@ -130,6 +133,7 @@ def build_workers(
         memory_budget_mb=sandbox_budget_mb,
         snapshot_key=snapshot_key,
         max_sandboxes=max_sandboxes,
+        files_mb=sandbox_files_mb,
     )
     observe_sandboxes(repl.slots, worker_queue)
     models = ModelActivities(blobs, credentials)
@@ -290,6 +294,7 @@ def _workers_of(
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
         sandbox_root=settings.sandbox_dir,
+        sandbox_files_mb=settings.sandbox_files_mb,
         snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
         drain_grace_s=drain_grace_s,
         max_sandboxes=settings.max_sandboxes,
