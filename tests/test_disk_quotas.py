@@ -154,12 +154,14 @@ async def snapshots_of(client, episode_id: str) -> list[str]:
     return [c.snapshot.digest for it in timeline.iterations for c in it.cells if c.snapshot is not None]
 
 
+@pytest.mark.parametrize("hook", [True, False], ids=["hook-on", "hook-off"])
 async def test_an_episode_keeps_its_snapshot_quota_and_older_snapshots_go(
-    client, worker: ReplActivities, scripted, blobs: BlobStore
+    client, worker: ReplActivities, scripted, blobs: BlobStore, hook: bool
 ) -> None:
     """Six cells of 24 MB of variables each, every cell snapshotted, a quota of 64 MB: the
-    store keeps the newest that fit (at most 64 MB), the older ones are gone, and a rebuild
-    still loads the newest. Without the quota the store would hold 6 x 24 MB."""
+    store keeps the newest that fit (at most 64 MB), the older ones are gone. Without the
+    quota the store would hold 6 x 24 MB."""
+    worker.audit_hook = hook
     health = await WorkerHealth.measure(client, worker, scripted)
     cells = ["import os\nv = os.urandom(24 << 20)"] + ["v = os.urandom(24 << 20)"] * 5
     server = scripted(script_of(cells, "FINAL(kept)"))

@@ -188,16 +188,20 @@ def test_a_link_where_the_sandbox_root_goes_opens_nothing_of_roots(
         shutil.rmtree(vault)
 
 
-@pytest.fixture
-async def private_worker(client, store, session_dir: Path) -> AsyncIterator[ReplActivities]:
-    """An in-process worker with a sandbox root of its own: the shared default root is read by
-    every worker on the machine, and a test must not plant forged homes where they look."""
+@pytest.fixture(params=[True, False], ids=["hook-on", "hook-off"])
+async def private_worker(
+    request: pytest.FixtureRequest, client, store, session_dir: Path
+) -> AsyncIterator[ReplActivities]:
+    """An in-process worker with a sandbox root of its own (the shared default root is read by
+    every worker on the machine, and a test must not plant forged homes where they look), its
+    sandboxes' audit hook on and off."""
     root = Path(tempfile.mkdtemp(prefix="drlm-private-root-", dir="/tmp"))
     queue = f"test-{uuid.uuid4().hex[:8]}"
     settings = Settings(task_queue=queue, data_dir=session_dir, sandbox_dir=root)
     try:
         async with running_workers(Services(settings, store[0], store[1], client)) as repl:
             repl.task_queue = queue  # type: ignore[attr-defined]
+            repl.audit_hook = request.param
             yield repl
     finally:
         sandbox_reaper.remove_tree(root)
