@@ -86,7 +86,10 @@ def rows_of_step(episode_id: str, activity_type: str, arg: Any, result: Any) -> 
     if activity_type in (names.REPL_EXECUTE, names.REPL_RESUME):
         return _cell_rows(episode_id, activity_type, arg, result)
     if activity_type == names.RUN_TOOL:
-        detail = f"{arg.tool}({_clip(arg.arguments)}) -> {_clip(result.result)}"
+        shown = result.result
+        if shown.startswith(names.TOOL_VALUE_PREFIX):  # pickled: what it shows, not its bytes
+            shown = shown.partition("\n")[2]
+        detail = f"{arg.tool}({_clip(arg.arguments)}) -> {_clip(shown)}"
         key = f"tool:{arg.cell_index}.{arg.call_index}"
         return [_event(episode_id, key, "tool_call", arg.iteration, detail=detail)]
     if activity_type == names.AUDIT_EPISODE:

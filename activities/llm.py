@@ -415,6 +415,7 @@ class ModelActivities:
             kept_messages=len(kept),
             usage=done.usage,
             model_time_s=done.elapsed,
+            history=history_entries(middle, done.text) if request.history else None,
             **done.facts.model_dump(),
         )
 
@@ -468,6 +469,21 @@ def split_for_compaction(
     if len(rest) <= keep:
         return head, [], rest
     return head, rest[: len(rest) - keep], rest[len(rest) - keep :]
+
+
+def history_entries(middle: list[Message], summary: str) -> str:
+    """rlms's `history` entries for what a compaction removed, as JSON: each turn's messages
+    (the reply, then what the REPL printed) as one list, then {"type": "summary", ...}. An
+    earlier summary is in `history` already."""
+    entries: list[Any] = []
+    for message in middle:
+        if message.content.startswith(COMPACTED_PREFIX):
+            continue
+        if message.role == "assistant" or not entries or not isinstance(entries[-1], list):
+            entries.append([])
+        entries[-1].append({"role": message.role, "content": message.content})
+    entries.append({"type": "summary", "content": summary})
+    return json.dumps(entries)
 
 
 def compaction_prompt(middle: list[Message], input_chars: int) -> str:

@@ -115,6 +115,7 @@ class SandboxStarter:
             "variable_chars": defaults.VARIABLE_CHARS,
             "audit_hook": config.audit_hook,
             "child_batch_cap": ref.child_batch_cap,
+            "rlms": ref.rlms,
             "tools": [spec.model_dump(mode="json") for spec in ref.tools],
             "cpu_s": defaults.SANDBOX_CPU_S,
             "processes": defaults.SANDBOX_PROCESSES,

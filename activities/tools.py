@@ -1,22 +1,26 @@
 """The custom-tool activity: runs a registered tool with the worker's credentials.
 
 A tool that raises fails the attempt (retried as the tool declared; the last error reaches
-the cell as a ToolError), and so does a worker that does not have the tool (another worker
-may); arguments that do not fit its signature or a result that is not a JSON value are not
-retried. Sync tools run on a pool of their own: a hung one holds one of its threads, never
-the threads the worker needs for the blob store and the codec. Failures carry a bounded
-message and no chain of causes (the server keeps 4 KB of an activity's failure).
+the cell, the exception itself pickled beside its message), and so does a worker that does
+not have the tool (another worker may); arguments that do not fit its signature are not
+retried. A result that is no JSON value goes to the cell pickled (names.TOOL_VALUE_PREFIX):
+only the sandbox loads it, never the worker. Sync tools run on a pool of their own: a hung
+one holds one of its threads, never the threads the worker needs for the blob store and the
+codec. Failures carry a bounded message and no chain of causes (the server keeps 4 KB of an
+activity's failure).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import inspect
 import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import cloudpickle
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -27,6 +31,8 @@ from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import ToolCallInput, ToolReply
 
 TOOL_THREADS = ThreadPoolExecutor(max_workers=defaults.TOOL_THREADS, thread_name_prefix="drlm-tool")
+PICKLE_PROTOCOL = 5  # as snapshots: the sandbox reads it
+EXCEPTION_BYTES = 2_048  # a failure stays small: the server keeps little of a failure
 
 
 def _bad_call(message: str) -> ApplicationError:
@@ -58,8 +64,34 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             call_it = functools.partial(entry.fn, *bound.args, **bound.kwargs)
             value = await asyncio.get_running_loop().run_in_executor(TOOL_THREADS, call_it)
     except Exception as exc:  # noqa: BLE001 - whatever the tool raises goes back to the cell
-        raise ApplicationError(clip(f"{type(exc).__name__}: {exc}"), type=names.TOOL_FAILED) from None
+        said = clip(f"{type(exc).__name__}: {exc}")
+        raised = pickled(exc, said, EXCEPTION_BYTES)
+        raise ApplicationError(said, *([raised] if raised else []), type=names.TOOL_FAILED) from None
     try:
         return ToolReply(result=json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as exc:
-        raise _bad_call(f"{request.tool} returned a value that is not JSON: {exc}") from None
+    except (TypeError, ValueError):
+        pass
+    as_value = pickled(value, clip(_shown(value)), None)
+    if as_value is None:
+        raise _bad_call(f"{request.tool} returned a {type(value).__name__}, which cannot be pickled")
+    return ToolReply(result=as_value)
+
+
+def pickled(value: Any, shown: str, limit: int | None) -> str | None:
+    """`value` as the sandbox loads it (names.TOOL_VALUE_PREFIX): pickled, with what it shows
+    for the audit and for a sandbox that cannot load it. None: it cannot be pickled, or the
+    pickle passes `limit` bytes."""
+    try:
+        data = cloudpickle.dumps(value, protocol=PICKLE_PROTOCOL)
+    except Exception:  # noqa: BLE001 - whatever a value's __reduce__ raises
+        return None
+    if limit is not None and len(data) > limit:
+        return None
+    return f"{names.TOOL_VALUE_PREFIX}{base64.b64encode(data).decode('ascii')}\n{shown}"
+
+
+def _shown(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__
+        return f"<{type(value).__name__}>"

@@ -6,18 +6,7 @@ workers' activities do) does not pull in the client and the runtime."""
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
-
-# The deterministic code, the activities and the migrations are `durable_rlm.workflows`,
-# `durable_rlm.activities` and `durable_rlm.migrations` wherever they run. The wheel installs
-# them inside this package (pyproject's package-dir), so nothing it installs can shadow a
-# user's own `workflows`; a source checkout (the repository, an editable install, a mutation
-# run's copy of the tree) keeps them in its top-level folders, which are searched here after
-# this package's own folder.
-_CHECKOUT = Path(__file__).resolve().parent.parent
-if not Path(__file__).with_name("workflows").is_dir() and (_CHECKOUT / "workflows" / "__init__.py").is_file():
-    __path__.append(str(_CHECKOUT))  # noqa: F821 -- a package's own __path__
 
 _EXPORTS = {
     "DurableRLM": "durable_rlm.api",

@@ -175,6 +175,15 @@ class Settings(BaseSettings):
         ge=0,
         description="the shared embedded server stops this long after its last client left",
     )
+    steer_wait_s: float = _env(
+        "steer_wait_s",
+        "DRLM_STEER_WAIT_S",
+        20.0,
+        gt=0,
+        le=3600,
+        description="how long a steering command (cancel, hint, approve, ...) waits for a busy "
+        "worker's answer before it returns, saying the request waits at the server",
+    )
     ui: bool = _env("ui", "DRLM_UI", True, description="serve the Temporal Web UI from the embedded server")
     ui_port: int = _env(
         "ui_port", "DRLM_UI_PORT", 8233, ge=1, le=65535, description="its port (a free one if taken)"

@@ -11,19 +11,18 @@ Register them in a module that the workers (and the CLI, which offers them to ep
 import: name it in DRLM_TOOL_MODULES. Inside the REPL each tool is a function of the same
 name, parameters and docstring; a call suspends the cell like `llm_query`, the workflow runs
 the tool as an activity on the shared queue, and the result is recorded, so a rebuilt REPL
-gets it from the log instead of calling again. Arguments must be JSON values; a result that
-is not one reaches the cell as the object's repr, with a note saying so (as rlms hands back
-the object itself, the model still sees what it is).
+gets it from the log instead of calling again. Arguments must be JSON values; a result is
+any value: one that is no JSON value reaches the cell pickled (loaded in the sandbox only,
+never in the worker), as rlms hands back the object itself.
 
 rlms's form is a dict, `custom_tools={"name": fn_or_data}` (`offered`): functions become
-tools under the dict's names, data values (JSON values) become REPL variables set by the
-REPL's setup cell, so a rebuilt REPL has them too.
+tools under the dict's names, data values (any value that pickles) become REPL variables
+set by the REPL's setup cell, so a rebuilt REPL has them too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import inspect
 import json
@@ -43,7 +42,7 @@ class RegisteredTool:
     fn: Callable[..., Any]
     spec: ToolSpec
     source: Callable[..., Any] | None = field(default=None, compare=False)
-    """The function as the caller gave it (`fn` wraps it so a non-JSON result is a repr)."""
+    """The function as the caller gave it."""
 
     @property
     def is_async(self) -> bool:
@@ -68,44 +67,10 @@ def tool(
 
     def register(function: Callable[..., Any]) -> Callable[..., Any]:
         spec = spec_of(function, name or function.__name__, timeout_s, max_attempts)
-        _REGISTRY[spec.name] = RegisteredTool(json_results(spec.name, function), spec, function)
+        _REGISTRY[spec.name] = RegisteredTool(function, spec, function)
         return function
 
     return register(fn) if fn is not None else register
-
-
-NOT_JSON_NOTE = "[note: {name} returned a {type}, which is not a JSON value; this is its repr]"
-
-
-def as_json_value(name: str, value: Any) -> Any:
-    """`value` when it is a JSON value, else its repr with a note (the REPL runs in another
-    process: only JSON crosses, and rlms's users expect to see what the tool returned)."""
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
-        try:
-            shown = repr(value)
-        except Exception:  # noqa: BLE001 - a hostile __repr__ still gives the model an answer
-            shown = f"<{type(value).__name__}>"
-        return f"{shown}\n{NOT_JSON_NOTE.format(name=name, type=type(value).__name__)}"
-    return value
-
-
-def json_results(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` with its result made a JSON value (`as_json_value`); same signature."""
-    if inspect.iscoroutinefunction(function):
-
-        @functools.wraps(function)
-        async def run_async(*args: Any, **kwargs: Any) -> Any:
-            return as_json_value(name, await function(*args, **kwargs))
-
-        return run_async
-
-    @functools.wraps(function)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return as_json_value(name, function(*args, **kwargs))
-
-    return run
 
 
 def spec_of(function: Callable[..., Any], name: str, timeout_s: float, max_attempts: int) -> ToolSpec:
@@ -174,13 +139,20 @@ class OfferedTools:
         return lines
 
     def setup_code(self) -> str | None:
-        """The cell that binds the data values: JSON text in the cell, so the cell log holds
-        the values themselves."""
+        """The cell that binds the data values, so the cell log holds the values themselves:
+        JSON text for a JSON value, else the value pickled (loaded in the sandbox, which is
+        where the cell runs)."""
         if not self.data:
             return None
-        lines = ["import json as _drlm_json"]
-        lines += [f"{name} = _drlm_json.loads({json.dumps(value)!r})" for name, value in self.data.items()]
-        lines.append("del _drlm_json")
+        import cloudpickle  # start-up: only an episode with data values that JSON cannot hold
+
+        lines = ["import json as _drlm_json, pickle as _drlm_pickle"]
+        for name, value in self.data.items():
+            if _is_json(value):
+                lines.append(f"{name} = _drlm_json.loads({json.dumps(value)!r})")
+            else:
+                lines.append(f"{name} = _drlm_pickle.loads({cloudpickle.dumps(value, protocol=5)!r})")
+        lines.append("del _drlm_json, _drlm_pickle")
         return "\n".join(lines)
 
 
@@ -234,17 +206,28 @@ def _offered_dict(tools: Mapping[Any, Any]) -> OfferedTools:
                     entry, spec=entry.spec.model_copy(update={"doc": description})
                 )
             continue
-        try:
-            json.loads(json.dumps(value, allow_nan=False))
-        except (TypeError, ValueError) as exc:
-            raise ConfigurationError(
-                f"tool {name!r}: its data ({type(value).__name__}) is not a JSON value, and only "
-                f"JSON values reach the REPL, which runs in a process of its own ({exc})"
-            ) from None
+        if not _is_json(value):
+            import cloudpickle  # start-up: only data values that JSON cannot hold
+
+            try:
+                cloudpickle.dumps(value, protocol=5)
+            except Exception as exc:  # noqa: BLE001 - whatever a value's __reduce__ raises
+                raise ConfigurationError(
+                    f"tool {name!r}: its data ({type(value).__name__}) cannot be pickled, and the "
+                    f"REPL runs in a process of its own ({type(exc).__name__}: {exc})"
+                ) from None
         data[name] = value
         if description:
             descriptions[name] = description
     return OfferedTools(names, data, descriptions)
+
+
+def _is_json(value: Any) -> bool:
+    """A value JSON gives back as it is (a tuple, a NaN or an int key would not be)."""
+    try:
+        return bool(json.loads(json.dumps(value, allow_nan=False)) == value)
+    except (TypeError, ValueError):
+        return False
 
 
 def _registered_function(name: str, fn: Callable[..., Any], bare: bool) -> str:

@@ -296,8 +296,10 @@ class Episode:
         truncation: int = 2_000,
         stored: int = 1_000_000,
         snapshots: SnapshotPolicy | None = None,
+        rlms: bool = False,
     ) -> None:
         self.host = host
+        self.rlms = rlms
         self.snapshots = snapshots
         self.lineage: list[str] = []
         self.lineage_mac: str | None = None
@@ -319,6 +321,7 @@ class Episode:
             output_truncation=self.truncation,
             stored_output_chars=self.stored,
             snapshots=self.snapshots,
+            rlms=self.rlms,
             lineage=self.lineage,
             lineage_mac=self.lineage_mac,
         )

@@ -25,8 +25,8 @@ def run_bench(script: str, *args: str, timeout: float) -> str:
 
 
 def test_the_parsing_benchmark_prints_flat_figures_per_mb() -> None:
-    out = run_bench("parsing.py", "--max-mb", "0.01", "--legacy-budget-s", "1", timeout=300)
-    assert "2,000 unclosed FINAL(" in out and "legacy (old histories)" in out
+    out = run_bench("parsing.py", "--max-mb", "0.01", timeout=300)
+    assert "2,000 unclosed FINAL(" in out and "parse/scan" in out
     slowest = re.search(r"slowest single call: (\d+) ms", out)
     assert slowest is not None
 

@@ -203,9 +203,8 @@ def test_the_model_call_limit_counts_the_calls_of_the_step_and_the_one_kept_back
     assert root_call_limit(request(max_model_calls=5, extraction=False), state(model_calls=4)) is None
 
 
-def test_without_reserve_a_token_budget_stops_only_once_it_is_spent() -> None:
+def test_a_spent_token_budget_stops_the_loop() -> None:
     limited = request(max_tokens=100)
-    assert root_call_limit(limited, state(tokens=99)) is None
     assert root_call_limit(limited, state(tokens=100)) == FallbackReason(
         kind="max_tokens", value=100, limit=100
     )
@@ -219,17 +218,14 @@ def test_without_reserve_a_token_budget_stops_only_once_it_is_spent() -> None:
     ("extraction", "calls", "needed"),
     [(True, 1, 2 * 200), (False, 1, 200), (True, 2, 3 * 200), (False, 3, 3 * 200)],
 )
-def test_with_reserve_the_tokens_left_must_cover_the_step_and_one_extraction(
+def test_the_tokens_left_must_cover_the_step_and_one_extraction(
     extraction: bool, calls: int, needed: int
 ) -> None:
     # A call is estimated at 100 prompt tokens plus a 100-token reply.
     limited = request(max_tokens=1_000, reply_tokens=100, extraction=extraction)
-    ok = root_call_limit(limited, sized(tokens=1_000 - needed), calls=calls, reserve=True)
-    assert ok is None
-    refused = root_call_limit(limited, sized(tokens=1_000 - needed + 1), calls=calls, reserve=True)
+    assert root_call_limit(limited, sized(tokens=1_000 - needed), calls=calls) is None
+    refused = root_call_limit(limited, sized(tokens=1_000 - needed + 1), calls=calls)
     assert refused == FallbackReason(kind="max_tokens", value=1_000 - needed + 1, limit=1_000)
-    # Without the reserve the same state goes on.
-    assert root_call_limit(limited, sized(tokens=1_000 - needed + 1), calls=calls) is None
 
 
 def opening(**fields: object) -> EpisodeCarry:
@@ -237,29 +233,20 @@ def opening(**fields: object) -> EpisodeCarry:
     return state(iteration=0, model_calls=0, pending=[Message(role="system", content="s" * 400)], **fields)
 
 
-def test_with_fits_the_first_call_keeps_nothing_back_and_its_reply_fits_what_is_left() -> None:
+def test_the_first_call_keeps_nothing_back_and_its_reply_fits_what_is_left() -> None:
     # The opening prompt is 100 tokens; the reply guess is REPLY_TOKENS_ESTIMATE (1,000).
-    assert root_call_limit(request(max_tokens=132), opening(), reserve=True, fits=True) is None
-    assert root_call_limit(request(max_tokens=131), opening(), reserve=True, fits=True) == FallbackReason(
+    assert root_call_limit(request(max_tokens=132), opening()) is None
+    assert root_call_limit(request(max_tokens=131), opening()) == FallbackReason(
         kind="max_tokens", value=0, limit=131
     )
-    # Without fits the first call must cover the full guess twice (the call, an extraction).
-    assert root_call_limit(request(max_tokens=2_200), opening(), reserve=True) is None
-    assert root_call_limit(request(max_tokens=2_199), opening(), reserve=True) is not None
-    # fits changes nothing once there is a reply to extract from.
+    # Once there is a reply to extract from, the full guess twice (the call, an extraction).
     later = state(pending=[Message(role="system", content="s" * 400)])
-    assert root_call_limit(request(max_tokens=2_200), later, reserve=True, fits=True) is None
-    assert root_call_limit(request(max_tokens=2_199), later, reserve=True, fits=True) is not None
+    assert root_call_limit(request(max_tokens=2_200), later) is None
+    assert root_call_limit(request(max_tokens=2_199), later) is not None
 
 
-def test_fits_without_reserve_still_needs_only_some_tokens_left() -> None:
-    assert root_call_limit(request(max_tokens=1), opening(), fits=True) is None
-    assert root_call_limit(request(max_tokens=1), opening(tokens=1), fits=True) is not None
-
-
-def test_without_reserve_a_cost_budget_stops_only_once_it_is_spent() -> None:
+def test_a_spent_cost_budget_stops_the_loop() -> None:
     limited = request(max_cost_usd=0.5, price=MILLI_PRICE)
-    assert root_call_limit(limited, state(cost=0.499)) is None
     assert root_call_limit(limited, state(cost=0.5)) == FallbackReason(
         kind="max_cost_usd", value=0.5, limit=0.5
     )
@@ -268,21 +255,22 @@ def test_without_reserve_a_cost_budget_stops_only_once_it_is_spent() -> None:
     )
 
 
-def test_with_reserve_the_money_left_must_cover_the_step_and_one_extraction() -> None:
+def test_the_money_left_must_cover_the_step_and_one_extraction() -> None:
     # 200 tokens at $0.001 each: $0.20 a call, $0.40 with the extraction.
     limited = request(max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)
-    assert root_call_limit(limited, sized(cost=0.6), reserve=True) is None
-    assert root_call_limit(limited, sized(cost=0.600000001), reserve=True) == FallbackReason(
+    assert root_call_limit(limited, sized(cost=0.6)) is None
+    assert root_call_limit(limited, sized(cost=0.600000001)) == FallbackReason(
         kind="max_cost_usd", value=0.600000001, limit=1.0
     )
-    assert root_call_limit(limited, sized(cost=0.600000001)) is None
-    assert root_call_limit(limited, sized(cost=0.2), calls=3, reserve=True) is None  # 4 x $0.20
-    assert root_call_limit(limited, sized(cost=0.2), calls=4, reserve=True) is not None
+    assert root_call_limit(limited, sized(cost=0.2), calls=3) is None  # 4 x $0.20
+    assert root_call_limit(limited, sized(cost=0.2), calls=4) is not None
 
 
 def test_the_first_limit_named_is_model_calls_then_tokens_then_cost() -> None:
-    every = request(max_model_calls=2, max_tokens=10, max_cost_usd=0.01, price=MILLI_PRICE)
-    spent = state(model_calls=5, tokens=50, cost=1.0)
+    every = request(
+        max_model_calls=2, max_tokens=10_000, max_cost_usd=0.01, reply_tokens=100, price=MILLI_PRICE
+    )
+    spent = sized(model_calls=5, tokens=50_000, cost=1.0)
     assert root_call_limit(every, spent).kind == "max_model_calls"  # type: ignore[union-attr]
     spent.model_calls = 0
     assert root_call_limit(every, spent).kind == "max_tokens"  # type: ignore[union-attr]
@@ -293,58 +281,34 @@ def test_the_first_limit_named_is_model_calls_then_tokens_then_cost() -> None:
 # --- the extraction call --------------------------------------------------------------------------
 
 
-def test_without_reserve_an_extraction_needs_one_token_left() -> None:
-    limited = request(max_tokens=100)
-    assert extraction_refusal(limited, sized(tokens=99)) is None
-    assert (
-        extraction_refusal(limited, sized(tokens=100))
-        == "the token budget is spent, so no extraction call was made"
-    )
-    assert (
-        extraction_refusal(limited, sized(tokens=150))
-        == "the token budget is spent, so no extraction call was made"
-    )
-    assert extraction_refusal(request(), sized(tokens=10**9)) is None
-
-
-def test_with_reserve_an_extraction_needs_its_estimate() -> None:
-    limited = request(max_tokens=1_000, reply_tokens=100)  # ~200 tokens an extraction
-    assert extraction_refusal(limited, sized(tokens=800), reserve=True) is None
-    assert extraction_refusal(limited, sized(tokens=801), reserve=True) == (
-        "the token budget cannot pay for an extraction call (199 left, ~200 needed), "
-        "so no extraction call was made"
-    )
-    assert extraction_refusal(limited, sized(tokens=1_000), reserve=True) == (
-        "the token budget is spent, so no extraction call was made"
-    )
-    # One token left is not spent: the refusal says how much is left.
-    assert extraction_refusal(limited, sized(tokens=999), reserve=True) == (
-        "the token budget cannot pay for an extraction call (1 left, ~200 needed), "
-        "so no extraction call was made"
-    )
-
-
-def test_with_fits_an_extraction_reply_is_expected_to_fit_what_is_left() -> None:
-    limited = request(max_tokens=1_000, reply_tokens=100)
-    assert extraction_refusal(limited, sized(tokens=1_000 - 132), reserve=True, fits=True) is None
-    assert extraction_refusal(limited, sized(tokens=1_000 - 131), reserve=True, fits=True) == (
+def test_an_extraction_needs_its_prompt_and_the_shortest_reply_worth_a_call() -> None:
+    limited = request(max_tokens=1_000, reply_tokens=100)  # a 100-token prompt
+    assert extraction_refusal(limited, sized(tokens=1_000 - 132)) is None
+    assert extraction_refusal(limited, sized(tokens=1_000 - 131)) == (
         "the token budget cannot pay for an extraction call (131 left, ~132 needed), "
         "so no extraction call was made"
     )
-    assert extraction_refusal(limited, sized(tokens=1_000 - 131), reserve=True) is not None
+    assert extraction_refusal(limited, sized(tokens=999)) == (
+        "the token budget cannot pay for an extraction call (1 left, ~132 needed), "
+        "so no extraction call was made"
+    )
+    for spent in (1_000, 1_500):
+        assert extraction_refusal(limited, sized(tokens=spent)) == (
+            "the token budget is spent, so no extraction call was made"
+        )
+    assert extraction_refusal(request(), sized(tokens=10**9)) is None
 
 
-def test_an_extraction_needs_money_left_and_with_reserve_its_estimated_cost() -> None:
+def test_an_extraction_needs_its_estimated_cost() -> None:
     limited = request(max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)  # $0.20 an extraction
-    assert extraction_refusal(limited, sized(cost=0.9999)) is None
     assert extraction_refusal(limited, sized(cost=1.0)) == (
         "the cost budget cannot pay for an extraction call ($0.0000 left), so no extraction call was made"
     )
     assert extraction_refusal(limited, sized(cost=3.0)) == (
         "the cost budget cannot pay for an extraction call ($0.0000 left), so no extraction call was made"
     )
-    assert extraction_refusal(limited, sized(cost=0.8), reserve=True) is None
-    assert extraction_refusal(limited, sized(cost=0.85), reserve=True) == (
+    assert extraction_refusal(limited, sized(cost=0.8)) is None
+    assert extraction_refusal(limited, sized(cost=0.85)) == (
         "the cost budget cannot pay for an extraction call ($0.1500 left), so no extraction call was made"
     )
 
@@ -360,8 +324,10 @@ def test_an_extraction_needs_a_model_call_left_with_nothing_kept_back() -> None:
 
 
 def test_the_extraction_refusal_names_tokens_then_cost_then_calls() -> None:
-    every = request(max_model_calls=2, max_tokens=10, max_cost_usd=0.01, price=MILLI_PRICE)
-    spent = state(model_calls=5, tokens=50, cost=1.0)
+    every = request(
+        max_model_calls=2, max_tokens=10_000, max_cost_usd=0.5, reply_tokens=100, price=MILLI_PRICE
+    )
+    spent = sized(model_calls=5, tokens=50_000, cost=1.0)
     assert "token budget" in extraction_refusal(every, spent)  # type: ignore[operator]
     spent.usage = TokenUsage(cost_usd=1.0)
     assert "cost budget" in extraction_refusal(every, spent)  # type: ignore[operator]
@@ -455,27 +421,26 @@ def test_a_parent_past_its_model_call_limit_tells_zero_calls_left() -> None:
 
 
 def test_children_split_the_tokens_left() -> None:
-    limited = request(max_tokens=1_000)
-    share = child_budgets(limited, state(tokens=0), 3, NOW)
-    assert isinstance(share, ChildBudget) and share.tokens == 333 and isinstance(share.tokens, int)
-    assert child_budgets(limited, state(tokens=997), 3, NOW).tokens == 1  # type: ignore[union-attr]
-    assert child_budgets(limited, state(tokens=998), 3, NOW) == (
+    # What the parent's next call and its extraction need (2 x 200 tokens) is kept back.
+    limited = request(max_tokens=1_000, reply_tokens=100)
+    share = child_budgets(limited, sized(tokens=0), 3, NOW)
+    assert isinstance(share, ChildBudget) and share.tokens == 200 and isinstance(share.tokens, int)
+    assert child_budgets(limited, sized(tokens=597), 3, NOW).tokens == 1  # type: ignore[union-attr]
+    assert child_budgets(limited, sized(tokens=598), 3, NOW) == (
         "budget exhausted: no tokens of max_tokens (1000) left for children"
     )
 
 
-def test_with_reserve_the_parents_next_call_and_extraction_are_kept_back_first() -> None:
+def test_the_parents_next_call_and_extraction_are_kept_back_first() -> None:
     # A root-sized call is 200 tokens and $0.20 (100 prompt + 100 reply at $0.001).
     limited = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)
-    share = child_budgets(limited, sized(), 3, NOW, reserve=True)
+    share = child_budgets(limited, sized(), 3, NOW)
     assert isinstance(share, ChildBudget)
     assert (share.tokens, share.cost_usd) == ((1_000 - 2 * 200) // 3, 0.2)
     alone = request(max_tokens=1_000, max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE, extraction=False)
-    share = child_budgets(alone, sized(), 3, NOW, reserve=True)
+    share = child_budgets(alone, sized(), 3, NOW)
     assert isinstance(share, ChildBudget)
     assert (share.tokens, share.cost_usd) == ((1_000 - 200) // 3, 0.266666666)  # rounded down
-    plain = child_budgets(limited, sized(), 3, NOW)
-    assert isinstance(plain, ChildBudget) and (plain.tokens, plain.cost_usd) == (333, 0.333333333)
 
 
 @pytest.mark.parametrize(
@@ -495,14 +460,16 @@ def test_a_cost_share_is_rounded_down_to_cost_digits(value: float, floored: floa
 
 
 def test_children_split_the_money_left_rounded_to_cost_digits() -> None:
-    limited = request(max_cost_usd=1.0, price=MILLI_PRICE)
-    assert child_budgets(limited, state(cost=0.0), 3, NOW).cost_usd == 0.333333333  # type: ignore[union-attr]
-    assert child_budgets(limited, state(cost=0.5), 2, NOW).cost_usd == 0.25  # type: ignore[union-attr]
-    assert child_budgets(limited, state(cost=1.0), 2, NOW) == (
+    # $0.40 is kept back: the parent's next call and its extraction ($0.20 each).
+    limited = request(max_cost_usd=1.0, reply_tokens=100, price=MILLI_PRICE)
+    assert child_budgets(limited, sized(cost=0.0), 3, NOW).cost_usd == 0.2  # type: ignore[union-attr]
+    assert child_budgets(limited, sized(cost=0.1), 3, NOW).cost_usd == 0.166666666  # type: ignore[union-attr]
+    assert child_budgets(limited, sized(cost=0.5), 2, NOW).cost_usd == 0.05  # type: ignore[union-attr]
+    assert child_budgets(limited, sized(cost=1.0), 2, NOW) == (
         "budget exhausted: nothing of max_cost_usd (1.0) left for children"
     )
     kept = request(max_cost_usd=0.4, reply_tokens=100, price=MILLI_PRICE)  # exactly the $0.40 kept back
-    assert child_budgets(kept, sized(), 1, NOW, reserve=True) == (
+    assert child_budgets(kept, sized(), 1, NOW) == (
         "budget exhausted: nothing of max_cost_usd (0.4) left for children"
     )
 
@@ -536,7 +503,6 @@ def test_a_child_ends_a_little_before_its_parent() -> None:
     cost=st.integers(0, 2_000_000).map(lambda micro: micro / 1e6),
     max_tokens=st.integers(1, 20_000),
     max_cost=st.integers(1, 2_000_000).map(lambda micro: micro / 1e6),
-    reserve=st.booleans(),
     extraction=st.booleans(),
     seconds_left=st.integers(1, 7_200),
 )
@@ -547,7 +513,6 @@ def test_childrens_shares_never_sum_past_what_is_left(
     cost: float,
     max_tokens: int,
     max_cost: float,
-    reserve: bool,
     extraction: bool,
     seconds_left: int,
 ) -> None:
@@ -561,11 +526,11 @@ def test_childrens_shares_never_sum_past_what_is_left(
     )
     carry = sized(tokens=tokens, cost=cost, sub_calls=sub_calls)
     now = DEADLINE - timedelta(seconds=seconds_left)
-    share = child_budgets(limited, carry, children, now, reserve=reserve)
+    share = child_budgets(limited, carry, children, now)
     if isinstance(share, str):
         assert share.startswith("budget exhausted: ")
         return
-    kept = CallEstimate.of(limited, carry) if reserve else CallEstimate(0, 0.0)
+    kept = CallEstimate.of(limited, carry)
     kept_calls = 2 if extraction else 1
     assert share.model_calls >= kept_calls and share.model_calls * children <= calls_left(limited, carry)
     assert share.tokens is not None and share.tokens >= 1
@@ -602,12 +567,12 @@ def test_the_loop_stops_at_its_iteration_sub_call_and_duration_limits() -> None:
     )
 
 
-def test_the_loop_checks_the_budgets_with_the_patch_flags_it_is_given() -> None:
+def test_the_loop_checks_the_budgets_as_a_root_call_does() -> None:
     assert limit_reached(request(max_tokens=100), state(tokens=100), timedelta(0)) == FallbackReason(
         kind="max_tokens", value=100, limit=100
     )
     limited = request(max_tokens=1_000, reply_tokens=100)
-    assert limit_reached(limited, sized(tokens=700), timedelta(0)) is None
-    assert limit_reached(limited, sized(tokens=700), timedelta(0), reserve=True) is not None
-    assert limit_reached(request(max_tokens=132), opening(), timedelta(0), reserve=True) is not None
-    assert limit_reached(request(max_tokens=132), opening(), timedelta(0), reserve=True, fits=True) is None
+    assert limit_reached(limited, sized(tokens=600), timedelta(0)) is None
+    assert limit_reached(limited, sized(tokens=700), timedelta(0)) is not None
+    assert limit_reached(request(max_tokens=132), opening(), timedelta(0)) is None
+    assert limit_reached(request(max_tokens=131), opening(), timedelta(0)) is not None

@@ -60,12 +60,12 @@ def test_the_first_call_keeps_nothing_back_for_an_extraction_with_nothing_to_rea
     opening = [Message(role="system", content="s" * 1_500), Message(role="user", content="u" * 100)]
     request = request_for_unit(2_500)
     state = EpisodeCarry(seed=1, deadline="2030-01-01T00:00:00Z", pending=opening)
-    # Before the patch the estimate (prompt + 1,000-token reply) twice passed 2,500.
-    assert root_call_limit(request, state, reserve=True) is not None
-    assert root_call_limit(request, state, reserve=True, fits=True) is None
+    # Kept back for an extraction, the estimate (prompt + 1,000-token reply) twice would pass
+    # 2,500: with nothing to extract yet, the first call needs only to fit.
+    assert root_call_limit(request, state) is None
     # 400 prompt tokens and the shortest reply worth a call (MIN_REPLY_TOKENS).
-    assert root_call_limit(request_for_unit(432), state, reserve=True, fits=True) is None
-    assert root_call_limit(request_for_unit(431), state, reserve=True, fits=True) is not None
+    assert root_call_limit(request_for_unit(432), state) is None
+    assert root_call_limit(request_for_unit(431), state) is not None
 
 
 def test_an_extraction_is_refused_only_when_its_prompt_cannot_fit() -> None:
@@ -73,11 +73,10 @@ def test_an_extraction_is_refused_only_when_its_prompt_cannot_fit() -> None:
     state.last_prompt_tokens, state.last_reply_tokens = 600, 0
     request = request_for_unit(1_000)
     state.usage = state.usage.model_copy(update={"prompt_tokens": 300})
-    assert CallEstimate.of(request, state).tokens > 700  # the 1,000-token reply guess
-    assert extraction_refusal(request, state, reserve=True) is not None
-    assert extraction_refusal(request, state, reserve=True, fits=True) is None
+    assert CallEstimate.of(request, state).tokens > 700  # the 1,000-token reply guess does not fit ...
+    assert extraction_refusal(request, state) is None  # ... but a reply of what is left does
     state.usage = state.usage.model_copy(update={"prompt_tokens": 400})
-    assert extraction_refusal(request, state, reserve=True, fits=True) is not None
+    assert extraction_refusal(request, state) is not None
 
 
 class _Server:

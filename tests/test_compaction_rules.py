@@ -95,6 +95,22 @@ def test_compaction_starts_when_the_request_and_its_reply_pass_the_share_of_the_
     assert needs_compaction(state(prompt=prompt), [], limits, model(1_000)) is compacts
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "compacts"),
+    [
+        (199, 1_000, False),
+        (200, 1_000, True),  # rlms's rule: the request itself reaches 2% of the window
+        (199, 9_801, False),
+        (199, 9_802, True),  # ...and, rlms aside, never a request whose reply would not fit
+    ],
+)
+def test_the_rlms_rule_compacts_at_the_share_and_keeps_the_reply_inside_the_window(
+    prompt: int, max_tokens: int, compacts: bool
+) -> None:
+    limits = EpisodeLimits(context_window_tokens=10_000, compact_at=0.02)
+    assert needs_compaction(state(prompt=prompt), [], limits, model(max_tokens), rlms=True) is compacts
+
+
 def test_the_new_turns_and_the_resent_reply_count_toward_the_window() -> None:
     limits = EpisodeLimits(context_window_tokens=10_000, compact_at=0.5, resent_message_chars=1_000)
     # 2,000 prompt + 250 of a long reply (resent at 1,000 chars) + 1,000 new + 1,750 reserved = 5,000.

@@ -111,12 +111,13 @@ def test_a_stated_answer_reaches_the_policy_as_a_final_action() -> None:
     assert decision.stop and decision.answer == "3"
 
 
-def test_printed_output_is_not_shown_unless_the_request_asks_or_the_history_is_from_before() -> None:
+def test_printed_output_is_not_shown_unless_the_request_asks() -> None:
     outcome = code_turn()
-    shown = Decider(request(), state(), Recording(), RewardInbox()).decide(outcome)[0]
-    legacy = Decider(request(), state(), Recording(), RewardInbox(), honest=False).decide(outcome)[0]
-    assert shown.output == ""
-    assert "1" in legacy.output
+    hidden = Decider(request(), state(), Recording(), RewardInbox()).decide(outcome)[0]
+    asked = request().model_copy(update={"termination": {"name": "recording", "scan_printed_output": True}})
+    shown = Decider(EpisodeRequest.model_validate(asked.model_dump()), state(), Recording(), RewardInbox())
+    assert hidden.output == ""
+    assert "1" in shown.decide(outcome)[0].output
 
 
 def test_a_policy_that_raises_fails_the_episode_without_retries() -> None:

@@ -23,6 +23,7 @@ from durable_rlm.workflows.parsing import (
     fenced_blocks,
     find_code_blocks,
     find_final_answer,
+    inline_code_blocks,
     matching_paren,
     parse_final_signal,
     parse_reply,
@@ -508,3 +509,23 @@ def test_the_balanced_pattern_matches_up_to_its_depth() -> None:
     assert re.compile(_balanced_pattern(0)).fullmatch("no parens") and not re.fullmatch(
         _balanced_pattern(0), "(x)"
     )
+
+
+# --- code blocks as rlms finds them (the rlms-compatible RLM) ----------------------------------
+
+_RLMS_PIECES = ["```repl", "```", "\n", " ", "\t", "\r", "x = 1", "print(1)", "```python", "Here: ", "`"]
+
+
+@given(st.lists(st.sampled_from(_RLMS_PIECES), max_size=14))
+def test_inline_code_blocks_are_rlms_s_own(pieces: list[str]) -> None:
+    """The same blocks rlms 0.1.3's own parser finds (its empty ones aside: they run nothing)."""
+    from rlm.utils.parsing import find_code_blocks as rlms_find_code_blocks
+
+    text = "".join(pieces)
+    assert inline_code_blocks(text) == [code for code in rlms_find_code_blocks(text) if code]
+
+
+def test_an_inline_fence_runs_in_rlms_mode_only() -> None:
+    reply = "Here: ```repl\nprint(1)\n``` and more"
+    assert parse_reply(reply, ["repl"], 5, inline=True).code_blocks == ["print(1)"]
+    assert parse_reply(reply, ["repl"], 5).code_blocks == []

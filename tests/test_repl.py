@@ -155,6 +155,58 @@ async def test_answer_dict_ends_the_cell_with_an_answer(host: ReplActivities) ->
     assert outcome.answer == "42"
 
 
+@pytest.mark.parametrize(
+    ("cells", "answers", "printed"),
+    [
+        # A flag an earlier cell left set is not an answer again (rlms: the assignment counts).
+        (["answer['content'] = 'x'\nanswer['ready'] = 1", "print(answer['ready'])"], ["x", None], "1\n"),
+        # The content as it is when `ready` is set, as in rlms.
+        (["answer['ready'] = True\nanswer['content'] = 'late'"], [""], ""),
+        # A rebound plain dict that is ready answers, and is an answer dict again afterwards.
+        (["answer = {'content': 7, 'ready': True}", "answer['ready'] = 1"], ["7", "7"], ""),
+        (["answer = 'oops'", "print(answer)"], [None, None], "{'content': '', 'ready': False}\n"),
+        # Set, then the cell fails: the answer still counts (rlms's too).
+        (["answer['content'] = 'x'\nanswer['ready'] = True\n1 / 0"], ["x"], ""),
+        # Only an assignment to answer["ready"] is seen, as in rlms.
+        (["answer.update(content='u', ready=True)"], [None], ""),
+    ],
+)
+async def test_an_answer_counts_when_a_cell_sets_ready_as_in_rlms(
+    host: ReplActivities, cells: list[str], answers: list[str | None], printed: str
+) -> None:
+    episode = Episode(host)
+    outcomes = [await episode.run(code) for code in cells]
+    assert [o.answer for o in outcomes] == answers
+    assert outcomes[-1].stdout == printed
+
+
+async def test_an_rlms_repl_binds_context_0_and_puts_context_and_history_back(host: ReplActivities) -> None:
+    episode = Episode(host, context="alpha beta", rlms=True)
+    await episode.run("history_0 = [{'role': 'user', 'content': 'q'}]\ncontext = 'mine'\nhistory = []")
+    outcome = await episode.run("print(context is context_0, context, history is history_0)")
+    assert outcome.stdout == "True alpha beta True\n"
+    plain = Episode(host, context="alpha beta")
+    await plain.run("context = 'mine'")
+    assert (await plain.run("print(context, 'context_0' in globals())")).stdout == "mine False\n"
+
+
+async def test_a_failed_llm_query_is_an_error_string_in_an_rlms_repl(host: ReplActivities) -> None:
+    episode = Episode(host, rlms=True)
+    out = await host.execute_cell(
+        ExecuteCellInput(
+            sandbox=episode.ref(), iteration=1, cell_index=1, code="r = llm_query('x')\nprint(r)"
+        )
+    )
+    assert out.status == "suspended"
+    episode.head = out.log_head
+    (asked,) = out.requests
+    failed = CallAnswer(
+        call_index=asked.call_index, prompt_digest=asked.prompt_digest, ok=False, text="HTTP 503"
+    )
+    done = await host.resume_cell(ResumeCellInput(sandbox=episode.ref(), cell_index=1, answers=[failed]))
+    assert done.stdout == "Error: HTTP 503\n" and done.error is None
+
+
 async def test_show_vars_lists_user_variables(host: ReplActivities) -> None:
     episode = Episode(host)
     await episode.run("alpha = 1\nbeta = 'b'")

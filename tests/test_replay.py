@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import json
 import re
@@ -27,6 +28,7 @@ from durable_rlm.workflows.session_models import SessionEnd, SessionStart
 from tests.conftest import request_for, run_episode
 
 HISTORIES = sorted((Path(__file__).parent / "histories").glob("*.json"))
+SESSIONS = Path(__file__).parent / "histories" / "sessions"
 
 
 def load(path: Path) -> WorkflowHistory:
@@ -54,44 +56,53 @@ def _activity_types(name: str) -> list[str]:
     ]
 
 
-def _has_patch_marker(name: str, patch: str = names.PATCH_FALLBACK_EXTRACTION) -> bool:
+def _patch_markers(name: str) -> list[str]:
+    """The ids of the `workflow.patched` markers in a stored history."""
     events = json.loads((HISTORIES[0].parent / name).read_text())["events"]
+    found = []
     for event in events:
         marker = event.get("markerRecordedEventAttributes")
         if marker and marker["markerName"] == "core_patch":
             payload = marker["details"]["patch-data"]["payloads"][0]["data"]
-            if json.loads(base64.b64decode(payload))["id"] == patch:
-                return True
-    return False
+            found.append(json.loads(base64.b64decode(payload))["id"])
+    return found
 
 
-NEW_KINDS = [
-    "answer_from_a_cell",
-    "policy_stopped",
-    "compacted",
-    "lost_cells",
-    "cancelled",
-    "children",
-    "children_child",
-    "cancelled_tree",
-    "cancelled_tree_child",
-    "tools",
-]
-OLD_RULES = ["multi_iteration_final_var", "limit_before_extraction", "fallback_extracted", "reward_driven"]
+def test_no_stored_history_ran_behind_a_patch() -> None:
+    """Before a release the code changes freely and the histories are recorded again: none
+    holds a patch marker (after a release, tests/test_versioning.py lists the patches)."""
+    stored = [*HISTORIES, *sorted(SESSIONS.glob("*.json"))]
+    assert {p.stem: _patch_markers(str(p.relative_to(HISTORIES[0].parent))) for p in stored} == {
+        p.stem: [] for p in stored
+    }
 
 
-def test_both_sides_of_the_honest_endings_patch_are_stored() -> None:
-    for name in OLD_RULES:
-        assert not _has_patch_marker(f"{name}.json", names.PATCH_HONEST_ENDINGS), name
-    for name in NEW_KINDS:
-        assert _has_patch_marker(f"{name}.json", names.PATCH_HONEST_ENDINGS), name
+def _patch_id(node: ast.expr) -> str:
+    """A patch id as written: a string, or a constant of workflows/names.py."""
+    if isinstance(node, ast.Constant):
+        return str(node.value)
+    return str(getattr(names, ast.unparse(node).removeprefix("names."), ast.unparse(node)))
+
+
+def test_workflow_code_patches_only_changes_made_after_a_release() -> None:
+    """Every `workflow.patched` id in workflows/ is listed with the release it follows, and
+    each listed id has a stored history on each side of it."""
+    used = set()
+    for path in sorted(Path(names.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("patched", "deprecate_patch")):
+                used.add(_patch_id(node.args[0]) if node.args else f"{path.name}:{node.lineno}")
+    assert used <= set(names.RELEASED_PATCHES)
+    for patch in names.RELEASED_PATCHES:
+        sides = {patch in _patch_markers(p.name) for p in HISTORIES}
+        assert sides == {True, False}, patch
 
 
 def test_the_new_kinds_of_episode_show_their_steps() -> None:
     assert names.COMPACT_CONVERSATION in _activity_types("compacted.json")
     # The sandbox could not start (a non-retryable failure): the cell was lost, and the
     # episode went on to ask the model again instead of failing.
-    assert _activity_types("lost_cells.json")[1:4] == [
+    assert _steps("lost_cells.json")[1:4] == [
         names.ROOT_COMPLETION,
         names.REPL_EXECUTE,
         names.ROOT_COMPLETION,
@@ -99,6 +110,20 @@ def test_the_new_kinds_of_episode_show_their_steps() -> None:
     cancelled = json.loads((HISTORIES[0].parent / "cancelled.json").read_text())["events"]
     assert cancelled[-1]["eventType"] in ("EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED", 26)
     assert _activity_types("cancelled.json")[-1] == names.AUDIT_EPISODE  # the row is closed
+
+
+def _steps(name: str) -> list[str]:
+    """Every step of a stored history in order: activities scheduled, and local activities
+    (REPL steps), which history holds as markers."""
+    steps = []
+    for event in json.loads((HISTORIES[0].parent / name).read_text())["events"]:
+        marker = event.get("markerRecordedEventAttributes", {})
+        if marker.get("markerName") == "core_local_activity":
+            data = json.loads(base64.b64decode(marker["details"]["data"]["payloads"][0]["data"]))
+            steps.append(data["activity_type"])
+        elif "activityTaskScheduledEventAttributes" in event:
+            steps.append(event["activityTaskScheduledEventAttributes"]["activityType"]["name"])
+    return steps
 
 
 def _event_types(name: str) -> list[str]:
@@ -119,20 +144,17 @@ def test_trees_of_episodes_are_stored() -> None:
     cancelled = _event_types("cancelled_tree.json")
     assert cancelled.count("EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED") == 2
     assert "EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in cancelled
-    assert _activity_types("cancelled_tree.json")[-3:] == [
+    assert _steps("cancelled_tree.json")[-3:] == [
         names.EXTRACT_FALLBACK,
         names.REPL_CLOSE,
         names.AUDIT_EPISODE,
     ]
     assert _event_types("cancelled_tree_child.json")[-1] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
-    assert _has_patch_marker("cancelled_tree.json", names.PATCH_CANCEL_WAVE)
-    assert not _has_patch_marker("cancelled.json", names.PATCH_CANCEL_WAVE)
 
 
 def test_histories_with_local_repl_steps_are_stored() -> None:
     # REPL steps as local activities: markers in history, no activity events for them.
     for name in ("local_steps", "local_lost"):
-        assert _has_patch_marker(f"{name}.json", names.PATCH_LOCAL_REPL), name
         assert names.REPL_EXECUTE not in _activity_types(f"{name}.json")
     events = json.loads((HISTORIES[0].parent / "local_steps.json").read_text())["events"]
     local = [
@@ -141,13 +163,10 @@ def test_histories_with_local_repl_steps_are_stored() -> None:
         if e.get("markerRecordedEventAttributes", {}).get("markerName") == "core_local_activity"
     ]
     assert len(local) == 7  # 3 cells, 2 resumes, a variable read, the close
-    for name in OLD_RULES + NEW_KINDS:
-        assert not _has_patch_marker(f"{name}.json", names.PATCH_LOCAL_REPL), name
 
 
 def test_a_history_with_repl_snapshots_is_stored() -> None:
     # Cell 1 read the clock: its step's result names the snapshot taken after it.
-    assert _has_patch_marker("snapshots.json", names.PATCH_SNAPSHOTS)
     events = json.loads((HISTORIES[0].parent / "snapshots.json").read_text())["events"]
     results = [
         base64.b64decode(p["data"]).decode()
@@ -156,83 +175,33 @@ def test_a_history_with_repl_snapshots_is_stored() -> None:
         for p in e["markerRecordedEventAttributes"]["details"].get("result", {}).get("payloads", [])
     ]
     assert sum('"snapshot":{"digest"' in r for r in results) == 1
+
+
+def test_the_ui_history_upserts_its_memo() -> None:
+    # The memo and the search attributes are commands of their own, in every history.
     for path in HISTORIES:
-        if path.stem not in ("snapshots", *UI_METADATA, *LATER):  # those were recorded later
-            assert not _has_patch_marker(path.name, names.PATCH_SNAPSHOTS), path.stem
+        assert "EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED" in _event_types(path.name), path.stem
 
 
-UI_METADATA = ["ui_metadata", "ui_metadata_child"]  # recorded by python -m tests.test_ui_metadata
-LATER = [
-    "cost_budget",
-    "audit_aside",
-    "sandboxes_busy",
-    "steering",
-    "fork",
-    "final_as_written",
-    "token_budget_fits",
-    "setup_code",
-    "cancel_sticks",
-]  # recorded after the ui-metadata patch: they carry its marker too
-
-
-def test_both_sides_of_the_ui_metadata_patch_are_stored() -> None:
-    # The memo and search-attribute upserts are commands: only histories recorded since have them.
-    for path in HISTORIES:
-        recorded_since = path.stem in (*UI_METADATA, *LATER)
-        assert _has_patch_marker(path.name, names.PATCH_UI_METADATA) == recorded_since, path.stem
-
-
-def test_both_sides_of_the_audit_aside_patch_are_stored() -> None:
-    # Since audit-aside the opening audit is scheduled with the first root call, in one task.
-    for path in HISTORIES:
-        since = path.stem in (
-            "audit_aside",
-            "sandboxes_busy",
-            "steering",
-            "fork",
-            "final_as_written",
-            "token_budget_fits",
-            "setup_code",
-            "cancel_sticks",
-        )  # recorded after it
-        assert _has_patch_marker(path.name, names.PATCH_AUDIT_ASIDE) == since, path.stem
+def test_the_opening_audit_row_is_written_beside_the_first_root_call() -> None:
     types = _activity_types("audit_aside.json")
     assert types[:2] == [names.AUDIT_EPISODE, names.ROOT_COMPLETION] and types[-1] == names.AUDIT_EPISODE
 
 
 def test_a_history_of_an_episode_ended_by_its_cost_budget_is_stored() -> None:
-    # Token and cost budgets keep room for the extraction behind the budget-reserve patch;
-    # episodes without such a budget never ask for it, so no other history has the marker.
-    for path in HISTORIES:
-        marked = _has_patch_marker(path.name, names.PATCH_BUDGET_RESERVE)
-        assert marked == (path.stem in ("cost_budget", "token_budget_fits")), path.stem
+    # Token and cost budgets keep room for the extraction: the loop ends while it can be paid.
     assert names.EXTRACT_FALLBACK in _activity_types("cost_budget.json")
     assert "WORKFLOW_EXECUTION_UPDATE_ACCEPTED" in "".join(_event_types("cost_budget.json"))
 
 
-def test_both_sides_of_the_budget_fits_patch_are_stored() -> None:
-    # Recorded before it: a budget kept an extraction's room from the first call on.
-    assert not _has_patch_marker("cost_budget.json", names.PATCH_BUDGET_FITS)
-    # Recorded after: a 2,500-token budget makes its root calls, then extracts.
-    assert _has_patch_marker("token_budget_fits.json", names.PATCH_BUDGET_FITS)
+def test_a_small_token_budget_makes_its_root_calls_then_extracts() -> None:
+    # A 2,500-token budget: the first calls need only to fit, the extraction what is left.
     types = _activity_types("token_budget_fits.json")
     assert types.count(names.ROOT_COMPLETION) >= 2 and types[-2:].count(names.EXTRACT_FALLBACK) >= 1
 
 
 def test_a_history_with_setup_code_runs_it_before_the_first_root_call() -> None:
-    assert _has_patch_marker("setup_code.json", names.PATCH_SETUP_CODE)
-    assert not any(
-        _has_patch_marker(p.name, names.PATCH_SETUP_CODE) for p in HISTORIES if p.stem != "setup_code"
-    )
-    events = json.loads((HISTORIES[0].parent / "setup_code.json").read_text())["events"]
-    steps = []  # REPL steps here are local activities (markers); model calls are scheduled
-    for event in events:
-        marker = event.get("markerRecordedEventAttributes", {})
-        if marker.get("markerName") == "core_local_activity":
-            data = json.loads(base64.b64decode(marker["details"]["data"]["payloads"][0]["data"]))
-            steps.append(data["activity_type"])
-        elif "activityTaskScheduledEventAttributes" in event:
-            steps.append(event["activityTaskScheduledEventAttributes"]["activityType"]["name"])
+    steps = _steps("setup_code.json")
     assert steps.index(names.REPL_EXECUTE) < steps.index(names.ROOT_COMPLETION)
 
 
@@ -247,13 +216,8 @@ def test_a_history_with_custom_tools_is_stored() -> None:
     assert _activity_types("tools.json").count(names.RUN_TOOL) == 3  # retries are attempts of one
 
 
-def test_both_sides_of_the_fallback_patch_are_stored() -> None:
-    # Recorded by the code before seed 004: the limit ended the episode, no extraction.
-    assert names.EXTRACT_FALLBACK not in _activity_types("limit_before_extraction.json")
-    assert not _has_patch_marker("limit_before_extraction.json")
-    # Recorded today: the same kind of limit runs the extraction, behind the patch marker.
+def test_a_limit_before_an_answer_runs_the_extraction() -> None:
     assert names.EXTRACT_FALLBACK in _activity_types("fallback_extracted.json")
-    assert _has_patch_marker("fallback_extracted.json")
 
 
 @pytest.mark.parametrize("path", HISTORIES, ids=lambda p: p.stem)
@@ -355,7 +319,6 @@ def test_the_steering_history_holds_every_kind_of_action() -> None:
     ]
     kinds = {("edit" if d.get("code") else "approve") if d["approve"] else "reject" for d in decisions}
     assert kinds == {"approve", "edit", "reject"}
-    assert _has_patch_marker("steering.json", names.PATCH_STEERING)
 
 
 def test_the_fork_history_starts_from_its_source_s_state() -> None:
@@ -382,24 +345,17 @@ def test_the_fork_history_starts_from_its_source_s_state() -> None:
     assert '"x":"6","y":"SHOUT","z":"6 SHOUT"' in cell  # x and y came back from the log
 
 
-def test_final_keeps_its_quotes_behind_the_final_as_written_patch() -> None:
-    """Seed 001's row FINAL("hello") -> "hello" (quotes included) is recorded with its patch
-    marker; every history recorded before it carries no marker and replays (above) with the
-    quotes stripped, as it ran."""
-    assert _has_patch_marker("final_as_written.json", names.PATCH_FINAL_AS_WRITTEN)
+def test_final_keeps_its_quotes() -> None:
+    """FINAL("hello") answers "hello", quotes included (docs: "FINAL and FINAL_VAR")."""
     events = json.loads((HISTORIES[0].parent / "final_as_written.json").read_text())["events"]
     done = events[-1]["workflowExecutionCompletedEventAttributes"]["result"]["payloads"][0]["data"]
     assert json.loads(base64.b64decode(done))["answer"] == '"hello"'
-    for path in HISTORIES:
-        if path.stem != "final_as_written":
-            assert not _has_patch_marker(path.name, names.PATCH_FINAL_AS_WRITTEN), path.stem
 
 
-def test_a_cancel_read_with_a_reply_is_stored_behind_the_cancel_sticks_patch() -> None:
+def test_a_cancel_read_with_a_reply_ends_the_episode_there() -> None:
     """The root model's reply and a cancel read in one workflow task (the reply's handle
-    absorbed the cancel): since the patch the episode ends cancelled there, and the reply's
-    cell (which waited for approval) never runs. Only this history took that path."""
-    assert _has_patch_marker("cancel_sticks.json", names.PATCH_CANCEL_STICKS)
+    absorbed the cancel): the episode ends cancelled there, and the reply's cell (which
+    waited for approval) never runs."""
     events = json.loads((HISTORIES[0].parent / "cancel_sticks.json").read_text())["events"]
     kinds = [e["eventType"] for e in events]
     accepted = kinds.index("EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED")
@@ -410,14 +366,9 @@ def test_a_cancel_read_with_a_reply_is_stored_behind_the_cancel_sticks_patch() -
     ]  # fmt: skip
     done = events[-1]["workflowExecutionCompletedEventAttributes"]["result"]["payloads"][0]["data"]
     assert json.loads(base64.b64decode(done))["ended_by"] == "cancelled"
-    for path in HISTORIES:
-        if path.stem != "cancel_sticks":
-            assert not _has_patch_marker(path.name, names.PATCH_CANCEL_STICKS), path.stem
 
 
 # --- persistent sessions (workflows/session.py): kept apart, in histories/sessions/ -----------
-
-SESSIONS = Path(__file__).parent / "histories" / "sessions"
 
 
 def test_a_session_history_is_stored() -> None:

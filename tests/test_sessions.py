@@ -23,6 +23,7 @@ from durable_rlm.worker.runtime import Services, running_workers
 from durable_rlm.workflows import names
 from durable_rlm.workflows.session import turn_task
 from durable_rlm.workflows.session_models import SessionEnd, SessionStart
+from tests.rlms_compat.models import DOCUMENTS, TURN_ANSWERS, persistent_turns
 
 STEP = re.compile(r"Session step (\d+)")
 SLOW_STEP = 99
@@ -83,12 +84,12 @@ def test_the_setup_cell_binds_rlms_names() -> None:
     bound: dict = {}
     exec(setup_cell(1, hostile, False, {}), bound)  # noqa: S102
     assert bound["context_1"] == hostile
-    assert turn_task("q", 0, 1, 0) == "q"
-    assert "(context_0 through context_1)." in turn_task("q", None, 2, 0)
-    noted = turn_task("q", 2, 3, 2)
+    assert turn_task("q", 1, 0) == "q"
+    assert turn_task("q", 2, 0) == "q\n\nNote: You have 2 contexts available (context_0 through context_1)."
+    noted = turn_task("q", 3, 2)
     assert "3 contexts available (context_0 through context_2)" in noted
     assert "2 prior conversation histories available (history_0 through history_1)" in noted
-    assert "1 prior conversation history available in the `history` variable" in turn_task("q", 1, 2, 1)
+    assert "1 prior conversation history available in the `history` variable" in turn_task("q", 2, 1)
 
 
 def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> None:
@@ -108,6 +109,29 @@ def test_five_turns_through_rlms_persistent_api(scripted, tmp_path: Path) -> Non
     # rlms's close() ended the session: a new RLM attaches to nothing open.
     state = asyncio.run(_state(rlm, session_id))
     assert (state.ended_by, len(state.turns), state.contexts, state.histories) == ("closed", 5, 5, 4)
+
+
+def test_each_turn_of_a_persistent_rlm_answers_for_itself(scripted, tmp_path: Path) -> None:
+    """rlms counts an answer only when a turn's own cell sets `answer["ready"]`: the flag
+    turn 0 left set does not end turns 1 and 2 before they looked at their contexts."""
+    server = scripted(persistent_turns)
+    rlm = persistent_rlm(server, tmp_path)
+    answers = [rlm.completion(doc, root_prompt=f"Session step {k}") for k, doc in enumerate(DOCUMENTS)]
+    rlm.close()
+    assert [a.response for a in answers] == TURN_ANSWERS
+    assert all(a.ended_by == "answer_ready" for a in answers)
+    assert len(server.root_requests()) == 6  # two root calls per turn, none skipped
+
+
+def test_a_persistent_rlm_in_a_with_block_answers_each_turn(scripted, tmp_path: Path) -> None:
+    server = scripted(persistent_turns)
+    with persistent_rlm(server, tmp_path) as rlm:
+        answers = [
+            rlm.completion(doc, root_prompt=f"Session step {k}").response for k, doc in enumerate(DOCUMENTS)
+        ]
+        session_id = rlm.session_id
+    assert answers == TURN_ANSWERS
+    assert session_id is not None and rlm.session_id is None  # the block's end closed it
 
 
 def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp_path: Path) -> None:
@@ -202,6 +226,38 @@ async def test_a_session_survives_a_killed_worker_between_turns(
         assert rebuilt and rebuilt[0].cells_rerun == 6
         assert overview.episodes == [names.turn_episode_id(chat.id, k) for k in range(5)]
         await chat.aclose()
+
+
+async def test_turns_answer_for_themselves_across_a_killed_worker(
+    temporal_address, session_dir, client, scripted, worker_processes
+) -> None:
+    """The answer dict turn 0 left (ready, in the snapshot or the rebuilt REPL) does not end
+    turns 1 and 2, which a new worker runs after the first was SIGKILLed between turns."""
+    server = scripted(persistent_turns)
+    first = worker_processes()
+    settings = Settings(
+        temporal_address=temporal_address, task_queue=worker_processes.queue, data_dir=session_dir
+    )
+    rlm = RLM(
+        backend_kwargs={"model_name": "gpt-x", "base_url": server.base_url},
+        max_iterations=4,
+        persistent=True,
+        settings=settings,
+    )
+    first_answer = await rlm.acompletion(DOCUMENTS[0], root_prompt="Session step 0")
+    first.kill()  # SIGKILL: its sandbox, with `answer` as turn 0 left it, dies with it
+    assert first.process.returncode == -9
+    worker_processes()
+    answers = [first_answer.response]
+    for k in (1, 2):
+        answers.append((await rlm.acompletion(DOCUMENTS[k], root_prompt=f"Session step {k}")).response)
+    session_id = rlm.session_id
+    await rlm.aclose()
+    assert answers == TURN_ANSWERS
+    assert len(server.root_requests()) == 6
+    # Turn 1 ran in a REPL rebuilt on the new worker, with turn 0's `answer` in it.
+    rebuilt = await rebuilds(client, names.turn_episode_id(session_id, 1))
+    assert rebuilt and rebuilt[0].cells_rerun + (rebuilt[0].from_snapshot or 0) >= 2, rebuilt
 
 
 @pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it

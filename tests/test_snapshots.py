@@ -55,6 +55,44 @@ async def test_a_rebuild_loads_the_snapshot_and_reruns_only_later_cells(workers)
     assert outcome.rebuild.notes == []
 
 
+async def test_a_restored_answer_keeps_its_items_and_is_not_an_answer_again(workers) -> None:
+    """`answer` is saved as the cells left it (a turn of a session may read it), and what it
+    holds after a restore is not taken for a new answer: only setting `ready` is."""
+    first, second = workers
+    episode = Episode(first, snapshots=EVERY_CELL)
+    done = await episode.run("answer['content'] = 'first'\nanswer['ready'] = True\nkeep = answer")
+    assert done.answer == "first" and done.snapshot is not None
+    episode.host = second
+    outcome = await episode.run("print(type(answer).__name__, answer, keep is answer)")
+    assert outcome.rebuild is not None
+    assert (outcome.rebuild.from_snapshot, outcome.rebuild.cells_rerun) == (1, 0)
+    assert outcome.stdout == "AnswerDict {'content': 'first', 'ready': True} True\n"
+    assert outcome.answer is None
+    assert (await episode.run("answer['ready'] = 1")).answer == "first"
+
+
+def test_the_answer_dict_pickles_by_reference_and_restores_without_answering() -> None:
+    """A snapshot holds the dict's class by name and its items, nothing bound to a sandbox;
+    loading it (or an older snapshot's plain dict) reports no answer."""
+    import pickle
+
+    from durable_rlm.activities.sandbox import answer
+
+    made = answer.AnswerDict()
+    made["content"] = "c"
+    made["ready"] = True
+    assert answer.end_cell({"answer": made}) == "c"
+    data = pickle.dumps(made, protocol=5)
+    assert b"AnswerDict" not in data and b"_rebuilt" in data  # a function of the module, by name
+    answer.start_cell()
+    loaded = pickle.loads(data)
+    assert type(loaded) is answer.AnswerDict and loaded == {"content": "c", "ready": True}
+    older = {"answer": {"content": "old", "ready": True}}
+    answer.rewrap(older)
+    assert type(older["answer"]) is answer.AnswerDict and older["answer"]["content"] == "old"
+    assert answer.end_cell(older) is None and answer.end_cell({"answer": loaded}) is None
+
+
 @pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
 async def test_a_crash_after_a_long_cell_does_not_run_it_again(workers) -> None:
     first, second = workers

@@ -62,7 +62,7 @@ class Moves:
 
 
 def test_every_update_is_refused_once_the_episode_is_over() -> None:
-    inbox = waiting(SteeringInbox(enabled=True))
+    inbox = waiting(SteeringInbox())
     refusals = [
         lambda: inbox.refuse_if_over("hint", over=True),
         lambda: inbox.refuse_limits(LimitsUpdate(sender="ann", max_iterations=3), request(), state(), True),
@@ -73,16 +73,6 @@ def test_every_update_is_refused_once_the_episode_is_over() -> None:
     for refuse in refusals:
         with pytest.raises(ValueError, match="already ended or is closing"):
             refuse()
-
-
-def test_an_episode_begun_before_steering_refuses_every_update() -> None:
-    inbox = SteeringInbox(enabled=False)
-    with pytest.raises(ValueError, match="began before steering existed; the hint changed nothing"):
-        inbox.refuse_if_over("hint", over=False)
-
-
-def test_an_update_before_the_run_method_has_started_is_not_refused_for_steering() -> None:
-    SteeringInbox().refuse_if_over("hint", over=False)  # enabled is not known yet: taken
 
 
 def test_a_limit_change_waits_until_the_episode_has_its_state() -> None:
@@ -96,12 +86,12 @@ def test_a_limit_change_waits_until_the_episode_has_its_state() -> None:
 
 
 def test_a_second_pause_and_a_pause_after_answer_now_are_refused() -> None:
-    inbox = SteeringInbox(enabled=True)
+    inbox = SteeringInbox()
     inbox.refuse_pause(over=False)
     inbox.pause(PauseUpdate(sender="ann"), at(0))
     with pytest.raises(ValueError, match=r"already paused \(by ann\)"):
         inbox.refuse_pause(over=False)
-    asked = SteeringInbox(enabled=True)
+    asked = SteeringInbox()
     asked.finish_now(FinishUpdate(sender="bob"), at(0))
     with pytest.raises(ValueError, match="asked to answer now; there is nothing to pause"):
         asked.refuse_pause(over=False)
@@ -110,7 +100,7 @@ def test_a_second_pause_and_a_pause_after_answer_now_are_refused() -> None:
 
 
 def test_resume_is_refused_unless_paused_and_names_a_key_wait() -> None:
-    inbox = SteeringInbox(enabled=True)
+    inbox = SteeringInbox()
     with pytest.raises(ValueError, match="^it is not paused$"):
         inbox.refuse_resume(over=False, waits_for_key=False)
     with pytest.raises(ValueError, match=r"it is not paused; it waits for a fixed key \(retry_credentials\)"):
@@ -120,7 +110,7 @@ def test_resume_is_refused_unless_paused_and_names_a_key_wait() -> None:
 
 
 def test_a_decision_is_refused_for_a_cell_that_does_not_wait() -> None:
-    inbox = SteeringInbox(enabled=True)
+    inbox = SteeringInbox()
     decision = CellDecision(sender="ann", cell=2, approve=True)
     with pytest.raises(ValueError, match="no cell waits for approval"):
         inbox.refuse_decision(decision, over=False)
@@ -138,7 +128,7 @@ def test_a_decision_is_refused_for_a_cell_that_does_not_wait() -> None:
 
 
 def test_a_hint_waits_for_the_next_turn_and_is_numbered() -> None:
-    inbox = SteeringInbox(enabled=True)
+    inbox = SteeringInbox()
     receipt = inbox.hint(HintUpdate(sender="ann", text="look at line 3"), at(5))
     assert inbox.hints == [
         Message(role="user", content="A hint from ann, the person supervising this episode:\nlook at line 3")
@@ -157,7 +147,7 @@ def test_a_hint_waits_for_the_next_turn_and_is_numbered() -> None:
 def test_new_limits_are_the_requests_and_a_new_max_duration_moves_the_deadline_and_the_timer() -> None:
     the_request, the_state, moves = request(max_duration_s=600), state(deadline_s=600), Moves()
     update = LimitsUpdate(sender="ann", max_iterations=7, max_duration=timedelta(seconds=900))
-    receipt = SteeringInbox(enabled=True).set_limits(update, the_request, the_state, at(1), moves)
+    receipt = SteeringInbox().set_limits(update, the_request, the_state, at(1), moves)
     assert the_request.limits.max_iterations == 7
     assert the_state.deadline == START + timedelta(seconds=900)
     assert moves.count == 1
@@ -168,13 +158,13 @@ def test_new_limits_are_the_requests_and_a_new_max_duration_moves_the_deadline_a
 def test_new_limits_without_a_duration_leave_the_deadline_and_the_timer() -> None:
     the_state, moves = state(deadline_s=600), Moves()
     update = LimitsUpdate(sender="ann", max_iterations=7)
-    SteeringInbox(enabled=True).set_limits(update, request(), the_state, at(1), moves)
+    SteeringInbox().set_limits(update, request(), the_state, at(1), moves)
     assert the_state.deadline == START + timedelta(seconds=600)
     assert moves.count == 0
 
 
 def test_a_pause_that_holds_the_clock_moves_the_deadline_by_its_length_on_resume() -> None:
-    inbox, the_state, moves = SteeringInbox(enabled=True), state(deadline_s=600), Moves()
+    inbox, the_state, moves = SteeringInbox(), state(deadline_s=600), Moves()
     paused = inbox.pause(PauseUpdate(sender="ann", hold_clock=True, reason="lunch"), at(10))
     assert inbox.clock_held()
     assert inbox.held_description() == "paused by ann: lunch"
@@ -192,7 +182,7 @@ def test_a_pause_that_holds_the_clock_moves_the_deadline_by_its_length_on_resume
 
 
 def test_a_pause_that_lets_the_clock_run_leaves_the_deadline_on_resume() -> None:
-    inbox, the_state, moves = SteeringInbox(enabled=True), state(deadline_s=600), Moves()
+    inbox, the_state, moves = SteeringInbox(), state(deadline_s=600), Moves()
     inbox.pause(PauseUpdate(sender="ann"), at(10))
     assert not inbox.clock_held()
     assert inbox.actions[-1].detail == "(max_duration keeps counting)"
@@ -202,7 +192,7 @@ def test_a_pause_that_lets_the_clock_run_leaves_the_deadline_on_resume() -> None
 
 
 def test_answer_now_ends_a_cells_wait() -> None:
-    inbox = waiting(SteeringInbox(enabled=True))
+    inbox = waiting(SteeringInbox())
     assert not inbox.gate_moved()
     receipt = inbox.finish_now(FinishUpdate(sender="ann", reason="enough"), at(0))
     assert inbox.gate_moved()
@@ -226,7 +216,7 @@ def test_answer_now_ends_a_cells_wait() -> None:
 def test_a_decision_is_kept_for_the_loop_and_logged_by_its_kind(
     decision: CellDecision, kind: str, effect: str
 ) -> None:
-    inbox = waiting(SteeringInbox(enabled=True))
+    inbox = waiting(SteeringInbox())
     receipt = inbox.decide_cell(decision, at(0))
     assert inbox.decision == decision and inbox.gate_moved()
     assert inbox.actions[-1].kind == kind

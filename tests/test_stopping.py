@@ -34,13 +34,14 @@ def test_a_cancel_is_refused_once_the_episode_closes(phase: str) -> None:
         stop.refuse_cancel()
 
 
-def test_the_loop_halts_only_once_a_stop_sticks() -> None:
+def test_the_loop_halts_while_it_is_being_stopped_and_not_after() -> None:
     stop = Stopping()
-    stop.stopping = True
-    stop.halt_if_stopping()  # histories from before the cancel-sticks patch go on
-    stop.sticks = True
+    stop.halt_if_stopping()  # running: nothing to halt
+    stop.halting = True  # what `stop_loop` sets until the loop has ended
     with pytest.raises(asyncio.CancelledError):
         stop.halt_if_stopping()
+    stop.halting = False  # the loop ended: extraction and closing run on
+    stop.halt_if_stopping()
 
 
 def test_a_retry_is_refused_unless_a_call_waits_for_a_key() -> None:

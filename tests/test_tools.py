@@ -67,7 +67,9 @@ async def test_tool_failures_are_errors_the_cell_can_catch(client, scripted, wor
         "                     ('json_arg', lambda: lookup_price({1}))]:\n"
         "    try:\n        thunk()\n    except (ToolError, TypeError) as e:\n"
         "        print(label, type(e).__name__, e)\n"
-        "print('price', lookup_price('gadget'))\n```"
+        "print('price', lookup_price('gadget'))\n"
+        "print('value', type(not_json()).__name__, sorted(not_json()))\n"
+        "try:\n    broken(4)\nexcept ToolError as e:\n    print('cause', repr(e.__cause__))\n```"
     )
     server = scripted(root_and_sub([cell, "FINAL(done)"]))
     specs = [*tool_specs(["broken", "hangs", "not_json", "lookup_price"]), ghost]
@@ -77,8 +79,10 @@ async def test_tool_failures_are_errors_the_cell_can_catch(client, scripted, wor
     output = server.root_requests()[1].last_user
     assert "broken ToolError broken failed: ValueError: no luck with 3" in output
     assert "hangs ToolError hangs failed: hangs timed out (1 s per attempt)" in output
-    # Not JSON: the cell gets the object's repr with a note, as rlms hands back the object.
+    # Not JSON: the cell gets the object itself (pickled to the sandbox), as rlms hands it back.
     assert "not_json ToolError" not in output
+    assert "value set [1, 2]" in output
+    assert "cause ValueError('no luck with 4')" in output  # the tool's own exception, kept
     assert "ghost ToolError ghost failed: tool 'ghost' is not registered on this worker" in output
     assert "args TypeError missing a required argument: 'item'" in output
     assert "json_arg TypeError lookup_price: arguments must be JSON values" in output

@@ -5,8 +5,7 @@ A reply's code blocks run in order in the episode's REPL (workflows/repl_steps.p
 that submits an answer ends the turn there. With steering, each cell first passes the step
 boundary and, if the request asks for it, the approval gate (workflows/steering_gate.py).
 Then FINAL(...) or FINAL_VAR(name) outside the cells is resolved; a variable that cannot be
-read becomes a note the model reads on its next turn. Histories recorded before the
-`honest-endings` patch parse the reply as they did then (workflows/legacy.py).
+read becomes a note the model reads on its next turn.
 """
 
 from __future__ import annotations
@@ -14,94 +13,72 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import defaults, legacy, names, prompts
-    from durable_rlm.workflows.display import EpisodeDisplay
-    from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, Message, RootCompletion
+    from durable_rlm.workflows import defaults, prompts
+    from durable_rlm.workflows.episode_context import EpisodeContext
+    from durable_rlm.workflows.models import Message, RootCompletion
     from durable_rlm.workflows.outcome import CellRecord, IterationOutcome, cell_answer, text_answer
-    from durable_rlm.workflows.parsing import FinalSignal, parse_reply, unquote_argument
+    from durable_rlm.workflows.parsing import parse_reply
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.steering_gate import SteeringGate
-    from durable_rlm.workflows.stopping import Stopping
     from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
 class Acting:
     """What the model did this turn: its cells' outcomes and its answer, if it gave one."""
 
-    def __init__(
-        self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
-        repl: ReplSteps,
-        gate: SteeringGate,
-        stop: Stopping,
-        display: EpisodeDisplay,
-        honest: bool = True,
-        steering: bool = True,
-    ) -> None:
-        self.request = request
-        self.state = state
+    def __init__(self, ctx: EpisodeContext, repl: ReplSteps, gate: SteeringGate) -> None:
+        self.ctx = ctx
         self.repl = repl
         self.gate = gate
-        self.stop = stop
-        self.display = display
-        self.honest = honest  # False only when replaying histories from before honest endings
-        self.steering = steering  # the steering patch: cells may wait at a boundary or the gate
 
-    async def setup(self, code: str) -> None:
+    async def setup(self, code: str) -> Message | None:
         """rlms's setup_code: the REPL's first cell, before the model's first turn. It is in
-        the cell log like any cell, so a rebuilt REPL runs it again; if it fails, the model
-        reads why in its first turn."""
-        s = self.state
+        the cell log like any cell, so a rebuilt REPL runs it again. If it fails, the message
+        that tells the model why (the loop queues it for the first turn)."""
+        s = self.ctx.state
         s.cell_count += 1
-        self.display.set_phase("setup code")
+        self.ctx.display.set_phase("setup code")
         ran = await self.repl.run_cell(0, s.cell_count, code)
-        if ran.error is not None:
-            s.pending.append(Message(role="user", content=prompts.SETUP_FAILED.format(error=ran.error)))
+        if ran.error is None:
+            return None
+        return Message(role="user", content=prompts.SETUP_FAILED.format(error=ran.error))
 
     async def act(self, reply: RootCompletion) -> IterationOutcome:
         """Run the reply's cells and resolve its answer: what the model did this turn."""
-        request, s, repl, stop = self.request, self.state, self.repl, self.stop
+        request, s, repl, stop = self.ctx.request, self.ctx.state, self.repl, self.ctx.stop
         fields = request.output_fields or ANSWER_FIELDS
         outcome = IterationOutcome(s.iteration, reply.text, reply.mean_logprob)
-        signal: FinalSignal | None
-        if self.honest:
-            parsed = parse_reply(reply.text, request.code_fences, request.limits.max_cells_per_reply)
-            blocks, signal = parsed.code_blocks, parsed.signal
-            if parsed.more_blocks:
-                outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))
-        else:
-            blocks, signal = legacy.find_code_blocks(reply.text, request.code_fences), None
+        parsed = parse_reply(
+            reply.text, request.code_fences, request.limits.max_cells_per_reply, inline=self.ctx.rules.rlms
+        )
+        blocks, signal = parsed.code_blocks, parsed.signal
+        if parsed.more_blocks:
+            outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))
         for written in blocks:
             stop.halt_if_stopping()
-            if self.steering and await self.gate.checkpoint() is not None:
+            if await self.gate.checkpoint() is not None:
                 return outcome  # asked to answer now: the loop's next boundary ends it
             s.cell_count += 1
             code: str | None = written
-            if self.steering and request.approve != "none":
+            if self.ctx.rules.approval:
                 code = await self.gate.approved(outcome, written)
                 if code is None:
                     return outcome  # rejected (the model reads why), or asked to answer now
-            self.display.set_phase(f"cell {s.cell_count}")
+            self.ctx.display.set_phase(f"cell {s.cell_count}")
             ran = await repl.run_cell(s.iteration, s.cell_count, code)
             stop.halt_if_stopping()
             cell = CellRecord.of(s.cell_count, code, ran)
             outcome.cells.append(cell)
             if ran.rebuild is not None:
                 outcome.notes.extend(ran.rebuild.notes)  # which names a rebuild re-created, and how
-            self.display.last_output = (cell.stdout + (cell.error or ""))[-defaults.PROGRESS_TEXT_CHARS :]
+            self.ctx.display.last_output = (cell.stdout + (cell.error or ""))[-defaults.PROGRESS_TEXT_CHARS :]
             answer, notes, answered = cell_answer(cell, fields)
             outcome.notes.extend(notes)
             if answered:
                 outcome.answer = answer
                 return outcome
-        if not self.honest:
-            signal = legacy.parse_final_signal(reply.text)
         if signal is not None and signal.kind == "final":
-            stated = signal.value
-            if self.honest and not workflow.patched(names.PATCH_FINAL_AS_WRITTEN):
-                stated = unquote_argument(stated)  # recorded before seed 001's rule was kept
-            outcome.answer, note = text_answer(stated, "final", fields)
+            outcome.answer, note = text_answer(signal.value, "final", fields)
         elif signal is not None:
             read = await repl.read_variable(signal.value)
             stop.halt_if_stopping()

@@ -1,8 +1,8 @@
 """The episode's audit row, written from the workflow (activities/audit.py stores it).
 
 The row is written when the episode opens, when a person's actions were accepted, and when
-it closes. Since the audit-aside patch the first two run beside the loop (a slow store
-delays no step) and the closing write cancels them, since it holds all they would; the
+it closes. The first two run beside the loop (a slow store delays no step) and the closing
+write cancels them, since it holds all they would; the
 closing write is the one a reader trusts, so its attempts are short and go on, backing off,
 for AUDIT_CLOSE_PATIENCE_S. A write that fails for good is logged: history stays the record
 (`durable_rlm/audit/projection.py` rebuilds the row from it).
@@ -87,7 +87,6 @@ class AuditWriter:
     """Writes the row; keeps the writes that run beside the loop, to cancel them at the close."""
 
     def __init__(self) -> None:
-        self.aside = False  # the audit-aside patch: the opening and action writes run beside
         self.opening: asyncio.Future[None] | None = None
         self.action_writes: list[asyncio.Future[None]] = []
         self.actions_written = 0  # the count of actions the last action write held
@@ -98,7 +97,7 @@ class AuditWriter:
     def actions_beside(self, total: int, write: Callable[[], Awaitable[None]]) -> None:
         """Actions accepted since the last write reach the store now, beside the loop (the
         closing write holds them all, so a slow or failed one loses nothing)."""
-        if total == self.actions_written or not self.aside:
+        if total == self.actions_written:
             return
         self.actions_written = total
         self.action_writes = [w for w in self.action_writes if not w.done()]
@@ -121,16 +120,12 @@ class AuditWriter:
                     aside.cancel()  # the closing row holds all an earlier one would
                     with contextlib.suppress(asyncio.CancelledError):
                         await aside
-        timeouts: dict[str, object] = (
-            {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
-            if self.aside
-            else {"start_to_close_timeout": timedelta(seconds=30)}
-        )
+        timeouts: dict[str, object] = {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
         retry = RETRY
-        if not running and self.aside:
+        if not running:
             # The closing row is the one a reader trusts: each attempt is short (a worker
             # killed mid-write is replaced at once), and attempts go on, backing off, for
-            # AUDIT_CLOSE_PATIENCE_S. Options only: the commands are those of before.
+            # AUDIT_CLOSE_PATIENCE_S.
             timeouts = {
                 "schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_PATIENCE_S),
                 "start_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S),

@@ -22,7 +22,7 @@ MIN_CHILD_CALLS_WITH_EXTRACTION = 2
 
 MIN_REPLY_TOKENS = 32
 """A call whose reply could not be even this long within the token budget is not started:
-the budget cannot cover it (patch budget-fits)."""
+the budget cannot cover it."""
 
 
 def extraction_reserve(request: EpisodeRequest) -> int:
@@ -80,7 +80,7 @@ class CallEstimate:
 
     @classmethod
     def of(cls, request: EpisodeRequest, state: EpisodeCarry, room: int | None = None) -> CallEstimate:
-        """With `room` (tokens the budget has left; patch budget-fits) the reply is expected
+        """With `room` (tokens the budget has left) the reply is expected
         to be no longer than the room its prompt leaves, and at least MIN_REPLY_TOKENS: a
         reply guess of REPLY_TOKENS_ESTIMATE alone must not refuse a call a small budget
         can pay for."""
@@ -96,19 +96,17 @@ class CallEstimate:
 
 def nothing_to_extract(state: EpisodeCarry) -> bool:
     """No root reply yet: an extraction would read only the task, so the first call keeps
-    nothing back for one (patch budget-fits)."""
+    nothing back for one."""
     return state.model_calls == 0 and state.iteration == 0
 
 
-def root_call_limit(
-    request: EpisodeRequest, state: EpisodeCarry, calls: int = 1, reserve: bool = False, fits: bool = False
-) -> FallbackReason | None:
+def root_call_limit(request: EpisodeRequest, state: EpisodeCarry, calls: int = 1) -> FallbackReason | None:
     """Whether the next root step (`calls` model calls) would pass the episode's budgets.
-    With `reserve` (patch budget-reserve) the token and cost budgets must also cover the
-    step's estimate and one extraction, so a budget ends the loop while extraction can run.
-    With `fits` (patch budget-fits) the first step needs only to fit what is left (nothing
-    is kept for an extraction that would have nothing to read), and a reply is expected to
-    fit the room its prompt leaves: a 2,500-token budget makes its root calls."""
+    The token and cost budgets must cover the step's estimate and one extraction, so a
+    budget ends the loop while extraction can still run. The first step needs only to fit
+    what is left (nothing is kept for an extraction that would have nothing to read), and a
+    reply is expected to fit the room its prompt leaves: a 2,500-token budget makes its
+    root calls."""
     limits = request.limits
     room = model_calls_room(request, state)
     if room is not None and room < calls:
@@ -116,11 +114,8 @@ def root_call_limit(
             kind="max_model_calls", value=state.model_calls, limit=limits.max_model_calls or 0
         )
     left = tokens_left(request, state)
-    first = fits and nothing_to_extract(state)
-    if not reserve:
-        need = CallEstimate(0, 0.0)
-    else:
-        need = CallEstimate.of(request, state, room=left if first else None)
+    first = nothing_to_extract(state)
+    need = CallEstimate.of(request, state, room=left if first else None)
     extraction = 1 if request.fallback_extraction and not first else 0
     if left is not None and (left <= 0 or left < need.tokens * (calls + extraction)):
         return FallbackReason(kind="max_tokens", value=tokens_spent(state), limit=limits.max_tokens or 0)
@@ -130,18 +125,13 @@ def root_call_limit(
     return None
 
 
-def extraction_refusal(
-    request: EpisodeRequest, state: EpisodeCarry, reserve: bool = False, fits: bool = False
-) -> str | None:
-    """Why no extraction call may be made once a limit is hit, or None when it may. With
-    `fits` the extraction's reply is expected to be no longer than what is left (the call
-    is sent with that cap: `extraction_reply_cap`), so what is held back for it never
-    exceeds what the budget has."""
+def extraction_refusal(request: EpisodeRequest, state: EpisodeCarry) -> str | None:
+    """Why no extraction call may be made once a limit is hit, or None when it may. The
+    extraction's reply is expected to be no longer than what is left (the call is sent with
+    that cap: `extraction_reply_cap`), so what is held back for it never exceeds what the
+    budget has."""
     left = tokens_left(request, state)
-    if reserve:
-        need = CallEstimate.of(request, state, room=left if fits else None)
-    else:
-        need = CallEstimate(1, 0.0)
+    need = CallEstimate.of(request, state, room=left)
     if left is not None and left < need.tokens:
         if left <= 0:
             return "the token budget is spent, so no extraction call was made"
@@ -162,7 +152,7 @@ def extraction_refusal(
 
 
 def extraction_reply_cap(request: EpisodeRequest, state: EpisodeCarry) -> int | None:
-    """The longest extraction reply the token budget still pays for (patch budget-fits), or
+    """The longest extraction reply the token budget still pays for, or
     None when the model's own max_tokens already fits (or there is no token budget)."""
     left = tokens_left(request, state)
     if left is None:
@@ -198,10 +188,10 @@ class ChildBudget:
 
 
 def child_budgets(
-    request: EpisodeRequest, state: EpisodeCarry, children: int, now: datetime, reserve: bool = False
+    request: EpisodeRequest, state: EpisodeCarry, children: int, now: datetime
 ) -> ChildBudget | str:
-    """Each of `children` children's share of what is left, or why none can start. With
-    `reserve`, what the parent's next root call and its extraction need is kept back first."""
+    """Each of `children` children's share of what is left, or why none can start. What the
+    parent's next root call and its extraction need is kept back first."""
     calls = calls_left(request, state) // children
     needed = MIN_CHILD_CALLS_WITH_EXTRACTION if request.fallback_extraction else 1
     if calls < needed:
@@ -209,7 +199,7 @@ def child_budgets(
             f"budget exhausted: {max(calls_left(request, state), 0)} model call(s) left for "
             f"{children} child episode(s), each needs at least {needed}"
         )
-    need = CallEstimate.of(request, state) if reserve else CallEstimate(0, 0.0)
+    need = CallEstimate.of(request, state)
     kept = 1 + (1 if request.fallback_extraction else 0)
     left = tokens_left(request, state)
     tokens = None if left is None else (left - need.tokens * kept) // children
@@ -228,13 +218,7 @@ def child_budgets(
     return ChildBudget(model_calls=calls, tokens=tokens, deadline=state.deadline - slack, cost_usd=cost)
 
 
-def limit_reached(
-    request: EpisodeRequest,
-    state: EpisodeCarry,
-    elapsed: timedelta,
-    reserve: bool = False,
-    fits: bool = False,
-) -> FallbackReason | None:
+def limit_reached(request: EpisodeRequest, state: EpisodeCarry, elapsed: timedelta) -> FallbackReason | None:
     """The limit that stops the loop before its next root call, or None: the loop's own
     check at each iteration, and `drlm fork`'s before a fork starts from `state`."""
     limits = request.limits
@@ -242,4 +226,4 @@ def limit_reached(
     reason = trigger.should_trigger(
         ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
     )
-    return reason or root_call_limit(request, state, reserve=reserve, fits=fits)
+    return reason or root_call_limit(request, state)

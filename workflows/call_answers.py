@@ -7,36 +7,22 @@ here from workflows/repl_steps.py unchanged."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 from temporalio import workflow
 
-from durable_rlm.workflows import names
 from durable_rlm.workflows.budget import ChildBudget, child_budgets, sub_call_refusal
 from durable_rlm.workflows.calls import CallResult, CallSite, Route, route_for
-from durable_rlm.workflows.models import COST_DIGITS, CallAnswer, EpisodeCarry, EpisodeRequest, SubCallRequest
+from durable_rlm.workflows.episode_context import EpisodeContext
+from durable_rlm.workflows.models import COST_DIGITS, CallAnswer, SubCallRequest
 
 
 class CallAnswerer:
     """The calls of one suspended cell: started, awaited, charged."""
 
-    def __init__(
-        self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
-        reserve: bool,
-        stop_on_cancel: bool,
-        stopping: Callable[[], bool],
-        wait_for_credentials: Callable[[str], Awaitable[None]] | None,
-        wait_for_store: Callable[[str, int], Awaitable[None]] | None,
-    ) -> None:
-        self.request = request
-        self.state = state
-        self.reserve = reserve  # children's shares leave the parent its next call and extraction
-        self.stop_on_cancel = stop_on_cancel
-        self.stopping = stopping
-        self.wait_for_credentials = wait_for_credentials
-        self.wait_for_store = wait_for_store
+    def __init__(self, ctx: EpisodeContext) -> None:
+        self.ctx = ctx
+        self.request = ctx.request
+        self.state = ctx.state
 
     async def answer(
         self, iteration: int, cell_index: int, requests: list[SubCallRequest]
@@ -44,15 +30,7 @@ class CallAnswerer:
         """Answer a suspended cell's calls by their kind's route: model calls in parallel
         waves, the children of one batch all at once, each with its share of the budget."""
         request = self.request
-        site = CallSite(
-            request,
-            iteration,
-            cell_index,
-            self.stop_on_cancel,
-            self.stopping,
-            self.wait_for_credentials,
-            self.wait_for_store,
-        )
+        site = CallSite(self.ctx, iteration, cell_index)
         routes = [route_for(call.kind, request) for call in requests]
         children = [route for route in routes if route is not None and route.kind == "child"]
         cap = request.limits.max_children_per_batch
@@ -62,7 +40,7 @@ class CallAnswerer:
             wave = list(zip(requests[start : start + width], routes[start : start + width], strict=True))
             budget = None
             if children:
-                share = child_budgets(request, self.state, len(children), workflow.now(), self.reserve)
+                share = child_budgets(request, self.state, len(children), workflow.now())
                 if len(children) > cap:
                     share = (
                         f"{len(children)} child episodes in one batch; at most {cap} "
@@ -89,18 +67,15 @@ class CallAnswerer:
         children are listed in the result, then the cancellation goes on up."""
         results: list[CallResult] = []
         interrupted = False
-        # Histories from before the patch left the rest of the wave running.
         try:
             for item in pending:
                 results.append(item if isinstance(item, CallResult) else await item)
                 # A cancel the awaited call absorbed (a child cancelled before it started)
                 # still stops the episode: the flag says so, not the task's state.
-                if self.stopping() and workflow.patched(names.PATCH_CANCEL_WAVE):
+                if self.ctx.stop.stopping:
                     interrupted = True
                     break
         except asyncio.CancelledError:
-            if not workflow.patched(names.PATCH_CANCEL_WAVE):
-                raise
             interrupted = True
         if not interrupted:
             return results

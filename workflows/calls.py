@@ -20,12 +20,14 @@ from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
+    ApplicationError,
     WorkflowAlreadyStartedError,
 )
 from temporalio.workflow import ParentClosePolicy
 
 from durable_rlm.workflows import defaults, metadata, names, prompts
 from durable_rlm.workflows.budget import ChildBudget
+from durable_rlm.workflows.episode_context import EpisodeContext
 from durable_rlm.workflows.models import (
     ChildEpisode,
     EpisodeRequest,
@@ -53,15 +55,16 @@ from durable_rlm.workflows.retries import (
 
 @dataclass(frozen=True)
 class CallSite:
-    request: EpisodeRequest
+    """Where a call comes from: the episode (its context: the request, whether it is being
+    cancelled, the waits for a fixed key or the store) and the cell that made it."""
+
+    ctx: EpisodeContext
     iteration: int
     cell_index: int
-    stop_on_cancel: bool = True  # False only when replaying histories from before that fix
-    stopping: Callable[[], bool] = lambda: False  # the episode is being cancelled
-    # Waits until a client says the key was fixed (the episode's pause); None: no pausing.
-    wait_for_credentials: Callable[[str], Awaitable[None]] | None = None
-    # Waits out a store outage before the call is asked again; None: a failure answers.
-    wait_for_store: Callable[[str, int], Awaitable[None]] | None = None
+
+    @property
+    def request(self) -> EpisodeRequest:
+        return self.ctx.request
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,14 @@ async def sub_model_call(
                 **model_step_options(model, site.request.durability),
             )
         except ActivityError as err:
-            if site.stop_on_cancel:
-                raise_if_cancelled(err)
-            if site.wait_for_credentials is not None and waits_for_credentials(err):
-                await site.wait_for_credentials(describe_failure(err))
+            raise_if_cancelled(err)
+            waits = site.ctx.waits
+            if waits_for_credentials(err):
+                await waits.wait_for_credentials(describe_failure(err))
                 continue
-            outage = model_step_outage(err) if site.wait_for_store is not None else None
-            if outage is not None and site.wait_for_store is not None:
-                await site.wait_for_store(outage, outages)
+            outage = model_step_outage(err)
+            if outage is not None:
+                await waits.wait_for_store(outage, outages)
                 outages += 1
                 continue
             return CallResult(ok=False, text=describe_failure(err))
@@ -169,6 +172,7 @@ def child_request(
         deadline=budget.deadline,
         private_text=parent.private_text,
         approve=parent.approve,  # a child's cells wait for a person as the parent's do
+        rlms=parent.rlms,
     )
 
 
@@ -180,14 +184,16 @@ async def child_episode(
     request = child_request(site, call, model, budget)
     parent_id = workflow.info().workflow_id
     episode_id = child_id(parent_id, site.cell_index, call.call_index)
-    memo: dict[str, object] = {"parent": parent_id, "depth": request.depth}
+    # The child's task is the generic child wording: its prompt says what it is about.
+    memo: dict[str, object] = {
+        "parent": parent_id,
+        "depth": request.depth,
+        "prompt": metadata.shorten(call.prompt, metadata.TASK_CHARS),
+    }
     search = None
-    if workflow.patched(names.PATCH_UI_METADATA):
-        # The child's task is the generic child wording: its prompt says what it is about.
-        memo["prompt"] = metadata.shorten(call.prompt, metadata.TASK_CHARS)
-        if metadata.uses_search_attributes(workflow.info().typed_search_attributes):
-            shown = metadata.PRIVATE_TEXT if site.request.private_text else call.prompt
-            search = metadata.start_search_attributes(shown, model.model)
+    if metadata.uses_search_attributes(workflow.info().typed_search_attributes):
+        shown = metadata.PRIVATE_TEXT if site.request.private_text else call.prompt
+        search = metadata.start_search_attributes(shown, model.model)
     summary = ChildEpisode(
         episode_id=episode_id,
         depth=request.depth,
@@ -213,7 +219,7 @@ async def child_episode(
         )
     except Exception as err:  # noqa: BLE001 - whatever stops a child is an Error: for the cell
         # Its spend is unknown: charge the whole share, so the tree still cannot pass its limits.
-        if site.stopping():
+        if site.ctx.stop.stopping:
             ended, problem = "cancelled", "cancelled with its parent"
         else:
             ended, problem = _how_it_ended(err), describe_failure(err)
@@ -295,12 +301,22 @@ async def tool_call(
             summary=f"tool {name} {site.cell_index}.{call.call_index}",
         )
     except ActivityError as err:
-        if site.stop_on_cancel:
-            raise_if_cancelled(err)
+        raise_if_cancelled(err)
         if is_timeout(err):
             return CallResult(ok=False, text=f"{name} timed out ({spec.timeout_s:g} s per attempt)")
-        return CallResult(ok=False, text=describe_failure(err))
+        return CallResult(ok=False, text=_raised(err) or describe_failure(err))
     return CallResult(ok=True, text=reply.result)
+
+
+def _raised(err: ActivityError) -> str | None:
+    """The exception the tool raised, pickled by the worker, for the cell to raise as its
+    own type; None when the failure carries none."""
+    cause = err.cause
+    if isinstance(cause, ApplicationError) and cause.type == names.TOOL_FAILED and cause.details:
+        pickled = cause.details[0]
+        if isinstance(pickled, str) and pickled.startswith(names.TOOL_VALUE_PREFIX):
+            return pickled
+    return None
 
 
 TOOL = Route(tool_call, kind="tool")

@@ -1,9 +1,9 @@
 """The episode's last steps: one fallback extraction when a limit came before an answer
-(seed 004), the result, and the close (the sandbox, the audit row, the status attribute).
+(docs: "Fallback extraction"), the result, and the close (the sandbox, the audit row, the
+status attribute).
 
 An episode that ends without a result (cancelled by Temporal, failed) still closes its
-sandbox and its audit row (`close`). Episodes that ended on a limit before extraction
-existed completed without it, and replay so (the `fallback-extraction` patch).
+sandbox and its audit row (`close`).
 """
 
 from __future__ import annotations
@@ -17,77 +17,52 @@ from temporalio.exceptions import ActivityError
 with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows import names
     from durable_rlm.workflows.budget import extraction_refusal, extraction_reply_cap
-    from durable_rlm.workflows.display import EpisodeDisplay
     from durable_rlm.workflows.ending import (
-        LIMIT_ENDED_BY,
         Ending,
         extraction_ending,
         extraction_failed_ending,
         unextracted_ending,
     )
+    from durable_rlm.workflows.episode_context import EpisodeContext
     from durable_rlm.workflows.fallback import FallbackReason, parse_extraction_response
     from durable_rlm.workflows.models import (
-        EpisodeCarry,
-        EpisodeRequest,
         EpisodeResult,
         EpisodeStatus,
         ExtractionInput,
         ExtractionReply,
         ReplState,
     )
-    from durable_rlm.workflows.outages import OutageWaits
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.retries import describe_failure, model_step_options, raise_if_cancelled
-    from durable_rlm.workflows.stopping import Stopping
     from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
 class Closing:
     """How the episode ends, once the loop has: extraction, the result, the close."""
 
-    def __init__(
-        self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
-        repl: ReplSteps,
-        waits: OutageWaits,
-        display: EpisodeDisplay,
-        stop: Stopping,
-        audit: Callable[..., Awaitable[None]],
-        honest: bool = True,
-        reserve: bool = False,
-        fits: bool = False,
-    ) -> None:
-        self.request = request
-        self.state = state
+    def __init__(self, ctx: EpisodeContext, repl: ReplSteps, audit: Callable[..., Awaitable[None]]) -> None:
+        self.ctx = ctx
+        self.request = ctx.request
+        self.state = ctx.state
         self.repl = repl
-        self.waits = waits
-        self.display = display
-        self.stop = stop
         self.audit = audit  # (status, result, error=): the workflow's `_audit`, its request bound
-        self.honest = honest  # False only when replaying histories from before honest endings
-        self.reserve = reserve  # token and cost budgets keep room for an extraction (patched)
-        self.fits = fits  # extraction fits what is left of the token budget (patched)
 
     async def extract(self, reason: FallbackReason) -> Ending:
-        """A limit came before an answer: extract the outputs from the history (seed 004)."""
+        """A limit came before an answer: extract the outputs from the history."""
         request, s = self.request, self.state
-        # Episodes that ended on a limit before extraction existed completed without it.
-        if not workflow.patched(names.PATCH_FALLBACK_EXTRACTION):
-            return Ending(LIMIT_ENDED_BY[reason.kind], None, "none", str(reason), None)
-        if not request.fallback_extraction:
+        if not self.ctx.rules.extraction:
             return unextracted_ending(reason, "fallback extraction is disabled")
-        refusal = extraction_refusal(request, s, reserve=self.reserve, fits=self.fits)
+        refusal = extraction_refusal(request, s)
         if refusal is not None:
             return unextracted_ending(reason, refusal)
         fields = request.output_fields or ANSWER_FIELDS
         model = request.root_model
-        cap = extraction_reply_cap(request, s) if self.fits else None
+        cap = extraction_reply_cap(request, s)
         if cap is not None:  # the reply stays within what the token budget has left
             model = model.model_copy(update={"max_tokens": cap})
-        self.display.set_phase(f"extracting ({reason})")
+        self.ctx.display.set_phase(f"extracting ({reason})")
         try:
-            reply = await self.waits.through_store_outages(
+            reply = await self.ctx.waits.through_store_outages(
                 lambda: workflow.execute_activity(
                     names.EXTRACT_FALLBACK,
                     ExtractionInput(
@@ -106,8 +81,7 @@ class Closing:
                 )
             )
         except ActivityError as err:
-            if self.honest:
-                raise_if_cancelled(err)
+            raise_if_cancelled(err)
             return extraction_failed_ending(
                 reason, f"Extraction LLM call failed: {describe_failure(err)}", []
             )
@@ -164,17 +138,19 @@ class Closing:
     async def finish(self, ending: Ending) -> EpisodeResult:
         """The episode's result, once its sandbox and its audit row are closed."""
         result = self.result(ending)
-        self.stop.finished = True
-        self.display.set_phase(f"ended: {result.ended_by}")
-        self.display.show(result.status, result.ended_by, result.answer_source)
+        display = self.ctx.display
+        self.ctx.stop.finished = True
+        display.set_phase(f"ended: {result.ended_by}")
+        display.show(result.status, result.ended_by, result.answer_source)
         await self.repl.close()
         await self.audit(result.status, result)
         return result
 
     async def close(self, status: EpisodeStatus, error: str) -> None:
         """An episode that ends without a result still closes its sandbox and its audit row."""
-        self.stop.finished = True
-        self.display.set_phase(f"ended: {status}")
-        self.display.show(status)
+        display = self.ctx.display
+        self.ctx.stop.finished = True
+        display.set_phase(f"ended: {status}")
+        display.show(status)
         await self.repl.close()
         await self.audit(status, error=error)

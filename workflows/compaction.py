@@ -25,18 +25,29 @@ def reply_reserve(model: ModelSettings) -> int:
 
 
 def needs_compaction(
-    state: EpisodeCarry, pending: list[Message], limits: EpisodeLimits, model: ModelSettings
+    state: EpisodeCarry,
+    pending: list[Message],
+    limits: EpisodeLimits,
+    model: ModelSettings,
+    rlms: bool = False,
 ) -> bool:
+    """`rlms`: rlms's rule, the request itself at the share of the window (its examples use
+    shares of 2%, which a reply reserved in the share would pass on every turn), and, rlms
+    aside, never a request whose reply would not fit the window."""
     if limits.context_window_tokens is None or state.conversation is None:
         return False
     budget = limits.compact_at * limits.context_window_tokens
     estimate = estimated_request_tokens(state, pending, limits.resent_message_chars)
+    if rlms:
+        return estimate >= budget or estimate + reply_reserve(model) > limits.context_window_tokens
     return estimate + reply_reserve(model) > budget
 
 
-def summary_input_chars(limits: EpisodeLimits, model: ModelSettings) -> int:
-    """Characters of earlier turns the summariser may read: its own request must fit too."""
+def summary_input_chars(limits: EpisodeLimits, model: ModelSettings, rlms: bool = False) -> int:
+    """Characters of earlier turns the summariser may read: its own request must fit too
+    (`rlms`: in the window, since rlms's share may be a few percent of it)."""
     if limits.context_window_tokens is None:
         return defaults.COMPACTION_INPUT_CHARS
-    room = int(limits.compact_at * limits.context_window_tokens) - reply_reserve(model)
+    share = 1.0 if rlms else limits.compact_at
+    room = int(share * limits.context_window_tokens) - reply_reserve(model)
     return max(1_000, min(defaults.COMPACTION_INPUT_CHARS, room * defaults.CHARS_PER_TOKEN // 2))

@@ -3,7 +3,6 @@
 Set again whenever the deadline moves: a person's new max_duration (`set_limits`), or a pause
 that holds the clock (`pause --hold-clock`), which stops it until the resume. Each move bumps
 `epoch`; a timer that fires for an older epoch is set again instead of ending the episode.
-Without steering the timer is a plain sleep (the command histories from before hold).
 """
 
 from __future__ import annotations
@@ -45,7 +44,3 @@ class DeadlineTimer:
 
     def _moved(self, epoch: int) -> bool:
         return self.epoch != epoch or self.held()
-
-    async def sleep(self, seconds: float) -> None:
-        """Without steering: the plain timer older histories hold."""
-        await workflow.sleep(seconds, summary=SUMMARY)

@@ -1,4 +1,4 @@
-"""Decide: the termination policy sees each iteration (seed 003).
+"""Decide: the termination policy sees each iteration (docs: "Termination policies").
 
 The policy's state is workflow state (`EpisodeCarry.policy_state`, written after every
 decision), so replay, a crash and continue-as-new all reach the same decision. The reward
@@ -11,7 +11,11 @@ from __future__ import annotations
 
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows import (
+    defaults,
+    names,
+    rlms_limits,  # noqa: F401 - registers rlms's limits policy, for every worker
+)
 from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest
 from durable_rlm.workflows.outcome import IterationOutcome
 from durable_rlm.workflows.reward_inbox import RewardInbox
@@ -28,25 +32,22 @@ class Decider:
         state: EpisodeCarry,
         policy: TerminationPolicy,
         rewards: RewardInbox,
-        honest: bool = True,
     ) -> None:
         self.request = request
         self.state = state
         self.policy = policy
         self.rewards = rewards
-        self.honest = honest  # False only when replaying histories from before honest endings
 
     def decide(self, outcome: IterationOutcome) -> tuple[ActionResult, PolicyDecision]:
         """The iteration as the policy sees it, and what the policy decided."""
         request, s, policy = self.request, self.state, self.policy
-        scan = request.termination.scan_printed_output or not self.honest
         action = build_action(
             outcome.answer.text if outcome.answer is not None else None,
             [cell.printed for cell in outcome.cells],
             outcome.reply,
             outcome.mean_logprob,
-            show_printed=scan,
-            limit=defaults.POLICY_TEXT_CHARS if self.honest else None,
+            show_printed=request.termination.scan_printed_output,
+            limit=defaults.POLICY_TEXT_CHARS,
         )
         earned = action_reward(request.reward.function, request.reward.config, action)
         reward = self.rewards.take() + earned
@@ -61,6 +62,8 @@ class Decider:
                 "iteration": s.iteration,
                 "model_calls": s.model_calls,
                 "sub_calls": s.sub_calls,
+                "tokens": s.usage.total_tokens,
+                "cost_usd": (s.usage.cost_usd or 0.0) + s.unaccounted_cost_usd,
             },
         )
         try:

@@ -30,7 +30,7 @@ class EpisodeDisplay:
         self.phase_started: datetime | None = None
         self.last_response = ""  # the root model's latest reply, its end
         self.last_output = ""  # the latest cell's output, its end
-        self.search = False  # upsert the UI's search attributes (started with them, patched)
+        self.search = False  # upsert the UI's search attributes (the episode was started with them)
 
     def set_phase(self, phase: str) -> None:
         self.phase = phase

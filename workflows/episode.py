@@ -1,19 +1,20 @@
-"""The RLM episode workflow: the loop of DESIGN.md, with limits and a durable timer.
+"""The RLM episode workflow: the loop, with limits and a durable timer.
 
     while not ended:
-        limit reached?            -> one fallback extraction (seed 004)
+        limit reached?            -> one fallback extraction (docs: "Fallback extraction")
         ask the root model        (compacting the conversation when it nears the window)
         act: run the reply's cells, answer their calls, resolve FINAL / FINAL_VAR
-        decide: the termination policy sees the iteration (seed 003)
+        decide: the termination policy sees the iteration (docs: "Termination policies")
         observe: queue what the model sees next
 
 Deterministic: every model call, REPL step and store write is an activity; time comes
-from workflow.now() and randomness from workflow.random(). Histories recorded before the
-`honest-endings` patch replay with the rules they ran under (workflows/legacy.py).
+from workflow.now() and randomness from workflow.random().
 
 The class holds the loop and declares what Temporal requires on it (the run method, the
 updates and the query); each other job is a small object in a sibling module, holding the
-state it owns:
+state it owns (workflows/episode_context.py `STATE_OWNERS` says which fields of the
+state each may write). The run method decides the episode's rules once and hands every
+collaborator the same `EpisodeContext`:
 
     ask            root_calls.RootCalls      the root model's reply, compacting if needed
     act            acting.Acting             the reply's cells, its FINAL / FINAL_VAR
@@ -52,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows.deciding import Decider
     from durable_rlm.workflows.display import EpisodeDisplay
     from durable_rlm.workflows.ending import CANCELLED, Ending, LimitReached, cancelled_ending, policy_ending
+    from durable_rlm.workflows.episode_context import EpisodeContext, EpisodeRules
     from durable_rlm.workflows.fallback import FallbackReason
     from durable_rlm.workflows.models import (
         AuditEvent,
@@ -101,10 +103,6 @@ class EpisodeWorkflow:
     def __init__(self) -> None:
         self._s: EpisodeCarry | None = None
         self._request: EpisodeRequest | None = None
-        self._honest = True
-        self._reserve = False  # token and cost budgets keep room for an extraction (patched)
-        self._fits = False  # the first call needs only to fit; extraction fits what is left (patched)
-        self._steering = False  # the timer follows the deadline; cells may wait (patched)
         # What updates and the query reach, perhaps before the run method has set up its state.
         self._stop = Stopping()
         self._display = EpisodeDisplay(lambda: self._s)
@@ -116,7 +114,6 @@ class EpisodeWorkflow:
 
     @workflow.run
     async def run(self, request: EpisodeRequest) -> EpisodeResult:
-        self._honest = workflow.patched(names.PATCH_HONEST_ENDINGS)
         self._request = request
         try:
             policy = episode_policy(request)
@@ -132,68 +129,43 @@ class EpisodeWorkflow:
         s = self._s
         if request.carry is not None:
             policy.set_state(s.policy_state)
-        limits = request.limits
-        if limits.max_tokens is not None or limits.max_cost_usd is not None:
-            self._reserve = workflow.patched(names.PATCH_BUDGET_RESERVE)
-            self._fits = self._reserve and workflow.patched(names.PATCH_BUDGET_FITS)
-        if workflow.patched(names.PATCH_UI_METADATA):
-            workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
-            self._display.search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
+        workflow.upsert_memo(metadata.episode_memo(request.task, request.root_model.model, request.depth))
+        self._display.search = metadata.uses_search_attributes(workflow.info().typed_search_attributes)
         self._rewards.carry_over(s)
-        self._steering = self._inbox.enabled = workflow.patched(names.PATCH_STEERING)
         self._inbox.carry_over(s.actions, s.actions_total, s.hints)
         self._audit_writer.actions_written = s.actions_total
         s.hints = []
         self._set_up(request, s, policy)
 
         try:
-            self._audit_writer.aside = workflow.patched(names.PATCH_AUDIT_ASIDE)
-            opening = request.carry is None or forked_now
-            if opening and self._audit_writer.aside:
+            if request.carry is None or forked_now:
                 # The episode's row is written beside the loop: a slow store delays nothing.
                 writer = self._audit_writer
                 writer.opening = writer.beside(lambda: self._audit(request, "running"))
-            elif opening:
-                await self._audit(request, "running")
             ending = await self._episode(request)
         except asyncio.CancelledError:
-            if self._honest:
-                await self._end.close(metadata.CANCELLED, CANCELLED)
+            await self._end.close(metadata.CANCELLED, CANCELLED)
             raise
         except FailureError as exc:
-            if self._honest:
-                await self._end.close(metadata.FAILED, describe_failure(exc))
+            await self._end.close(metadata.FAILED, describe_failure(exc))
             raise
         return await self._end.finish(ending)
 
     def _first_state(self, request: EpisodeRequest) -> EpisodeCarry:
         seed = request.seed if request.seed is not None else workflow.random().randint(0, 2**31 - 1)
         # The budget counts from submission, not from the first task a worker ran.
-        started = workflow.info().workflow_start_time if self._honest else workflow.now()
-        return first_state(request, seed, started)
+        return first_state(request, seed, workflow.info().workflow_start_time)
 
     def _set_up(self, request: EpisodeRequest, s: EpisodeCarry, policy: TerminationPolicy) -> None:
-        """The loop's collaborators, each given the request and the state it works on."""
-        honest, stop, display, waits = self._honest, self._stop, self._display, self._waits
-        local = request.durability.local_repl and workflow.patched(names.PATCH_LOCAL_REPL)
-        repl = ReplSteps(
-            request,
-            s,
-            display.set_phase,
-            stop_on_cancel=honest,
-            stopping=lambda: stop.stopping,
-            local=local,
-            wait_for_credentials=waits.wait_for_credentials,
-            wait_for_store=waits.wait_for_store,
-            reserve=self._reserve,
-        )
-        self._root = RootCalls(request, s, waits, display, honest, self._reserve, self._fits)
+        """The loop's collaborators, each given the one context of this episode."""
+        ctx = EpisodeContext(request, s, EpisodeRules.of(request), self._display, self._stop, self._waits)
+        repl = ReplSteps(ctx)
+        self._root = RootCalls(ctx, repl)
         running = partial(self._audit, request, "running")
-        self._gate = SteeringGate(request, s, repl, self._inbox, display, stop, self._audit_writer, running)
-        self._acting = Acting(request, s, repl, self._gate, stop, display, honest, self._steering)
-        self._decider = Decider(request, s, policy, self._rewards, honest)
-        audit = partial(self._audit, request)
-        self._end = Closing(request, s, repl, waits, display, stop, audit, honest, self._reserve, self._fits)
+        self._gate = SteeringGate(ctx, repl, self._inbox, self._audit_writer, running)
+        self._acting = Acting(ctx, repl, self._gate)
+        self._decider = Decider(request, s, policy, self._rewards)
+        self._end = Closing(ctx, repl, partial(self._audit, request))
 
     # --- rewards, cancel, credentials ---------------------------------------------------------
 
@@ -298,11 +270,8 @@ class EpisodeWorkflow:
     async def _episode(self, request: EpisodeRequest) -> Ending:
         stop = self._stop
         # The durable timer lives on the server, so it fires even while no worker runs.
-        remaining = max((self._state.deadline - workflow.now()).total_seconds(), 0.001)
         loop = asyncio.ensure_future(self._loop(request))
-        timer = asyncio.ensure_future(
-            self._timer.run() if self._steering else self._timer.sleep(remaining)  # asyncio.sleep's command
-        )
+        timer = asyncio.ensure_future(self._timer.run())
         cancel = asyncio.ensure_future(workflow.wait_condition(lambda: stop.cancel is not None))
         try:
             await workflow.wait([loop, timer, cancel], return_when=asyncio.FIRST_COMPLETED)
@@ -344,20 +313,18 @@ class EpisodeWorkflow:
         # inherits; an episode's setup cell is the REPL's first.
         first_cell = request.session.repl.cell_count if request.session is not None else 0
         if request.setup_code and s.iteration == 0 and s.cell_count == first_cell:
-            if workflow.patched(names.PATCH_SETUP_CODE):
-                await self._acting.setup(request.setup_code)
+            failed = await self._acting.setup(request.setup_code)
+            if failed is not None:
+                s.pending.append(failed)  # the model reads why in its first turn
         while True:
             stop.halt_if_stopping()
-            if self._steering:
-                asked = await self._gate.checkpoint()
-                if asked is not None:
-                    return asked
+            asked = await self._gate.checkpoint()
+            if asked is not None:
+                return asked
             limits = request.limits  # a person may change them (set_limits)
-            reason = limit_reached(request, s, self._elapsed(request), reserve=self._reserve, fits=self._fits)
+            reason = limit_reached(request, s, self._elapsed(request))
             if reason is not None:
-                if self._honest:
-                    return LimitReached(reason)
-                return await self._end.extract(reason)  # as old histories did it
+                return LimitReached(reason)
             if inbox.hints:
                 s.pending = steering.with_hints(s.pending, inbox.hints)
                 inbox.hints = []

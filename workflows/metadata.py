@@ -117,6 +117,10 @@ def progress_updates(
     return updates
 
 
+PAUSED_MEMO = "paused"
+"""The memo key that says why an episode waits for a fixed model key (removed on the retry)."""
+
+
 def episode_memo(task: str, model: str, depth: int) -> dict[str, Any]:
     """The memo the UI shows on the episode's page (short: the task's start, not the task)."""
     return {"task": shorten(task, TASK_CHARS), "model": shorten(model, NAME_CHARS), "depth": depth}

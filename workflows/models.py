@@ -118,7 +118,7 @@ class EpisodeLimits(StrictModel):
     context_window_tokens: int | None = Field(
         default=None, ge=1_000, description="the root model's window; compaction keeps requests inside it"
     )
-    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0.1, le=1.0)
+    compact_at: float = Field(default=defaults.COMPACT_AT_SHARE, gt=0, le=1.0)
     resent_message_chars: int = Field(default=defaults.RESENT_MESSAGE_CHARS, ge=1_000)
     max_model_calls: int | None = Field(
         default=None,
@@ -338,6 +338,13 @@ class EpisodeRequest(StrictModel):
     )
     approve: ApproveMode = Field(
         default="none", description="cells that wait for a person's approval before they run"
+    )
+    rlms: bool = Field(
+        default=False,
+        description="rlms 0.1.3's semantics where ours differ (the rlms-compatible `RLM` sets it): "
+        'a failed llm_query returns an "Error: ..." string, `context` and `history` are put '
+        "back after each cell, `context_0` is bound, a custom system prompt is composed as "
+        "rlms composes it",
     )
     private_text: bool = Field(
         default=False,
@@ -687,6 +694,9 @@ class CompactionInput(StrictModel):
     input_chars: int = defaults.COMPACTION_INPUT_CHARS
     reason: str = ""
     max_reply_chars: int = defaults.MAX_REPLY_CHARS
+    history: bool = Field(
+        default=False, description="return the turns summarised and the summary as rlms's `history` entries"
+    )
 
 
 class CompactionReply(CallFacts):
@@ -697,6 +707,10 @@ class CompactionReply(CallFacts):
     kept_messages: int
     usage: TokenUsage
     model_time_s: float
+    history: str | None = Field(
+        default=None,
+        description="JSON: rlms's `history` entries (each turn's messages, then the summary), when asked",
+    )
 
 
 class SubQueryInput(StrictModel):
@@ -725,7 +739,10 @@ class ToolCallInput(StrictModel):
 
 
 class ToolReply(StrictModel):
-    result: str = Field(description="the tool's return value as JSON")
+    result: str = Field(
+        description="the tool's return value as JSON, or pickled (names.TOOL_VALUE_PREFIX) when it "
+        "is no JSON value: the sandbox loads it"
+    )
 
 
 # --- REPL activities ----------------------------------------------------------------------
@@ -746,6 +763,7 @@ class SandboxRef(StrictModel):
         default=None, description="most prompts per rlm_query_batched when it starts children"
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
+    rlms: bool = Field(default=False, description="the REPL behaves as rlms 0.1.3's (EpisodeRequest.rlms)")
     snapshots: SnapshotPolicy | None = Field(default=None, description="None: no snapshots are taken")
     lineage: list[str] = Field(
         default_factory=list,

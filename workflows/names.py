@@ -51,42 +51,18 @@ MODEL_BAD_REPLY = "ModelBadReply"  # HTTP 200 that is not a completion (not JSON
 TOOL_NOT_REGISTERED = "ToolNotRegistered"
 TOOL_BAD_CALL = "ToolBadCall"  # arguments that do not fit, a result that is not JSON
 TOOL_FAILED = "ToolFailed"  # the tool raised: retried per its declaration
+TOOL_VALUE_PREFIX = "pickle:"
+"""A tool's result or exception that is no JSON value travels to the sandbox pickled, as
+`pickle:<base64>\n<what it shows>`; JSON text never starts so. Only the sandbox loads it."""
 STORE_UNAVAILABLE = "StoreUnavailable"  # the audit or blob store failed a step: waited out
 STALE_ATTEMPT = "StaleAttempt"  # a paused worker's attempt the server gave up: it pays nothing
 WORKER_LOST = "WorkerLost"  # the attempt's worker died (durable_rlm/worker/liveness.py): retried at once
 REPL_STEP_ABANDONED = "ReplStepAbandoned"  # a local REPL step started too often without finishing
 
-# workflow.patched() ids: each guards a change that alters the commands of old histories.
-PATCH_FALLBACK_EXTRACTION = "fallback-extraction"
-PATCH_HONEST_ENDINGS = "honest-endings"
-PATCH_CANCEL_WAVE = "cancel-wave"  # a cancelled episode cancels every call of the wave in flight
-PATCH_LOCAL_REPL = "local-repl"  # REPL steps run as local activities on the workflow's worker
-PATCH_SNAPSHOTS = "repl-snapshots"  # REPL steps are asked to snapshot the namespace
-PATCH_CREDENTIAL_PAUSE = "credential-pause"  # a refused key pauses the call until retry_credentials
-# The memo and search attributes the Temporal UI lists (workflows/metadata.py): commands of their own.
-PATCH_UI_METADATA = "ui-metadata"
-# Token and cost budgets end the loop while they can still pay for an extraction (budget.py).
-PATCH_BUDGET_RESERVE = "budget-reserve"
-# A budget pays for the first root call it can cover (no extraction reserve before there is
-# anything to extract) and an extraction's reply is capped at what is left (budget.py).
-PATCH_BUDGET_FITS = "budget-fits"
-# environment_kwargs' setup_code (rlms) runs as the REPL's first cell before the first root call.
-PATCH_SETUP_CODE = "setup-code"
-# The opening audit row is written beside the loop; the closing one within AUDIT_CLOSE_S.
-PATCH_AUDIT_ASIDE = "audit-aside"
-# Steering (workflows/steering.py): the durable timer follows a changed deadline; cells may
-# wait for approval; a pause closes the sandbox.
-PATCH_STEERING = "steering"
-# Seed 001: FINAL("hello") answers "hello", quotes included. Episodes recorded before kept
-# the answer with the quotes stripped (an answer can change a typed episode's next turn).
-PATCH_FINAL_AS_WRITTEN = "final-as-written"
-# A model step whose every attempt lost its worker (heartbeat timeout) waits for a worker
-# and is asked again; before, the episode ended (an infrastructure failure).
-PATCH_WAIT_OUT_LOST_WORKERS = "wait-out-lost-workers"
-# A cancel that reaches the loop in the same activation as a step's result is absorbed by
-# the step's handle (the result wins), and the loop went on: the loop now stops at its next
-# boundary or wait. Before, such an episode ran on (or waited for ever at a gate).
-PATCH_CANCEL_STICKS = "cancel-sticks"
+# workflow.patched() ids, each for a change made after a release that alters the commands of
+# histories the release wrote: id -> the release it follows. Before the first release the
+# code changes freely (the recorded histories are made again); docs: "Versioning".
+RELEASED_PATCHES: dict[str, str] = {}
 
 # The update a client sends once the worker has a fixed key: paused model calls try again.
 RETRY_CREDENTIALS = "retry_credentials"

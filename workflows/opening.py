@@ -39,5 +39,7 @@ def first_state(request: EpisodeRequest, seed: int, started: datetime) -> Episod
             tools=request.tools,
             system_prompt=request.system_prompt,
             repl_values=request.repl_values,
+            composed=request.rlms,
+            history_note=request.rlms and request.limits.context_window_tokens is not None,
         ),
     )

@@ -120,11 +120,17 @@ class OutageWaits:
         budget is spent meanwhile."""
         display = self.display
         epoch = self.credentials_epoch
+        self.paused = f"{problem}. Fix it, then run `drlm resume {workflow.info().workflow_id}`"
         if self.paused_calls == 0:
             self.phase_before_pause = display.phase
             display.show(metadata.PAUSED)
+            # The pause is a command of its own (the memo says why it waits). Without one, the
+            # workflow task that paused would end with no command, and a worker that takes
+            # the episode over would get the failed call and a later `retry_credentials` in
+            # one activation, where Temporal runs the update's validator first: it would
+            # find no call waiting and refuse the retry.
+            workflow.upsert_memo({metadata.PAUSED_MEMO: metadata.shorten(self.paused, metadata.TASK_CHARS)})
         self.paused_calls += 1
-        self.paused = f"{problem}. Fix it, then run `drlm resume {workflow.info().workflow_id}`"
         display.set_phase(f"paused: {self.paused}")
         try:
             await self.stop.until(lambda: self.credentials_epoch > epoch)
@@ -135,3 +141,4 @@ class OutageWaits:
         if self.paused_calls == 0:
             display.set_phase(self.phase_before_pause)
             display.show(metadata.RUNNING)
+            workflow.upsert_memo({metadata.PAUSED_MEMO: None})

@@ -102,6 +102,49 @@ def find_code_blocks(
     return _code_of(_split_fences(text or ""), fences, limit)
 
 
+def inline_code_blocks(
+    text: str | None, fences: tuple[str, ...] | list[str] = ("repl",), limit: int | None = None
+) -> list[str]:
+    """Code blocks as rlms 0.1.3 finds them (its regex ```repl\\s*\\n(.*?)\\n```): "```repl",
+    blanks through the last newline among them, the code up to the next newline followed by
+    ```, anywhere in the text (an opening fence need not start its line: "Here: ```repl"),
+    the code stripped; empty blocks are left out. Linear, where the regex is not: a search
+    for the closing "\\n```" that fails ends the scan, since any later opener would search
+    the same tail."""
+    body = text or ""
+    opener = _inline_opener(tuple(fences))
+    found: list[str] = []
+    position = 0
+    while limit is None or len(found) < limit:
+        start = opener.search(body, position)
+        if start is None:
+            break
+        blanks = start.group("blanks")
+        last = blanks.rfind("\n")
+        if last < 0:
+            position = start.end()
+            continue
+        code_start = start.start("blanks") + last + 1
+        end = body.find("\n```", code_start)
+        if end < 0:
+            # The regex's last resort: an earlier newline of the blanks closes an empty block.
+            earlier = blanks.rfind("\n", 0, last)
+            if earlier >= 0 and body.startswith("```", code_start):
+                position = code_start + 3
+                continue
+            break
+        code = body[code_start:end].strip()
+        if code:
+            found.append(code)
+        position = end + 4
+    return found
+
+
+def _inline_opener(fences: tuple[str, ...]) -> re.Pattern[str]:
+    names = "|".join(re.escape(f) for f in fences)
+    return re.compile(r"```(?:" + names + r")(?P<blanks>\s*)")
+
+
 # --- balanced parentheses ---------------------------------------------------------------------
 
 _SHALLOW_DEPTH = 48  # measured: deeper costs more per group, shallower more steps
@@ -264,10 +307,13 @@ class ParsedReply:
     more_blocks: bool  # blocks beyond the limit were not taken
 
 
-def parse_reply(text: str | None, fences: tuple[str, ...] | list[str], limit: int) -> ParsedReply:
-    """One pass over the fences serves both the code and the FINAL search."""
+def parse_reply(
+    text: str | None, fences: tuple[str, ...] | list[str], limit: int, inline: bool = False
+) -> ParsedReply:
+    """One pass over the fences serves both the code and the FINAL search. `inline`: the
+    code blocks are found as rlms finds them (inline_code_blocks)."""
     parts = _split_fences(text or "")
-    code = _code_of(parts, fences, limit + 1)
+    code = inline_code_blocks(text, fences, limit + 1) if inline else _code_of(parts, fences, limit + 1)
     return ParsedReply(code[:limit], _signal_in("\n".join(parts[0::4])), len(code) > limit)
 
 

@@ -115,6 +115,22 @@ def describe_context(context: ContextRef | None) -> str:
     return f"a {context.type_name} of {context.size:,} characters."
 
 
+HISTORY_CELL = "# rlms's `history`: the turns a compaction summarised, and its summary\n"
+
+
+def history_cell(entries_json: str) -> str:
+    """The cell that hands rlms's `history` list (bound by the setup cell) what a compaction
+    took out of the conversation; the export leaves it out of the model's own code blocks."""
+    return f"{HISTORY_CELL}history.extend(__import__('json').loads({entries_json!r}))"
+
+
+HISTORY_NOTE = (
+    "\n\nThe full conversation history (trajectory segments and any summaries) "
+    "is available in the REPL variable `history` as a list."
+)
+"""rlms's note on `history`, added to the system prompt when compaction is on."""
+
+
 SETUP_FAILED = "The REPL's setup code failed; names it should have defined may be missing:\n{error}"
 
 
@@ -137,9 +153,14 @@ def opening_messages(
     tools: list[ToolSpec] | None = None,
     system_prompt: str | None = None,
     repl_values: list[str] | None = None,
+    composed: bool = False,
+    history_note: bool = False,
 ) -> list[Message]:
     """`child_batch_cap` is set when rlm_query starts child episodes (depth allows it). A
-    `system_prompt` (rlms's custom_system_prompt) replaces the built-in one as it is."""
+    `system_prompt` (rlms's custom_system_prompt) replaces the built-in one, its
+    `{custom_tools_section}` filled; `composed`: it is the whole system message already
+    (the rlms-compatible RLM composes it as rlms does); `history_note`: rlms's note on the
+    `history` list that compaction fills."""
     offered = TOOLS + "".join(_tool_line(t) for t in tools) if tools else ""
     if repl_values:
         offered += VALUES + "".join(f"\n- {line}" for line in repl_values)
@@ -148,7 +169,9 @@ def opening_messages(
         context_description=describe_context(context), fence=fence, recursion=recursion + offered
     )
     if system_prompt is not None:
-        system = custom_system_prompt(system_prompt, offered)
+        system = system_prompt if composed else custom_system_prompt(system_prompt, offered)
+    if history_note:
+        system += HISTORY_NOTE
     if output_fields:
         system += "\n" + SUBMIT_INSTRUCTION.format(fields=format_output_fields(output_fields))
     if ask_confidence:

@@ -9,7 +9,6 @@ rebuilds a clean REPL from the cells that did finish (the lost one is not in its
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -20,11 +19,11 @@ from temporalio.exceptions import ActivityError, ApplicationError
 
 from durable_rlm.workflows import defaults, metadata, names
 from durable_rlm.workflows.call_answers import CallAnswerer
+from durable_rlm.workflows.episode_context import EpisodeContext
 from durable_rlm.workflows.models import (
     CallAnswer,
     CellOutcome,
     CloseSandboxInput,
-    EpisodeCarry,
     EpisodeRequest,
     ExecuteCellInput,
     ReadVariableInput,
@@ -80,27 +79,15 @@ async def close_sandbox_here(summary: str) -> None:
 
 
 class ReplSteps:
-    def __init__(
-        self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
-        set_phase: Callable[[str], None],
-        stop_on_cancel: bool = True,
-        stopping: Callable[[], bool] = lambda: False,
-        local: bool = False,
-        wait_for_credentials: Callable[[str], Awaitable[None]] | None = None,
-        reserve: bool = False,
-        wait_for_store: Callable[[str, int], Awaitable[None]] | None = None,
-    ) -> None:
-        self.request = request
-        self.reserve = reserve  # children's shares leave the parent its next call and extraction
-        self.local = local  # steps run as local activities (histories from before: remote)
-        self.state = state
-        self.set_phase = set_phase
-        self.stop_on_cancel = stop_on_cancel  # False only when replaying histories from before
-        self.stopping = stopping  # the episode is being cancelled (by request, timer or Temporal)
-        self.wait_for_credentials = wait_for_credentials  # a sub-call's refused key pauses it
-        self.wait_for_store = wait_for_store  # a step the store failed is asked again after it
+    """The episode's REPL steps: a cell run to its end (its calls answered), a variable read,
+    the sandbox closed. Owns the REPL's part of the state: the log head, where the sandbox
+    is, the latest snapshot, the variables' summary, lost cells and divergences."""
+
+    def __init__(self, ctx: EpisodeContext) -> None:
+        self.ctx = ctx
+        self.request = ctx.request
+        self.state = ctx.state
+        self.local = ctx.rules.local_repl
 
     def _sandbox(self) -> SandboxRef:
         return SandboxRef(
@@ -114,10 +101,8 @@ class ReplSteps:
                 self.request.limits.max_children_per_batch if self.request.spawns_children else None
             ),
             tools=self.request.tools,
-            # Episodes begun before snapshots keep rebuilding by re-running every cell.
-            snapshots=(
-                self.request.durability.snapshots if workflow.patched(names.PATCH_SNAPSHOTS) else None
-            ),
+            rlms=self.request.rlms,
+            snapshots=self.request.durability.snapshots,
             # A fork starts from its source's latest snapshot: it may load that episode's.
             lineage=self.request.fork.lineage if self.request.fork is not None else [],
             lineage_mac=self.request.fork.lineage_mac if self.request.fork is not None else None,
@@ -140,7 +125,7 @@ class ReplSteps:
             rebuild = outcome.rebuild
             while outcome.status == "suspended":
                 kind = outcome.requests[0].kind if outcome.requests else "model"
-                self.set_phase(f"cell {cell_index}: {len(outcome.requests)} {kind} call(s)")
+                self.ctx.display.set_phase(f"cell {cell_index}: {len(outcome.requests)} {kind} call(s)")
                 answers = await self.answer_calls(iteration, cell_index, outcome.requests)
                 outcome = await self._step(
                     names.REPL_RESUME,
@@ -150,8 +135,7 @@ class ReplSteps:
                 )
                 rebuild = outcome.rebuild or rebuild
         except STEP_FAILURES as err:
-            if self.stop_on_cancel:
-                raise_if_cancelled(err)
+            raise_if_cancelled(err)
             state.log_head, state.repl_queue, state.snapshot = head_before, None, snapshot_before
             state.lost_cells += 1
             return CellOutcome(
@@ -181,20 +165,20 @@ class ReplSteps:
                 f"read variable {metadata.shorten(name, metadata.NAME_CHARS)}",
             )
         except STEP_FAILURES as err:
-            if self.stop_on_cancel:
-                raise_if_cancelled(err)
+            raise_if_cancelled(err)
             self.state.repl_queue = None
             return VariableRead(None, describe_failure(err))
         return VariableRead(value.value if value.found else None)
 
     async def close(self) -> None:
+        """Close the sandbox; the next step (after a pause) may go to any worker."""
+        queue, self.state.repl_queue = self.state.repl_queue, None
         if self.local:
             try:
                 await close_sandbox_here("close the sandbox")
             except STEP_FAILURES:
                 pass  # idle reaping covers a sandbox that would not close
             return
-        queue = self.state.repl_queue
         if queue is None:
             return
         try:
@@ -253,8 +237,10 @@ class ReplSteps:
                 if sticky and is_timeout(err):
                     state.repl_queue = None
                     continue
-                if self.wait_for_store is not None and waits_for_store(err):
-                    await self.wait_for_store(f"waiting for the store: {describe_failure(err)}", outages)
+                if waits_for_store(err):
+                    await self.ctx.waits.wait_for_store(
+                        f"waiting for the store: {describe_failure(err)}", outages
+                    )
                     outages += 1
                     continue
                 raise
@@ -285,10 +271,12 @@ class ReplSteps:
                 )
                 break
             except (ActivityError, ApplicationError) as err:  # a local step's failure can come bare
-                if self.wait_for_store is not None and waits_for_store(err):
+                if waits_for_store(err):
                     # The store failed the step on every attempt: not the cell's fault, so
                     # not a lost cell. Wait for the store and ask the same step again.
-                    await self.wait_for_store(f"waiting for the store: {describe_failure(err)}", outages)
+                    await self.ctx.waits.wait_for_store(
+                        f"waiting for the store: {describe_failure(err)}", outages
+                    )
                     outages += 1
                     continue
                 if error_type(err) != names.SANDBOXES_BUSY:
@@ -305,13 +293,4 @@ class ReplSteps:
         self, iteration: int, cell_index: int, requests: list[SubCallRequest]
     ) -> list[CallAnswer]:
         """Answer a suspended cell's calls (workflows/call_answers.py)."""
-        answerer = CallAnswerer(
-            self.request,
-            self.state,
-            self.reserve,
-            self.stop_on_cancel,
-            self.stopping,
-            self.wait_for_credentials,
-            self.wait_for_store,
-        )
-        return await answerer.answer(iteration, cell_index, requests)
+        return await CallAnswerer(self.ctx).answer(iteration, cell_index, requests)

@@ -6,7 +6,6 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
-from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
@@ -80,32 +79,26 @@ def is_context_overflow(err: ActivityError) -> bool:
 
 def waits_for_credentials(err: BaseException) -> bool:
     """A model call the provider refused for its key: it waits for a fixed one instead of
-    failing. Asked only on such a failure, so histories from before the patch (where a 401
-    was a plain rejection) replay as they ran."""
-    return error_type(err) == names.MODEL_AUTH_FAILED and workflow.patched(names.PATCH_CREDENTIAL_PAUSE)
+    failing (a person can fix a key; the episode should not end over it)."""
+    return error_type(err) == names.MODEL_AUTH_FAILED
 
 
 def waits_for_store(err: BaseException) -> bool:
     """A step the audit or blob store failed (activities/store_errors.py): the episode waits
-    for the store and asks again. A new failure type: no history before it holds one, so
-    the timers it adds need no patch."""
+    for the store and asks again."""
     return error_type(err) == names.STORE_UNAVAILABLE
 
 
 def model_step_outage(err: BaseException) -> str | None:
     """What to wait for when a model step failed on every attempt through no fault of the
     model or the request: the store (StoreUnavailable), or a worker (every attempt's worker
-    stopped heartbeating, died (WorkerLost, a type newer than the patch: no history before it
-    holds one), or was paused past its attempt: StaleAttempt). None otherwise.
-    Lost workers ended episodes before (as infrastructure failures): those histories
-    replay as they ran, behind the `wait-out-lost-workers` patch."""
+    stopped heartbeating, died (WorkerLost), or was paused past its attempt: StaleAttempt).
+    None otherwise. An infrastructure failure is waited out, never an ending."""
     if waits_for_store(err):
         return f"waiting for the store: {describe_failure(err)}"
     cause = err.cause if isinstance(err, ActivityError) else err
     lost = isinstance(cause, TimeoutError) and cause.type == TimeoutType.HEARTBEAT
-    if (lost or error_type(err) in (names.STALE_ATTEMPT, names.WORKER_LOST)) and workflow.patched(
-        names.PATCH_WAIT_OUT_LOST_WORKERS
-    ):
+    if lost or error_type(err) in (names.STALE_ATTEMPT, names.WORKER_LOST):
         return f"waiting for a worker: {describe_failure(err)} (the step's worker was lost or paused)"
     return None
 

@@ -8,7 +8,8 @@ and native code, code chosen at run time, and loops without an end or of ten mil
 or more (nested loops multiplied).
 
 What it flags decides which cells of a `risky` episode wait, so it is part of history:
-a change to it goes behind `workflow.patched()` like any other change to workflow code.
+after a release, a change to it needs a new workflow version like any other change to
+workflow code (docs: "Versioning").
 Figures: bench/risk.py (about 1.2 ms per KB, 2-3x `ast.parse` alone).
 """
 

@@ -8,25 +8,24 @@ refused key or a store outage waits (workflows/outages.py) and runs the same cal
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import defaults, names
+    from durable_rlm.workflows import defaults, names, prompts
     from durable_rlm.workflows.budget import root_call_limit
     from durable_rlm.workflows.compaction import needs_compaction, summary_input_chars
-    from durable_rlm.workflows.display import EpisodeDisplay
     from durable_rlm.workflows.ending import Ending, LimitReached, model_error_ending
+    from durable_rlm.workflows.episode_context import EpisodeContext
     from durable_rlm.workflows.fallback import FallbackReason
     from durable_rlm.workflows.models import (
         CompactionInput,
         CompactionReply,
-        EpisodeCarry,
-        EpisodeRequest,
         RootCompletion,
         RootCompletionInput,
     )
-    from durable_rlm.workflows.outages import OutageWaits
     from durable_rlm.workflows.retries import (
         describe_failure,
         failure_cause,
@@ -35,33 +34,25 @@ with workflow.unsafe.imports_passed_through():
         raise_if_cancelled,
     )
 
+if TYPE_CHECKING:
+    from durable_rlm.workflows.repl_steps import ReplSteps
+
 
 class RootCalls:
     """The root model's steps: a completion, and the compaction that makes room for it."""
 
-    def __init__(
-        self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
-        waits: OutageWaits,
-        display: EpisodeDisplay,
-        honest: bool = True,
-        reserve: bool = False,
-        fits: bool = False,
-    ) -> None:
-        self.request = request
-        self.state = state
-        self.waits = waits
-        self.display = display
-        self.honest = honest  # False only when replaying histories from before honest endings
-        self.reserve = reserve  # token and cost budgets keep room for an extraction (patched)
-        self.fits = fits  # the first call needs only to fit (patched)
+    def __init__(self, ctx: EpisodeContext, repl: ReplSteps | None = None) -> None:
+        self.request = ctx.request
+        self.state = ctx.state
+        self.waits = ctx.waits
+        self.display = ctx.display
+        self.repl = repl  # runs the cell that gives rlms's `history` what a compaction removed
 
     async def ask(self) -> RootCompletion | Ending | LimitReached:
         """The root model's next reply. A context overflow compacts and retries once."""
         request, s = self.request, self.state
-        if self.honest and needs_compaction(s, s.pending, request.limits, request.root_model):
-            over = root_call_limit(request, s, calls=2, reserve=self.reserve, fits=self.fits)
+        if needs_compaction(s, s.pending, request.limits, request.root_model, request.rlms):
+            over = root_call_limit(request, s, calls=2)
             if over is not None:
                 return LimitReached(over)
             share = f"{request.limits.compact_at:.0%}"
@@ -71,11 +62,10 @@ class RootCalls:
         try:
             return await self.completion()
         except ActivityError as err:
-            if self.honest:
-                raise_if_cancelled(err)
-            if not (self.honest and is_context_overflow(err)):
+            raise_if_cancelled(err)
+            if not is_context_overflow(err):
                 return model_error_ending(describe_failure(err), failure_cause(err))
-        over = root_call_limit(request, s, calls=2, reserve=self.reserve, fits=self.fits)
+        over = root_call_limit(request, s, calls=2)
         if over is not None:
             return LimitReached(over)
         failed = await self.compact("the model said the request exceeds its context window", keep=0)
@@ -134,9 +124,10 @@ class RootCalls:
                         model=model,
                         conversation=s.conversation,
                         keep_messages=keep,
-                        input_chars=summary_input_chars(request.limits, model),
+                        input_chars=summary_input_chars(request.limits, model, request.rlms),
                         reason=why,
                         max_reply_chars=request.limits.max_reply_chars,
+                        history=request.rlms,
                     ),
                     result_type=CompactionReply,
                     summary=f"compaction: {why}",
@@ -155,4 +146,8 @@ class RootCalls:
         s.charge(reply.usage, reply.model_time_s)
         s.last_prompt_tokens = reply.conversation_chars // defaults.CHARS_PER_TOKEN
         s.last_reply_tokens = 0
+        if reply.history is not None and self.repl is not None:
+            # rlms's `history`: the turns just summarised and the summary, for the model's code.
+            s.cell_count += 1
+            await self.repl.run_cell(s.iteration, s.cell_count, prompts.history_cell(reply.history))
         return None

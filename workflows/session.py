@@ -50,13 +50,13 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
-def turn_task(task: str, context_index: int | None, contexts: int, histories: int) -> str:
-    """The turn's task with rlms's notes on what the REPL holds (rlm/utils/prompts.py)."""
+def turn_task(task: str, contexts: int, histories: int) -> str:
+    """The turn's task with rlms's notes on what the REPL holds, in its words
+    (rlm/utils/prompts.py, build_user_prompt)."""
     notes = []
     if contexts > 1:
-        mine = f"; this turn's is context_{context_index}" if context_index is not None else ""
         notes.append(
-            f"Note: You have {contexts} contexts available (context_0 through context_{contexts - 1}){mine}."
+            f"Note: You have {contexts} contexts available (context_0 through context_{contexts - 1})."
         )
     if histories == 1:
         notes.append("Note: You have 1 prior conversation history available in the `history` variable.")
@@ -81,7 +81,7 @@ def turn_request(
     return EpisodeRequest.model_validate(
         {
             **template.model_dump(),
-            "task": turn_task(ask.task, ask.context_index, *counts_after(state, ask)),
+            "task": turn_task(ask.task, *counts_after(state, ask)),
             "context": state.context.model_dump() if state.context is not None else None,
             "setup_code": setup,
             "seed": state.seed,

@@ -17,14 +17,13 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows import metadata, steering
     from durable_rlm.workflows.audit_writer import AuditWriter
-    from durable_rlm.workflows.display import EpisodeDisplay
     from durable_rlm.workflows.ending import LimitReached
+    from durable_rlm.workflows.episode_context import EpisodeContext
     from durable_rlm.workflows.fallback import FallbackReason
-    from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, PendingCell
+    from durable_rlm.workflows.models import PendingCell
     from durable_rlm.workflows.outcome import CellRecord, IterationOutcome
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.steering_inbox import Moment, SteeringInbox
-    from durable_rlm.workflows.stopping import Stopping
 
 
 class SteeringGate:
@@ -32,21 +31,18 @@ class SteeringGate:
 
     def __init__(
         self,
-        request: EpisodeRequest,
-        state: EpisodeCarry,
+        ctx: EpisodeContext,
         repl: ReplSteps,
         inbox: SteeringInbox,
-        display: EpisodeDisplay,
-        stop: Stopping,
         audit_writer: AuditWriter,
         write_running: Callable[[], Awaitable[None]],
     ) -> None:
-        self.request = request
-        self.state = state
+        self.request = ctx.request
+        self.state = ctx.state
+        self.display = ctx.display
+        self.stop = ctx.stop
         self.repl = repl
         self.inbox = inbox
-        self.display = display
-        self.stop = stop
         self.audit_writer = audit_writer
         self.write_running = write_running  # the audit row, as a running episode's
 
@@ -71,8 +67,7 @@ class SteeringGate:
         phase = display.phase
         display.set_phase(self.inbox.held_description())
         display.show(metadata.PAUSED)
-        await self.repl.close()
-        self.state.repl_queue = None  # the next step may go to any worker
+        await self.repl.close()  # the next step may go to any worker
         await self.stop.until(lambda: self.inbox.held is None or self.inbox.finish is not None)
         self.audit_actions()
         display.set_phase(phase)

@@ -51,7 +51,6 @@ class SteeringInbox:
     finish: FinishUpdate | None = None  # answer now: the loop ends at its next boundary
     pending_cell: PendingCell | None = None  # the cell waiting for approval
     decision: CellDecision | None = None  # a person's decision on it, until the loop reads it
-    enabled: bool | None = None  # the steering patch; None until the run method has read it
 
     def record(self, kind: str, sender: str, detail: str, at: datetime, iteration: int) -> int:
         """Log an accepted action; its number."""
@@ -127,8 +126,6 @@ class SteeringInbox:
         """`over`: the episode has ended or is closing."""
         if over:
             raise ValueError(f"the episode has already ended or is closing; the {what} changed nothing")
-        if self.enabled is False:
-            raise ValueError(f"the episode began before steering existed; the {what} changed nothing")
 
     def hint(self, update: HintUpdate, moment: Moment) -> SteeringReceipt:
         """The root model reads it as a user message on its next turn."""

@@ -2,9 +2,9 @@
 
 The loop races the timer and a person's `cancel` (workflows/episode.py `_episode`); the one
 that wins cancels the loop. A step's handle absorbs a cancel that arrives in the activation
-that also brings the step's result (the result wins), and the loop would go on. So since
-the `cancel-sticks` patch the cancel also sticks: the loop ends itself at its next boundary
-or wait (`halt_if_stopping`, `until`). Histories from before the patch keep the old path.
+that also brings the step's result (the result wins), and the loop would go on. So the
+cancel also sticks: the loop ends itself at its next boundary or wait (`halt_if_stopping`,
+`until`).
 
 After the loop: closing (a cancel request would change nothing), then finished.
 """
@@ -19,7 +19,6 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import names
     from durable_rlm.workflows.models import CancelReceipt, CancelRequest
 
 
@@ -29,7 +28,7 @@ class Stopping:
     def __init__(self) -> None:
         self.cancel: CancelRequest | None = None  # a person's cancel update
         self.stopping = False  # the loop is being cancelled: a request, the timer, Temporal
-        self.sticks = False  # the loop stops itself once `stopping` (see `stop_loop`)
+        self.halting = False  # until the loop has ended, it stops itself at its next boundary or wait
         self.closing = False  # the loop is over: a cancel request would change nothing
         self.finished = False
 
@@ -54,17 +53,16 @@ class Stopping:
     async def stop_loop(self, loop: asyncio.Future[Any], *rest: asyncio.Future[Any]) -> None:
         """Cancel the loop (and `rest`, after it: the order of the commands is history's)
         and wait until the loop has ended; what follows it (extraction, closing) runs on."""
-        self.stopping = True
-        self.sticks = workflow.patched(names.PATCH_CANCEL_STICKS)
+        self.stopping = self.halting = True
         loop.cancel()
         for other in rest:
             other.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
-        self.sticks = False
+        self.halting = False  # what runs after the loop (extraction, closing) is not halted
 
     def halted(self) -> bool:
-        return self.stopping and self.sticks
+        return self.halting
 
     def halt_if_stopping(self) -> None:
         """Where the loop goes on after a step: end it here if it is being cancelled."""

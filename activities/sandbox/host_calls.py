@@ -9,10 +9,12 @@ re-run code diverged. Standard library only, like everything the sandbox loads.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
 import json
 import os
+import pickle
 import signal
 from typing import Any, BinaryIO
 
@@ -37,6 +39,7 @@ class HostCalls:
         # them is refused here, in the cell; the host refuses a frame past them regardless.
         self.max_prompts: int | None = None
         self.max_call_bytes: int | None = None
+        self.own_errors = False  # a tool's exception reaches the cell as its own type (rlms's)
 
     def limit(self, message: dict[str, Any]) -> None:
         """Take the host's limits on one call from its init message."""
@@ -106,14 +109,41 @@ class HostCalls:
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"{name}: arguments must be JSON values ({exc})") from None
             answer = self.call(f"tool:{name}", [payload])[0]
+            text = str(answer["text"])
             if not answer["ok"]:
-                raise ToolError(f"{name} failed: {answer['text']}")
-            return json.loads(answer["text"])
+                raised, shown = loaded(text)
+                if isinstance(raised, BaseException) and self.own_errors:
+                    raise raised
+                cause = raised if isinstance(raised, BaseException) else None
+                raise ToolError(f"{name} failed: {shown}") from cause
+            if text.startswith(PICKLED):
+                value, shown = loaded(text)
+                if value is NOT_LOADED:
+                    raise ToolError(f"{name} returned a value the REPL cannot load: {shown}")
+                return value
+            return json.loads(text)
 
         call.__name__ = call.__qualname__ = name
         call.__doc__ = spec.get("doc") or None
         call.__signature__ = signature  # type: ignore[attr-defined]
         return call
+
+
+PICKLED = "pickle:"  # the worker's names.TOOL_VALUE_PREFIX
+NOT_LOADED = object()
+
+
+def loaded(text: str) -> tuple[Any, str]:
+    """A tool's pickled result or exception (`pickle:<base64>\\n<what it shows>`), loaded
+    here in the sandbox, and what it shows; NOT_LOADED when it is no pickle or does not load
+    (its class is in a module this sandbox lacks)."""
+    if not text.startswith(PICKLED):
+        return NOT_LOADED, text
+    data, _, shown = text[len(PICKLED) :].partition("\n")
+    try:
+        return pickle.loads(base64.b64decode(data)), shown
+    except Exception as exc:  # noqa: BLE001 - a missing module, a broken pickle
+        return NOT_LOADED, f"{shown} ({type(exc).__name__}: {exc})"
 
 
 def check_prompts(helper: str, prompts: list[Any], model: Any) -> None:

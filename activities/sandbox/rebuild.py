@@ -16,6 +16,7 @@ import os
 from types import ModuleType
 from typing import Any
 
+from .answer import AnswerDict, rewrap
 from .kernel import HOST_FILES
 from .session import Session
 
@@ -66,10 +67,11 @@ def restore(session: Session, message: dict[str, Any]) -> dict[str, Any]:
     keeping only those names from each (everything else stays as the snapshot has it)."""
     path = host_file(session, str(message["name"]))
     try:
-        session.namespace, session.defined_by, files = snapshots().load(
-            path, session.initial, session.sandbox_dir
-        )
+        # Older snapshots refer to the REPL's first `answer` as one of its own names.
+        known = {**session.initial, "answer": AnswerDict()}
+        session.namespace, session.defined_by, files = snapshots().load(path, known, session.sandbox_dir)
         session.namespace["__builtins__"] = __builtins__
+        rewrap(session.namespace)
     except BaseException as exc:  # noqa: BLE001 - the host falls back to re-running cells
         return {"op": "restore_failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
     finally:

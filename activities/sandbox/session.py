@@ -23,6 +23,7 @@ import traceback
 import types
 from typing import Any, BinaryIO
 
+from . import answer as answers
 from .host_calls import HostCalls, ToolError, check_prompts, prompt_list, text_or_error
 from .layers import sweep_strays
 from .volatile import FLAGGED, WALL, volatile_source, watch_volatile_reads
@@ -95,11 +96,14 @@ class Session:
         self.helpers: dict[str, Any] = {}  # the REPL's own functions, put back before each cell
         self.defined_by: dict[str, int] = {}  # name -> the last cell that bound it
         self.sandbox_dir = "."
+        self.rlms = False  # rlms 0.1.3's semantics (the host's init says so)
 
     @repl_helper("llm_query")
     def llm_query(self, prompt: str, model: str | None = None) -> str:
         check_prompts("llm_query", [prompt], model)
         answer = self.calls.call("llm_query", [prompt], model)[0]
+        if self.rlms:
+            return text_or_error(answer)  # rlms's: the cell goes on with an "Error: ..." string
         if not answer["ok"]:
             raise RuntimeError(f"llm_query failed: {answer['text']}")
         return answer["text"]
@@ -184,11 +188,13 @@ class Session:
         cap = message.get("child_batch_cap")
         self.child_batch_cap = int(cap) if cap is not None else None
         self.calls.limit(message)
+        self.rlms = bool(message.get("rlms"))
+        self.calls.own_errors = self.rlms
         self.namespace = {
             "__name__": "__main__",
             "__builtins__": __builtins__,
             "context": context,
-            "answer": {"content": "", "ready": False},
+            "answer": answers.AnswerDict(),
         }
         for name, method in _HELPERS.items():
             self.namespace[name] = getattr(self, method)
@@ -196,10 +202,13 @@ class Session:
         for spec in message.get("tools") or []:
             self.namespace[spec["name"]] = self.calls.tool(spec)
         self.reserved = set(self.namespace)
+        if self.rlms:
+            self.namespace["context_0"] = context  # rlms binds it, and `context` as its alias
         # The REPL's own functions, put back before every cell: code that overwrote one
         # (`llm_query = None`, by accident or not) does not cost the episode its helpers.
         self.helpers = {k: v for k, v in self.namespace.items() if callable(v) or k == "ToolError"}
-        self.initial = {k: v for k, v in self.namespace.items() if k != "__builtins__"}
+        # `answer` is data (a snapshot saves it as the cells left it), not one of the REPL's own.
+        self.initial = {k: v for k, v in self.namespace.items() if k not in ("__builtins__", "answer")}
         self.sandbox_dir = os.getcwd()
         watch_volatile_reads()
 
@@ -229,9 +238,17 @@ class Session:
 
         signal.signal(signal.SIGALRM, on_alarm)
         sys.stdout, sys.stderr = stdout, stderr  # type: ignore[assignment]
+        ready: str | None = None
+        answers.start_cell()
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout)
-            self._run(code, cell_name)
+            try:
+                self._run(code, cell_name)
+            finally:
+                # Inside the cell's time limit: a rebound `answer` may be a hostile dict.
+                ready = answers.end_cell(self.namespace)
+                if self.rlms:
+                    self._put_back_aliases()
         except CellTimeout as exc:
             status, error = "timeout", f"TimeoutError: {exc}"
         except SystemExit:
@@ -246,7 +263,7 @@ class Session:
         volatile = FLAGGED[0] or volatile_source(code)
         if cell is not None:
             self._note_bindings(bound_before, cell)
-        kind, answer = self.final if self.final is not None else ("answer_ready", self._ready_answer())
+        kind, answer = self.final if self.final is not None else ("answer_ready", ready)
         limits = self.variable_limits if summary else None
         return {
             "op": "done",
@@ -261,6 +278,13 @@ class Session:
             "elapsed": elapsed,
             "volatile": volatile,
         }
+
+    def _put_back_aliases(self) -> None:
+        """rlms's: a cell that rebinds `context` or `history` changes nothing after it;
+        they are context_0 and history_0 again."""
+        for alias, name in (("context", "context_0"), ("history", "history_0")):
+            if name in self.namespace:
+                self.namespace[alias] = self.namespace[name]
 
     def _note_bindings(self, before: dict[str, int], cell: int) -> None:
         """Which cell last bound each name: a rebuild re-runs it for a name no snapshot holds."""
@@ -285,6 +309,8 @@ class Session:
                 continue
             if isinstance(value, (types.ModuleType, types.FunctionType, type)):
                 continue
+            if type(value) is answers.AnswerDict:
+                value = dict(value)  # reprlib bounds a dict, not a subclass of one
             try:
                 if isinstance(value, str):
                     text = value[:width]
@@ -309,12 +335,6 @@ class Session:
                 print(repr(value))
         else:
             exec(compile(tree, cell_name, "exec"), self.namespace)
-
-    def _ready_answer(self) -> str | None:
-        answer = self.namespace.get("answer")
-        if isinstance(answer, dict) and answer.get("ready") is True:
-            return text_of(answer.get("content", ""))
-        return None
 
     def read_variable(self, name: str) -> dict[str, Any]:
         if name not in self.namespace or name in self.reserved - {"context", "answer"}:

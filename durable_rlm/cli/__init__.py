@@ -14,6 +14,7 @@ it needs.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
@@ -29,6 +30,8 @@ from durable_rlm.cli.output import (
     EXIT_OK,
     EXIT_USAGE,
     FOLLOWING,
+    INTERRUPTED,
+    ON_INTERRUPT,
     stderr,
 )
 from durable_rlm.errors import DurableRLMError, ServerUnavailable
@@ -74,8 +77,24 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         code = EXIT_OK  # `drlm list | head`: the reader has what it wanted
     except Exception as exc:  # noqa: BLE001 - every error ends as one line and an exit code
-        code = _report(exc)
+        code = _interrupted() if _from_interrupt(exc) else _report(exc)
     _exit(code)
+
+
+def _from_interrupt(exc: BaseException) -> bool:
+    """An error that Ctrl-C caused: the SDK turns the cancellation of a call in flight into
+    an error of its own (an update's `WorkflowUpdateRPCTimeoutOrCancelledError`), which must
+    read as the interruption it is, not as a traceback."""
+    if not INTERRUPTED:
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, asyncio.CancelledError | KeyboardInterrupt):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def _report(exc: Exception) -> int:
@@ -105,6 +124,9 @@ def _report(exc: Exception) -> int:
 
 
 def _interrupted() -> int:
+    if ON_INTERRUPT:
+        stderr(ON_INTERRUPT[-1])
+        return EXIT_INTERRUPTED
     if not FOLLOWING:
         stderr("drlm: interrupted")
         return EXIT_INTERRUPTED

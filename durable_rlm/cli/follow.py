@@ -10,19 +10,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import sys
 from typing import TYPE_CHECKING, Any
 
 from durable_rlm.cli.arguments import add_sender
 from durable_rlm.cli.handlers import Subparsers, bind, polling
-from durable_rlm.cli.output import EXIT_CANCELLED, EXIT_OK, FOLLOWING, print_end, stderr
+from durable_rlm.cli.output import (
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    EXIT_OK,
+    FOLLOWING,
+    ON_INTERRUPT,
+    print_end,
+    stderr,
+)
 from durable_rlm.settings import ConfigurationError, Settings
 
 if TYPE_CHECKING:
+    from durable_rlm.cli.attend import Attendant
     from durable_rlm.client.episodes import CancelOutcome
-    from durable_rlm.server.connection import Services
-
-CANCEL_HEAD_START_S = 0.5  # how long `drlm cancel` lets its request travel before its worker polls
 
 
 def _watch_parser(sub: Subparsers) -> None:
@@ -149,36 +156,106 @@ async def _resume(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
-    from durable_rlm.client.episodes import cancel_episode  # start-up: temporalio, the stores (~0.6 s)
-    from durable_rlm.worker.runtime import connect, running_workers  # start-up: the worker's imports (~0.7 s)
+    """Cancel an episode, whoever runs it: its worker, or, when none does (a `drlm run`
+    stopped by Ctrl-C), this process, until the episode has ended cancelled with its
+    children. Back within seconds either way (durable_rlm/cli/attend.py)."""
+    from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
-    # A worker must run the cancellation (it cancels the children, closes the sandbox and
-    # the audit row, and extracts when asked).
-    async with connect(settings) as services:
-        # The request reaches the server before this process's worker polls: an episode no
-        # worker has picked up yet then sees the cancel in its first task, before any call.
-        request = asyncio.ensure_future(
-            cancel_episode(services.client, args.episode_id, args.extract, args.reason)
-        )
-        await asyncio.wait({request}, timeout=CANCEL_HEAD_START_S)
-        if request.done():  # refused (the episode ended) or accepted: no worker needed for that
-            outcome = request.result()
-            if not outcome.accepted:
-                return await _cancelled(services, args, outcome)
-        try:
-            async with running_workers(services) if settings.embedded else contextlib.nullcontext():
-                return await _cancelled(services, args, await request)
-        finally:
-            request.cancel()  # a no-op once done; a worker that failed to start leaves it pending
-
-
-async def _cancelled(services: Services, args: argparse.Namespace, outcome: CancelOutcome) -> int:
-    from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
+    from durable_rlm.client.cancelling import CLOSING_STEPS, calls_settled  # start-up: temporalio (~0.2 s)
+    from durable_rlm.client.episodes import cancel_episode, describe_episode  # start-up: temporalio (~0.6 s)
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.workflows import names  # start-up: as the line above
     from durable_rlm.workflows.models import EpisodeResult  # start-up: pydantic's models (~0.1 s)
+
+    episode_id = args.episode_id
+    async with connect(settings) as services:
+        handle = services.client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+        description = await describe_episode(handle)  # an unknown id is a usage error now
+        if description.status != WorkflowExecutionStatus.RUNNING:
+            stderr((await cancel_episode(services.client, episode_id, args.extract, args.reason)).message)
+            return EXIT_OK
+        ON_INTERRUPT.append(
+            f"drlm: interrupted before episode {episode_id} confirmed the cancel: `drlm show {episode_id}` "
+            f"tells whether it ended; `drlm cancel {episode_id}` again if not"
+        )
+        taking_over = functools.partial(
+            stderr, f"no worker runs episode {episode_id}: this command runs it until the cancel ends it"
+        )
+        queue = description.task_queue
+        allowed = CLOSING_STEPS | ({names.EXTRACT_FALLBACK} if args.extract else set())
+        settled = functools.partial(calls_settled, services.client, episode_id, allowed)
+        async with Attendant(
+            settings, services, queue, calls_allowed=settled, on_taking_over=taking_over
+        ) as attendant:
+            await attendant.look()
+            if attendant.nobody:  # a cluster's server, and no worker polls the episode's queue
+                return await _cancel_on_server(handle, args, queue)
+            request = asyncio.ensure_future(
+                cancel_episode(services.client, episode_id, args.extract, args.reason)
+            )
+            try:
+                if not await attendant.wait(request, settings.steer_wait_s):
+                    stderr(
+                        f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
+                        f"{settings.steer_wait_s:g} s; the cancel waits at the server for it: "
+                        f"`drlm watch {episode_id}` shows when it ends"
+                    )
+                    return EXIT_FAILED
+            finally:
+                let_go(request)  # a no-op once done
+            return await _cancelled(attendant, handle, args, request.result())
+
+
+async def _cancelled(
+    attendant: Attendant, handle: Any, args: argparse.Namespace, outcome: CancelOutcome
+) -> int:
+    """The cancel was answered: wait (bounded, unless this process must run an extraction)
+    for the episode's end, and print it."""
+    from durable_rlm.cli.attend import let_go  # start-up: loaded with the attendant
+    from durable_rlm.client.episodes import wait_end  # start-up: temporalio, the stores (~0.6 s)
 
     stderr(outcome.message)
     if not outcome.accepted:
         return EXIT_OK
-    handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
-    code = print_end(await follow(handle, None), as_json=False)
+    episode_id = handle.id
+    ON_INTERRUPT.append(
+        f"drlm: interrupted; episode {episode_id} accepted the cancel and ends when a worker runs it "
+        f"(`drlm resume {episode_id}`)"
+    )
+    if args.extract and attendant.here:
+        stderr("extracting what was found (a model call) before it ends; Ctrl-C leaves that to `drlm resume`")
+    end = asyncio.ensure_future(wait_end(handle))
+    try:
+        bound = None if args.extract and attendant.here else attendant.settings.steer_wait_s
+        if not await attendant.wait(end, bound):
+            stderr(
+                f"episode {episode_id} is ending on its worker ({attendant.who()}): "
+                f"`drlm watch {episode_id}` shows its end"
+            )
+            return EXIT_OK
+    finally:
+        let_go(end)
+    code = print_end(end.result(), as_json=False)
     return EXIT_OK if code == EXIT_CANCELLED else code
+
+
+async def _cancel_on_server(handle: Any, args: argparse.Namespace, task_queue: str) -> int:
+    """No worker runs the episode, and this process cannot (a cluster's server): Temporal's
+    own cancellation is recorded in the episode's history at once, and a worker that runs
+    the episode next ends it cancelled, with its children. A reason or an extraction needs
+    the episode's own cancel, which only a running worker can take."""
+    episode_id = handle.id
+    start = f"start one on its task queue ({task_queue}): `python worker.py`"
+    if args.extract:
+        stderr(
+            f"drlm: no worker runs episode {episode_id}; --extract needs one to extract: {start}, "
+            "or cancel without --extract"
+        )
+        return EXIT_FAILED
+    await handle.cancel()
+    stderr(
+        f"no worker runs episode {episode_id}: its cancel is recorded on the server, and it ends "
+        f"cancelled, with its children, as soon as a worker runs it ({start})"
+    )
+    return EXIT_OK

@@ -11,9 +11,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import signal
 from collections.abc import Awaitable, Callable
+from types import FrameType
 from typing import TYPE_CHECKING, TypeAlias
 
+from durable_rlm.cli.output import INTERRUPTED
 from durable_rlm.settings import Settings
 
 if TYPE_CHECKING:
@@ -31,6 +34,7 @@ def bind(parser: argparse.ArgumentParser, command: Command, *, sdk_runtime: bool
 
 
 async def _run(command: Command, args: argparse.Namespace, sdk_runtime: bool) -> int:
+    _note_interrupts()
     # The metrics endpoint is a worker's (python worker.py): CLI processes, many at once,
     # would contend for its port.
     settings = Settings.from_env().model_copy(update={"metrics_address": None})
@@ -58,3 +62,18 @@ def polling(services: Services, task_queue: str) -> Services:
     return dataclasses.replace(
         services, settings=services.settings.model_copy(update={"task_queue": task_queue})
     )
+
+
+def _note_interrupts() -> None:
+    """Remember a Ctrl-C (durable_rlm/cli/output.py `INTERRUPTED`) before asyncio's own
+    handler cancels the command: what the cancellation then raises (the SDK wraps it in
+    errors of its own) reads as the interruption it is."""
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):
+        return  # SIGINT ignored (a background job of a shell): nothing will interrupt
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        INTERRUPTED.append(signum)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)

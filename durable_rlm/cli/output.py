@@ -24,6 +24,11 @@ EXIT_INTERRUPTED = 130  # Ctrl-C: the episode itself goes on
 
 # The episode this process started or follows: what Ctrl-C names.
 FOLLOWING: list[str] = []
+# What Ctrl-C says instead, when a command has more to say than "interrupted" (a cancel not
+# yet confirmed): the last line set is printed.
+ON_INTERRUPT: list[str] = []
+# Ctrl-C came (its signal number): a cancelled call's error is the interruption.
+INTERRUPTED: list[int] = []
 
 
 def stderr(line: str) -> None:

@@ -1,15 +1,15 @@
 """`drlm hint`, `limits`, `pause`, `finish`, `pending`, `approve`, `reject`, `reward`: a
 person's actions on a running episode, each a Temporal update with its sender.
 
-A worker must answer an update: embedded, when no other process's worker does within a
-head start, this process's own worker does, on the episode's task queue.
+A worker must answer an update: the one that runs the episode, or, embedded, when no live
+worker does, this process's own worker, on the episode's task queue, for as long as the
+update takes (durable_rlm/cli/attend.py); each command is back within seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from durable_rlm.cli.arguments import add_sender
-from durable_rlm.cli.handlers import Subparsers, bind, polling
-from durable_rlm.cli.output import EXIT_OK, EXIT_USAGE, stderr
+from durable_rlm.cli.handlers import Subparsers, bind
+from durable_rlm.cli.output import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ON_INTERRUPT, stderr
 from durable_rlm.settings import ConfigurationError, Settings
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ Update = Callable[["Client", argparse.Namespace], Awaitable["SteeringOutcome"]]
 
 # The limits `drlm limits` changes, as its flags name them.
 _LIMITS = ("max_iterations", "max_llm_calls", "max_duration", "max_model_calls", "max_tokens", "max_cost_usd")
-STEER_HEAD_START_S = 1.0  # how long an action waits for a worker already running the episode
+PENDING_SILENT_SHOWN = 20  # episodes that did not answer `drlm pending`, each named with why
 
 
 def _hint_parser(sub: Subparsers) -> None:
@@ -188,60 +188,93 @@ async def _steer(settings: Settings, args: argparse.Namespace, update: Update) -
     whose cell an approval id names."""
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
 
+    target = args.episode_id if "episode_id" in args else args.approval_id.rsplit("#", 1)[0]
     async with connect(settings) as services:
-        work = update(services.client, args)
-        target = args.episode_id if "episode_id" in args else args.approval_id.rsplit("#", 1)[0]
-        outcome, attended = await _attended(settings, services, work, target)
+        work = lambda: update(services.client, args)  # noqa: E731 - sent once the episode is attended
+        sent = await _attended(settings, services, target, args.command, work)
+    if isinstance(sent, int):
+        return sent
+    outcome, here = sent
     if not outcome.accepted:
         stderr(f"drlm: {outcome.message}")
         return EXIT_USAGE
     stderr(outcome.message)
-    if not attended:
-        stderr(
-            f"no other process works on episode {outcome.episode_id} now: `drlm resume "
-            f"{outcome.episode_id}` runs it here (or start `python worker.py`)"
-        )
+    if here:
+        stderr(_applied_here(outcome.episode_id))
     return EXIT_OK
 
 
-async def _attended(
-    settings: Settings, services: Services, work: Awaitable[T], episode_id: str | None = None
-) -> tuple[T, bool]:
-    """Run an update or query that a worker must answer: (its value, whether a worker of
-    another process answered). Embedded, when none answers within a head start, this
-    process's worker does, on the episode's own task queue (and stops with the command:
-    the episode then waits for one)."""
-    from durable_rlm.client.episodes import episode_task_queue  # start-up: temporalio, the stores (~0.6 s)
-    from durable_rlm.worker.runtime import running_workers  # start-up: the worker's imports (~0.7 s)
+def _applied_here(episode_id: str) -> str:
+    return (
+        f"no worker runs episode {episode_id}: this command applied it; the episode goes on "
+        f"when a worker runs it: `drlm resume {episode_id}`"
+    )
 
-    task = asyncio.ensure_future(work)
-    if not settings.embedded:
-        return await task, True
-    await asyncio.wait({task}, timeout=STEER_HEAD_START_S)
-    if task.done():
-        return task.result(), True
-    if episode_id is not None:
-        with contextlib.suppress(LookupError):
-            services = polling(services, await episode_task_queue(services.client, episode_id))
-    try:
-        async with running_workers(services):
-            return await task, False
-    finally:
-        task.cancel()  # a no-op once done; a worker that failed to start leaves it pending
+
+async def _attended(
+    settings: Settings, services: Services, episode_id: str, command: str, work: Callable[[], Awaitable[T]]
+) -> tuple[T, bool] | int:
+    """Run an update (or query) a worker must answer: (its value, whether this process's
+    own worker answered it, no other worker running the episode), or the exit code of a
+    command that could not be answered (messages printed). Back within seconds whoever
+    runs the episode (durable_rlm/cli/attend.py)."""
+    from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
+
+    from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
+    from durable_rlm.client.episodes import describe_episode  # start-up: temporalio, the stores (~0.6 s)
+
+    description = await describe_episode(services.client.get_workflow_handle(episode_id))
+    if description.status != WorkflowExecutionStatus.RUNNING:
+        return await work(), False  # refused without a worker: it has ended
+    ON_INTERRUPT.append(
+        f"drlm: interrupted before episode {episode_id} answered: `drlm show {episode_id}` tells "
+        f"whether the {command} took effect"
+    )
+    queue = description.task_queue
+    async with Attendant(settings, services, queue) as attendant:
+        await attendant.look()
+        if attendant.nobody:  # a cluster's server: this process runs no worker for it
+            stderr(
+                f"drlm: no worker runs episode {episode_id} (none polls its task queue "
+                f"{description.task_queue}): nothing was sent; start one (`python worker.py`), then "
+                f"send the {command} again"
+            )
+            return EXIT_FAILED
+        task = asyncio.ensure_future(work())
+        try:
+            if not await attendant.wait(task, settings.steer_wait_s):
+                stderr(
+                    f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
+                    f"{settings.steer_wait_s:g} s; the {command} waits at the server for it: `drlm watch "
+                    f"{episode_id}` shows when it takes effect"
+                )
+                return EXIT_FAILED
+        finally:
+            let_go(task)  # a no-op once done
+        return task.result(), attendant.here
 
 
 async def _pending(settings: Settings, args: argparse.Namespace) -> int:
     from durable_rlm.client.steering import pending_cells  # start-up: temporalio, the stores (~0.6 s)
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
 
+    unanswered: list[str] = []
     async with connect(settings) as services:
-        cells, _ = await _attended(settings, services, pending_cells(services.client))
+        cells = await pending_cells(services.client, unanswered)
+        silent = await _unattended_of(settings, services, unanswered)
+    from durable_rlm.client.attendance import unattended_line  # start-up: loaded with the connection
+
+    for episode_id, nobody in silent.items():
+        stderr(
+            f"episode {episode_id} did not answer: "
+            + (unattended_line(episode_id) if nobody else "its worker is busy; ask again in a moment")
+        )
     if args.json:
         for cell in cells:
             print(json.dumps({"id": cell.approval_id, **cell.model_dump(mode="json")}))
         return EXIT_OK
     if not cells:
-        stderr("no cell waits for approval")
+        stderr("no cell waits for approval" + (" in the episodes that answered" if silent else ""))
         return EXIT_OK
     now = datetime.now(UTC)
     for cell in cells:
@@ -254,6 +287,21 @@ async def _pending(settings: Settings, args: argparse.Namespace) -> int:
             print(f"  | {line}")
     stderr(f"{len(cells)} cell(s): `drlm approve ID [--edit FILE]` or `drlm reject ID --reason TEXT`")
     return EXIT_OK
+
+
+async def _unattended_of(settings: Settings, services: Services, episode_ids: list[str]) -> dict[str, bool]:
+    """For each episode that did not answer: whether no worker runs it (else it is busy)."""
+    from durable_rlm.client.attendance import attendance  # start-up: temporalio (~0.2 s)
+    from durable_rlm.client.episodes import episode_task_queue  # start-up: temporalio, the stores (~0.6 s)
+
+    found: dict[str, bool] = {}
+    for episode_id in episode_ids[:PENDING_SILENT_SHOWN]:
+        try:
+            queue = await episode_task_queue(services.client, episode_id)
+        except LookupError:
+            continue
+        found[episode_id] = (await attendance(services.client, queue, settings.data_dir)).unattended
+    return found
 
 
 def _duration(seconds: float) -> str:
@@ -272,11 +320,22 @@ async def _reward(settings: Settings, args: argparse.Namespace) -> int:
 
     async with connect(settings) as services:
         try:
-            receipt = await send_reward(services.client, args.episode_id, args.value, args.note)
+            sent = await _attended(
+                settings,
+                services,
+                args.episode_id,
+                "reward",
+                lambda: send_reward(services.client, args.episode_id, args.value, args.note),
+            )
         except WorkflowUpdateFailedError as exc:
             raise ConfigurationError(f"reward refused: {exc.cause or exc}") from exc
+    if isinstance(sent, int):
+        return sent
+    receipt, here = sent
     print(
         f"reward accepted ({receipt.accepted} so far; pending {receipt.pending:g}, "
         f"cumulative {receipt.cumulative:g})"
     )
+    if here:
+        stderr(_applied_here(args.episode_id))
     return EXIT_OK

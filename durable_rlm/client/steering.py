@@ -5,6 +5,7 @@ answered once the workflow has applied it, or refused with the workflow's reason
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import os
 from datetime import timedelta
@@ -149,14 +150,14 @@ async def waiting_cell(
     return (await progress_of(client, episode_id, rpc_timeout)).pending_cell
 
 
-async def pending_cells(client: Client) -> list[PendingCell]:
+async def pending_cells(client: Client, unanswered: list[str] | None = None) -> list[PendingCell]:
     """Every cell waiting for approval, across the running episodes, oldest first.
 
     Only the episodes that may hold one are asked: those whose status says they wait (or
     are paused), and those started without the status attribute, which cannot say. A
     running episode no worker polls answers no query; it is passed over after
     PENDING_QUERY_TIMEOUT (before, every running episode was asked, and a namespace with a
-    few worker-less ones took a minute to list)."""
+    few worker-less ones took a minute to list), and its id added to `unanswered`."""
     query = f'WorkflowType = "{names.WORKFLOW}" AND ExecutionStatus = "Running"'
     if await has_search_attributes(client):
         waiting = ", ".join(f'"{status}"' for status in WAITING_STATUSES)
@@ -169,6 +170,9 @@ async def pending_cells(client: Client) -> list[PendingCell]:
             try:
                 return await waiting_cell(client, episode_id, PENDING_QUERY_TIMEOUT)
             except RPCError:
+                with contextlib.suppress(RPCError):
+                    if unanswered is not None and await is_running(client, episode_id):
+                        unanswered.append(episode_id)  # no worker runs it, or its worker is busy
                 return None  # ended meanwhile, or its history cannot be read here
 
     found = await asyncio.gather(*(ask(i) for i in dict.fromkeys(ids)))

@@ -19,22 +19,22 @@ messages as `history_j`; `close()` ends it, and `session_id` names it (`drlm sho
 
 What does not fit a durable, sandboxed runtime is refused with a ConfigurationError that says
 what works, never ignored: environments other than "local" (ours is a sandboxed process),
-rlms backends without an OpenAI-compatible endpoint (portkey), `user_prologue`,
-`orchestrator=False`.
+`user_prologue`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable_rlm.api import DurableRLM
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
 from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
-from durable_rlm.rlms.limits import CancellationError, raise_for_limit
+from durable_rlm.rlms.limits import CancellationError, raise_for_limit, trail_of
 from durable_rlm.rlms.logger import Logged, replay_to_logger
 from durable_rlm.rlms.options import (
     ModelChoice,
@@ -52,6 +52,26 @@ if TYPE_CHECKING:
     from durable_rlm.worker.runtime import Services
 
 RLMS_VERSION = "0.1.3"
+T = TypeVar("T")
+
+
+def on_own_thread(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run a coroutine to its end on a new thread with an event loop of its own, blocking
+    the caller: a synchronous call made where an event loop already runs."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = asyncio.run(make())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name="durable-rlm completion", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 class RLM(DurableRLM):
@@ -93,7 +113,7 @@ class RLM(DurableRLM):
         *,
         settings: Any = None,
     ) -> None:
-        refuse_what_does_not_fit(environment, depth, user_prologue, orchestrator)
+        refuse_what_does_not_fit(environment, depth, user_prologue)
         translated = translate(
             backend=backend,
             backend_kwargs=backend_kwargs,
@@ -114,10 +134,12 @@ class RLM(DurableRLM):
             max_concurrent_subcalls=max_concurrent_subcalls,
             sampling_args=sampling_args,
             sub_sampling_args=sub_sampling_args,
+            orchestrator=orchestrator,
         )
         root, sub = translated.root, translated.sub
         super().__init__(prefixed(root), **translated.arguments, settings=settings)
         self._key_variables(root, sub)
+        self.template = self.template.model_copy(update={"rlms": True})  # rlms's REPL and prompt
         self.backend, self.backend_kwargs = backend, backend_kwargs
         self.environment_type, self.environment_kwargs = environment, environment_kwargs or {}
         self.max_depth, self.max_iterations = max_depth, max_iterations
@@ -177,12 +199,20 @@ class RLM(DurableRLM):
     # --- completion ---------------------------------------------------------------------------
 
     def completion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
-        """Run an episode over `prompt` (the context) to its answer, as rlms's completion."""
+        """Run an episode over `prompt` (the context) to its answer, as rlms's completion. It
+        blocks, as rlms's does, also when called inside a running event loop (a notebook, an
+        async app): the episode then runs on a thread of its own."""
+        return self._blocking(lambda: self.acompletion(prompt, root_prompt), "completion()")
+
+    def _blocking(self, make: Callable[[], Coroutine[Any, Any, T]], what: str) -> T:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.acompletion(prompt, root_prompt))
-        raise ConfigurationError("completion() blocks; inside an event loop, await acompletion()")
+            return asyncio.run(make())
+        if self._services is not None:
+            # Opened with `async with rlm:`: its connection belongs to the running loop.
+            raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")
+        return on_own_thread(make)
 
     async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
         started = time.perf_counter()
@@ -279,6 +309,7 @@ class RLM(DurableRLM):
         raise_for_limit(
             result,
             elapsed,
+            trail_of(timeline),
             max_timeout=self.max_timeout,
             max_tokens=self.max_tokens,
             max_budget=self.max_budget,
@@ -305,14 +336,9 @@ class RLM(DurableRLM):
     def close(self) -> None:  # type: ignore[override]
         """rlms's close(), which is not awaited: with persistent=True it ends the session;
         otherwise nothing is held between completion() calls (an open connection is closed by
-        `async with rlm:` or `aclose()`). Inside an event loop, await `aclose()`."""
+        `async with rlm:` or `aclose()`)."""
         if self._turns is not None:
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                asyncio.run(self._end_turns())
-                return
-            raise ConfigurationError("close() blocks; inside an event loop, await aclose()")
+            self._blocking(self._end_turns, "close()")
 
     async def _end_turns(self) -> None:
         turns, self._turns = self._turns, None

@@ -1,22 +1,18 @@
 """rlms's limits: its exception types (rlm/utils/exceptions.py, same names and attributes, each
-also a DurableRLMError), max_errors as a termination policy (decided in the workflow, so it
-replays), and which way an episode's end raises which."""
+also a DurableRLMError), and which way an episode's end raises which. The limits themselves
+are decided in the workflow (workflows/rlms_limits.py), so they replay."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.workflows.models import EpisodeResult
-from durable_rlm.workflows.termination import (
-    ActionResult,
-    PolicyContext,
-    PolicyDecision,
-    PolicyRegistry,
-    TerminationPolicy,
-)
+from durable_rlm.workflows.rlms_limits import BUDGET, ERRORS, RLMS_LIMITS_POLICY, TOKENS
 
-MAX_ERRORS_POLICY = "rlms_max_errors"
+if TYPE_CHECKING:
+    from durable_rlm.audit.timeline import Timeline
 
 
 class BudgetExceededError(DurableRLMError):
@@ -84,70 +80,66 @@ class CancellationError(DurableRLMError):
         super().__init__(message or "Execution cancelled by user")
 
 
-@PolicyRegistry.register_termination(MAX_ERRORS_POLICY)
-class MaxErrorsTerminationPolicy(TerminationPolicy):
-    """rlms's max_errors: stop after `max_errors` iterations in a row whose cells raised."""
+@dataclass(frozen=True)
+class Trail:
+    """What rlms's limit exceptions carry besides the limit, read from the episode: the last
+    root reply before the one that tripped the limit (rlms's `partial_answer`: the best it
+    had) and the last failing cell's error (rlms's `last_error`)."""
 
-    name = MAX_ERRORS_POLICY
-    description = "Stop after max_errors consecutive iterations with a failing cell (rlms)"
+    partial_answer: str | None = None
+    last_error: str | None = None
+    last_reply: str | None = None  # the last root reply of all (a timeout's partial answer)
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
-        super().__init__(config)
-        self._errors = 0
 
-    @classmethod
-    def get_default_config(cls) -> dict[str, Any]:
-        return {"max_errors": 1}
-
-    def should_terminate(self, result: ActionResult, context: PolicyContext) -> tuple[bool, str | None]:
-        return self.decide(result, context).as_tuple()
-
-    def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
-        self._errors = self._errors + 1 if result.action_type == "error" else 0
-        limit = int(self.settings["max_errors"])
-        if self._errors < limit:
-            return PolicyDecision(False)
-        return PolicyDecision(
-            True, None, f"Error threshold exceeded: {self._errors} consecutive errors (limit: {limit})"
-        )
-
-    def reset(self) -> None:
-        self._errors = 0
+def trail_of(timeline: Timeline) -> Trail:
+    replies = [it.response for it in timeline.iterations if it.response and it.response.strip()]
+    errors = [cell.error for it in timeline.iterations for cell in it.cells if cell.error]
+    return Trail(
+        partial_answer=replies[-2] if len(replies) > 1 else None,
+        last_error=errors[-1] if errors else None,
+        last_reply=replies[-1] if replies else None,
+    )
 
 
 def raise_for_limit(
     result: EpisodeResult,
     elapsed: float,
+    trail: Trail,
     *,
     max_timeout: float | None,
     max_tokens: int | None,
     max_budget: float | None,
     max_errors: int | None,
 ) -> None:
-    """rlms raises where its limits stop a run; max_iterations answers (rlms's default
-    answer is our fallback extraction)."""
-    partial = result.answer
+    """rlms raises where its limits stop a run (rlms's limits policy, or the durable timer
+    for max_timeout), even when that iteration also answered; max_iterations answers
+    (rlms's default answer is our fallback extraction)."""
+    reason = _limits_reason(result)
     if result.ended_by == "max_duration" and max_timeout is not None:
-        raise TimeoutExceededError(elapsed, max_timeout, partial, f"Timeout exceeded: {result.stop_reason}")
-    if result.ended_by == "max_tokens" and max_tokens is not None:
-        raise TokenLimitExceededError(
-            result.usage.total_tokens,
-            max_tokens,
-            partial,
-            f"Token limit exceeded: {result.usage.total_tokens:,} of {max_tokens:,} tokens "
-            f"({result.stop_reason})",
+        raise TimeoutExceededError(
+            elapsed, max_timeout, trail.last_reply, f"Timeout exceeded: {result.stop_reason}"
         )
-    if result.ended_by == "max_cost_usd" and max_budget is not None:
-        spent = (result.usage.cost_usd or 0.0) + result.unaccounted_cost_usd
-        raise BudgetExceededError(spent, max_budget)
-    decision = result.termination
-    if result.ended_by == "policy" and decision is not None and "Error threshold exceeded" in decision.reason:
-        raise ErrorThresholdExceededError(
-            int(max_errors or 0),
-            int(max_errors or 0),
-            None,
-            partial,
-            decision.reason.split(": ", 1)[-1] if ": " in decision.reason else decision.reason,
-        )
+    if reason.startswith(ERRORS) and max_errors is not None:
+        count = int(reason.split(": ", 1)[1].split(" ", 1)[0])
+        raise ErrorThresholdExceededError(count, max_errors, trail.last_error, trail.partial_answer, reason)
+    if reason.startswith(BUDGET) and max_budget is not None:
+        raise BudgetExceededError(_spent(result), max_budget, reason)
+    if reason.startswith(TOKENS) and max_tokens is not None:
+        raise TokenLimitExceededError(result.usage.total_tokens, max_tokens, trail.partial_answer, reason)
     if result.ended_by == "cancelled":
-        raise CancellationError(partial, result.stop_reason or None)
+        raise CancellationError(trail.last_reply, result.stop_reason or None)
+
+
+def _limits_reason(result: EpisodeResult) -> str:
+    """The reason rlms's limits policy gave for stopping the episode ("" if it did not)."""
+    decision = result.termination
+    if decision is None:
+        return ""
+    if decision.policy == RLMS_LIMITS_POLICY:
+        return decision.reason
+    prefix = RLMS_LIMITS_POLICY + ": "  # as one of a composite's policies
+    return decision.reason.removeprefix(prefix) if decision.reason.startswith(prefix) else ""
+
+
+def _spent(result: EpisodeResult) -> float:
+    return (result.usage.cost_usd or 0.0) + result.unaccounted_cost_usd

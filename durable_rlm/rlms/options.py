@@ -11,7 +11,9 @@ from datetime import timedelta
 from typing import Any
 
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.rlms.limits import MAX_ERRORS_POLICY
+from durable_rlm.rlms.prompts import composed_system_prompt
+from durable_rlm.rlms.windows import context_window
+from durable_rlm.workflows.rlms_limits import RLMS_LIMITS_POLICY
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,11 @@ BACKENDS = {
     # Azure's v1 API is OpenAI-compatible at <endpoint>/openai/v1/ (azure_endpoint below).
     "azure_openai": Backend("openai", None, "AZURE_OPENAI_API_KEY"),
     "anthropic": Backend("anthropic", None, "ANTHROPIC_API_KEY"),
+    # Portkey's gateway is OpenAI-compatible; its key goes as the bearer token.
+    "portkey": Backend("openai", "https://api.portkey.ai/v1", "PORTKEY_API_KEY"),
 }
 ENVIRONMENTS = ("local",)
+UNCAPPED_LLM_CALLS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,7 @@ class Translation:
     arguments: dict[str, Any]
 
 
-def refuse_what_does_not_fit(
-    environment: str, depth: int, user_prologue: str | None, orchestrator: bool
-) -> None:
+def refuse_what_does_not_fit(environment: str, depth: int, user_prologue: str | None) -> None:
     """rlms options that have no meaning here, each refused with what works."""
     if environment not in ENVIRONMENTS:
         raise ConfigurationError(
@@ -117,8 +120,6 @@ def refuse_what_does_not_fit(
         raise ConfigurationError("depth is rlms's own bookkeeping for child RLMs: leave it 0")
     if user_prologue is not None:
         raise ConfigurationError("user_prologue is not available: put it in root_prompt")
-    if not orchestrator:
-        raise ConfigurationError("orchestrator=False is not available: the REPL prompt is durable-rlm's")
 
 
 def translate(
@@ -142,6 +143,7 @@ def translate(
     max_concurrent_subcalls: int,
     sampling_args: dict[str, Any] | None,
     sub_sampling_args: dict[str, Any] | None,
+    orchestrator: bool = True,
 ) -> Translation:
     """rlms's arguments as DurableRLM's: the models, the limits, max_errors as a policy."""
     env_kwargs = dict(environment_kwargs or {})
@@ -163,21 +165,22 @@ def translate(
     limits: dict[str, Any] = {
         "max_iterations": max_iterations,
         "max_parallel_subcalls": max_concurrent_subcalls,
+        # rlms has no cap on sub-calls: its own limits (tokens, budget, time) bound them.
+        "max_llm_calls": UNCAPPED_LLM_CALLS,
     }
     if max_timeout is not None:
         limits["max_duration"] = timedelta(seconds=max_timeout)
-    if max_tokens is not None:
-        limits["max_tokens"] = max_tokens
-    if max_budget is not None:
-        limits["max_cost_usd"] = max_budget
     if compaction:
+        # rlms's window for the model (its table), its share; rlms's `history` list from the start.
+        limits["context_window_tokens"] = context_window(root.name)
         limits["compact_at"] = compaction_threshold_pct
+        setup_code = "\n".join(c for c in ("history = []", setup_code) if c)
     policy, policy_config = "final_pattern", None
-    if max_errors is not None:
+    checked = {"max_errors": max_errors, "max_budget": max_budget, "max_tokens": max_tokens}
+    if any(value is not None for value in checked.values()):
+        # Checked after each iteration, before the answer, as rlms checks them.
         policy = "composite"
-        policy_config = {
-            "policies": ["final_pattern", {"name": MAX_ERRORS_POLICY, "config": {"max_errors": max_errors}}]
-        }
+        policy_config = {"policies": [{"name": RLMS_LIMITS_POLICY, "config": checked}, "final_pattern"]}
     arguments = {
         "base_url": root.base_url,
         "sub_model": prefixed(sub) if sub else None,
@@ -188,7 +191,7 @@ def translate(
         "policy_config": policy_config,
         "tools": custom_tools or [],
         "sub_tools": custom_sub_tools,
-        "system_prompt": custom_system_prompt,
+        "system_prompt": system_prompt(custom_system_prompt, custom_tools, orchestrator),
         "setup_code": setup_code,
         "sampling": sampling or None,
         "sub_sampling": sub_sampling,
@@ -196,6 +199,22 @@ def translate(
         "reports_cost": root.reports_cost or None,
     }
     return Translation(root, sub, arguments)
+
+
+def system_prompt(
+    template: str | None, custom_tools: dict[str, Any] | None, orchestrator: bool
+) -> str | None:
+    """rlms's system message for a custom_system_prompt (durable_rlm/rlms/prompts.py); None
+    keeps durable-rlm's own prompt."""
+    if template is None:
+        return None
+    try:
+        return composed_system_prompt(template, custom_tools, orchestrator)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigurationError(
+            f"custom_system_prompt is a str.format template with only {{custom_tools_section}} "
+            f"in braces (as rlms formats it); write other braces doubled: {exc!r}"
+        ) from None
 
 
 def run_metadata(

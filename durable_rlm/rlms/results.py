@@ -1,9 +1,9 @@
 """rlms's result types (rlm/core/types.py), and its usage summary read from an episode's
-timeline: calls and tokens per model, over the whole tree."""
+timeline: the run's own calls and tokens per model, as rlms counts them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from durable_rlm.workflows.models import EpisodeResult, TokenUsage
@@ -28,6 +28,15 @@ class ModelUsageSummary:
         if self.total_cost is not None:
             result["total_cost"] = self.total_cost
         return result
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelUsageSummary:
+        return cls(
+            total_calls=data.get("total_calls"),  # type: ignore[arg-type]
+            total_input_tokens=data.get("total_input_tokens"),  # type: ignore[arg-type]
+            total_output_tokens=data.get("total_output_tokens"),  # type: ignore[arg-type]
+            total_cost=data.get("total_cost"),
+        )
 
 
 @dataclass
@@ -55,11 +64,21 @@ class UsageSummary:
             result["total_cost"] = self.total_cost
         return result
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UsageSummary:
+        return cls(
+            {
+                model: ModelUsageSummary.from_dict(summary)
+                for model, summary in (data.get("model_usage_summaries") or {}).items()
+            }
+        )
+
 
 @dataclass
 class RLMChatCompletion:
     """rlms's result, and ours: `episode` is the EpisodeResult, whose fields (`answer`,
-    `ended_by`, `episode_id`, `iterations`...) read through as attributes."""
+    `ended_by`, `episode_id`, `iterations`...) read through as attributes. It is left out
+    of the repr, the equality and `to_dict`, which stay rlms's."""
 
     root_model: str
     prompt: Any
@@ -67,7 +86,8 @@ class RLMChatCompletion:
     usage_summary: UsageSummary
     execution_time: float
     metadata: dict[str, Any] | None = None
-    episode: EpisodeResult | None = None
+    error: str | None = None  # rlms: set when this one call failed (in a batch)
+    episode: EpisodeResult | None = field(default=None, repr=False, compare=False)
 
     def __getattr__(self, name: str) -> Any:
         episode = self.__dict__.get("episode")
@@ -85,13 +105,30 @@ class RLMChatCompletion:
         }
         if self.metadata is not None:
             result["metadata"] = self.metadata
+        if self.error is not None:
+            result["error"] = self.error
         return result
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RLMChatCompletion:
+        return cls(
+            root_model=data.get("root_model"),  # type: ignore[arg-type]
+            prompt=data.get("prompt"),
+            response=data.get("response"),  # type: ignore[arg-type]
+            usage_summary=UsageSummary.from_dict(data.get("usage_summary") or {}),
+            execution_time=data.get("execution_time"),  # type: ignore[arg-type]
+            metadata=data.get("metadata"),
+            error=data.get("error"),
+        )
 
 
 def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -> UsageSummary:
-    """rlms's usage_summary: calls and tokens per model, over the whole tree. Calls the
-    history does not tie to a model (extraction, compaction) count for the root model, so
-    the totals are the result's."""
+    """rlms's usage_summary: the calls the run made itself, per model: its root calls, the
+    sub-calls its cells made that answered, compaction and the closing extraction (rlms's
+    default answer).
+    A child episode's calls (rlm_query) are the child's own, as a child RLM's are in rlms;
+    the whole tree stays in the result's `episode.usage`. Calls the history does not tie to
+    a model count for the root model, so the totals are the run's own."""
     per: dict[str, list[Any]] = {}
 
     def add(model: str, calls: int, usage: TokenUsage | None) -> None:
@@ -105,29 +142,32 @@ def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -
             else:
                 row[3] += usage.cost_usd
 
-    def walk(t: Timeline) -> None:
-        for it in t.iterations:
-            if it.usage is not None and not it.inherited_from:
-                add(it.model or root_model, 1, it.usage)
-            for cell in it.cells:
-                for call in cell.sub_calls:
-                    add(call.model, 1, call.usage)
-                for child in cell.children:
-                    if child.timeline is not None:
-                        walk(child.timeline)
-
-    walk(timeline)
-    counted_calls = sum(row[0] for row in per.values())
-    counted = TokenUsage(
-        prompt_tokens=sum(row[1] for row in per.values()),
-        completion_tokens=sum(row[2] for row in per.values()),
+    children = TokenUsage()
+    children_calls = failed = 0
+    for it in timeline.iterations:
+        if it.usage is not None and not it.inherited_from:
+            add(it.model or root_model, 1, it.usage)
+        for cell in it.cells:
+            for call in cell.sub_calls:
+                if call.error is not None:
+                    failed += 1  # rlms counts the calls that answered
+                    continue
+                add(call.model, 1, call.usage)
+    for child in result.children:
+        ended = _child_result(timeline, child.episode_id)
+        children_calls += ended.model_calls if ended is not None else child.model_calls
+        spent = ended.usage if ended is not None else TokenUsage(prompt_tokens=child.tokens, cost_usd=None)
+        children = children.add(spent)
+    rest_calls = result.model_calls - children_calls - failed - sum(row[0] for row in per.values())
+    rest_in = result.usage.prompt_tokens - children.prompt_tokens - sum(row[1] for row in per.values())
+    rest_out = (
+        result.usage.completion_tokens - children.completion_tokens - sum(row[2] for row in per.values())
     )
-    rest_calls = result.model_calls - counted_calls
-    rest_in = result.usage.prompt_tokens - counted.prompt_tokens
-    rest_out = result.usage.completion_tokens - counted.completion_tokens
-    total_cost = result.usage.cost_usd
-    rest_cost = None if total_cost is None else max(total_cost - sum(row[3] for row in per.values()), 0.0)
     if rest_calls > 0 or rest_in > 0 or rest_out > 0:
+        own_cost = None
+        if result.usage.cost_usd is not None and children.cost_usd is not None:
+            own_cost = result.usage.cost_usd - children.cost_usd
+        rest_cost = None if own_cost is None else max(own_cost - sum(row[3] for row in per.values()), 0.0)
         rest = TokenUsage(
             prompt_tokens=max(rest_in, 0), completion_tokens=max(rest_out, 0), cost_usd=rest_cost
         )
@@ -137,3 +177,12 @@ def usage_by_model(timeline: Timeline, result: EpisodeResult, root_model: str) -
         for model, (calls, tokens_in, tokens_out, cost, known) in per.items()
     }
     return UsageSummary(summaries)
+
+
+def _child_result(timeline: Timeline, episode_id: str) -> EpisodeResult | None:
+    for it in timeline.iterations:
+        for cell in it.cells:
+            for child in cell.children:
+                if child.episode_id == episode_id and child.timeline is not None:
+                    return child.timeline.result
+    return None

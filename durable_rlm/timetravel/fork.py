@@ -227,7 +227,7 @@ def fork_request(
         raise ForkError(f"invalid fork: {exc}") from exc
     # The fork's first loop check, on the source's budgets at K: a fork that could only
     # extract is refused before it pays for that.
-    reached = limit_reached(request, state, timedelta(seconds=spent), reserve=True)
+    reached = limit_reached(request, state, timedelta(seconds=spent))
     if reached is not None:
         raise ForkError(
             f"the fork would end at once: by iteration {point.iteration} the source had reached "

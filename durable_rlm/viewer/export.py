@@ -27,6 +27,7 @@ from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage
+from durable_rlm.workflows.prompts import HISTORY_CELL
 
 FORMATS = ("rlms", "json")
 ENVIRONMENT_TYPE = "local"
@@ -120,7 +121,10 @@ def iteration_entries(timeline: Timeline, blobs: BlobStore) -> list[dict[str, An
             "timestamp": _stamp(it.ended_at or it.started_at or timeline.started_at),
             "prompt": [_message(m) for m in it.prompt or []],
             "response": it.response or "",
-            "code_blocks": [code_block(cell, blobs) for cell in it.cells],
+            # rlms's `history` filled after a compaction is no code of the model's.
+            "code_blocks": [
+                code_block(cell, blobs) for cell in it.cells if not cell.code.startswith(HISTORY_CELL)
+            ],
             "final_answer": final if number == last else None,
             # A reset's gap is not time the iteration worked (timeline.py, `reset_gap_s`).
             "iteration_time": _seconds(it.started_at, it.ended_at, it.reset_gap_s),

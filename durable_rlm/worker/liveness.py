@@ -42,8 +42,6 @@ import hashlib
 import json
 import logging
 import os
-import re
-import socket
 import stat
 import time
 import uuid
@@ -59,6 +57,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from durable_rlm.activities.sandbox_files import read_sandbox_file
+from durable_rlm.client.attendance import LOCK_SUFFIX, liveness_folder, worker_identity
 from durable_rlm.owned_dirs import UnsafeDirectory, owned_directory
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import names
@@ -69,7 +68,6 @@ SCAN_EVERY_S = 1.0
 """How often a live worker looks for dead ones (a new worker looks once as it starts)."""
 RETRY_AFTER = timedelta(milliseconds=10)
 """The failed attempt's retry delay: at once (zero would read as unset, the policy's 1 s)."""
-LOCK_SUFFIX = ".lock"
 PENDING_SUFFIX = ".new"
 PENDING_STALE_S = 60.0
 """A lock file not yet named (a worker that died as it started) is removed after this: a
@@ -124,8 +122,13 @@ class WorkerLiveness:
     @classmethod
     def in_data_dir(cls, data_dir: Path, client: Client) -> WorkerLiveness:
         """The liveness of a worker whose data directory is `data_dir`: this host's folder."""
-        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "host"
-        return cls(data_dir / "workers" / host, client)
+        return cls(liveness_folder(data_dir), client)
+
+    @property
+    def identity(self) -> str:
+        """The identity this worker polls with: it names this lock, so that a command asking
+        whether a worker runs an episode can tell a dead poller from a busy one."""
+        return worker_identity(self.worker_id)
 
     def start(self) -> WorkerLiveness:
         """Take this worker's lock (held until `close` or death), then make its ledger. The

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 
 import sqlalchemy as sa
 from temporalio.client import Client
@@ -56,6 +57,9 @@ from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
+
+Takes = Literal["all", "workflows", "activities"]
+"""What a worker takes from its queue (`build_workers`)."""
 
 
 def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRunner:
@@ -114,10 +118,18 @@ def build_workers(
     hold_new_episodes: bool = False,
     admission: AdmittingWorkflowSlots | None = None,
     liveness: WorkerLiveness | None = None,
+    takes: Takes = "all",
     sandbox_files_mb: int | None = defaults.SANDBOX_FILES_MB,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
-    queue only this process polls, where an episode's REPL steps come back to its sandbox."""
+    queue only this process polls, where an episode's REPL steps come back to its sandbox.
+
+    A command that runs an episode only while it needs it takes part of that (`takes`):
+    "workflows" (and the REPL steps they run locally), no model call or tool, so that an
+    update is applied at once and the episode's next call is left to the worker that will
+    run it (started and abandoned as the command exits, it would be paid twice); or
+    "activities", beside such a worker, once the calls it must not start are gone (the
+    SDK lets one process have two workers on a queue only if they take different tasks)."""
     return_large_buffers()  # a snapshot or a reply of megabytes leaves no heap behind
     import_policy_modules(policy_modules)
     import_tool_modules(tool_modules)
@@ -147,7 +159,7 @@ def build_workers(
     shared = Worker(
         client,
         task_queue=task_queue,
-        workflows=[EpisodeWorkflow, SessionWorkflow],
+        workflows=[EpisodeWorkflow, SessionWorkflow] if takes != "activities" else [],
         activities=[
             models.root_completion,
             models.sub_query,
@@ -164,6 +176,10 @@ def build_workers(
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
         deployment_config=deployment,
+        # The poller names its liveness lock: `drlm watch` and the steering commands tell a
+        # dead worker the server still lists from a busy one (durable_rlm/client/attendance.py).
+        identity=liveness.identity if liveness is not None else None,
+        no_remote_activities=takes == "workflows",
         # New episodes are taken while the worker's measured capacity allows
         # (durable_rlm/worker/admission.py); the rest wait on the server, where no clock runs. With
         # `hold_new_episodes`, instead, tasks of episodes new to this worker wait while its
@@ -190,6 +206,8 @@ def build_workers(
         default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     admission.live = lambda: _cached_episodes(shared)
+    if takes != "all":
+        return [shared], repl
     # REPL steps of episodes from before local steps come back here, to their sandbox.
     own = Worker(
         client,
@@ -197,6 +215,7 @@ def build_workers(
         activities=repl_activities,
         interceptors=interceptors,
         max_concurrent_activities=64,
+        identity=liveness.identity if liveness is not None else None,
         graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
     )
     return [shared, own], repl
@@ -209,6 +228,7 @@ async def running_workers(
     *,
     drain_grace_s: float = 0.0,
     on_drained: Callable[[DrainReport], None] | None = None,
+    takes: Takes = "all",
 ) -> AsyncIterator[ReplActivities]:
     """This process's workers, polling until the block ends; then drained (`drain`), and
     `on_drained` told what was. A grace of 0 (in-process workers) cancels calls in flight
@@ -220,7 +240,7 @@ async def running_workers(
     liveness = _liveness(settings, services.client)
     watching = [asyncio.create_task(liveness.watch())] if liveness is not None else []
     try:
-        workers, repl = _workers_of(services, credentials, drain_grace_s, admission, liveness)
+        workers, repl = _workers_of(services, credentials, drain_grace_s, admission, liveness, takes)
     except BaseException:
         for task in watching:
             task.cancel()
@@ -276,6 +296,7 @@ def _workers_of(
     drain_grace_s: float,
     admission: AdmittingWorkflowSlots,
     liveness: WorkerLiveness | None,
+    takes: Takes = "all",
 ) -> tuple[list[Worker], ReplActivities]:
     """build_workers with this process's settings."""
     settings = services.settings
@@ -302,6 +323,7 @@ def _workers_of(
         hold_new_episodes=settings.hold_new_episodes,
         admission=admission,
         liveness=liveness,
+        takes=takes,
     )
 
 

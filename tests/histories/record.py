@@ -1,9 +1,12 @@
 """Record episode histories for the replay tests: `python -m tests.histories.record [NAME ...]`.
 
-Keep old histories: they prove that today's workflow code replays what yesterday's wrote.
+Keep the histories of released code: they prove that today's workflow code replays what the
+released code wrote (docs: "Versioning"). Before a release, a change to workflow code
+re-records them; after one, such a change goes behind a patch or a new workflow version and
+the old histories stay beside new ones.
 
 Recorded with the plain pydantic converter (no claim check) and small payloads, so the
-histories replay without the blob store. Re-record only for a deliberate, patched change.
+histories replay without the blob store.
 """
 
 from __future__ import annotations
@@ -48,6 +51,12 @@ from durable_rlm.workflows.models import (
 )
 
 HERE = Path(__file__).resolve().parent
+
+
+def wanted(name: str, only: set[str]) -> bool:
+    """Record `name`: every history when none is named, else the named ones."""
+    return not only or name in only
+
 
 SCRIPTS = {
     "multi_iteration_final_var": (
@@ -148,14 +157,14 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
         (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
 
     model = lambda server: ModelSettings(model="scripted", base_url=server.base_url)  # noqa: E731
-    if not only or "answer_from_a_cell" in only:
+    if wanted("answer_from_a_cell", only):
         turns = [
             "```repl\nprint('See the Final (revised) report.')\n```",
             "```repl\nres = sum(range(10))\nFINAL(res)\n```",
         ]
         with ScriptedModelServer(root_and_sub(turns)) as server:
             await save("answer_from_a_cell", EpisodeRequest(task="t", root_model=model(server), seed=1))
-    if not only or "policy_stopped" in only:
+    if wanted("policy_stopped", only):
         with ScriptedModelServer(root_and_sub(["```repl\n1/0\n```"])) as server:
             request = EpisodeRequest(
                 task="t",
@@ -165,7 +174,7 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
                 seed=1,
             )
             await save("policy_stopped", request)
-    if not only or "compacted" in only:
+    if wanted("compacted", only):
         counter = iter(range(100))
         turns = ["```repl\nprint('z' * 3000)\n```"] * 4 + ["FINAL(compacted)"]
 
@@ -182,7 +191,7 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
                 seed=1,
             )
             await save("compacted", request)
-    if not only or "lost_cells" in only:
+    if wanted("lost_cells", only):
         # A worker whose sandboxes cannot start: every REPL step fails; the cells are lost and
         # the episode goes on to the model's answer.
         settings = Settings(task_queue="record-broken", data_dir=work, sandbox_memory_mb=2**44)
@@ -192,7 +201,7 @@ async def record_new_kinds(client: Client, blobs: BlobStore, work: Path, only: s
                 await save(
                     "lost_cells", EpisodeRequest(task="t", root_model=model(server), seed=1), "record-broken"
                 )
-    if not only or "cancelled" in only:
+    if wanted("cancelled", only):
         gate = threading.Event()
 
         def blocks(request):
@@ -262,9 +271,9 @@ async def record_trees(client: Client, only: set[str]) -> None:
             limits=EpisodeLimits(max_model_calls=30),
             seed=1,
         )
-        if not only or "children" in only:
+        if wanted("children", only):
             await save_tree("children", base)
-        if not only or "cancelled_tree" in only:
+        if wanted("cancelled_tree", only):
             slow = {**turns, "root": [turns["root"][0].replace("'child'", "'slow-child'")]}
             server.script = by_model(slow)
             await save_tree("cancelled_tree", base, cancel=True)
@@ -272,7 +281,7 @@ async def record_trees(client: Client, only: set[str]) -> None:
 
 async def record_tools(client: Client, only: set[str]) -> None:
     """An episode whose cell calls two custom tools (one sync, one async) and one that fails."""
-    if only and "tools" not in only:
+    if not wanted("tools", only):
         return
     from durable_rlm.tools import tool_specs
     from tests import tool_plugins  # noqa: F401 - registers the tools
@@ -308,7 +317,7 @@ async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only:
         print(name, await handle.result())
         (HERE / f"{name}.json").write_text((await handle.fetch_history()).to_json())
 
-    if "local_steps" in only:
+    if wanted("local_steps", only):
         turns, context = SCRIPTS["multi_iteration_final_var"]
         with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
             request = EpisodeRequest(
@@ -318,7 +327,7 @@ async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only:
                 seed=1,
             )
             await save("local_steps", request, "record")
-    if "local_lost" in only:
+    if wanted("local_lost", only):
         settings = Settings(task_queue="record-broken", data_dir=work, sandbox_memory_mb=2**44)
         turns = ["```repl\nx = 1\n```", "FINAL(no REPL today)"]
         with ScriptedModelServer(root_and_sub(turns)) as server:
@@ -330,7 +339,7 @@ async def record_local_steps(client: Client, blobs: BlobStore, work: Path, only:
 async def record_snapshots(client: Client, blobs: BlobStore, only: set[str]) -> None:
     """REPL snapshots: a cell that reads the clock (snapshotted after it), one that binds a
     value no snapshot can hold, and a FINAL_VAR read."""
-    if "snapshots" not in only:
+    if not wanted("snapshots", only):
         return
     turns = [
         "```repl\nimport time\nstamp = time.time()\nsquares = (i * i for i in range(3))\n```",
@@ -349,7 +358,7 @@ async def record_snapshots(client: Client, blobs: BlobStore, only: set[str]) -> 
 async def record_budgets(client: Client, only: set[str]) -> None:
     """A priced model under max_cost_usd: the loop ends while an extraction can still be paid
     (patch budget-reserve), with a reward received on the way (the audit's events)."""
-    if "cost_budget" not in only:
+    if not wanted("cost_budget", only):
         return
     script = root_and_sub(["```repl\nx = 1\n```"], extract=lambda p: '{"answer": "1"}')
     with ScriptedModelServer(script) as server:
@@ -373,7 +382,7 @@ async def record_budgets(client: Client, only: set[str]) -> None:
 async def record_rlms_compat(client: Client, only: set[str]) -> None:
     """Issue 36's patches: a 2,500-token budget that makes its root calls and extracts
     (budget-fits), and rlms's setup_code as the REPL's first cell (setup-code)."""
-    if "token_budget_fits" in only:
+    if wanted("token_budget_fits", only):
         script = root_and_sub(["```repl\nprint('looking')\n```"], extract=lambda p: '{"answer": "1"}')
         with ScriptedModelServer(script) as server:
             request = EpisodeRequest(
@@ -384,7 +393,7 @@ async def record_rlms_compat(client: Client, only: set[str]) -> None:
             )
             result = await save_history(client, "token_budget_fits", request)
             assert result.ended_by == "max_tokens" and result.answer_source == "extraction", result
-    if "setup_code" in only:
+    if wanted("setup_code", only):
         script = root_and_sub(
             [
                 "```repl\nprint(base)\n```",
@@ -404,7 +413,7 @@ async def record_rlms_compat(client: Client, only: set[str]) -> None:
 
 async def record_audit_aside(client: Client, only: set[str]) -> None:
     """The opening audit written beside the loop, the closing one bounded (audit-aside)."""
-    if "audit_aside" not in only:
+    if not wanted("audit_aside", only):
         return
     turns = ["```repl\nx = llm_query('shout')\n```", "FINAL_VAR(x)"]
     with ScriptedModelServer(root_and_sub(turns, str.upper)) as server:
@@ -419,7 +428,7 @@ async def record_audit_aside(client: Client, only: set[str]) -> None:
 async def record_steering(client: Client, only: set[str]) -> None:
     """Every steering action on one episode: approve, hint, edit, reject, pause, resume
     (holding the clock), a change of limits, and answer now."""
-    if "steering" not in only:
+    if not wanted("steering", only):
         return
     from durable_rlm.client import steering
 
@@ -473,7 +482,7 @@ async def record_steering(client: Client, only: set[str]) -> None:
 async def record_fork(client: Client, only: set[str]) -> None:
     """A fork: a source's state after iteration 2 (a sub-call's answer in its cell log),
     continued by another model whose first cell needs the REPL rebuilt."""
-    if "fork" not in only:
+    if not wanted("fork", only):
         return
     from durable_rlm.timetravel.fork import fork_episode
 
@@ -507,7 +516,7 @@ async def record_sandboxes_busy(
     """A worker with one sandbox, busy with another episode's long cell: the recorded
     episode's first step waits, runs out of wait (SandboxesBusy), and is asked again after a
     timer, without losing the cell."""
-    if "sandboxes_busy" not in only:
+    if not wanted("sandboxes_busy", only):
         return
     settings = Settings(task_queue="record-busy", data_dir=work, max_sandboxes=1)
     busy = root_and_sub(["```repl\nimport time\ntime.sleep(3)\n```", "FINAL(done)"])
@@ -614,7 +623,7 @@ async def cancel_beside_a_reply(
 async def record_cancel_sticks(client: Client, blobs: BlobStore, work: Path, only: set[str]) -> None:
     """A cancel read in one activation with the root model's reply (cancel-sticks patch):
     the episode ends cancelled, and the reply's cell never runs."""
-    if "cancel_sticks" not in only:
+    if not wanted("cancel_sticks", only):
         return
     release = threading.Event()
 
@@ -649,7 +658,7 @@ async def record_session(client: Client, blobs: BlobStore, only: set[str]) -> No
     """A persistent session of two turns, closed: the session's history (the workflow
     SessionWorkflow) and its second turn's (an episode over the REPL the first left), in
     sessions/, apart from the episodes' histories that the other replay tests read."""
-    if only and "session" not in only:
+    if not wanted("session", only):
         return
     from durable_rlm.client.sessions import close_session, run_turn, setup_cell, start_session, turn_history
     from durable_rlm.workflows.session_models import SessionStart, TurnRequest
@@ -724,9 +733,9 @@ async def record(only: set[str]) -> None:
                     print(name, await handle.result())
                     history = await handle.fetch_history()
                     (HERE / f"{name}.json").write_text(history.to_json())
-            if not only or "reward_driven" in only:
+            if wanted("reward_driven", only):
                 await record_reward_driven(client, blobs)
-            if not only or "fallback_extracted" in only:
+            if wanted("fallback_extracted", only):
                 await record_fallback_extracted(client, blobs)
             await record_new_kinds(client, blobs, work, only)
             await record_trees(client, only)

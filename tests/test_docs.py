@@ -1,0 +1,112 @@
+"""The documentation site builds strictly, and says what the code says.
+
+`mkdocs build --strict` fails on a broken internal link or anchor, a page left out of the
+navigation, or a reference page whose generator fails (docs/_hooks/reference.py writes the
+CLI and settings pages from the code). CI runs the same build; this test makes a broken link
+fail locally too. The README is the site's front door: its links must lead somewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from durable_rlm.cli import build_parser
+from durable_rlm.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    done = build(ROOT / "mkdocs.yml", out)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def page_text(site: Path, page: str) -> str:
+    html = (site / page / "index.html").read_text(encoding="utf-8")
+    return re.sub(r"<[^>]+>", "", html)
+
+
+def test_the_cli_reference_lists_every_command_and_flag_of_the_parser(site: Path) -> None:
+    text = page_text(site, "reference/cli")
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name, command in commands.items():
+        assert f"drlm {name}" in text, name
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue  # every command has -h; the page does not repeat it
+            for option in action.option_strings:
+                assert option in text, f"drlm {name} {option}"
+
+
+def test_the_settings_reference_lists_every_variable(site: Path) -> None:
+    text = page_text(site, "reference/settings")
+    for variable in Settings.variables().values():
+        assert variable in text, variable
+
+
+def test_the_api_reference_is_generated_from_docstrings(site: Path) -> None:
+    text = page_text(site, "reference/python-api")
+    assert "DurableRLM" in text and "EpisodeResult" in text and "TerminationPolicy" in text
+    assert "should_terminate" in text  # a member, documented from its docstring
+
+
+def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("_*"))
+    page = docs / "getting-started.md"
+    page.write_text(page.read_text() + "\nSee [a page that is not there](nowhere.md).\n")
+    config = tmp_path / "mkdocs.yml"
+    config.write_text(
+        f"INHERIT: {ROOT / 'mkdocs.yml'}\n"
+        f"docs_dir: {docs}\n"
+        f"hooks:\n  - {ROOT / 'docs' / '_hooks' / 'reference.py'}\n"
+    )
+    done = build(config, tmp_path / "site")
+    assert done.returncode != 0
+    assert "nowhere.md" in done.stderr
+
+
+def test_every_link_of_the_readme_leads_to_a_file() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", readme)
+    assert targets
+    for target in targets:
+        if "://" in target:
+            continue
+        path = ROOT / target.split("#", 1)[0]
+        assert path.is_file(), f"README links to {target}, which is not a file"
+
+
+def test_the_readme_is_a_front_page() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250
+    for command in (
+        'python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/drlm demo',
+        'python3 -m venv .venv && .venv/bin/pip install -e ".[dev]" && .venv/bin/pytest',
+    ):
+        assert command in readme
+    assert "source .venv/bin/activate" in readme
