@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,12 @@ from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import SandboxRef, SnapshotPolicy, SubCallRequest
 
 log = logging.getLogger(__name__)
+
+
+UNREADABLE_VIEW = (
+    "unreadable: the worker cannot read its sandboxes' files through /proc/PID/root (a root "
+    "worker needs CAP_SYS_PTRACE, e.g. docker's cap_add: [SYS_PTRACE]): no REPL snapshots"
+)
 
 
 @dataclass
@@ -73,6 +80,17 @@ class LiveSandbox:
         if OWN_TMPFS in self.layers.get("filesystem", ""):
             return Path(f"/proc/{self.process.pid}/root{self.directory}")
         return self.directory
+
+    def view_readable(self) -> bool:
+        """Can this worker read its view? /proc/PID/root of a process of another uid wants
+        CAP_SYS_PTRACE (a root worker in a container has it only if given)."""
+        try:
+            os.stat(self.view)
+        except PermissionError:
+            return False
+        except OSError:
+            return True  # gone, or another error: said by the read that follows
+        return True
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
         """A cell finished (live or re-run): the snapshot policy counts it."""

@@ -20,7 +20,7 @@ import time
 import uuid
 
 from durable_rlm.activities.chains import LoggedCell, RecreateCell, SnapshotTaken, StoredSnapshot
-from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
+from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox, exec_message
 from durable_rlm.activities.repl_writes import StepWrites
 from durable_rlm.activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from durable_rlm.activities.sandbox_files import read_sandbox_file, write_sandbox_file
@@ -32,6 +32,9 @@ from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import CellOutcome, SandboxRef, SnapshotRef
 
 log = logging.getLogger(__name__)
+
+
+_TOLD_UNREADABLE: list[bool] = []
 
 
 class SnapshotRefused(Exception):
@@ -161,6 +164,12 @@ class Snapshots:
         )
         if limit <= 0:
             box.snapshot_note = f"no snapshot after cell {box.last_cell}: no room left{over_quota}"
+            return None
+        if not box.view_readable():
+            box.snapshot_note = f"no snapshot after cell {box.last_cell}: {UNREADABLE_VIEW}"
+            if not _TOLD_UNREADABLE:
+                _TOLD_UNREADABLE.append(True)
+                log.warning("REPL snapshots are off on this worker: %s", UNREADABLE_VIEW)
             return None
         await box.send(
             {

@@ -21,7 +21,8 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities.live_sandbox import LiveSandbox
+from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox
+from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
 from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
     ForkServer,
@@ -244,6 +245,9 @@ class SandboxStarter:
         )
         box = await self.start(ref)
         try:
-            return dict(box.layers)
+            layers = dict(box.layers)
+            if OWN_TMPFS in layers.get("filesystem", ""):
+                layers["view"] = "readable" if box.view_readable() else UNREADABLE_VIEW
+            return layers
         finally:
             await box.kill()

@@ -9,7 +9,10 @@ sandbox directory on the host's /tmp in 3 s.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -115,6 +118,112 @@ async def test_the_tmpfs_counts_in_the_sandboxes_memory(host: ReplActivities) ->
     assert int(current.read_text()) - held > 40 * MB  # the tmpfs's pages are the sandbox's
     assert (await episode.run("os.remove('blob')\nprint('freed')")).stdout == "freed\n"
     assert int(current.read_text()) - held < 8 * MB
+
+
+NOT_ROOT = """
+import json, os, struct, subprocess, sys
+directory, child = sys.argv[1], sys.argv[2]
+process = subprocess.Popen(
+    [sys.executable, "-s", "-P", child, str(os.getpid()), directory], stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE, cwd=directory, env={"PATH": "/usr/bin:/bin", "HOME": directory},
+    start_new_session=True,
+)
+def send(message):
+    body = json.dumps(message).encode()
+    process.stdin.write(struct.pack(">I", len(body)) + body)
+    process.stdin.flush()
+def receive():
+    (length,) = struct.unpack(">I", process.stdout.read(4))
+    return json.loads(process.stdout.read(length))
+init = {"op": "init", "seed": 1, "memory_mb": 1024, "audit_hook": False, "processes": 64, "dir_mb": 16}
+send({**init, "seq": 1})
+layers = receive()["layers"]
+code = (
+    "open('out', 'w').write('written in its tmpfs')\\n"
+    "try:\\n    open('big', 'wb').write(b'x' * (40 << 20))\\n"
+    "except OSError as exc:\\n    print('stopped', exc.errno)"
+)
+send({"op": "exec", "code": code, "cell_name": "<cell 1>", "timeout": 10, "limit": 1000, "seq": 2})
+stdout = receive()["stdout"]
+seen = open(f"/proc/{process.pid}/root{directory}/out").read()  # through its own view
+print(json.dumps({"layers": layers, "stdout": stdout, "seen": seen, "on_host": os.listdir(directory)}))
+process.kill()
+"""
+
+
+def test_a_worker_that_is_not_root_bounds_its_sandboxes_files_and_reads_them_through_their_view(
+    sandboxes: Path,
+) -> None:
+    """As uid `nobody` with the system's Python (the sandbox needs only its standard library):
+    the tmpfs is made in the sandbox's user namespace, and the worker, of the same uid, reads
+    what the sandbox wrote through /proc/PID/root (its keeper lets it)."""
+    from durable_rlm.activities.sandbox import kernel
+
+    python = "/usr/bin/python3"
+    if not ROOT_WORKER or not os.path.exists(python):
+        pytest.skip("needs root (to become another user) and /usr/bin/python3")
+    directory = sandboxes / "not-root"
+    directory.mkdir(mode=0o777)
+    directory.chmod(0o777)
+    child = str(Path(kernel.__file__).with_name("child.py"))
+    setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    out = subprocess.run(
+        [*setpriv, python, "-c", NOT_ROOT, str(directory), child], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert "own directory a tmpfs of 16 MB" in seen["layers"]["filesystem"], seen["layers"]
+    assert seen["stdout"] == "stopped 28\n"  # ENOSPC at 16 MB
+    assert seen["seen"] == "written in its tmpfs"
+    assert "out" not in seen["on_host"] and "big" not in seen["on_host"]  # nothing on the host's disk
+
+
+NO_PTRACE = """
+import asyncio, json, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.workflows.models import SnapshotPolicy
+from tests.conftest import Episode
+
+async def main():
+    base = Path(tempfile.mkdtemp(prefix="drlm-noptrace-", dir="/tmp"))
+    base.chmod(0o711)
+    host = ReplActivities(BlobStore(DirectoryBackend(base / "blobs")), "q", base / "s", memory_mb=1024)
+    try:
+        layers = await host.probe()
+        episode = Episode(host, snapshots=SnapshotPolicy(every_cells=1))
+        first = await episode.run("x = 41")
+        await host._discard(host._live[episode.episode_id])
+        second = await episode.run("print(x + 1)")
+        print(json.dumps({"view": layers.get("view"), "note": first.snapshot_note, "stdout": second.stdout}))
+    finally:
+        await host.close_all()
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not ROOT_WORKER, reason="a root worker without CAP_SYS_PTRACE, as in a container")
+def test_a_root_worker_without_ptrace_keeps_the_tmpfs_and_says_its_snapshots_are_off() -> None:
+    """Docker gives root no CAP_SYS_PTRACE unless asked: /proc/PID/root of a sandbox of its
+    own uid is then closed to the worker. The disk bound holds; snapshots are off, said by
+    `drlm doctor`'s layers and in each cell's timeline; a rebuild re-runs the cells."""
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        ["setpriv", "--bounding-set=-sys_ptrace", sys.executable, "-c", NO_PTRACE, str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["view"].startswith("unreadable") and "CAP_SYS_PTRACE" in seen["view"]
+    assert "no snapshot after cell 1: unreadable" in seen["note"]
+    assert seen["stdout"] == "42\n"
 
 
 async def test_host_files_are_read_only_to_the_sandbox_and_snapshots_cross_both_ways(

@@ -260,7 +260,7 @@ def private_ipc_and_pids(libc: Any) -> str:
     return "ipc+pid" if SANDBOX_NAMESPACES & CLONE_NEWPID else "ipc"
 
 
-def become_pid_one(libc: Any) -> None:
+def become_pid_one(libc: Any, host_reads: bool = False) -> None:
     """Fork into the PID namespace `private_ipc_and_pids` made: the child returns, as its
     PID 1, and runs the REPL; this process stays outside, waits for it and exits as it did.
 
@@ -269,11 +269,19 @@ def become_pid_one(libc: Any) -> None:
     left in the namespace: nothing a cell started outlives its sandbox. The host keeps this
     process's pid: the parent it knows, its process group (which the REPL shares), its exit
     code. Killing this process kills the REPL (its parent-death signal), hence the whole
-    namespace."""
+    namespace.
+
+    `host_reads`: the keeper lets its host (a worker of its own uid, not root) read the
+    sandbox's files through /proc/PID/root (its tmpfs shows nowhere else): a process whose uid
+    changed, or that entered a user namespace, is not "dumpable", and /proc leaves it to
+    root. Only processes of that uid outside the sandbox can name the keeper; the REPL, in
+    its own PID namespace, cannot."""
     alive_r, alive_w = os.pipe()  # the REPL sees EOF on it once its keeper is gone
     pid = os.fork()
     if pid != 0:
         os.close(alive_r)
+        if host_reads:
+            libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, this process only (the REPL stays not)
         _keep(pid, alive_w)
     os.close(alive_w)
     _check(libc.prctl(1, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")  # SIGKILL; a fork cleared it

@@ -337,7 +337,7 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
         raise LayerError(f"cannot install the seccomp filter: {exc}") from exc
     if layers["ipc_pid"] == "ipc+pid":
         # Last of the kernel layers, so the keeper left outside holds every one of them too.
-        kernel.become_pid_one(libc)
+        kernel.become_pid_one(libc, host_reads=not root)  # a worker of its own uid reads its files
         _OWN_UID[0] = True  # kill(-1) now reaches the namespace's processes only: strays can be swept
     os.chdir(sandbox_dir)
     forget_libc()  # model code finds no libc handle lying around (it is refused anyway)

@@ -115,13 +115,14 @@ async def sandbox_layers(root: Path, files_mb: int = defaults.SANDBOX_FILES_MB) 
 def disk_checks(layers: dict[str, str], root: Path, files_mb: int) -> list[Check]:
     """What one episode may put on disk: its sandbox's files and its REPL snapshots."""
     tmpfs = OWN_TMPFS in layers.get("filesystem", "")
+    view = layers.get("view", "readable")
     return [
         Check(
             "disk",
             "sandbox files",
-            "ok" if tmpfs else "warn",
+            "ok" if tmpfs and view == "readable" else "warn",
             f"a sandbox's own directory is a tmpfs of {files_mb:,} MB (DRLM_SANDBOX_FILES_MB), "
-            "counted in its memory, never on the host's disk"
+            "counted in its memory, never on the host's disk" + ("" if view == "readable" else f"; {view}")
             if tmpfs
             else f"on the host's disk under {root}: {defaults.SANDBOX_FILE_MB} MB a file "
             "(RLIMIT_FSIZE), no bound on the total (no private root here)",
