@@ -157,7 +157,7 @@ def _cell_rows(
     """A cell's row grows step by step: the first step gives its code, the last its output.
     A local step's input is not in history, so its echo (in the result) names the cell."""
     echo = outcome.step
-    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]
+    cell_index = echo.cell_index if echo else arg.cell_index  # type: ignore[union-attr]  # no echo: a remote step
     values: dict[str, Any] = {
         "episode_id": episode_id,
         "cell_index": cell_index,
@@ -166,8 +166,8 @@ def _cell_rows(
         "rebuilt": outcome.rebuilt,
     }
     if activity_type == names.REPL_EXECUTE:
-        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]
-        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]
+        values["iteration"] = echo.iteration if echo else arg.iteration  # type: ignore[union-attr]  # no echo: a remote step
+        values["code"] = echo.code if echo else arg.code  # type: ignore[union-attr]  # no echo: a remote step
         values["started_at"] = outcome.started_at
     if outcome.status == "completed":
         values.update(
@@ -399,11 +399,15 @@ _UPSERT_DIALECTS = ("sqlite", "postgresql")
 @functools.lru_cache(maxsize=256)
 def _upsert(dialect: str, table: sa.Table, columns: tuple[str, ...]) -> Any:
     """`INSERT ... ON CONFLICT (primary key) DO UPDATE SET` the other columns given."""
+    statement: sqlite.Insert | postgresql.Insert  # each dialect's own ON CONFLICT
     if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert  # optional: the dialect the store uses
+        from sqlalchemy.dialects import sqlite  # optional: the dialect the store uses
+
+        statement = sqlite.insert(table)
     else:
-        from sqlalchemy.dialects.postgresql import insert  # optional: the dialect the store uses
-    statement = insert(table)
+        from sqlalchemy.dialects import postgresql  # optional: the dialect the store uses
+
+        statement = postgresql.insert(table)
     keys = [c.name for c in table.primary_key.columns]
     others = {name: statement.excluded[name] for name in columns if name not in keys}
     if not others:

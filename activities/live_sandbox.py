@@ -143,6 +143,7 @@ class LiveSandbox:
                 item = await self.frames.get()
         except TimeoutError:
             return None
+        frame: dict[str, Any] | None  # None: the process died
         if isinstance(item, bytes):
             # Checked field by field; a large frame off the event loop (a bounded task).
             big = len(item) > DECODE_INLINE_BYTES

@@ -247,14 +247,14 @@ class ModelActivities:
             base_url,
             client.chat.completions.with_raw_response.create(
                 model=settings.model,
-                messages=[m.model_dump() for m in messages],  # type: ignore[misc]
+                messages=[m.model_dump() for m in messages],
                 **kwargs,
             ),
         )
         elapsed = time.monotonic() - started
         if isinstance(response, str):  # a content type other than JSON: the client hands back text
             raise bad_reply(settings, base_url, "a body that is not JSON", response)
-        choices = getattr(response, "choices", None)
+        choices: Any = getattr(response, "choices", None)
         message = getattr(choices[0], "message", None) if choices else None
         if message is None:
             what = "a chat completion without choices" if not choices else "a choice without a message"
@@ -330,15 +330,15 @@ class ModelActivities:
         response, raw = await self._send(
             settings,
             base_url,
-            client.messages.with_raw_response.create(model=settings.model, messages=turns, **kwargs),  # type: ignore[arg-type]
+            client.messages.with_raw_response.create(model=settings.model, messages=turns, **kwargs),
         )
         elapsed = time.monotonic() - started
         if isinstance(response, str):
             raise bad_reply(settings, base_url, "a body that is not JSON", response)
-        content = getattr(response, "content", None)
-        if content is None:  # an empty list is an empty reply; no list at all is not a message
+        blocks = getattr(response, "content", None)
+        if blocks is None:  # an empty list is an empty reply; no list at all is not a message
             raise bad_reply(settings, base_url, "a message without content", body_text(raw))
-        text = "".join(getattr(block, "text", "") or "" for block in content)
+        text = "".join(getattr(block, "text", "") or "" for block in blocks)
         usage = TokenUsage.priced(
             getattr(response.usage, "input_tokens", 0) or 0,
             getattr(response.usage, "output_tokens", 0) or 0,

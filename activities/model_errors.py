@@ -20,7 +20,7 @@ import ssl
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from temporalio.exceptions import ApplicationError, FailureError
 
@@ -141,12 +141,13 @@ def connection_cause(exc: BaseException) -> str:
     return clip(f"{type(innermost).__name__}: {innermost}", DETAIL_CHARS)
 
 
-def classify(exc: Exception, settings: ModelSettings, base_url: str) -> ApplicationError:
+def classify(exc: BaseException, settings: ModelSettings, base_url: str) -> ApplicationError:
     """Turn a client exception into the error Temporal should (or should not) retry, its
     message cause first and bounded. Raise it `from None`: the chain would not fit."""
     where = f"model {settings.model!r} at {base_url}"
     if isinstance(exc, error_types("APIStatusError")):
-        status = exc.status_code
+        failed: Any = exc  # openai's or anthropic's, found by name: both have these fields
+        status = failed.status_code
         detail = clip(_provider_message(exc), DETAIL_CHARS)
         if is_context_overflow(exc):
             return ApplicationError(
@@ -172,7 +173,7 @@ def classify(exc: Exception, settings: ModelSettings, base_url: str) -> Applicat
         return ApplicationError(
             f"{where} failed: HTTP {status}: {detail}",
             type=names.MODEL_UNAVAILABLE,
-            next_retry_delay=retry_after(exc.response.headers if exc.response else None),
+            next_retry_delay=retry_after(failed.response.headers if failed.response else None),
         )
     if isinstance(exc, error_types("APITimeoutError")):
         return ApplicationError(
@@ -196,7 +197,7 @@ class compact_failures:  # noqa: N801 - used as a context manager, like contextl
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         if exc is None or not isinstance(exc, Exception):
             return False  # asyncio's CancelledError is a BaseException: an activity cancelled
         if isinstance(exc, ApplicationError):
@@ -229,5 +230,5 @@ class compact_failures:  # noqa: N801 - used as a context manager, like contextl
 
     async def __aexit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    ) -> Literal[False]:
         return self.__exit__(kind, exc, tb)

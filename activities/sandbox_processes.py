@@ -24,7 +24,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from durable_rlm.activities.sandbox import CHILD_PATH, FORKSERVER_PATH, cgroups
 from durable_rlm.activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
@@ -117,7 +117,7 @@ class SpawnedProcess:
         if self._process.stdin is not None:
             self._process.stdin.close()
         if self.leaf is not None:
-            self.leaf, leaf = None, self.leaf
+            leaf, self.leaf = self.leaf, None
             leaf.remove()
 
 
@@ -198,7 +198,7 @@ class ForkedProcess:
         for transport in self._transports:
             transport.close()
         if self.leaf is not None:
-            self.leaf, leaf = None, self.leaf
+            leaf, self.leaf = self.leaf, None
             leaf.remove()
 
 
@@ -438,27 +438,28 @@ class ForkServer:
             return False
         return True
 
-    def _dispatch(self, message: dict[str, object]) -> None:
+    def _dispatch(self, message: dict[str, Any]) -> None:
         op = message.get("op")
         if op == "forked":
-            pid = int(message["pid"])  # type: ignore[arg-type]
+            pid = int(message["pid"])
             self._exits[pid] = asyncio.get_running_loop().create_future()
-            answer = self._pending.pop(int(message["id"]), None)  # type: ignore[arg-type]
+            answer = self._pending.pop(int(message["id"]), None)
             if answer is None or answer.done():
                 self.kill(pid)  # its requester gave up (cancelled or timed out)
             else:
                 answer.set_result(pid)
         elif op == "refused":
-            answer = self._pending.pop(message.get("id"), None)  # type: ignore[arg-type]
+            request_id = message.get("id")
+            answer = self._pending.pop(request_id, None) if request_id is not None else None
             error = ForkServerError(f"the template refused: {message.get('error')}")
             if answer is not None and not answer.done():
                 answer.set_exception(error)
             elif answer is None:
                 log.warning("%s", error)
         elif op == "exit":
-            exited = self._exits.pop(int(message["pid"]), None)  # type: ignore[arg-type]
+            exited = self._exits.pop(int(message["pid"]), None)
             if exited is not None and not exited.done():
-                exited.set_result(int(message["code"]))  # type: ignore[arg-type]
+                exited.set_result(int(message["code"]))
 
     def _mark_dead(self, error: ForkServerError) -> None:
         self._dead = True

@@ -40,8 +40,8 @@ try:
     from durable_rlm.activities.sandbox import cgroups
     from durable_rlm.activities.sandbox_files import remove_sandbox_tree
 except ImportError:  # this file loaded alone, as another uid's reaper (tests/test_hygiene.py)
-    cgroups = None  # type: ignore[assignment]
-    remove_sandbox_tree = None  # type: ignore[assignment]
+    cgroups = None  # type: ignore[assignment]  # absent when loaded alone: checked where used
+    remove_sandbox_tree = None  # type: ignore[assignment]  # likewise
 
 log = logging.getLogger(__name__)
 

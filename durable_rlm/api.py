@@ -36,6 +36,7 @@ from durable_rlm.telemetry.sdk_logs import quiet_sdk_failures
 from durable_rlm.tools import ToolsArgument, import_tool_modules
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import (
+    ApproveMode,
     ContextRef,
     EpisodeLimits,
     EpisodeProgress,
@@ -85,7 +86,7 @@ class DurableRLM:
         logprobs: bool = False,
         code_fences: Sequence[str] = ("repl",),
         fallback_extraction: bool = True,
-        approve: str = "none",
+        approve: ApproveMode = "none",
         api_key: str | None = None,
         reports_cost: bool | None = None,
         settings: Settings | None = None,
@@ -367,7 +368,8 @@ class Episode:
         return end.result
 
     async def progress(self) -> EpisodeProgress:
-        return await self.handle.query("progress", result_type=EpisodeProgress)
+        progress: EpisodeProgress = await self.handle.query("progress", result_type=EpisodeProgress)
+        return progress
 
     async def cancel(self, extract: bool = False, reason: str = "cancelled by request") -> CancelOutcome:
         from durable_rlm.client import episodes  # start-up: temporalio, loaded with the session

@@ -57,7 +57,7 @@ def read_price_file(path: Path) -> dict[str, ModelPrice]:
     except FileNotFoundError:
         raise ConfigurationError(f"price file {path} not found (DRLM_PRICES_FILE)") from None
     except (OSError, ValueError) as exc:
-        problem = exc
+        problem: Exception | str = exc
         if isinstance(exc, ValidationError):
             problem = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()

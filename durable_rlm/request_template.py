@@ -18,6 +18,7 @@ from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.tools import ToolsArgument, offered, tool_specs
 from durable_rlm.workflows import prompts
 from durable_rlm.workflows.models import (
+    ApproveMode,
     ContextRef,
     EpisodeLimits,
     EpisodeRequest,
@@ -70,7 +71,7 @@ def request_template(
     logprobs: bool,
     code_fences: Sequence[str],
     fallback_extraction: bool,
-    approve: str,
+    approve: ApproveMode,
     reports_cost: bool | None,
 ) -> EpisodeRequest:
     """DurableRLM's arguments as the request its episodes start from (task "template")."""

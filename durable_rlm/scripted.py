@@ -127,7 +127,7 @@ class ScriptedModelServer:
 
     @property
     def base_url(self) -> str:
-        host, port = self._server.server_address[:2]
+        host, port = self._server.socket.getsockname()[:2]  # as bound: a str host
         return f"http://{host}:{port}/v1"
 
     def start(self) -> ScriptedModelServer:

@@ -90,7 +90,7 @@ def spec_of(function: Callable[..., Any], name: str, timeout_s: float, max_attem
         params.append(
             ToolParam(
                 name=param.name,
-                kind=param.kind.name.lower(),  # type: ignore[arg-type]
+                kind=param.kind.name.lower(),  # type: ignore[arg-type]  # inspect's five kinds, as ToolParam names them
                 has_default=has_default,
                 default=param.default if has_default else None,
             )

@@ -24,6 +24,9 @@ connection = config.attributes.get("connection")
 if connection is not None:
     run_migrations(connection)
 else:
-    engine = sa.create_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:  # alembic run by hand, with an ini that names no database
+        raise SystemExit("no database to migrate: set sqlalchemy.url (durable_rlm.store.sql.migrate does)")
+    engine = sa.create_engine(url)
     with engine.begin() as conn:
         run_migrations(conn)

@@ -76,6 +76,8 @@ def test_the_policy_sees_the_iteration_and_the_episodes_counters() -> None:
         "iteration": 2,
         "model_calls": 4,
         "sub_calls": 0,
+        "tokens": 0,
+        "cost_usd": 0.0,
     }
 
 

@@ -62,6 +62,7 @@ def test_the_wheel_installs_only_the_project_s_package(installed: Path) -> None:
         assert (package / folder / "__init__.py").is_file(), folder
     assert (package / "migrations" / "script.py.mako").is_file()
     assert (package / "prices.json").is_file() and list((package / "viewer" / "static").iterdir())
+    assert (package / "py.typed").is_file()  # a user's type checker reads our types, not Any
     # Every package of the checkout's tree is in the wheel (setuptools finds them through
     # the links), and nothing else is.
     found = {

@@ -59,11 +59,12 @@ class Acting:
             if await self.gate.checkpoint() is not None:
                 return outcome  # asked to answer now: the loop's next boundary ends it
             s.cell_count += 1
-            code: str | None = written
+            code = written
             if self.ctx.rules.approval:
-                code = await self.gate.approved(outcome, written)
-                if code is None:
+                approved = await self.gate.approved(outcome, written)
+                if approved is None:
                     return outcome  # rejected (the model reads why), or asked to answer now
+                code = approved
             self.ctx.display.set_phase(f"cell {s.cell_count}")
             ran = await repl.run_cell(s.iteration, s.cell_count, code)
             stop.halt_if_stopping()

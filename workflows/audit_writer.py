@@ -120,16 +120,15 @@ class AuditWriter:
                     aside.cancel()  # the closing row holds all an earlier one would
                     with contextlib.suppress(asyncio.CancelledError):
                         await aside
-        timeouts: dict[str, object] = {"schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S)}
+        whole = timedelta(seconds=defaults.AUDIT_CLOSE_S)
+        attempt: timedelta | None = None  # each attempt may take the whole
         retry = RETRY
         if not running:
             # The closing row is the one a reader trusts: each attempt is short (a worker
             # killed mid-write is replaced at once), and attempts go on, backing off, for
             # AUDIT_CLOSE_PATIENCE_S.
-            timeouts = {
-                "schedule_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_PATIENCE_S),
-                "start_to_close_timeout": timedelta(seconds=defaults.AUDIT_CLOSE_S),
-            }
+            whole = timedelta(seconds=defaults.AUDIT_CLOSE_PATIENCE_S)
+            attempt = timedelta(seconds=defaults.AUDIT_CLOSE_S)
             retry = CLOSE_RETRY
         try:
             await workflow.execute_activity(
@@ -147,7 +146,8 @@ class AuditWriter:
                 ),
                 retry_policy=retry,
                 summary=f"audit: {status}",
-                **timeouts,  # type: ignore[arg-type]
+                schedule_to_close_timeout=whole,
+                start_to_close_timeout=attempt,
             )
         except ActivityError:
             workflow.logger.warning("audit store write failed; history remains the record")

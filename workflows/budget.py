@@ -55,7 +55,7 @@ def floor_cost(value: float) -> float:
     """`value` rounded down to COST_DIGITS places (a share never rounds up past its whole).
     A millionth of the last place is float noise (0.6 / 3 is 0.19999999999999998), not a
     share's worth: it does not cost the share a whole billionth."""
-    scale = 10**COST_DIGITS
+    scale: int = 10**COST_DIGITS
     return math.floor(value * scale + 1e-6) / scale
 
 

@@ -7,6 +7,7 @@ that holds the clock (`pause --hold-clock`), which stops it until the resume. Ea
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import datetime
 
@@ -36,7 +37,7 @@ class DeadlineTimer:
             remaining = max((self.deadline() - workflow.now()).total_seconds(), 0.001)
             try:
                 await workflow.wait_condition(
-                    lambda epoch=epoch: self._moved(epoch), timeout=remaining, timeout_summary=SUMMARY
+                    functools.partial(self._moved, epoch), timeout=remaining, timeout_summary=SUMMARY
                 )
             except TimeoutError:
                 if self.epoch == epoch:

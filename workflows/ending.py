@@ -10,6 +10,7 @@ marked as extracted with its confidence.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from durable_rlm.workflows.fallback import (
     ExecutionResult,
@@ -165,7 +166,7 @@ def unextracted_ending(reason: FallbackReason, why: str) -> Ending:
 
 
 def extraction_failed_ending(
-    reason: FallbackReason, error: str, history: list[REPLHistoryEntry], partial: dict | None = None
+    reason: FallbackReason, error: str, history: list[REPLHistoryEntry], partial: dict[str, Any] | None = None
 ) -> Ending:
     failed = Failed(reason=error, partial_outputs=partial, history=history)
     return Ending(

@@ -503,7 +503,7 @@ class TokenUsage(StrictModel):
     def priced(cls, prompt_tokens: int, completion_tokens: int, price: ModelPrice | None) -> TokenUsage:
         """A call's usage and its cost: null for a model without a price, never a guess."""
         cost = None if price is None else price.cost(prompt_tokens, completion_tokens)
-        source = None if price is None else "price_table"
+        source: Literal["price_table"] | None = None if price is None else "price_table"
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
@@ -524,11 +524,11 @@ class TokenUsage(StrictModel):
         )
 
     def add(self, other: TokenUsage) -> TokenUsage:
-        known = self.cost_usd is not None and other.cost_usd is not None
+        mine, theirs = self.cost_usd, other.cost_usd
         return TokenUsage(
             prompt_tokens=self.prompt_tokens + other.prompt_tokens,
             completion_tokens=self.completion_tokens + other.completion_tokens,
-            cost_usd=round(self.cost_usd + other.cost_usd, COST_DIGITS) if known else None,  # type: ignore[operator]
+            cost_usd=round(mine + theirs, COST_DIGITS) if mine is not None and theirs is not None else None,
         )
 
 

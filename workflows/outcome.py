@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from durable_rlm.workflows import prompts
 from durable_rlm.workflows.models import CellOutcome, EndReason, Message
@@ -26,7 +26,7 @@ class CellRecord:
     stderr: str = ""
     error: str | None = None
     answer: str | None = None
-    answer_kind: str | None = None
+    answer_kind: Literal["final", "final_var", "answer_ready"] | None = None
     submitted: dict[str, Any] | None = None
 
     @classmethod

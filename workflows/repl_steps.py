@@ -43,7 +43,7 @@ from durable_rlm.workflows.retries import (
     waits_for_store,
 )
 
-R = TypeVar("R")
+R = TypeVar("R", CellOutcome, VariableValue)  # a step's reply: it names the cell-log head
 
 
 def sandbox_name(request: EpisodeRequest) -> str:
@@ -213,7 +213,7 @@ class ReplSteps:
         while True:
             sticky = state.repl_queue
             try:
-                outcome = await workflow.execute_activity(
+                outcome: R = await workflow.execute_activity(
                     activity,
                     arg,
                     result_type=result,
@@ -244,15 +244,15 @@ class ReplSteps:
                     outages += 1
                     continue
                 raise
-            state.log_head = outcome.log_head or state.log_head  # type: ignore[attr-defined]
-            state.repl_queue = outcome.worker_queue  # type: ignore[attr-defined]
+            state.log_head = outcome.log_head or state.log_head
+            state.repl_queue = outcome.worker_queue
             return outcome
 
     async def _local_step(self, activity: str, arg: Any, result: type[R], summary: str) -> R:
         outages = 0
         while True:
             try:
-                outcome = await workflow.execute_local_activity(
+                outcome: R = await workflow.execute_local_activity(
                     activity,
                     arg,
                     result_type=result,
@@ -286,7 +286,7 @@ class ReplSteps:
                 # paid sub-calls with it). Ask again. (A new failure type: no history before
                 # it holds one, so no patch is needed.)
                 await workflow.sleep(defaults.SANDBOX_BUSY_PAUSE_S, summary="every sandbox busy: ask again")
-        self.state.log_head = outcome.log_head or self.state.log_head  # type: ignore[attr-defined]
+        self.state.log_head = outcome.log_head or self.state.log_head
         return outcome
 
     async def answer_calls(

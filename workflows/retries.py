@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
@@ -145,7 +145,7 @@ def describe_failure(err: BaseException) -> str:
     return getattr(err, "message", "") or str(err)
 
 
-def ending_of(cause: BaseException | None) -> str:
+def ending_of(cause: BaseException | None) -> Literal["cancelled", "terminated", "timed_out", "failed"]:
     """How a workflow that closed without a result ended, from its failure's cause."""
     if isinstance(cause, CancelledError):
         return "cancelled"
@@ -162,10 +162,11 @@ def describe_lost_step(err: FailureError) -> str:
     if error_type(err) == names.REPL_STEP_ABANDONED:
         return f"the worker running this cell was lost ({describe_failure(err)})"
     if isinstance(cause, TimeoutError):
-        kind = {
+        kinds: dict[TimeoutType | None, str] = {
             TimeoutType.HEARTBEAT: "stopped heartbeating",
             TimeoutType.SCHEDULE_TO_START: "never picked the step up",
             TimeoutType.START_TO_CLOSE: "did not finish in time",
-        }.get(cause.type, "timed out")
+        }
+        kind = kinds.get(cause.type, "timed out")
         return f"the worker running this cell was lost (it {kind} on every attempt)"
     return f"the REPL step failed on every attempt: {describe_failure(err)}"

@@ -85,7 +85,7 @@ class RootCalls:
         again = " (after compaction)" if after_compaction else ""
         model = request.root_model
         self.display.set_phase("waiting for the root model")
-        reply = await self.waits.with_credentials(
+        reply: RootCompletion = await self.waits.with_credentials(
             lambda: workflow.execute_activity(
                 names.ROOT_COMPLETION,
                 RootCompletionInput(

@@ -20,6 +20,7 @@ Deterministic: time from workflow.now(), the seed from workflow.random(); the tu
 child workflows and the idle timeout a durable timer on the server.
 """
 
+import functools
 from datetime import timedelta
 
 from temporalio import workflow
@@ -133,7 +134,7 @@ class SessionWorkflow:
                     workflow.continue_as_new(start.model_copy(update={"carry": s}))
             seen = self._changes
             try:
-                await workflow.wait_condition(lambda seen=seen: self._changes != seen, timeout=left)
+                await workflow.wait_condition(functools.partial(self._changed_since, seen), timeout=left)
             except TimeoutError:
                 pass
         self._ended = ended_by
@@ -147,6 +148,9 @@ class SessionWorkflow:
             reason=reason or "",
             episodes=[t.episode_id for t in s.turns],
         )
+
+    def _changed_since(self, seen: int) -> bool:
+        return self._changes != seen
 
     def _continue_now(self) -> bool:
         start = self._start

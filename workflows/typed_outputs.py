@@ -14,7 +14,7 @@ import functools
 import json
 from collections.abc import Iterator
 from itertools import islice
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -117,7 +117,7 @@ def _field_type(name: str, prop: dict[str, Any], root: dict[str, Any]) -> FieldT
     kind = kind or "string"
     if kind not in _JSON_TYPES:
         raise ValueError(f"output field {name!r}: unsupported type {kind!r}")
-    return kind
+    return cast(FieldType, kind)  # one of _JSON_TYPES, checked just above
 
 
 def _refs(schema: Any) -> Iterator[str]:
@@ -162,9 +162,10 @@ def _field_schema(name: str, prop: dict[str, Any], root: dict[str, Any]) -> dict
             needed[key].add(wanted)
             todo.extend(_refs(defs[wanted]))
     schema = dict(prop)
-    for key, wanted in needed.items():
-        own = prop.get(key) if isinstance(prop.get(key), dict) else {}
-        schema[key] = {**own, **{n: d for n, d in root[key].items() if n in wanted}}
+    for key, kept in needed.items():
+        given = prop.get(key)
+        own = given if isinstance(given, dict) else {}
+        schema[key] = {**own, **{n: d for n, d in root[key].items() if n in kept}}
     return schema
 
 

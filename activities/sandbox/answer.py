@@ -21,7 +21,7 @@ _SET: list[Any] = [None]
 """The content the last `answer["ready"] = <truthy>` of the running cell set (None: none)."""
 
 
-class AnswerDict(dict):  # type: ignore[type-arg]
+class AnswerDict(dict[str, Any]):
     """`{"content": "", "ready": False}`, which reports `answer["ready"] = True`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -49,31 +49,38 @@ def start_cell() -> None:
     _SET[0] = None
 
 
-def end_cell(namespace: dict[str, Any]) -> str | None:
-    """After a cell: the answer it set, if any; `answer` is an AnswerDict again (a rebound
-    plain dict keeps its items and, if ready, is the answer; any other value is replaced)."""
-    current = namespace.get("answer")
-    if not isinstance(current, AnswerDict):
-        replacement = AnswerDict()
-        if isinstance(current, dict):
-            dict.update(replacement, current)
-            if current.get("ready") and _SET[0] is None:
-                _SET[0] = _text(current.get("content", ""))
-        namespace["answer"] = replacement
+def end_cell(namespace: dict[str, Any], rlms: bool = False) -> str | None:
+    """After a cell: the answer it set, if any; a rebound plain dict keeps its items, is the
+    answer if ready, and is an AnswerDict again. Any other value bound to `answer` is the
+    model's own variable (`answer = 6 * 7`, then `FINAL_VAR(answer)`), kept as it is; in an
+    rlms program (`rlms`) it is replaced by an empty AnswerDict, as rlms 0.1.3 puts its
+    scaffold back after each cell."""
+    rebound = _wrap(namespace, rlms)
+    if isinstance(rebound, dict) and rebound.get("ready") and _SET[0] is None:
+        _SET[0] = _text(rebound.get("content", ""))
     answer, _SET[0] = _SET[0], None
     return answer
 
 
-def rewrap(namespace: dict[str, Any]) -> None:
-    """After a snapshot was loaded: `answer` an AnswerDict, whatever the snapshot held (older
-    snapshots hold a plain dict), and nothing it holds counts as set."""
-    current = namespace.get("answer")
-    if not isinstance(current, AnswerDict):
-        replacement = AnswerDict()
-        if isinstance(current, dict):
-            dict.update(replacement, current)
-        namespace["answer"] = replacement
+def rewrap(namespace: dict[str, Any], rlms: bool = False) -> None:
+    """After a snapshot was loaded: `answer` an AnswerDict as `end_cell` leaves it (older
+    snapshots hold a plain dict); nothing it holds counts as set."""
+    _wrap(namespace, rlms)
     _SET[0] = None
+
+
+def _wrap(namespace: dict[str, Any], rlms: bool) -> Any:
+    """Bind `answer` to an AnswerDict again where it must be one; the value it replaced."""
+    current = namespace.get("answer")
+    if isinstance(current, AnswerDict) or not (
+        rlms or isinstance(current, dict) or "answer" not in namespace
+    ):
+        return None
+    replacement = AnswerDict()
+    if isinstance(current, dict):
+        dict.update(replacement, current)
+    namespace["answer"] = replacement
+    return current
 
 
 def _text(value: Any) -> str:

@@ -125,7 +125,7 @@ class HostCalls:
 
         call.__name__ = call.__qualname__ = name
         call.__doc__ = spec.get("doc") or None
-        call.__signature__ = signature  # type: ignore[attr-defined]
+        call.__signature__ = signature  # type: ignore[attr-defined]  # what inspect.signature and help() read
         return call
 
 

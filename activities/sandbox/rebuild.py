@@ -71,7 +71,7 @@ def restore(session: Session, message: dict[str, Any]) -> dict[str, Any]:
         known = {**session.initial, "answer": AnswerDict()}
         session.namespace, session.defined_by, files = snapshots().load(path, known, session.sandbox_dir)
         session.namespace["__builtins__"] = __builtins__
-        rewrap(session.namespace)
+        rewrap(session.namespace, session.rlms)
     except BaseException as exc:  # noqa: BLE001 - the host falls back to re-running cells
         return {"op": "restore_failed", "error": f"{type(exc).__name__}: {exc}"[:500]}
     finally:

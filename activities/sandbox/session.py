@@ -47,7 +47,7 @@ class BoundedWriter(io.TextIOBase):
         self.kept = 0
         self.dropped = 0
 
-    def write(self, text: str) -> int:  # type: ignore[override]
+    def write(self, text: str) -> int:
         text = str(text)
         room = self.limit - self.kept
         if room > 0:
@@ -237,7 +237,7 @@ class Session:
             raise CellTimeout(f"cell exceeded its {timeout:g} s time limit")
 
         signal.signal(signal.SIGALRM, on_alarm)
-        sys.stdout, sys.stderr = stdout, stderr  # type: ignore[assignment]
+        sys.stdout, sys.stderr = stdout, stderr
         ready: str | None = None
         answers.start_cell()
         try:
@@ -246,7 +246,7 @@ class Session:
                 self._run(code, cell_name)
             finally:
                 # Inside the cell's time limit: a rebound `answer` may be a hostile dict.
-                ready = answers.end_cell(self.namespace)
+                ready = answers.end_cell(self.namespace, self.rlms)
                 if self.rlms:
                     self._put_back_aliases()
         except CellTimeout as exc:

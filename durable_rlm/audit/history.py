@@ -172,12 +172,12 @@ async def completed_steps(
                         await decode(client, attrs.input, INPUTS[activity]),
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-                attrs = event.activity_task_completed_event_attributes
-                if attrs.scheduled_event_id not in scheduled:
+                completed = event.activity_task_completed_event_attributes
+                if completed.scheduled_event_id not in scheduled:
                     continue
-                activity, arg = scheduled.pop(attrs.scheduled_event_id)
+                activity, arg = scheduled.pop(completed.scheduled_event_id)
                 hint = RESULTS[activity]
-                result = await decode(client, attrs.result, hint) if hint is not None else None
+                result = await decode(client, completed.result, hint) if hint is not None else None
                 yield Step(run.run_id, activity, arg, result)
             elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
                 step = await _local_step(client, run.run_id, event.marker_recorded_event_attributes)

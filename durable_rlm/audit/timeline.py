@@ -211,26 +211,27 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                 timeline.actions.append(_reset(reset, max(iterations, default=0)))
                 gaps.append((before or when, when))
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED and not timeline.task:
-                attrs = event.workflow_execution_started_event_attributes
-                request = await decode(client, attrs.input, EpisodeRequest)
+                started = event.workflow_execution_started_event_attributes
+                request = await decode(client, started.input, EpisodeRequest)
                 timeline.task, timeline.depth, timeline.request = request.task, request.depth, request
             elif kind == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED:
-                attrs = event.start_child_workflow_execution_initiated_event_attributes
-                child = await decode(client, attrs.input, EpisodeRequest)
+                initiated = event.start_child_workflow_execution_initiated_event_attributes
+                child = await decode(client, initiated.input, EpisodeRequest)
                 if child.parent is not None and child.parent.cell_index in cells:
                     cells[child.parent.cell_index].children.append(
                         ChildView(
-                            episode_id=attrs.workflow_id,
+                            episode_id=initiated.workflow_id,
                             call_index=child.parent.call_index,
                             model=child.root_model.model,
                             context=child.context,
                         )
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
-                attrs = event.activity_task_scheduled_event_attributes
-                activity = attrs.activity_type.name
+                scheduling = event.activity_task_scheduled_event_attributes
+                activity = scheduling.activity_type.name
                 hint = _INPUTS.get(activity)
-                arg = await decode(client, attrs.input, hint) if hint else None
+                # the input model that _INPUTS names for this activity
+                arg: Any = await decode(client, scheduling.input, hint) if hint else None
                 scheduled[event.event_id] = (activity, arg)
                 if activity == names.ROOT_COMPLETION:
                     it = iteration(arg.iteration)
@@ -249,17 +250,17 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                         SubCall(call_index=arg.call_index, prompt=arg.prompt, model=arg.model.model)
                     )
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
-                attrs = event.activity_task_completed_event_attributes
-                activity, arg = scheduled.get(attrs.scheduled_event_id, ("", None))
+                completed = event.activity_task_completed_event_attributes
+                activity, arg = scheduled.get(completed.scheduled_event_id, ("", None))
                 hint = _RESULTS.get(activity)
                 if hint is None:
                     continue
-                value = await decode(client, attrs.result, hint)
+                value = await decode(client, completed.result, hint)
                 _apply_result(activity, arg, value, iteration, cells, when)
             elif kind == EventType.EVENT_TYPE_ACTIVITY_TASK_FAILED:
-                attrs = event.activity_task_failed_event_attributes
-                activity, arg = scheduled.get(attrs.scheduled_event_id, ("", None))
-                message = attrs.failure.message
+                failed = event.activity_task_failed_event_attributes
+                activity, arg = scheduled.get(failed.scheduled_event_id, ("", None))
+                message = failed.failure.message
                 if activity == names.ROOT_COMPLETION:
                     iteration(arg.iteration).model_error = message
                     iteration(arg.iteration).ended_at = when
@@ -271,23 +272,24 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
                         if call.call_index == arg.call_index:
                             call.error = message
             elif kind == EventType.EVENT_TYPE_MARKER_RECORDED:
-                attrs = event.marker_recorded_event_attributes
-                await _local_step(client, attrs, iteration, cells, task_started or when, when)
+                marker = event.marker_recorded_event_attributes
+                await _local_step(client, marker, iteration, cells, task_started or when, when)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED:
                 request = event.workflow_execution_update_accepted_event_attributes.accepted_request
                 action = await _action(client, request.input, when, max(iterations, default=0))
                 if action is not None:
                     timeline.actions.append(action)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED:
-                attrs = event.workflow_execution_completed_event_attributes
-                timeline.result = await decode(client, attrs.result, EpisodeResult)
+                ended = event.workflow_execution_completed_event_attributes
+                timeline.result = await decode(client, ended.result, EpisodeResult)
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
                 timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
     timeline.iterations = [iterations[k] for k in sorted(iterations)]
     for it in timeline.iterations:
         ends = [t for t in (it.ended_at, *(c.ended_at for c in it.cells)) if t is not None]
         it.ended_at = max(ends, default=None)
-        for view in (it, *it.cells):
+        views: list[IterationView | CellView] = [it, *it.cells]
+        for view in views:
             view.reset_gap_s = _stood_still(view.started_at, view.ended_at, gaps)
     if children:
         for cell in cells.values():

@@ -26,7 +26,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import sqlalchemy as sa
 from google.protobuf.descriptor import FieldDescriptor
@@ -378,7 +378,7 @@ class Verifier:
             return set()
 
 
-def _is_digest(value: Any) -> bool:
+def _is_digest(value: Any) -> TypeGuard[str]:
     return isinstance(value, str) and DIGEST.match(value) is not None
 
 

@@ -130,6 +130,7 @@ async def _ui(settings: Settings, args: argparse.Namespace) -> int:
         if args.episode_id:
             handle = services.client.get_workflow_handle(args.episode_id)
             url = services.episode_url(args.episode_id, (await describe_episode(handle)).run_id)
+            assert url is not None  # a page of the UI, which is there (checked above)
             if not args.temporal:
                 url = _episode_page(settings, args.episode_id)
         else:
@@ -252,6 +253,7 @@ async def _audit_rebuild(settings: Settings, args: argparse.Namespace) -> int:
 
     unreadable: list[str] = []
     async with connect(settings) as services:
+        assert services.engine is not None  # connect() opens the SQL store
         count = await rebuild_audit(services.client, services.engine, unreadable=unreadable)
         report = await verify(services.client, services.blobs, services.engine)
     print(f"audit store rebuilt from history: {count} episode(s)")

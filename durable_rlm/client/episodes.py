@@ -178,7 +178,7 @@ class EpisodeEnd(BaseModel):
 
 
 def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
-    return ending_of(error.cause)  # type: ignore[return-value]
+    return ending_of(error.cause)
 
 
 async def closing_error(handle: WorkflowHandle, status: EpisodeStatus) -> str | None:

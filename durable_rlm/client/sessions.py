@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, Field
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError, WorkflowUpdateStage
@@ -51,6 +51,8 @@ from durable_rlm.workflows.session_models import (
 
 if TYPE_CHECKING:
     from durable_rlm.worker.runtime import Services
+
+T = TypeVar("T")
 
 TURN_WAIT_POLL_S = 0.5
 WATCH_SETTLE_S = 15.0  # a turn's watcher, after the turn answered: past rlms/follow.py's settle
@@ -93,7 +95,10 @@ def session_handle(client: Client, session_id: str) -> WorkflowHandle[Any, Sessi
 
 
 async def session_state(client: Client, session_id: str) -> SessionState:
-    return await session_handle(client, session_id).query(names.SESSION_STATE, result_type=SessionState)
+    state: SessionState = await session_handle(client, session_id).query(
+        names.SESSION_STATE, result_type=SessionState
+    )
+    return state
 
 
 async def run_turn(
@@ -107,7 +112,8 @@ async def run_turn(
         )
         if accepted is not None:
             accepted()
-        return await update.result()
+        result: TurnResult = await update.result()
+        return result
     except WorkflowUpdateFailedError as err:
         why = str(err.cause.message if err.cause is not None and hasattr(err.cause, "message") else err)
         if "the session is" in why:
@@ -118,9 +124,10 @@ async def run_turn(
 async def close_session(client: Client, session_id: str, reason: str) -> SessionState | None:
     """Close it (a running turn ends first); None if it had ended already."""
     try:
-        return await session_handle(client, session_id).execute_update(
+        state: SessionState = await session_handle(client, session_id).execute_update(
             names.SESSION_CLOSE, CloseRequest(reason=reason), result_type=SessionState
         )
+        return state
     except Exception:  # noqa: BLE001 - an ended session (idle, or closed by another client) is closed
         return None
 
@@ -218,7 +225,7 @@ class Session:
         self.id = session_id or new_session_id()
         if isinstance(idle_timeout, int | float):
             idle_timeout = timedelta(seconds=idle_timeout)
-        timeout = {"idle_timeout": idle_timeout} if idle_timeout is not None else {}
+        timeout: dict[str, Any] = {"idle_timeout": idle_timeout} if idle_timeout is not None else {}
         self._start = SessionStart(template=template, turns_per_run=turns_per_run, **timeout)
         self._queue: str | None = None
         self._started = False
@@ -406,7 +413,7 @@ class Session:
         return _blocking(self.aclose(reason))
 
 
-def _blocking(coro: Any) -> Any:
+def _blocking(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:

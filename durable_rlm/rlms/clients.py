@@ -149,7 +149,8 @@ class OpenAIClient(BaseLM):
         if usage is None:
             raise ValueError("No usage data received. Tracking tokens not possible.")
         self._count(model, usage.prompt_tokens, usage.completion_tokens, reported_cost(usage))
-        return response.choices[0].message.content
+        text: str = response.choices[0].message.content  # as rlms's client returns it
+        return text
 
     def completion(self, prompt: str | list[dict[str, Any]], model: str | None = None) -> str:
         request = self._request(prompt, model)
@@ -246,7 +247,8 @@ class AnthropicClient(BaseLM):
 
     def _reply(self, response: Any, model: str) -> str:
         self._count(model, response.usage.input_tokens, response.usage.output_tokens, None)
-        return response.content[0].text
+        text: str = response.content[0].text  # as rlms's client returns it
+        return text
 
     def completion(self, prompt: str | list[dict[str, Any]], model: str | None = None) -> str:
         request = self._request(prompt, model)

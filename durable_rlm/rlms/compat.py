@@ -29,7 +29,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from durable_rlm.api import DurableRLM
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
@@ -71,7 +71,8 @@ def on_own_thread(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     thread.join()
     if "error" in done:
         raise done["error"]
-    return done["value"]
+    value: T = done["value"]
+    return value
 
 
 class RLM(DurableRLM):
@@ -198,7 +199,7 @@ class RLM(DurableRLM):
 
     # --- completion ---------------------------------------------------------------------------
 
-    def completion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
+    def completion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]  # rlms's
         """Run an episode over `prompt` (the context) to its answer, as rlms's completion. It
         blocks, as rlms's does, also when called inside a running event loop (a notebook, an
         async app): the episode then runs on a thread of its own."""
@@ -214,7 +215,7 @@ class RLM(DurableRLM):
             raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")
         return on_own_thread(make)
 
-    async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]
+    async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]  # rlms's
         started = time.perf_counter()
         self.request(None, root_prompt)
         self.check_credentials()
@@ -304,7 +305,7 @@ class RLM(DurableRLM):
         elapsed = time.perf_counter() - started
         usage = usage_by_model(timeline, result, self.root_model_name)
         if self.logger is not None:
-            replay_to_logger(self.logger, timeline, services.blobs)
+            replay_to_logger(self.logger, timeline, services.blobs, self._run_metadata)
         report_children(timeline, services.blobs, self.callbacks, reported)
         raise_for_limit(
             result,
@@ -333,7 +334,7 @@ class RLM(DurableRLM):
 
         return await episode_timeline(services.client, episode_id)
 
-    def close(self) -> None:  # type: ignore[override]
+    def close(self) -> None:  # type: ignore[override]  # rlms's close() is not awaited
         """rlms's close(), which is not awaited: with persistent=True it ends the session;
         otherwise nothing is held between completion() calls (an open connection is closed by
         `async with rlm:` or `aclose()`)."""
@@ -355,6 +356,6 @@ class RLM(DurableRLM):
     def __enter__(self) -> RLM:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()  # rlms's: the persistent session ends with the block
         return False

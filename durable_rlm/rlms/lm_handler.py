@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from durable_rlm.rlms.clients import BaseLM
 from durable_rlm.rlms.results import UsageSummary
@@ -91,7 +91,7 @@ class LMHandler:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.stop()
         return False
 
@@ -101,4 +101,4 @@ def handler_at(address: tuple[str, int] | None) -> LMHandler | None:
     if address is None:
         return None
     with _LOCK:
-        return _RUNNING.get(tuple(address))  # type: ignore[arg-type]
+        return _RUNNING.get(tuple(address))  # type: ignore[arg-type]  # a (host, port) list from JSON too

@@ -32,9 +32,9 @@ class ModelUsageSummary:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelUsageSummary:
         return cls(
-            total_calls=data.get("total_calls"),  # type: ignore[arg-type]
-            total_input_tokens=data.get("total_input_tokens"),  # type: ignore[arg-type]
-            total_output_tokens=data.get("total_output_tokens"),  # type: ignore[arg-type]
+            total_calls=data.get("total_calls"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
+            total_input_tokens=data.get("total_input_tokens"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
+            total_output_tokens=data.get("total_output_tokens"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
             total_cost=data.get("total_cost"),
         )
 
@@ -112,11 +112,11 @@ class RLMChatCompletion:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RLMChatCompletion:
         return cls(
-            root_model=data.get("root_model"),  # type: ignore[arg-type]
+            root_model=data.get("root_model"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
             prompt=data.get("prompt"),
-            response=data.get("response"),  # type: ignore[arg-type]
+            response=data.get("response"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
             usage_summary=UsageSummary.from_dict(data.get("usage_summary") or {}),
-            execution_time=data.get("execution_time"),  # type: ignore[arg-type]
+            execution_time=data.get("execution_time"),  # type: ignore[arg-type]  # None if missing, as rlms reads it
             metadata=data.get("metadata"),
             error=data.get("error"),
         )

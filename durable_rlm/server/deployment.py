@@ -61,11 +61,11 @@ class Deployment:
         return "\n".join(lines)
 
 
-def _status(value: int) -> str:
+def _status(value: WorkerDeploymentVersionStatus.ValueType) -> str:
     return WorkerDeploymentVersionStatus.Name(value).removeprefix("WORKER_DEPLOYMENT_VERSION_STATUS_").lower()
 
 
-def _drainage(value: int) -> str | None:
+def _drainage(value: VersionDrainageStatus.ValueType) -> str | None:
     name = VersionDrainageStatus.Name(value).removeprefix("VERSION_DRAINAGE_STATUS_").lower()
     return None if name == "unspecified" else name
 

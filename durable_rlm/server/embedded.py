@@ -153,7 +153,13 @@ class EmbeddedServer:
     def _ui_args(self) -> tuple[str, ...]:
         if self.ui_port is None:
             return ("--headless",)
-        args = ("--ui-port", str(self.ui_port), "--ui-ip", "127.0.0.1", "--ui-disable-news-fetch")
+        args: tuple[str, ...] = (
+            "--ui-port",
+            str(self.ui_port),
+            "--ui-ip",
+            "127.0.0.1",
+            "--ui-disable-news-fetch",
+        )
         if self.codec_endpoint:
             args += ("--ui-codec-endpoint", self.codec_endpoint)
         return args

@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
 import ipaddress
 import os
 import signal
@@ -46,6 +47,7 @@ import socket
 import struct
 import subprocess
 import sys
+from typing import cast
 
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUSER = 0x10000000
@@ -184,7 +186,7 @@ class Gate:
             port = listener.getsockname()[1]
             check_host = port in self.http_ports
             servers.append(
-                await loop.create_server(lambda p=port, h=check_host: _Outer(self, p, h), sock=listener)
+                await loop.create_server(functools.partial(_Outer, self, port, check_host), sock=listener)
             )
         return servers
 
@@ -199,9 +201,17 @@ class _Half(asyncio.Protocol):
         self.other: _Half | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # A TCP connection's transport is a whole Transport; asyncio types the callback for any.
+        self.transport = cast(asyncio.Transport, transport)
         with contextlib.suppress(OSError, AttributeError):
             transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @property
+    def live(self) -> asyncio.Transport:
+        """The transport, where asyncio calls back only after connection_made."""
+        if self.transport is None:
+            raise RuntimeError("the connection is not made yet")
+        return self.transport
 
     def data_received(self, data: bytes) -> None:
         if self.other is not None and self.other.transport is not None:
@@ -248,10 +258,10 @@ class _Outer(_Half):
             # RST, not FIN: nothing is said, not even an orderly goodbye.
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            transport.abort()
+            self.live.abort()
             return
         if self.check_host:
-            self.head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, transport.abort)
+            self.head_timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self.live.abort)
         else:
             self._connect()
 
@@ -263,18 +273,18 @@ class _Outer(_Half):
         if self.check_host and self.head_timer is not None:
             if b"\r\n\r\n" not in self.held:
                 if len(self.held) > HEAD_LIMIT:
-                    self.transport.abort()  # type: ignore[union-attr]
+                    self.live.abort()
                 return
             self.head_timer.cancel()
             self.head_timer = None
             if not loopback_host(bytes(self.held)):
                 self.gate.refused += 1
-                self.transport.write(MISDIRECTED)  # type: ignore[union-attr]
-                self.transport.close()  # type: ignore[union-attr]
+                self.live.write(MISDIRECTED)
+                self.live.close()
                 return
             self._connect()
         elif len(self.held) > HEAD_LIMIT:
-            self.transport.pause_reading()  # type: ignore[union-attr]
+            self.live.pause_reading()
 
     def _connect(self) -> None:
         self.opening = asyncio.get_running_loop().create_task(self._open_inner())  # held: not collected
@@ -284,21 +294,21 @@ class _Outer(_Half):
         try:
             await asyncio.get_running_loop().create_connection(lambda: inner, "127.0.0.1", self.port)
         except OSError:
-            self.transport.close()  # type: ignore[union-attr]
+            self.live.close()
             return
         if self.transport is None or self.transport.is_closing():
-            inner.transport.close()  # type: ignore[union-attr]
+            inner.live.close()
             return
         self.other, inner.other = inner, self
         self.open = True
         if self.held:
-            inner.transport.write(bytes(self.held))  # type: ignore[union-attr]
+            inner.live.write(bytes(self.held))
             self.held.clear()
         self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         if not self.open:
-            self.transport.close()  # type: ignore[union-attr]
+            self.live.close()
             return False
         return super().eof_received()
 

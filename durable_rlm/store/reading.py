@@ -44,7 +44,7 @@ class StoredRow:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, StoredRow) and self._mapping == other._mapping
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # equal by value, so never a key (Python's rule)
 
     def __repr__(self) -> str:
         return f"StoredRow({self._mapping!r})"
@@ -138,7 +138,7 @@ def open_reader(url: str) -> Reader | None:
 def as_reader(source: Any) -> Reader:
     """A reader as given, or one over a SQLAlchemy engine (a worker's, the episode page's)."""
     if hasattr(source, "rows") and hasattr(source, "errors"):
-        return source  # type: ignore[no-any-return]
+        return source
     from durable_rlm.store.sql import EngineReader  # start-up: SQLAlchemy, which an engine's owner has
 
     return EngineReader(source)

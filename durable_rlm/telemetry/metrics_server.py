@@ -64,7 +64,7 @@ class MetricsEndpoint:
 
     @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
+        host, port = self.server.socket.getsockname()[:2]  # as bound: a str host
         host = f"[{host}]" if ":" in str(host) else host
         return f"http://{host}:{port}/metrics"
 

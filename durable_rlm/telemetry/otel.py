@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
     from prometheus_client import CollectorRegistry
 
@@ -284,6 +284,7 @@ def _tracer_provider(
         SimpleSpanProcessor,
     )
 
+    processors: list[SpanProcessor]
     if exporter is not None:
         processors = [SimpleSpanProcessor(exporter)]
     else:

@@ -179,7 +179,7 @@ class CodecServer:
     @property
     def url(self) -> str:
         """The endpoint to give the UI (`--ui-codec-endpoint`) or the CLI (`--codec-endpoint`)."""
-        host, port = self._server.server_address[:2]
+        host, port = self._server.socket.getsockname()[:2]  # as bound: a str host
         secret = f"/{self.path_secret}" if self.path_secret else ""
         return f"http://{host}:{port}{secret}"
 

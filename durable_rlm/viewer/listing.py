@@ -29,7 +29,7 @@ def episode_table(rows: Sequence[Any]) -> Table:
         ("started (UTC)", "left"),
         ("task / answer", "left"),
     ):
-        table.add_column(name, justify=justify, no_wrap=name != "task / answer")  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=name != "task / answer")  # type: ignore[arg-type]  # rich's "left" or "right"
     for row in rows:
         if hasattr(row, "summary"):  # a persistent session (audit/readonly.py's SessionRows)
             table.add_row(*_session_cells(row.summary()))

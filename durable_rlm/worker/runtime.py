@@ -155,7 +155,12 @@ def build_workers(
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
     interceptors = [AuditInterceptor(audit.writer), *worker_interceptors()]
     extraction = ExtractionActivities(models, blobs)
-    repl_activities = [repl.execute_cell, repl.resume_cell, repl.read_variable, repl.close_sandbox]
+    repl_activities: list[Callable[..., object]] = [
+        repl.execute_cell,
+        repl.resume_cell,
+        repl.read_variable,
+        repl.close_sandbox,
+    ]
     shared = Worker(
         client,
         task_queue=task_queue,
