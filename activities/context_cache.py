@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from durable_rlm.activities.sandbox.contexts import HEADER, PACK_MAGIC
+from durable_rlm.owned_dirs import UnsafeDirectory, check_owned
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.chunks import split_digest
 from durable_rlm.store.contexts import read_documents_index
@@ -51,7 +51,7 @@ EVICT_AFTER_S = 300.0
 def owned_cache_dir(encrypting: bool, base: Path | None = None) -> Path:
     """The cache directory: created fresh (a random name, 0700) under `base`, in memory-backed
     storage when contexts are sealed at rest. The one place that decides where the clear
-    copies live: the worker's rules for directories it owns apply here."""
+    copies live."""
     if base is None:
         base = MEMORY_BACKED if encrypting and MEMORY_BACKED.is_dir() else Path(tempfile.gettempdir())
     if encrypting and not _memory_backed(base):
@@ -59,8 +59,17 @@ def owned_cache_dir(encrypting: bool, base: Path | None = None) -> Path:
             f"{base} is not memory-backed (tmpfs): sealed contexts are never cached in the clear on disk"
         )
     directory = Path(tempfile.mkdtemp(prefix=f"drlm-contexts-{os.getpid()}-", dir=base))
-    check_owned(directory)
+    check_private(directory)
     return directory
+
+
+def check_private(directory: Path) -> None:
+    """The rules of every directory the worker owns (durable_rlm/owned_dirs.py: not a link,
+    this user's, writable by nobody else), and readable by nobody else: it holds contexts
+    in the clear."""
+    info = check_owned(directory)
+    if info.st_mode & 0o077:
+        raise UnsafeDirectory(f"context cache {directory} is open to others (mode {info.st_mode & 0o777:o})")
 
 
 def _memory_backed(path: Path) -> bool:
@@ -75,17 +84,6 @@ def _memory_backed(path: Path) -> bool:
                         best = (fields[1], fields[2])
             return best[1] in ("tmpfs", "ramfs")
     return False
-
-
-def check_owned(directory: Path) -> None:
-    """Refuse a directory that is a link, not the worker's, or writable by others."""
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
-        raise OSError(f"context cache {directory} is not a directory")
-    if info.st_uid != os.geteuid():
-        raise OSError(f"context cache {directory} belongs to uid {info.st_uid}, not this worker's")
-    if info.st_mode & 0o077:
-        raise OSError(f"context cache {directory} is open to others (mode {info.st_mode & 0o777:o})")
 
 
 @dataclass(frozen=True)
@@ -181,7 +179,7 @@ class ContextCache:
 
     def _make(self, ref: ContextRef) -> CachedContext:
         directory = self.directory
-        check_owned(directory)
+        check_private(directory)
         _, hexpart = split_digest(ref.digest)
         final = directory / f"{ref.kind}-{hexpart}"
         fd, temporary = tempfile.mkstemp(dir=directory, prefix=".making-")

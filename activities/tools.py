@@ -25,6 +25,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.activities.model_errors import clip
+from durable_rlm.activities.sandbox import values
 from durable_rlm.tools import registered
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import ToolCallInput, ToolReply
@@ -47,6 +48,8 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             type=names.TOOL_NOT_REGISTERED,
         )
     try:
+        # A cell chose these bytes: what they hold is counted before any object is built.
+        values.check(request.arguments.encode("utf-8", "surrogatepass"))
         call = json.loads(request.arguments)
         args, kwargs = call["args"], call["kwargs"]
         if not isinstance(args, list) or not isinstance(kwargs, dict):

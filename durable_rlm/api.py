@@ -302,6 +302,7 @@ class DurableRLM:
             source_id,
             at,
             settings=self.settings,
+            blobs=self._services.blobs,
             **changes,
         )
         return Episode(self._services, handle)

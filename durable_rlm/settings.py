@@ -20,6 +20,7 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.owned_dirs import owned_directory
 from durable_rlm.store.encryption import Keyring
 from durable_rlm.workflows import defaults
 
@@ -103,6 +104,21 @@ class Settings(BaseSettings):
         "sandbox_memory_mb", "DRLM_SANDBOX_MEMORY_MB", defaults.SANDBOX_MEMORY_MB, ge=64
     )
     sandbox_idle_s: float = _env("sandbox_idle_s", "DRLM_SANDBOX_IDLE_S", defaults.SANDBOX_IDLE_S, gt=0)
+    sandbox_dir: Path | None = _env(
+        "sandbox_dir",
+        "DRLM_SANDBOX_DIR",
+        None,
+        description="the sandboxes' root, a directory of this user's own that only it can write "
+        "(refused otherwise); default: $TMPDIR/drlm-sandboxes",
+    )
+    sandbox_files_mb: int = _env(
+        "sandbox_files_mb",
+        "DRLM_SANDBOX_FILES_MB",
+        defaults.SANDBOX_FILES_MB,
+        ge=1,
+        description="a sandbox's own directory, a tmpfs of this size counted in its memory "
+        "(with the private root; without it the host's disk, 256 MB a file)",
+    )
     sandbox_start: Literal["fork", "spawn"] = _env(
         "sandbox_start",
         "DRLM_SANDBOX_START",
@@ -496,9 +512,9 @@ def safe_url(url: str) -> str:
 
 
 def private_dir(path: Path) -> Path:
-    if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(path, 0o700)
+    """`path` as a 0700 directory of this user's own: made now, or refused (UnsafeDirectory)
+    when another user made it, could swap it or could write in it (durable_rlm/owned_dirs.py)."""
+    owned_directory(path, 0o700)
     return path
 
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from durable_rlm.activities.context_cache import ContextCache, check_owned, owned_cache_dir
+from durable_rlm.activities.context_cache import ContextCache, check_private, owned_cache_dir
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
 from durable_rlm.store.chunks import CHUNK_BYTES
@@ -157,16 +157,21 @@ def test_a_cache_directory_that_is_not_the_worker_s_own_is_refused(tmp_path: Pat
     open_one = tmp_path / "open"
     open_one.mkdir(mode=0o777)
     os.chmod(open_one, 0o777)
+    with pytest.raises(OSError, match="writable by other users"):
+        check_private(open_one)
+    readable = tmp_path / "readable"
+    readable.mkdir()
+    os.chmod(readable, 0o755)
     with pytest.raises(OSError, match="open to others"):
-        check_owned(open_one)
+        check_private(readable)
     link = tmp_path / "link"
     link.symlink_to(owned_cache_dir(False, tmp_path))
-    with pytest.raises(OSError, match="not a directory"):
-        check_owned(link)
+    with pytest.raises(OSError, match="is a link"):
+        check_private(link)
     theirs = owned_cache_dir(False, tmp_path)
     os.chown(theirs, 65534, 65534)
     with pytest.raises(OSError, match="belongs to uid 65534"):
-        check_owned(theirs)
+        check_private(theirs)
     with pytest.raises(OSError, match="not memory-backed"):
         owned_cache_dir(True, tmp_path)
 

@@ -198,6 +198,13 @@ class SnapshotPolicy(StrictModel):
         description="snapshot after a cell that read the clock or OS randomness, so a rebuild "
         "restores the values the model saw instead of drawing new ones",
     )
+    max_mb: int = Field(
+        default=defaults.SNAPSHOT_EPISODE_MB,
+        ge=1,
+        description="snapshot megabytes the episode keeps in the store: the newest that fit, "
+        "older ones deleted (the newest two always kept, so a snapshot larger than the one "
+        "before it leaves room for is not taken, and the timeline says so)",
+    )
 
 
 class DurabilitySettings(StrictModel):
@@ -876,6 +883,7 @@ class CellOutcome(StrictModel):
         default=None, description="which step this answers; set by local steps, whose input is not in history"
     )
     snapshot: SnapshotRef | None = Field(default=None, description="taken after this cell")
+    snapshot_note: str | None = Field(default=None, description="why no snapshot was taken when one was due")
     rebuild: RebuildReport | None = None
     started_at: datetime | None = Field(default=None, description="when this step began (audit)")
     ended_at: datetime | None = None

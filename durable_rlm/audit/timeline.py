@@ -82,6 +82,7 @@ class CellView(BaseModel):
     rebuilt: bool = False
     rebuild: RebuildReport | None = None
     snapshot: SnapshotRef | None = Field(default=None, description="the REPL snapshot taken after it")
+    snapshot_note: str | None = Field(default=None, description="why no snapshot was taken after it")
     sub_calls: list[SubCall] = Field(default_factory=list)
     children: list[ChildView] = Field(default_factory=list)
     answer: str | None = Field(default=None, description="the answer the cell gave (FINAL...), if any")
@@ -456,6 +457,7 @@ def _apply_result(
             cell.rebuilt = cell.rebuilt or value.rebuilt
             cell.rebuild = cell.rebuild or value.rebuild
             cell.snapshot = value.snapshot or cell.snapshot
+            cell.snapshot_note = value.snapshot_note or cell.snapshot_note
 
 
 def fork_line(fork: ForkOrigin) -> str:
@@ -520,6 +522,8 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
                     f"snapshot after this cell: {cell.snapshot.size:,} bytes"
                     + (unsaved if cell.snapshot.unsaved else "")
                 )
+            elif cell.snapshot_note is not None:
+                lines.append(cell.snapshot_note)
     lines.extend(_action_lines(a, clip) for a in actions)
     if timeline.result is not None:
         r = timeline.result

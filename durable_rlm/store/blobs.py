@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from collections.abc import Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from durable_rlm.store.backends import BlobBackend, Data, DirectoryBackend, SqlBackend, StoredBlob
@@ -223,6 +223,27 @@ class BlobStore(TypedBlobs):
         for digest in wanted:
             self._cache.pop(digest, None)
         return self.backend.delete(wanted, written_before)
+
+    def forget(self, digest: str, keep: Iterable[str] = ()) -> int:
+        """Remove one blob its owner will not read again (a snapshot an episode's quota
+        replaced) and, for a large one, its chunks that no blob in `keep` names (consecutive
+        snapshots of one namespace share most of their chunks). A digest names content: a
+        blob another episode made alike goes too, and that episode then rebuilds its REPL by
+        running its cells again. The number of stored objects removed."""
+        doomed = [digest]
+        manifest = self.manifest(digest) if is_manifest(digest) and self.holds(digest) else None
+        if manifest is not None:
+            kept: set[str] = set()
+            for other in keep:
+                other_manifest = self.manifest(other) if is_manifest(other) and self.holds(other) else None
+                if other_manifest is not None:
+                    kept.update(chunk for chunk, _ in other_manifest.chunks)
+            doomed.extend(chunk for chunk, _ in manifest.chunks if chunk not in kept)
+        return self.delete(doomed, written_before=datetime.max.replace(tzinfo=UTC))
+
+    def holds(self, digest: str) -> bool:
+        """Does the store hold this blob? (Read whole: for small blobs and markers.)"""
+        return digest in self._cache or self.backend.read(digest) is not None
 
     # --- reading ----------------------------------------------------------------------------
 
