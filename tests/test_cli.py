@@ -405,7 +405,7 @@ def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, con
     with pytest.raises(subprocess.TimeoutExpired) as watched:  # it follows until the end: stopped
         drlm(tmp_path, "watch", waiting, "--plain", timeout=15)
     said = watched.value.stderr.decode() if isinstance(watched.value.stderr, bytes) else watched.value.stderr
-    assert f"no worker runs episode {waiting}" in (said or "") and f"drlm resume {waiting}" in said
+    assert f"no worker runs this episode: `drlm resume {waiting}`" in (said or ""), said
     resumed = drlm(tmp_path, "resume", waiting, "--json")
     assert resumed.returncode == 0 and json.loads(resumed.stdout)["answer"] == "done", resumed.stderr
     assert len([r for r in server.requests if r.model == "left"]) == 1  # paid once

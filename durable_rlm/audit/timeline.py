@@ -151,6 +151,7 @@ class Timeline(BaseModel):
     request: EpisodeRequest | None = Field(default=None, description="as the first run received it")
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    unattended: bool = Field(default=False, description="running, and no worker runs it now")
 
 
 ChildView.model_rebuild()
@@ -462,6 +463,12 @@ def fork_line(fork: ForkOrigin) -> str:
     return f"Forked from {fork.source_id} after iteration {fork.iteration}{running}: {changed}"
 
 
+def unattended_line(episode_id: str) -> str:
+    """The one sentence every command and the page say of an episode no worker runs
+    (durable_rlm/client/attendance.py decides it)."""
+    return f"no worker runs this episode: `drlm resume {episode_id}`"
+
+
 def render(timeline: Timeline, width: int = 2_000) -> str:
     """The timeline as text for a person: each iteration's response, code, output, calls."""
 
@@ -470,6 +477,8 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         return text if len(text) <= width else text[:width] + f" ... [{len(text) - width} more chars]"
 
     lines = [f"Episode {timeline.episode_id}: {timeline.status} ({timeline.runs} run(s))"]
+    if timeline.unattended:
+        lines.append(unattended_line(timeline.episode_id))
     lines.append(f"Task: {clip(timeline.task)}")
     fork = timeline.request.fork if timeline.request is not None else None
     if fork is not None:

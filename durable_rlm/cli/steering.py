@@ -262,7 +262,7 @@ async def _pending(settings: Settings, args: argparse.Namespace) -> int:
     async with connect(settings) as services:
         cells = await pending_cells(services.client, unanswered)
         silent = await _unattended_of(settings, services, unanswered)
-    from durable_rlm.client.attendance import unattended_line  # start-up: loaded with the connection
+    from durable_rlm.audit.timeline import unattended_line  # start-up: the timeline's models (~0.1 s)
 
     for episode_id, nobody in silent.items():
         stderr(

@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -359,19 +357,6 @@ def own_task_queue(shared: str) -> str:
 async def episode_task_queue(client: Client, episode_id: str) -> str:
     """The task queue an episode's workflow tasks go to (shared, or a session's own)."""
     return (await describe_episode(client.get_workflow_handle(episode_id))).task_queue
-
-
-async def workers_polling(client: Client, task_queue: str) -> int:
-    """How many workers polled `task_queue` for workflow tasks lately (the server forgets a
-    poller about a minute after its last poll)."""
-    reply = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=task_queue),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-        )
-    )
-    return len(reply.pollers)
 
 
 async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:

@@ -3,7 +3,7 @@ for all its turns), drawn with rich; and `drlm show <session>`'s text."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -15,7 +15,8 @@ def print_table(table: Table, console: Console | None = None) -> None:
     (console or Console(soft_wrap=True, width=1_000 if not Console().is_terminal else None)).print(table)
 
 
-def episode_table(rows: Sequence[Any]) -> Table:
+def episode_table(rows: Sequence[Any], unattended: Collection[str] = ()) -> Table:
+    """A line per episode; a running one that no worker runs says so in its status."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (
         ("episode", "left"),
@@ -39,7 +40,7 @@ def episode_table(rows: Sequence[Any]) -> Table:
         answer = (row.answer or "").replace("\n", " ")
         table.add_row(
             ("  " * (row.depth or 0)) + row.episode_id,
-            row.status,
+            "running, no worker" if row.episode_id in unattended else row.status,
             row.ended_by or "-",
             row.root_model,
             _number(row.iterations),

@@ -31,6 +31,7 @@ from durable_rlm.audit.timeline import (
     cost_text,
     describe_execution,
     fork_line,
+    unattended_line,
 )
 from durable_rlm.viewer.episode_plots import plots_section
 
@@ -159,7 +160,10 @@ class TimelineView:
             facts.append(f"started {t.started_at:%Y-%m-%d %H:%M:%S} UTC")
         if t.ended_at is not None:
             facts.append(f"ended {t.ended_at:%Y-%m-%d %H:%M:%S} UTC")
-        lines.append('<p class="facts">' + " · ".join(facts) + "</p></header>")
+        lines.append('<p class="facts">' + " · ".join(facts) + "</p>")
+        if t.unattended:
+            lines.append(f'<p class="unattended">{esc(unattended_line(t.episode_id))}</p>')
+        lines.append("</header>")
         return "\n".join(lines)
 
     def _budgets(self, t: Timeline, progress: EpisodeProgress | None) -> str:
