@@ -80,7 +80,7 @@ def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_fi
     assert progress.index("iteration 2: cell 2: 1 llm_query call(s)") > progress.index(
         "iteration 2: waiting for the root model"
     )
-    assert "ended by final_var after 3 iteration(s), 4 model call(s)" in out.stderr
+    assert "ended: answered (final_var) after 3 iteration(s), 4 model call(s)" in out.stderr
     assert "answer source: model, confidence 1.00" in out.stderr
 
 
@@ -165,11 +165,11 @@ def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> 
     result = json.loads(out.stdout)
     assert result["ended_by"] == "model_error" and "imaginary" in result["error"]
     assert (result["status"], result["failure_cause"]) == ("failed", "request")
-    # The audit row says so too: `drlm list --status failed` finds it, `completed` does not.
+    # The audit row says so too: `drlm list --status failed` finds it, `answered` does not.
     failed = drlm(tmp_path, "list", "--status", "failed")
     assert result["episode_id"] in failed.stdout, failed.stdout + failed.stderr
-    completed = drlm(tmp_path, "list", "--status", "completed")
-    assert result["episode_id"] not in completed.stdout
+    answered = drlm(tmp_path, "list", "--status", "answered")
+    assert result["episode_id"] not in answered.stdout
 
 
 def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:
@@ -223,7 +223,7 @@ def test_json_names_the_episode_the_source_the_confidence_and_the_usage(tmp_path
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["status"] == "completed" and report["episode_id"] == episode_id
+    assert report["status"] == "answered" and report["episode_id"] == episode_id
     assert (report["answer"], report["answer_source"], report["confidence"]) == ("42", "model", 1.0)
     assert report["stop_reason"] == "the model answered (final); final_pattern: final action"
     assert report["iterations"] == 2 and report["usage"]["prompt_tokens"] > 0
@@ -259,7 +259,7 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
     cancelled = drlm(tmp_path, "cancel", episode_id, "--reason", "changed my mind")
     assert cancelled.returncode == 0, cancelled.stderr
     assert f"episode {episode_id}: cancel accepted" in cancelled.stderr
-    assert "ended by cancelled" in cancelled.stderr
+    assert "ended: cancelled" in cancelled.stderr
     resumed = drlm(tmp_path, "resume", episode_id, "--json")
     assert resumed.returncode == 5
     report = json.loads(resumed.stdout)
@@ -272,7 +272,7 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
 
     again = drlm(tmp_path, "cancel", episode_id, "--extract")
     assert again.returncode == 0, again.stderr
-    assert "has already ended (completed); nothing was changed" in again.stderr
+    assert "has already ended (cancelled); nothing was changed" in again.stderr
     assert json.loads(drlm(tmp_path, "resume", episode_id, "--json").stdout) == report
     unknown = drlm(tmp_path, "cancel", "no-such-episode")
     assert (unknown.returncode, unknown.stderr.strip()) == (2, "drlm: no episode with id 'no-such-episode'")
@@ -355,7 +355,7 @@ def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
     assert (report["answer"], report["tree_episodes"]) == ("15", 2)
     assert report["children"][0]["episode_id"] == f"{episode_id}/1.0"
     shown = drlm(tmp_path, "show", episode_id)
-    line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: ended by final_var, answer '15'"
+    line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: answered (final_var), answer '15'"
     assert line in shown.stdout
 
 

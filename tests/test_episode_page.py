@@ -148,7 +148,7 @@ def show_items(timeline: Timeline) -> Iterator[str]:
         if r.termination is not None:
             yield r.termination.reason
         if r.execution is not None:
-            yield describe_execution(r.execution)
+            yield describe_execution(r.execution, r.status)
         yield f"{r.usage.total_tokens:,} tokens"
 
 

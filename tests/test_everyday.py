@@ -169,7 +169,7 @@ def test_two_runs_from_two_directories_readers_and_a_worker_from_a_third(tmp_pat
     shown = drlm(tmp_path, tmp_path / "f", "show", "ep-quick", "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["result"]["answer"] == "quick: 4"
     listing = drlm(tmp_path, tmp_path / "f", "list")
-    assert "ep-3" in listing.stdout and "completed" in listing.stdout
+    assert "ep-3" in listing.stdout and "answered" in listing.stdout
     assert server_state(tmp_path) is None
 
 

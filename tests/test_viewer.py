@@ -61,7 +61,7 @@ async def test_an_episode_page_shows_its_task_code_and_answer(tmp_path: Path, sc
         url = services.episode_url("viewer-1", episode.handle.first_execution_run_id)
         assert url is not None and url.startswith(f"http://127.0.0.1:{settings.ui_port}/")
         page = dump_dom(url)
-        listed = [e.id async for e in services.client.list_workflows('DrlmStatus = "completed"')]
+        listed = [e.id async for e in services.client.list_workflows('DrlmStatus = "answered"')]
         assert "viewer-1" in listed  # the episode list filters on the registered attributes
     finally:
         await rlm.close()

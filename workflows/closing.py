@@ -34,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         ExtractionInput,
         ExtractionReply,
         ReplState,
+        ending_words,
     )
     from durable_rlm.workflows.outages import OutageWaits
     from durable_rlm.workflows.repl_steps import ReplSteps
@@ -164,7 +165,10 @@ class Closing:
         """The episode's result, once its sandbox and its audit row are closed."""
         result = self.result(ending)
         self.stop.finished = True
-        self.display.set_phase(f"ended: {result.ended_by}")
+        ending = ending_words(result.status)  # the vocabulary of endings, what ended it beside
+        self.display.set_phase(
+            f"ended: {ending}" + ("" if result.ended_by == result.status else f" ({result.ended_by})")
+        )
         self.display.show(result.status, result.ended_by, result.answer_source)
         await self.repl.close()
         await self.audit(result.status, result)
@@ -173,7 +177,7 @@ class Closing:
     async def close(self, status: EpisodeStatus, error: str) -> None:
         """An episode that ends without a result still closes its sandbox and its audit row."""
         self.stop.finished = True
-        self.display.set_phase(f"ended: {status}")
+        self.display.set_phase(f"ended: {ending_words(status)}")
         self.display.show(status)
         await self.repl.close()
         await self.audit(status, error=error)

@@ -348,6 +348,10 @@ class EpisodeWorkflow:
                 await self._acting.setup(request.setup_code)
         while True:
             stop.halt_if_stopping()
+            if stop.cancel is not None:
+                # A cancel taken at this boundary: no iteration begins after it (`_episode`
+                # stops the loop here), so the result counts only iterations that began.
+                await stop.until(lambda: False)
             if self._steering:
                 asked = await self._gate.checkpoint()
                 if asked is not None:

@@ -44,6 +44,7 @@ from durable_rlm.workflows.models import (
     EpisodeStatus,
     RewardReceipt,
     RewardUpdate,
+    ending_words,
 )
 from durable_rlm.workflows.retries import describe_failure, ending_of
 
@@ -173,6 +174,28 @@ class EpisodeEnd(BaseModel):
             "iterations": None,
             "usage": None,
         }
+
+
+_WITHOUT_RESULT: dict[WorkflowExecutionStatus, EpisodeStatus] = {
+    WorkflowExecutionStatus.FAILED: "failed",
+    WorkflowExecutionStatus.CANCELED: "cancelled",
+    WorkflowExecutionStatus.TERMINATED: "terminated",
+    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
+}
+
+
+_GOING_ON = (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
+
+
+def execution_ending(status: WorkflowExecutionStatus | None, result: EpisodeResult | None) -> EpisodeStatus:
+    """An episode's status in the vocabulary of endings (workflows/models.py `ENDINGS`), from
+    its Temporal status and, when it returned one, its result: Temporal says "completed" of
+    a cancelled episode, or of one that ended without an answer."""
+    if result is not None:
+        return result.status
+    if status is None or status in _GOING_ON:
+        return "running"
+    return _WITHOUT_RESULT.get(status, "failed")
 
 
 def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
@@ -374,10 +397,12 @@ async def update_running(
 ) -> tuple[Any, str | None]:
     """Send an update to a running episode: (its receipt, None), or (None, why not: it has
     ended, or the workflow refused the update)."""
-    handle = client.get_workflow_handle(episode_id)
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
     status = (await describe_episode(handle)).status
     if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return None, f"episode {episode_id} has already ended ({status.name.lower()}); {unchanged}"
+        result = await handle.result() if status == WorkflowExecutionStatus.COMPLETED else None
+        ending = ending_words(execution_ending(status, result))
+        return None, f"episode {episode_id} has already ended ({ending}); {unchanged}"
     try:
         args = [] if arg is None else [arg]
         return await handle.execute_update(update, args=args, result_type=result_type), None
@@ -413,9 +438,10 @@ async def cancel_episode(
     if refused is not None:
         return CancelOutcome(episode_id=episode_id, accepted=False, message=refused)
     what = "extracting what was found, then ending" if extract else "ending"
+    where = f"at iteration {receipt.iteration}" if receipt.iteration else "before its first iteration"
     return CancelOutcome(
         episode_id=episode_id,
         accepted=True,
-        message=f"episode {episode_id}: cancel accepted at iteration {receipt.iteration}; {what}",
+        message=f"episode {episode_id}: cancel accepted {where}; {what}",
         receipt=receipt,
     )

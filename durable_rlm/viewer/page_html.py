@@ -22,18 +22,22 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
+from durable_rlm.audit.readonly import ENDED
 from durable_rlm.audit.timeline import (
     ActionView,
     CellView,
     ChildView,
     IterationView,
     Timeline,
-    cost_text,
     describe_execution,
+    ended_line,
+    ending_text,
     fork_line,
+    termination_text,
     unattended_line,
 )
 from durable_rlm.viewer.episode_plots import plots_section
+from durable_rlm.workflows.models import ending_words
 
 if TYPE_CHECKING:
     from durable_rlm.workflows.models import EpisodeProgress
@@ -129,6 +133,7 @@ class TimelineView:
 
     def _header(self, t: Timeline, progress: EpisodeProgress | None) -> str:
         status = t.status
+        shown = ending_text(t.result) if t.result is not None else ending_words(status)
         flags = []
         if progress is not None and progress.held:
             flags.append(f'<span class="badge paused">paused: {esc(progress.held)}</span>')
@@ -140,7 +145,7 @@ class TimelineView:
             )
         lines = [
             f'<header><h1>Episode <span class="episode-id">{esc(t.episode_id)}</span> '
-            f'<span class="badge status-{esc(status)}">{esc(status)}</span> {"".join(flags)}</h1>',
+            f'<span class="badge status-{esc(status)}">{esc(shown)}</span> {"".join(flags)}</h1>',
             _folded("Task", t.task, "task", "task"),
         ]
         request = t.request
@@ -344,11 +349,11 @@ class TimelineView:
         elif t.result is not None:
             r = t.result
             state = (
-                f"ended by {r.ended_by}; answer: {r.answer}; {r.model_calls} model call(s), "
+                f"{ending_text(r)}; answer: {r.answer}; {r.model_calls} model call(s), "
                 f"{r.usage.total_tokens:,} tokens"
             )
         else:
-            state = t.failure or t.status
+            state = t.failure or ending_words(t.status)
         nested = ""
         if t is not None and depth < 8:
             grandchildren = [c for it in t.iterations for cell in it.cells for c in cell.children]
@@ -372,21 +377,15 @@ class TimelineView:
                 f"<pre>{esc(r.answer) if r.answer is not None else '(no answer)'}</pre></div>"
             )
             facts = [
-                f"Ended by <b>{esc(r.ended_by)}</b> after {r.iterations} iteration(s), {r.model_calls} model "
-                f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens:,} tokens, "
-                f"{esc(cost_text(r.usage))}",
+                esc(ended_line(r).replace("ended:", "Ended:", 1)),
                 f"Stop reason: {esc(r.stop_reason)}",
             ]
             if r.children:
                 facts.append(f"Tree: {r.tree_episodes} episode(s), {len(r.children)} direct child(ren)")
             if r.termination is not None:
-                tm = r.termination
-                facts.append(
-                    f"Termination: policy {esc(tm.policy)} at step {tm.step} ({esc(tm.action_type)}): "
-                    f"{esc(tm.reason)}"
-                )
+                facts.append(esc(termination_text(r.termination)))
             if r.execution is not None:
-                facts.append(esc(describe_execution(r.execution)))
+                facts.append(esc(describe_execution(r.execution, r.status)))
             if r.error:
                 facts.append(f"Error: {esc(r.error)}")
             if r.lost_cells or r.compactions or r.replay_divergences:
@@ -479,9 +478,10 @@ class ListQuery:
 
 def list_body(base: str, rows: Sequence[Any], q: ListQuery, live: dict[str, str], error: str = "") -> str:
     """The episode list: a search form, then one row per episode, paused and waiting ones marked."""
-    statuses = ("", "running", "completed", "failed", "cancelled", "terminated", "timed_out")
+    statuses = ("", "running", *ENDED)
     options = "".join(
-        f'<option value="{esc(s)}"{" selected" if s == q.status else ""}>{esc(s or "any status")}</option>'
+        f'<option value="{esc(s)}"{" selected" if s == q.status else ""}>'
+        f"{esc(ending_words(s) or 'any status')}</option>"
         for s in statuses
     )
     form = (
@@ -512,7 +512,7 @@ def list_body(base: str, rows: Sequence[Any], q: ListQuery, live: dict[str, str]
             f'<td>{esc(indent)}<a href="{esc(_page_href(base, row.episode_id))}">'
             f"{esc(row.episode_id)}</a></td>"
             f'<td class="text">{esc((row.task or "")[:200])}</td>'
-            f'<td><span class="badge status-{esc(row.status)}">{esc(row.status)}</span>'
+            f'<td><span class="badge status-{esc(row.status)}">{esc(ending_words(row.status))}</span>'
             f"{f' <span class=badge-attention>{esc(state)}</span>' if state else ''}</td>"
             f'<td class="text">{esc((row.answer or "")[:200])}</td>'
             f"<td>{esc(row.iterations if row.iterations is not None else '—')}</td>"
