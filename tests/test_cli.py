@@ -144,16 +144,29 @@ def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
-    out = drlm(tmp_path, *args)
+    out = drlm(tmp_path, *args, DRLM_MODEL="m")
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "command", [["run", "t", "--base-url", "http://127.0.0.1:9/v1"], ["demo", "--api-key", "k"]]
+)
+def test_no_model_is_chosen_for_the_user(tmp_path: Path, command: list[str]) -> None:
+    """No silent default: a run against a real endpoint names its model, or nothing starts."""
+    out = drlm(tmp_path, *command)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "drlm: name a model: --model NAME or DRLM_MODEL (e.g. --model gpt-4o-mini)"
+    assert "gpt-4o-mini'" not in out.stderr  # no model is named as if the user had chosen it
+
+
 def test_bad_json_context_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "ctx.json"
     bad.write_text("{not json")
-    out = drlm(tmp_path, "run", "t", "--context", str(bad), "--base-url", "http://127.0.0.1:9/v1")
+    out = drlm(
+        tmp_path, "run", "t", "--context", str(bad), "--base-url", "http://127.0.0.1:9/v1", DRLM_MODEL="m"
+    )
     assert out.returncode == 2 and "not valid JSON" in out.stderr
 
 
@@ -173,7 +186,9 @@ def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> 
 
 
 def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:
-    out = drlm(tmp_path, "run", "t", "--api-key", "sk-x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}")
+    out = drlm(
+        tmp_path, "run", "t", "--model", "m", "--api-key", "sk-x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}"
+    )
     assert out.returncode == 2 and "give the key to the worker" in out.stderr
 
 
@@ -206,7 +221,7 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
 def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "array"}')
-    out = drlm(tmp_path, "run", "t", "--output-schema", str(schema))
+    out = drlm(tmp_path, "run", "t", "--model", "m", "--output-schema", str(schema))
     assert out.returncode == 2 and "invalid output schema" in out.stderr
 
 
@@ -428,7 +443,8 @@ def test_scripted_server_lets_a_new_user_run_without_a_key(tmp_path: Path) -> No
         assert server.stdout is not None
         base_url = server.stdout.readline().strip()
         assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1"), base_url
-        out = drlm(tmp_path, "run", demo.TASK, "--base-url", base_url, "--context", str(log), "--json")
+        args = ("--base-url", base_url, "--model", "scripted-rlm", "--context", str(log), "--json")
+        out = drlm(tmp_path, "run", demo.TASK, *args)
         assert out.returncode == 0, out.stderr
         service, count = demo.expected_answer(log.read_text())
         assert json.loads(out.stdout)["answer"] == f"{service} logged the most ERROR lines: {count}"

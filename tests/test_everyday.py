@@ -291,7 +291,7 @@ def test_ctrl_c_says_the_episode_goes_on_and_resume_finishes_it(tmp_path: Path, 
 def test_bad_flags_and_files_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     out = (
-        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1")
+        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1", "--model", "m")
         if args[0] == "run"
         else drlm(tmp_path, tmp_path, *args)
     )

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from durable_rlm.audit.history import Reset, decode, episode_runs, repl_marker, reset_of
+from durable_rlm.terminal import safe
 from durable_rlm.workflows import names
 from durable_rlm.workflows.fallback import ExecutionResult
 from durable_rlm.workflows.models import (
@@ -558,7 +559,7 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         lines.append(f"Answer ({source}): {r.answer}")
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
-    return "\n".join(lines)
+    return safe("\n".join(lines))  # for a terminal: model text cannot drive it
 
 
 def _action_lines(action: ActionView, clip: Callable[[str | None], str]) -> str:

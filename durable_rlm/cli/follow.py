@@ -141,10 +141,11 @@ async def _follow_live(handle: Any, say: list[Callable[[str], None]]) -> Any:
     from rich.live import Live  # start-up: as the line above
 
     from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.terminal import safe  # start-up: nothing (a table of controls)
     from durable_rlm.viewer.live import frame  # start-up: the timeline's models (~0.1 s)
 
     with Live(console=Console(stderr=True), refresh_per_second=4, transient=False) as live:
-        say.append(lambda line: live.console.print(line, markup=False, highlight=False))
+        say.append(lambda line: live.console.print(safe(line), markup=False, highlight=False))
         try:
             return await follow(handle, on_state=lambda progress: live.update(frame(handle.id, progress)))
         finally:

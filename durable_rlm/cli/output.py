@@ -10,6 +10,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from durable_rlm.terminal import safe
+
 if TYPE_CHECKING:
     from durable_rlm.client.episodes import EpisodeEnd
 
@@ -32,7 +34,9 @@ INTERRUPTED: list[int] = []
 
 
 def stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """A line for a person; what it quotes of a model, a cell or a tool cannot drive their
+    terminal (durable_rlm/terminal.py)."""
+    print(safe(line), file=sys.stderr, flush=True)
 
 
 def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
@@ -83,5 +87,6 @@ def print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) ->
     if result.error:
         stderr(f"error: {result.error}")
     if result.answer is not None:
-        print(result.answer)
+        # As written for a file or a pipe (a script reads it whole); shown safe on a terminal.
+        print(safe(result.answer) if sys.stdout.isatty() else result.answer)
     return exit_code(end, accept_extracted)

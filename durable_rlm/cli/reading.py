@@ -112,8 +112,8 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
 
         print(json.dumps(timeline, default=str) if args.json else session_text(timeline, _width(args)))
         return EXIT_OK
-    if args.json:
-        print(timeline.model_dump_json())
+    if args.json:  # ASCII: a control or bidirectional character is escaped, not sent
+        print(json.dumps(timeline.model_dump(mode="json")))
     else:
         print(render(timeline, width=_width(args)))
     return EXIT_OK

@@ -92,10 +92,16 @@ def _scripted_server_parser(sub: Subparsers) -> None:
 
 
 PARSERS = {"run": _run_parser, "demo": _demo_parser, "scripted-server": _scripted_server_parser}
+SCRIPTED_MODEL = "scripted-rlm"  # the scripted server's model: any name does, this one says what it is
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("DRLM_MODEL") or None,
+        help="the root model, e.g. gpt-4o-mini or anthropic:claude-sonnet-4-5 (default: DRLM_MODEL; "
+        "there is no built-in default: a run names the model it pays for)",
+    )
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
     parser.add_argument(
         "--sampling",
@@ -180,7 +186,17 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+NO_MODEL = "name a model: --model NAME or DRLM_MODEL (e.g. --model gpt-4o-mini)"
+
+
+def _require_model(args: argparse.Namespace) -> None:
+    """No silent default: a model the user never chose must not be called, nor priced."""
+    if not args.model:
+        raise ConfigurationError(NO_MODEL)
+
+
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
+    _require_model(args)
     import_extensions(settings)
     context = _read_context(args.context)
     rlm = _rlm(args, settings)  # validate before starting anything
@@ -296,11 +312,12 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
     args.context_window = None
     if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
+        _require_model(args)
         if not args.json:
             stderr(f"demo: using the real model {args.model!r}")
         return await _run_episode(settings, args, demo.demo_log())
     with ScriptedModelServer(demo.demo_script()) as server:
-        args.base_url, args.model, args.sub_model = server.base_url, "scripted-rlm", None
+        args.base_url, args.model, args.sub_model = server.base_url, SCRIPTED_MODEL, None
         if not args.json:
             stderr(
                 f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
@@ -331,7 +348,7 @@ async def _scripted_server(settings: Settings, args: argparse.Namespace) -> int:
         stderr(
             "a SCRIPTED model (it plays the demo's RLM transcript, and really counts the ERROR lines "
             "its sub-calls are given); any key is accepted. Try:\n"
-            f'  drlm run "{demo.TASK}" --base-url {server.base_url} '
+            f'  drlm run "{demo.TASK}" --base-url {server.base_url} --model {SCRIPTED_MODEL} '
             f"--context {context}\n(Ctrl-C stops it)"
         )
         await stop.wait()

@@ -276,15 +276,17 @@ async def _pending(settings: Settings, args: argparse.Namespace) -> int:
     if not cells:
         stderr("no cell waits for approval" + (" in the episodes that answered" if silent else ""))
         return EXIT_OK
+    from durable_rlm.terminal import safe  # start-up: nothing (a table of controls)
+
     now = datetime.now(UTC)
-    for cell in cells:
+    for cell in cells:  # the code is a model's: shown, never acted on by the terminal
         waited = max((now - cell.since).total_seconds(), 0)
         where = f"iteration {cell.iteration}, --approve {cell.mode}"
-        print(f"{cell.approval_id}  waiting {_duration(waited)} ({where})")
+        print(safe(f"{cell.approval_id}  waiting {_duration(waited)} ({where})"))
         for reason in cell.reasons or ["(every cell waits)"]:
-            print(f"  risk: {reason}")
+            print(safe(f"  risk: {reason}"))
         for line in cell.code.splitlines() or [""]:
-            print(f"  | {line}")
+            print(safe(f"  | {line}"))
     stderr(f"{len(cells)} cell(s): `drlm approve ID [--edit FILE]` or `drlm reject ID --reason TEXT`")
     return EXIT_OK
 
