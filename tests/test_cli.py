@@ -381,6 +381,8 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
         "t",
         "--tool",
         "nope",
+        "--model",
+        "m",
         DRLM_TOOL_MODULES="tests.tool_plugins",
         PYTHONPATH=str(ROOT_DIR),
     )
@@ -388,7 +390,7 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
     assert (
         "drlm: unknown tool(s) nope; registered: broken, convert, hangs, lookup_price, not_json" in out.stderr
     )
-    missing = drlm(tmp_path, "run", "t", DRLM_TOOL_MODULES="no.such.tools")
+    missing = drlm(tmp_path, "run", "t", "--model", "m", DRLM_TOOL_MODULES="no.such.tools")
     assert missing.returncode == 2 and "DRLM_TOOL_MODULES: cannot import 'no.such.tools'" in missing.stderr
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from durable_rlm.cli.arguments import env_number, json_object
 from durable_rlm.cli.handlers import Subparsers, bind, import_extensions
+from durable_rlm.cli.operations import episode_page
 from durable_rlm.cli.output import EXIT_OK, FOLLOWING, print_end, stderr
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.workflows import defaults
@@ -277,9 +278,11 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
         FOLLOWING.append(handle.id)
         if not args.json:
             stderr(f"episode {handle.id} started on task queue {services.settings.task_queue}")
-            url = services.episode_url(handle.id, handle.first_execution_run_id)
-            if url:
-                stderr(f"watch it in the Temporal UI: {url}")
+            page = episode_page(settings, handle.id)
+            if page:
+                stderr(f"its page: {page}")
+            elif url := services.episode_url(handle.id, handle.first_execution_run_id):
+                stderr(f"its events in the Temporal UI: {url}")
         end = await follow(handle, None if args.json else stderr)
         return print_end(end, args.json, args.accept_extracted)
     finally:
