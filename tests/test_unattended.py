@@ -429,3 +429,37 @@ def test_a_poller_is_called_dead_only_when_this_machine_knows_it_died(tmp_path: 
         held.kill()
         held.wait()
     assert poller_alive(f"{dead_pid}@{host} drlm-worker 111-held", folder) is False  # its holder died
+
+
+def test_sigterm_of_drlm_run_says_how_the_episode_goes_on(tmp_path: Path, scripted) -> None:
+    episode_id, run = left_by_ctrl_c(tmp_path, scripted, "termed")
+    assert run is not None
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 143, err  # the shell's code for SIGTERM, as before: now with what next
+    assert f"drlm: stopped (SIGTERM); episode {episode_id} goes on" in err
+    assert f"drlm resume {episode_id}" in err and f"drlm cancel {episode_id}" in err
+    assert "Traceback" not in err
+
+
+async def test_a_cell_waiting_for_a_person_is_said_once_not_every_ten_seconds(
+    client, worker, scripted
+) -> None:
+    from durable_rlm.client.episodes import follow, start_episode
+    from tests.conftest import request_for
+
+    server = scripted(lambda request: "```repl\nprint('wait for me')\n```")
+    handle = await start_episode(
+        client, request_for(server, approve="all"), worker.task_queue, f"said-once-{uuid.uuid4().hex[:6]}"
+    )
+    lines: list[str] = []
+    following = asyncio.ensure_future(follow(handle, lines.append, poll_s=0.1, waiting_every_s=0.3))
+    try:
+        await asyncio.wait_for(asyncio.shield(following), 4)
+    except TimeoutError:
+        pass
+    finally:
+        following.cancel()
+        await handle.cancel()
+    assert any("waits for approval" in line or "drlm approve" in line for line in lines), lines
+    assert [line for line in lines if line.startswith("still ")] == [], lines

@@ -254,6 +254,7 @@ async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
 
 
 WAITING_EVERY_S = 10.0
+WAITING_AT_MOST_S = 600.0
 
 
 def _raise_if_cancel_was_swallowed() -> None:
@@ -273,13 +274,16 @@ async def follow(
     waiting_every_s: float = WAITING_EVERY_S,
     on_state: Callable[[EpisodeProgress], None] | None = None,
 ) -> EpisodeEnd:
-    """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
-    how long the current step has been waiting (a hung model shows, it is not silence).
-    Returns early, status "paused", when the episode waits for a fixed key: it would wait
-    for nothing else, until its deadline."""
+    """Wait for the end, reporting each new iteration and phase, and how long the current
+    step has been waiting: after `waiting_every_s`, then at doubling intervals up to
+    WAITING_AT_MOST_S (a hung model shows, it is not silence, nor a line every 10 s for
+    ever). A step that waits for a person (a cell for approval, a pause) is said once, with
+    what to do. Returns early, status "paused", when the episode waits for a fixed key: it
+    would wait for nothing else, until its deadline."""
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
     last_waiting = 0.0
+    every = waiting_every_s
     actions_seen = 0
     try:
         while not result_task.done():
@@ -304,7 +308,7 @@ async def follow(
             actions_seen = max(actions_seen, progress.actions_total)
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
-                last_waiting = 0.0
+                last_waiting, every = 0.0, waiting_every_s
                 on_progress(
                     f"iteration {progress.iteration}: {progress.phase} "
                     f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
@@ -315,12 +319,16 @@ async def follow(
                         f"  `drlm pending` shows it; `drlm approve {waiting.approval_id} [--edit FILE]` "
                         f"or `drlm reject {waiting.approval_id} --reason TEXT`"
                     )
+                elif progress.held is not None:
+                    on_progress(f"  held until `drlm resume {handle.id}`")
                 continue
             if progress.phase_started is None or progress.finished:
                 continue
+            if progress.pending_cell is not None or progress.held is not None:
+                continue  # a person's turn: said once, with what to do
             waited = (datetime.now(UTC) - progress.phase_started).total_seconds()
-            if waited - last_waiting >= waiting_every_s:
-                last_waiting = waited
+            if waited - last_waiting >= every:
+                last_waiting, every = waited, min(every * 2, WAITING_AT_MOST_S)
                 step = await pending_step(handle)
                 on_progress(f"still {progress.phase}: {waited:.0f} s" + (f" ({step})" if step else ""))
         return await wait_end(handle, result_task)

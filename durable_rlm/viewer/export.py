@@ -43,6 +43,15 @@ async def export_command(settings: Settings, episode_id: str, fmt: str, output: 
         timeline = await episode_timeline(services.client, episode_id)
         text = await asyncio.to_thread(export_text, timeline, services.blobs, fmt)
     _write(text, output)
+    what = "an rlms trajectory log" if fmt == "rlms" else "JSON"
+    lines = text.count("\n")
+    where = f"to {output}" if output is not None else "to standard output"
+    # On stderr: standard output may be the export itself.
+    print(
+        f"episode {episode_id}: {len(timeline.iterations)} iteration(s) written as {what} {where} "
+        f"({lines:,} line(s), {len(text.encode()):,} bytes)",
+        file=sys.stderr,
+    )
     return 0
 
 
