@@ -112,6 +112,7 @@ def test_a_cancel_after_ctrl_c_of_drlm_run_ends_the_episode_and_its_child_at_onc
     assert again.returncode == 0 and "has already ended" in again.stderr, again.stderr
 
 
+@pytest.mark.slow  # a variant of the race (kept in the default run); CI runs it
 def test_a_cancel_sent_to_a_live_worker_that_then_exits_is_taken_over(tmp_path: Path, scripted) -> None:
     """The worst moment: the cancel reaches `drlm run`'s worker while it is alive but does not
     answer (stopped), and `drlm run` then exits on Ctrl-C. The cancel notices at once (the
@@ -138,7 +139,7 @@ def test_a_cancel_sent_to_a_live_worker_that_then_exits_is_taken_over(tmp_path: 
     assert cancel.returncode == 0, err
     assert time.monotonic() - began < RETURNS_WITHIN_S
     assert f"no worker runs episode {episode_id}: this command runs it until the cancel ends it" in err
-    assert "ended by cancelled" in err and "Traceback" not in err
+    assert "ended: cancelled" in err and "Traceback" not in err
     assert rows(tmp_path)[episode_id]["status"] == "cancelled"
     assert len(server.requests) == 1  # the call in flight was not made again
 
@@ -158,7 +159,7 @@ def test_a_cancel_racing_ctrl_c_of_drlm_run_ends_the_episode(tmp_path: Path, scr
     assert run.returncode in (130, 5)  # interrupted, or it saw the cancel end the episode first
     _, err = cancel.communicate(timeout=90)
     assert cancel.returncode == 0, err
-    assert "ended by cancelled" in err and "Traceback" not in err, err
+    assert "ended: cancelled" in err and "Traceback" not in err, err
     assert rows(tmp_path)[episode_id]["status"] == "cancelled"
     assert len(server.requests) == 1
 
@@ -314,6 +315,7 @@ def test_watch_show_and_list_say_that_no_worker_runs_an_episode_left_by_ctrl_c(
     assert rows(tmp_path)[episode_id]["worker"] == "none"
 
 
+@pytest.mark.slow  # the judgement is pinned in the default run by the poller test; CI runs it
 def test_a_stopped_worker_is_not_called_absent(tmp_path: Path, scripted) -> None:
     """Alive but answering nothing (SIGSTOP: no poll, no query answered, as a worker whose
     slots are all taken polls nothing): its lock is held, so no command says that no worker
