@@ -221,11 +221,15 @@ async def _attended(
     from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
     from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
-    from durable_rlm.client.episodes import describe_episode  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.client.episodes import describe_episode, ended_refusal  # start-up: temporalio (~0.6 s)
 
     description = await describe_episode(services.client.get_workflow_handle(episode_id))
     if description.status != WorkflowExecutionStatus.RUNNING:
-        return await work(), False  # refused without a worker: it has ended
+        # Said without a worker: an update or a query to an ended episode would wait for one.
+        stderr(
+            f"drlm: {await ended_refusal(services.client, episode_id) or f'episode {episode_id} has ended'}"
+        )
+        return EXIT_USAGE
     ON_INTERRUPT.append(
         f"drlm: interrupted before episode {episode_id} answered: `drlm show {episode_id}` tells "
         f"whether the {command} took effect"

@@ -400,17 +400,29 @@ async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutio
         raise
 
 
+async def ended_refusal(
+    client: Client, episode_id: str, unchanged: str = "nothing was changed"
+) -> str | None:
+    """Why an action on an ended episode changes nothing, in the words of its ending; None
+    while it runs. Needs no worker (a query or an update to an ended episode would)."""
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    status = (await describe_episode(handle)).status
+    if status is None or status == WorkflowExecutionStatus.RUNNING:
+        return None
+    result = await handle.result() if status == WorkflowExecutionStatus.COMPLETED else None
+    ending = ending_words(execution_ending(status, result))
+    return f"episode {episode_id} has already ended ({ending}); {unchanged}"
+
+
 async def update_running(
     client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
 ) -> tuple[Any, str | None]:
     """Send an update to a running episode: (its receipt, None), or (None, why not: it has
     ended, or the workflow refused the update)."""
     handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
-    status = (await describe_episode(handle)).status
-    if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        result = await handle.result() if status == WorkflowExecutionStatus.COMPLETED else None
-        ending = ending_words(execution_ending(status, result))
-        return None, f"episode {episode_id} has already ended ({ending}); {unchanged}"
+    ended = await ended_refusal(client, episode_id, unchanged)
+    if ended is not None:
+        return None, ended
     try:
         args = [] if arg is None else [arg]
         return await handle.execute_update(update, args=args, result_type=result_type), None
