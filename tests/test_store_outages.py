@@ -302,7 +302,7 @@ async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scri
         assert phase.startswith("waiting for the store: "), phase
         filled[0].unlink()
         result = await asyncio.wait_for(handle.result(), 120)
-    assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "completed")
+    assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "answered")
 
 
 @pytest.mark.chaos
