@@ -26,6 +26,7 @@ FIRST = [
     "tests/test_liveness.py",  # issue 38: a minute
     "tests/test_model_failures.py",  # half a minute
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
+    "tests/test_page_access.py",  # seconds: the Host check, the one-shot login, `ps` of `drlm ui --open`
     "tests/test_repl.py",
     "tests/test_escape.py",  # the kernel layers, attacked with the audit hook on and off
     "tests/test_snapshots.py",
@@ -164,9 +165,30 @@ MECHANISMS = [
     Mechanism(
         "codec capability",
         "durable_rlm/viewer/codec_server.py",
-        "                if hmac.compare_digest(first.encode(), server.path_secret.encode()):",
-        "                if True:",
+        "                return hmac.compare_digest(first.encode(), server.path_secret.encode())",
+        "                return True",
         "the codec server answers without its path secret",
+    ),
+    Mechanism(
+        "codec host check",
+        "durable_rlm/viewer/codec_server.py",
+        'if host_of(self.headers.get("Host")) not in server.hosts:',
+        "if False:",
+        "the page and codec server answer any Host header (a DNS-rebinding page's)",
+    ),
+    Mechanism(
+        "one-shot login",
+        "durable_rlm/viewer/codec_server.py",
+        "            found = self._tokens.pop(token, None) if token else None",
+        "            found = self._tokens.get(token) if token else None",
+        "a login link opens the page again and again",
+    ),
+    Mechanism(
+        "capability off the command line",
+        "durable_rlm/server/embedded.py",
+        '            args += ("--env-file", str(self._codec_env_file()), "--env", "default")',
+        '            args += ("--ui-codec-endpoint", str(self.codec_endpoint))',
+        "the Temporal server's command line carries the codec endpoint and its secret",
     ),
     Mechanism(
         "codec owner uid",

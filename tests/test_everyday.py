@@ -169,7 +169,7 @@ def test_two_runs_from_two_directories_readers_and_a_worker_from_a_third(tmp_pat
     shown = drlm(tmp_path, tmp_path / "f", "show", "ep-quick", "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["result"]["answer"] == "quick: 4"
     listing = drlm(tmp_path, tmp_path / "f", "list")
-    assert "ep-3" in listing.stdout and "completed" in listing.stdout
+    assert "ep-3" in listing.stdout and "answered" in listing.stdout
     assert server_state(tmp_path) is None
 
 
@@ -292,7 +292,7 @@ def test_bad_flags_and_files_are_one_line_exit_2(tmp_path: Path, args: list[str]
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     os.mkfifo(tmp_path / "pipe")
     out = (
-        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1")
+        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1", "--model", "m")
         if args[0] == "run"
         else drlm(tmp_path, tmp_path, *args)
     )

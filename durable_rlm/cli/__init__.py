@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> None:
         code = args.handler(args)
     except KeyboardInterrupt:
         code = _interrupted()
+    except asyncio.CancelledError:  # SIGTERM cancelled the command (durable_rlm/cli/handlers.py)
+        if not INTERRUPTED:
+            raise
+        code = _interrupted()
     except BrokenPipeError:
         code = EXIT_OK  # `drlm list | head`: the reader has what it wanted
     except Exception as exc:  # noqa: BLE001 - every error ends as one line and an exit code
@@ -125,20 +130,25 @@ def _report(exc: Exception) -> int:
 
 
 def _interrupted() -> int:
+    """What Ctrl-C (or SIGTERM) leaves: one line, or for a followed episode what to do next;
+    the exit code is the shell's for that signal (130, 143)."""
+    signum = INTERRUPTED[-1] if INTERRUPTED else signal.SIGINT
+    code = EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     if ON_INTERRUPT:
         stderr(ON_INTERRUPT[-1])
-        return EXIT_INTERRUPTED
+        return code
+    how = "interrupted" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
     if not FOLLOWING:
-        stderr("drlm: interrupted")
-        return EXIT_INTERRUPTED
+        stderr(f"drlm: {how}")
+        return code
     episode = FOLLOWING[-1]
     stderr(
-        f"drlm: interrupted; episode {episode} goes on (its history keeps every step).\n"
+        f"drlm: {how}; episode {episode} goes on (its history keeps every step).\n"
         f"  follow it:   drlm watch {episode}\n"
         f"  work on it:  drlm resume {episode}   (until then only a worker on its task queue does)\n"
         f"  stop it:     drlm cancel {episode}"
     )
-    return EXIT_INTERRUPTED
+    return code
 
 
 def _exit(code: int) -> None:

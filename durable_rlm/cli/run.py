@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from durable_rlm.cli.arguments import env_number, json_object
 from durable_rlm.cli.handlers import Subparsers, bind, import_extensions
+from durable_rlm.cli.operations import episode_page
 from durable_rlm.cli.output import EXIT_OK, FOLLOWING, print_end, stderr
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.workflows import defaults
@@ -105,10 +106,16 @@ def _scripted_server_parser(sub: Subparsers) -> None:
 
 
 PARSERS = {"run": _run_parser, "demo": _demo_parser, "scripted-server": _scripted_server_parser}
+SCRIPTED_MODEL = "scripted-rlm"  # the scripted server's model: any name does, this one says what it is
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("DRLM_MODEL") or None,
+        help="the root model, e.g. gpt-4o-mini or anthropic:claude-sonnet-4-5 (default: DRLM_MODEL; "
+        "there is no built-in default: a run names the model it pays for)",
+    )
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
     parser.add_argument(
         "--sampling",
@@ -193,7 +200,17 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+NO_MODEL = "name a model: --model NAME or DRLM_MODEL (e.g. --model gpt-4o-mini)"
+
+
+def _require_model(args: argparse.Namespace) -> None:
+    """No silent default: a model the user never chose must not be called, nor priced."""
+    if not args.model:
+        raise ConfigurationError(NO_MODEL)
+
+
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
+    _require_model(args)
     import_extensions(settings)
     plan = _plan_context(args.context, settings, getattr(args, "context_view", "str"))
     rlm = _rlm(args, settings)  # validate before starting anything
@@ -275,9 +292,11 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
         FOLLOWING.append(handle.id)
         if not args.json:
             stderr(f"episode {handle.id} started on task queue {services.settings.task_queue}")
-            url = services.episode_url(handle.id, handle.first_execution_run_id)
-            if url:
-                stderr(f"watch it in the Temporal UI: {url}")
+            page = episode_page(settings, handle.id)
+            if page:
+                stderr(f"its page: {page}")
+            elif url := services.episode_url(handle.id, handle.first_execution_run_id):
+                stderr(f"its events in the Temporal UI: {url}")
         end = await follow(handle, None if args.json else stderr)
         return print_end(end, args.json, args.accept_extracted)
     finally:
@@ -326,11 +345,12 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
     args.context_window = None
     if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
+        _require_model(args)
         if not args.json:
             stderr(f"demo: using the real model {args.model!r}")
         return await _run_episode(settings, args, demo.demo_log())
     with ScriptedModelServer(demo.demo_script()) as server:
-        args.base_url, args.model, args.sub_model = server.base_url, "scripted-rlm", None
+        args.base_url, args.model, args.sub_model = server.base_url, SCRIPTED_MODEL, None
         if not args.json:
             stderr(
                 f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
@@ -361,7 +381,7 @@ async def _scripted_server(settings: Settings, args: argparse.Namespace) -> int:
         stderr(
             "a SCRIPTED model (it plays the demo's RLM transcript, and really counts the ERROR lines "
             "its sub-calls are given); any key is accepted. Try:\n"
-            f'  drlm run "{demo.TASK}" --base-url {server.base_url} '
+            f'  drlm run "{demo.TASK}" --base-url {server.base_url} --model {SCRIPTED_MODEL} '
             f"--context {context}\n(Ctrl-C stops it)"
         )
         await stop.wait()

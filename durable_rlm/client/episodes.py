@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -46,6 +44,7 @@ from durable_rlm.workflows.models import (
     EpisodeStatus,
     RewardReceipt,
     RewardUpdate,
+    ending_words,
 )
 from durable_rlm.workflows.retries import describe_failure, ending_of
 
@@ -169,6 +168,28 @@ class EpisodeEnd(BaseModel):
         }
 
 
+_WITHOUT_RESULT: dict[WorkflowExecutionStatus, EpisodeStatus] = {
+    WorkflowExecutionStatus.FAILED: "failed",
+    WorkflowExecutionStatus.CANCELED: "cancelled",
+    WorkflowExecutionStatus.TERMINATED: "terminated",
+    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
+}
+
+
+_GOING_ON = (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
+
+
+def execution_ending(status: WorkflowExecutionStatus | None, result: EpisodeResult | None) -> EpisodeStatus:
+    """An episode's status in the vocabulary of endings (workflows/models.py `ENDINGS`), from
+    its Temporal status and, when it returned one, its result: Temporal says "completed" of
+    a cancelled episode, or of one that ended without an answer."""
+    if result is not None:
+        return result.status
+    if status is None or status in _GOING_ON:
+        return "running"
+    return _WITHOUT_RESULT.get(status, "failed")
+
+
 def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
     return ending_of(error.cause)
 
@@ -225,6 +246,7 @@ async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
 
 
 WAITING_EVERY_S = 10.0
+WAITING_AT_MOST_S = 600.0
 
 
 def _raise_if_cancel_was_swallowed() -> None:
@@ -244,13 +266,16 @@ async def follow(
     waiting_every_s: float = WAITING_EVERY_S,
     on_state: Callable[[EpisodeProgress], None] | None = None,
 ) -> EpisodeEnd:
-    """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
-    how long the current step has been waiting (a hung model shows, it is not silence).
-    Returns early, status "paused", when the episode waits for a fixed key: it would wait
-    for nothing else, until its deadline."""
+    """Wait for the end, reporting each new iteration and phase, and how long the current
+    step has been waiting: after `waiting_every_s`, then at doubling intervals up to
+    WAITING_AT_MOST_S (a hung model shows, it is not silence, nor a line every 10 s for
+    ever). A step that waits for a person (a cell for approval, a pause) is said once, with
+    what to do. Returns early, status "paused", when the episode waits for a fixed key: it
+    would wait for nothing else, until its deadline."""
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
     last_waiting = 0.0
+    every = waiting_every_s
     actions_seen = 0
     try:
         while not result_task.done():
@@ -275,7 +300,7 @@ async def follow(
             actions_seen = max(actions_seen, progress.actions_total)
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
-                last_waiting = 0.0
+                last_waiting, every = 0.0, waiting_every_s
                 on_progress(
                     f"iteration {progress.iteration}: {progress.phase} "
                     f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
@@ -286,12 +311,16 @@ async def follow(
                         f"  `drlm pending` shows it; `drlm approve {waiting.approval_id} [--edit FILE]` "
                         f"or `drlm reject {waiting.approval_id} --reason TEXT`"
                     )
+                elif progress.held is not None:
+                    on_progress(f"  held until `drlm resume {handle.id}`")
                 continue
             if progress.phase_started is None or progress.finished:
                 continue
+            if progress.pending_cell is not None or progress.held is not None:
+                continue  # a person's turn: said once, with what to do
             waited = (datetime.now(UTC) - progress.phase_started).total_seconds()
-            if waited - last_waiting >= waiting_every_s:
-                last_waiting = waited
+            if waited - last_waiting >= every:
+                last_waiting, every = waited, min(every * 2, WAITING_AT_MOST_S)
                 step = await pending_step(handle)
                 on_progress(f"still {progress.phase}: {waited:.0f} s" + (f" ({step})" if step else ""))
         return await wait_end(handle, result_task)
@@ -353,19 +382,6 @@ async def episode_task_queue(client: Client, episode_id: str) -> str:
     return (await describe_episode(client.get_workflow_handle(episode_id))).task_queue
 
 
-async def workers_polling(client: Client, task_queue: str) -> int:
-    """How many workers polled `task_queue` for workflow tasks lately (the server forgets a
-    poller about a minute after its last poll)."""
-    reply = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=task_queue),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-        )
-    )
-    return len(reply.pollers)
-
-
 async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:
     """The episode's description; an id the server does not know is a LookupError."""
     try:
@@ -376,15 +392,29 @@ async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutio
         raise
 
 
+async def ended_refusal(
+    client: Client, episode_id: str, unchanged: str = "nothing was changed"
+) -> str | None:
+    """Why an action on an ended episode changes nothing, in the words of its ending; None
+    while it runs. Needs no worker (a query or an update to an ended episode would)."""
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    status = (await describe_episode(handle)).status
+    if status is None or status == WorkflowExecutionStatus.RUNNING:
+        return None
+    result = await handle.result() if status == WorkflowExecutionStatus.COMPLETED else None
+    ending = ending_words(execution_ending(status, result))
+    return f"episode {episode_id} has already ended ({ending}); {unchanged}"
+
+
 async def update_running(
     client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
 ) -> tuple[Any, str | None]:
     """Send an update to a running episode: (its receipt, None), or (None, why not: it has
     ended, or the workflow refused the update)."""
-    handle = client.get_workflow_handle(episode_id)
-    status = (await describe_episode(handle)).status
-    if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return None, f"episode {episode_id} has already ended ({status.name.lower()}); {unchanged}"
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    ended = await ended_refusal(client, episode_id, unchanged)
+    if ended is not None:
+        return None, ended
     try:
         args = [] if arg is None else [arg]
         return await handle.execute_update(update, args=args, result_type=result_type), None
@@ -420,9 +450,10 @@ async def cancel_episode(
     if refused is not None:
         return CancelOutcome(episode_id=episode_id, accepted=False, message=refused)
     what = "extracting what was found, then ending" if extract else "ending"
+    where = f"at iteration {receipt.iteration}" if receipt.iteration else "before its first iteration"
     return CancelOutcome(
         episode_id=episode_id,
         accepted=True,
-        message=f"episode {episode_id}: cancel accepted at iteration {receipt.iteration}; {what}",
+        message=f"episode {episode_id}: cancel accepted {where}; {what}",
         receipt=receipt,
     )
