@@ -48,9 +48,9 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             type=names.TOOL_NOT_REGISTERED,
         )
     try:
-        # A cell chose these bytes: what they hold is counted before any object is built.
-        values.check(request.arguments.encode("utf-8", "surrogatepass"))
-        call = json.loads(request.arguments)
+        # A cell chose these bytes: what they hold is counted before any object is built, and
+        # only values of a closed set of types are built (never unpickled).
+        call = values.loads(request.arguments.encode("utf-8", "surrogatepass"))
         args, kwargs = call["args"], call["kwargs"]
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise TypeError("arguments must be a list and a mapping")
