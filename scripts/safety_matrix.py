@@ -207,21 +207,21 @@ MECHANISMS = [
     # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
     Mechanism(
         "sandbox file: no link followed",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK",
         "_READ = os.O_RDONLY | os.O_NONBLOCK",
         "the host opens a snapshot path through a link the sandbox planted",
     ),
     Mechanism(
         "sandbox file: regular files only",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "        if not stat.S_ISREG(info.st_mode):\n            raise",
         "        if False:\n            raise",
         "the host reads a FIFO or a device the sandbox left as its snapshot",
     ),
     Mechanism(
         "sandbox file: bounded read",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "            if len(data) > limit:",
         "            if False:",
         "the host reads a snapshot file for as long as it grows",
