@@ -229,14 +229,13 @@ def test_a_root_worker_without_ptrace_keeps_the_tmpfs_and_says_its_snapshots_are
 async def test_host_files_are_read_only_to_the_sandbox_and_snapshots_cross_both_ways(
     host: ReplActivities,
 ) -> None:
-    """The context the host wrote is where cells find it, read-only; the host's side of the
-    directory is seen read-only at /.drlm-host; a snapshot the sandbox writes in its tmpfs is
-    read through its own view, and one the host writes is loaded by a new sandbox."""
+    """The host's side of the directory is seen read-only at /.drlm-host (the context comes
+    from the worker's read-only cache: activities/context_cache.py); a snapshot the sandbox
+    writes in its tmpfs is read through its own view, and one the host writes is loaded by a
+    new sandbox."""
     episode = Episode(host, context="the context", snapshots=SnapshotPolicy(every_cells=1))
-    first = await episode.run("print(open('context.txt').read(), context)\nkept = [1, 2, 3]")
-    assert first.stdout == "the context the context\n"
-    refused = await episode.run("open('context.txt', 'w')\n")
-    assert "Read-only file system" in (refused.error or "") or "not allowed" in (refused.error or "")
+    first = await episode.run("print(context)\nkept = [1, 2, 3]")
+    assert first.stdout == "the context\n"
     refused = await episode.run("open('/.drlm-host/planted', 'w')\n")
     assert "Read-only file system" in (refused.error or "") or "not allowed" in (refused.error or "")
     taken = await episode.run("kept.append(4)")

@@ -51,7 +51,6 @@ sandbox's own directory, a tmpfs, no longer shows."""
 TMP_SIZE = "size=64m,mode=1777"
 SHM_SIZE = "size=16m,mode=1777"
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
-CONTEXT_FILES = ("context.txt", "context.json")
 OWN_TMPFS = "own directory a tmpfs"
 """Said in the filesystem layer's report when the own directory is a tmpfs: the host then
 reads the sandbox's files through /proc/PID/root (activities/live_sandbox.py)."""
@@ -189,10 +188,6 @@ def isolate_filesystem(
         mounts.bind(sandbox_dir, _make_target(root, HOST_FILES, True), writable=False)
         owner = "" if uid is None else f",uid={uid},gid={uid}"
         mounts.mount("tmpfs", own, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(dir_mb)}m,mode=0700{owner}")
-        for name in CONTEXT_FILES:  # where cells have always found it, read-only
-            source = os.path.join(sandbox_dir, name)
-            if os.path.isfile(source):
-                mounts.bind(source, _make_target(own, "/" + name, False), writable=False)
     old = os.path.join(root, ".old")
     os.mkdir(old)
     libc.syscall.restype = ctypes.c_long

@@ -31,7 +31,7 @@ import cloudpickle
 import zstandard
 
 FORMAT = 1
-SKIPPED_FILES = ("context.json", "context.txt", "sandbox.err")
+SKIPPED_FILES = ("sandbox.err",)
 SNAPSHOT_PREFIX = ".drlm-snapshot-"
 
 
