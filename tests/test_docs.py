@@ -110,3 +110,14 @@ def test_the_readme_is_a_front_page() -> None:
     ):
         assert command in readme
     assert "source .venv/bin/activate" in readme
+
+
+def test_every_drlm_run_of_the_front_pages_names_its_model() -> None:
+    """There is no built-in default model: a `drlm run` that names none stops before it
+    starts, so the README's and getting started's examples must name one to run as written."""
+    for page in (ROOT / "README.md", ROOT / "docs" / "getting-started.md"):
+        text = page.read_text(encoding="utf-8").replace("\\\n", " ")
+        runs = [line for line in text.splitlines() if line.lstrip().startswith("drlm run ")]
+        assert runs, page
+        for line in runs:
+            assert "--model " in line, f"{page.name}: {line.strip()}"
