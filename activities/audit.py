@@ -1,4 +1,5 @@
-"""Writes the SQL audit projection (DESIGN invariant 6) as an episode goes.
+"""Writes the SQL audit projection (it can be dropped and rebuilt from histories:
+docs/architecture/index.md#invariants) as an episode goes.
 
 History stays the source of truth. Each completed step's rows come from one function of
 the step's input and result (`rows_of_step`), which `drlm audit-rebuild` applies to the
