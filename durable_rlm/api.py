@@ -47,7 +47,8 @@ from durable_rlm.workflows.models import (
     RewardReceipt,
 )
 
-# Start-up (issue 36): importing this module is what `from durable_rlm import DurableRLM`
+# Start-up (docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses): importing
+# this module is what `from durable_rlm import DurableRLM`
 # costs, so what only a running episode needs (temporalio, the stores and SQLAlchemy) is
 # imported inside the methods that run one, each import with its reason.
 if TYPE_CHECKING:
@@ -462,9 +463,11 @@ def _freeze_at_exit() -> None:
     """Once per process: at the interpreter's exit, take every object out of the cyclic
     collector (gc.freeze) before its last collection walks the runtime's ~180,000 objects
     (temporalio's, pydantic's, SQLAlchemy's): a new process's exit after a one-iteration
-    completion() took 0.40 s of it (issue 36). At exit only: freezing earlier would also
-    exempt the user's objects alive then from collection for good, a leak in a long-running
-    agent (an earlier version froze when the first object was made)."""
+    completion() took 0.40 s of it
+    (docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses). At exit only:
+    freezing earlier would also exempt the user's objects alive then from collection for
+    good, a leak in a long-running agent (an earlier version froze when the first object was
+    made)."""
     global _freezing
     if not _freezing:
         _freezing = True
