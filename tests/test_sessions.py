@@ -1,6 +1,6 @@
-"""Persistent sessions (issue 36 item 2): `RLM(persistent=True)` and `DurableRLM.session()`
-keep one REPL across `completion()` calls, each a turn of one durable session workflow that
-survives a killed worker, and ends by `close()` or an idle timeout."""
+"""Persistent sessions (docs/guides/python-api.md): `RLM(persistent=True)` and
+`DurableRLM.session()` keep one REPL across `completion()` calls, each a turn of one durable
+session workflow that survives a killed worker, and ends by `close()` or an idle timeout."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ async def test_turns_answer_for_themselves_across_a_killed_worker(
     assert rebuilt and rebuilt[0].cells_rerun + (rebuilt[0].from_snapshot or 0) >= 2, rebuilt
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_close_and_idle_timeout_end_a_session(
     temporal_address, session_dir, client, scripted, worker
 ) -> None:
