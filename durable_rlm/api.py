@@ -13,7 +13,7 @@ rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, 
 `retry_credentials()` (a refused key pauses an episode: `result()` raises EpisodeFailed
 with status "paused" and what to fix), and a person's steering: `hint()`, `set_limits()`,
 `pause()`, `resume()`, `finish_now()`, `pending_cell()`, `approve()`, `reject()` (each a
-validated Temporal update recorded with its sender; README "Supervising an episode").
+validated Temporal update recorded with its sender; docs/guides/supervising.md).
 `session()` returns a persistent session (rlms's `persistent=True`): successive completions
 are turns over one REPL, in one durable workflow (durable_rlm/client/sessions.py).
 """

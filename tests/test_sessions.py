@@ -163,8 +163,8 @@ def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp
 
 
 def test_a_session_in_a_with_block_from_synchronous_code(scripted, tmp_path: Path) -> None:
-    """The README's form: `with rlm.session() as s:` and `s.completion(...)`; the block's end
-    closes the session."""
+    """The documented form (docs/guides/python-api.md): `with rlm.session() as s:` and
+    `s.completion(...)`; the block's end closes the session."""
     server = scripted(session_script)
     settings = Settings(data_dir=tmp_path)
     rlm = DurableRLM("gpt-x", base_url=server.base_url, max_iterations=4, settings=settings)
