@@ -3,7 +3,9 @@
 `mkdocs build --strict` fails on a broken internal link or anchor, a page left out of the
 navigation, or a reference page whose generator fails (docs/_hooks/reference.py writes the
 CLI and settings pages from the code). CI runs the same build; this test makes a broken link
-fail locally too. The README is the site's front door: its links must lead somewhere.
+fail locally too. The README is the site's front door: its links must lead somewhere. And
+the repository's text names nothing a reader cannot open: a comment says the rule, or points
+at the docs page that holds it, and that pointer leads to a heading.
 """
 
 from __future__ import annotations
