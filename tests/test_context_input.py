@@ -19,7 +19,18 @@ MB = 1024 * 1024
 
 def _run(tmp_path: Path, *context: str, **env: str):  # noqa: ANN202
     args = [a for c in context for a in ("--context", c)]
-    return drlm(tmp_path, tmp_path, "run", "count", *args, "--base-url", "http://127.0.0.1:9/v1", **env)
+    return drlm(
+        tmp_path,
+        tmp_path,
+        "run",
+        "count",
+        *args,
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "m",
+        **env,
+    )
 
 
 def _refused(out, message: str, tmp_path: Path) -> None:  # noqa: ANN001
@@ -182,7 +193,18 @@ def test_a_text_too_large_for_a_str_runs_as_a_mapped_view(tmp_path: Path, script
         "FINAL_VAR(r)",
     ]
     server = scripted(root_and_sub(turns))
-    run = ("run", "t", "--context", "big.log", "--context-view", "mapped", "--base-url", server.base_url)
+    run = (
+        "run",
+        "t",
+        "--context",
+        "big.log",
+        "--context-view",
+        "mapped",
+        "--base-url",
+        server.base_url,
+        "--model",
+        "m",
+    )
     out = drlm(tmp_path, tmp_path, *run, "--model", "m", "--json", **budget)
     assert out.returncode == 0, out.stderr
     lines = 100 * MB // 17
@@ -192,5 +214,5 @@ def test_a_text_too_large_for_a_str_runs_as_a_mapped_view(tmp_path: Path, script
 def test_the_mapped_view_refuses_text_that_is_not_ascii(tmp_path: Path) -> None:
     (tmp_path / "accents.txt").write_text("café\n" * 10)
     out = drlm(tmp_path, tmp_path, "run", "t", "--context", "accents.txt", "--context-view", "mapped",
-               "--base-url", "http://127.0.0.1:9/v1")  # fmt: skip
+               "--base-url", "http://127.0.0.1:9/v1", "--model", "m")  # fmt: skip
     _refused(out, "is not ASCII text: the mapped view indexes characters as bytes", tmp_path)

@@ -118,7 +118,7 @@ async def test_one_endpoint_serves_the_sdk_metrics_and_ours_with_tracing_off(
     assert total(samples, "temporal_activity_execution_latency_count", on_queue) >= calls
     assert total(samples, "drlm_model_calls_total") == calls == 6
     assert total(samples, "drlm_model_calls_total", 'drlm_role="sub"') == 2
-    assert total(samples, "drlm_episodes_total", 'drlm_status="completed"') == 2
+    assert total(samples, "drlm_episodes_total", 'drlm_status="answered"') == 2
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,16 @@ from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.store import schema
 from durable_rlm.store.sql import open_store
 from durable_rlm.viewer.live import frame
-from durable_rlm.workflows.models import EpisodeLimits, EpisodeProgress, EpisodeResult, ModelPrice
+from durable_rlm.workflows.display import progress_cost
+from durable_rlm.workflows.models import (
+    EpisodeCarry,
+    EpisodeLimits,
+    EpisodeProgress,
+    EpisodeRequest,
+    EpisodeResult,
+    ModelPrice,
+    ModelSettings,
+)
 from tests.test_crash import wait_until
 
 DRLM = str(Path(sys.executable).with_name("drlm"))
@@ -70,6 +79,19 @@ def test_an_unpriced_model_shows_an_unknown_cost() -> None:
         iteration=1, phase="cell 1", model_calls=1, sub_calls=0, cost_usd=None, limits=EpisodeLimits()
     )
     assert "unknown (a model has no price)" in text_of(progress, "e")
+
+
+@pytest.mark.parametrize(
+    ("price", "cost"), [(None, None), (ModelPrice(input_usd_per_mtok=1, output_usd_per_mtok=1), 0.0)]
+)
+def test_before_any_call_the_cost_is_zero_only_for_priced_models(
+    price: ModelPrice | None, cost: float | None
+) -> None:
+    """No call yet is $0 for a priced model, and still unknown for one with no price (it will
+    be called): the progress query says which, from the episode's first moment."""
+    request = EpisodeRequest(task="t", root_model=ModelSettings(model="m", price=price))
+    for state in (None, EpisodeCarry(seed=1, deadline=datetime(2030, 1, 1, tzinfo=UTC))):
+        assert progress_cost(request, state) == cost
 
 
 @pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it

@@ -63,7 +63,7 @@ class EpisodeDisplay:
             phase_started=self.phase_started,
             paused=paused,
             tokens=s.usage.total_tokens + s.unaccounted_tokens if s else 0,
-            cost_usd=(None if s.usage.cost_usd is None else cost_spent(s)) if s else 0.0,
+            cost_usd=progress_cost(request, s),
             limits=request.limits if request else None,
             started_at=s.deadline - request.limits.max_duration if s and request else None,
             root_model=request.root_model.model if request else None,
@@ -73,3 +73,14 @@ class EpisodeDisplay:
             actions=inbox.actions[-defaults.PROGRESS_ACTIONS :],
             actions_total=inbox.actions_total,
         )
+
+
+def progress_cost(request: EpisodeRequest | None, s: EpisodeCarry | None) -> float | None:
+    """What the episode has cost so far, or None when that is unknown: a call had no cost,
+    or before any call a model with no price (and no cost in its replies) may be called, so
+    no call yet is no $0 either."""
+    if s is not None and s.model_calls > 0:
+        return None if s.usage.cost_usd is None else cost_spent(s)
+    if request is None or request.uncosted_models():
+        return None
+    return 0.0 if s is None else cost_spent(s)
