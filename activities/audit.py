@@ -1,5 +1,7 @@
-"""Writes the SQL audit projection as an episode goes: each completed step's rows on the
-worker that ran it, and the episode's own row (durable_rlm/store/audit_rows.py builds them).
+"""Writes the SQL audit projection as an episode goes (the projection can be dropped and
+rebuilt from histories: docs/architecture/index.md#invariants): each completed step's rows
+on the worker that ran it, and the episode's own row (durable_rlm/store/audit_rows.py
+builds them).
 
 A write that fails or takes longer than WRITE_TIMEOUT_S is logged and dropped: the audit
 never blocks or fails an episode (a rebuild from history restores what was dropped).

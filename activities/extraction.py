@@ -1,4 +1,5 @@
-"""The fallback extraction call (seed 004): history from the chains, prompt from the pure
+"""The fallback extraction call (docs/behaviour/fallback-extraction.md): history from the
+chains, prompt from the pure
 template, one model call through the same client as the loop."""
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ExtractionActivities:
             )
         except ApplicationError as exc:
             # Retry while attempts remain; on the last one, hand back the history with the
-            # error so the episode's Failed result keeps it (seed 004).
+            # error so the episode's Failed result keeps it (a failed extraction keeps what
+            # it could: docs/behaviour/fallback-extraction.md, "The result variants").
             if not exc.non_retryable and activity.info().attempt < request.model.max_attempts:
                 raise
             return ExtractionReply(

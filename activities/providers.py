@@ -1,7 +1,8 @@
 """The model providers' client libraries, imported when a provider is first used.
 
 Together they cost more than the rest of a process's start (measured on this machine:
-`import anthropic` 2.0 s idle, 3.2 s under load; `import openai` 1.0-1.9 s; issue 36), and
+`import anthropic` 2.0 s idle, 3.2 s under load; `import openai` 1.0-1.9 s; see
+docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses), and
 a process uses one provider or none: a `drlm show`, a script whose model is OpenAI's, a
 worker that only serves Anthropic models. An exception can only come from a library that
 was imported, so error checks look at the imported ones alone (`error_types`).

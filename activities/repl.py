@@ -5,7 +5,7 @@ requests (each naming its kind), the workflow answers them, and `repl_resume` ha
 answers back. Every step is appended to the cell log (a typed hash chain in the blob
 store). A step names the log head it expects; a worker whose live sandbox is at another
 head (or has none) rebuilds one by re-running the logged cells and answering their calls
-from the log, without calling any model (DESIGN invariant 3).
+from the log, without calling any model (docs/architecture/resuming.md).
 
 Every step heartbeats on a timer for as long as it runs, a rebuild included, so a long log
 of quick cells is not mistaken for a dead worker; a step that fails or is cancelled kills

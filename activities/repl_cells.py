@@ -5,7 +5,8 @@ A cell that calls `llm_query` (a batch, a tool, a child episode) stops at the ca
 step returns `suspended` with the requests, each naming its kind, and `repl_resume` hands
 the answers back. A cell that completes is logged with its output. What a sandbox sends
 is bounded again here (`clip_*`): the sandbox bounds its own fields, but its code may have
-been changed by the cell (DESIGN invariant 7: the host trusts no size the sandbox chose).
+been changed by the cell (the host trusts no size the sandbox chose:
+docs/architecture/index.md#invariants).
 """
 
 from __future__ import annotations

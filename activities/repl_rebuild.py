@@ -1,4 +1,5 @@
-"""Rebuilding an episode's REPL on a worker that lacks it (DESIGN invariant 3).
+"""Rebuilding an episode's REPL on a worker that lacks it (REPL state is a projection of its
+cell log, docs/architecture/index.md#invariants; how: docs/architecture/resuming.md).
 
 REPL state is named by the head of its cell log: a step that names a head this worker's
 sandbox is not at (or that finds no sandbox) gets a new one, made from the snapshot parked

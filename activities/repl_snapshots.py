@@ -1,8 +1,8 @@
 """REPL snapshots on the worker's side: when to take one, storing and signing it, and
 checking one before a rebuild loads it.
 
-A snapshot is bytes that sandboxed code produced (DESIGN, "REPL cells as resumable
-coroutines"): the worker never loads one itself. It stores the file a sandbox wrote (read
+A snapshot is bytes that sandboxed code produced (docs/architecture/resuming.md, "Safety"):
+the worker never loads one itself. It stores the file a sandbox wrote (read
 with the care durable_rlm/host/files.py takes), signs the log entry that names it with the
 worker's snapshot key, and hands a snapshot only to a sandbox of the same episode (or of a
 fork of it, as `drlm fork` signed), after checking that signature; what a snapshot could

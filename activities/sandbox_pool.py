@@ -1,12 +1,13 @@
 """The sandboxes one worker holds: at most so many, within a memory budget, idle ones
 reaped, each episode's steps one at a time.
 
-An episode's sandbox is only a cache of its cell log (DESIGN invariant 3): any of them may
-be discarded when it is idle, and its next step rebuilds it (repl_rebuild.py). So the pool
-discards freely: the least recently used idle one when a new episode needs a slot
-(sandbox_slots.py) or the live ones hold more than the memory budget, those unused for
-`idle_s`, and any a failed step leaves behind. An idle one that takes snapshots is
-snapshotted first and its snapshot parked here, so it comes back without re-running cells.
+An episode's sandbox is only a cache of its cell log
+(docs/architecture/index.md#invariants): any of them may be discarded when it is idle, and
+its next step rebuilds it (repl_rebuild.py). So the pool discards freely: the least recently
+used idle one when a new episode needs a slot (sandbox_slots.py) or the live ones hold more
+than the memory budget, those unused for `idle_s`, and any a failed step leaves behind. An
+idle one that takes snapshots is snapshotted first and its snapshot parked here, so it comes
+back without re-running cells.
 """
 
 from __future__ import annotations

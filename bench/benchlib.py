@@ -359,7 +359,8 @@ class WorkerProcess:
     Its output is filed, all of it, in `worker-<pid>.log` of the bench's directory: stderr
     straight into the file, stdout through a thread that reads every line (it watches for
     "worker ready") and appends it there. A pipe read only for its first line fills at 64 KB,
-    and a worker writing to it stops (issue 38: N=200 stalled 7 minutes that way)."""
+    and a worker writing to it stops (N=200 stalled 7 minutes that way:
+    durable_rlm/telemetry/log_path.py)."""
 
     def __init__(
         self, address: str, database_url: str, task_queue: str, extra: dict[str, str], directory: Path

@@ -46,7 +46,7 @@ from durable_rlm.workflows.models import DurabilitySettings, EpisodeRequest, Mod
 
 CELLS = 5
 MODEL_CALLS = 2 * CELLS + 1
-SIZES = (200, 400, 1000)  # 400 and 1,000: far past one worker's capacity (issue 38, item 6)
+SIZES = (200, 400, 1000)  # 400 and 1,000: far past one worker's capacity (admission control)
 LATENCY_S = 2.0
 TARGET_N = 200
 TARGET_WALL_S = 38.0

@@ -4,14 +4,14 @@
 
 One `worker.py` process (default settings, as root here: the hard case) serves, one after
 the other: honest episodes (the baseline: their median wall time and the worker's RSS and
-thread count), then every attack of issue 33 twice (20 hostile episodes: a FIFO, a link to a
-root-only file and a link to /dev/zero left where the host reads the snapshot; a flood of
-60 MB frames; a forged frame; `llm_query_batched([''] * 200000)`; a System V message queue
-and 4 x 32 MB of shared memory; 5 forked children filling 600 MB each; io_uring, memfd and
-kernel sockets), then honest episodes again. Judged: the honest episodes' wall time after
-against before (target: within 20%), the worker's RSS after against its start (target:
-within 100 MB), its threads. Each hostile episode must end with the answer its second turn
-gives ("survived"): the worker served it whatever its cell did.
+thread count), then every attack of the security model's table (docs/security.md) twice (20
+hostile episodes: a FIFO, a link to a root-only file and a link to /dev/zero left where the
+host reads the snapshot; a flood of 60 MB frames; a forged frame; `llm_query_batched([''] *
+200000)`; a System V message queue and 4 x 32 MB of shared memory; 5 forked children filling
+600 MB each; io_uring, memfd and kernel sockets), then honest episodes again. Judged: the
+honest episodes' wall time after against before (target: within 20%), the worker's RSS after
+against its start (target: within 100 MB), its threads. Each hostile episode must end with
+the answer its second turn gives ("survived"): the worker served it whatever its cell did.
 """
 
 from __future__ import annotations

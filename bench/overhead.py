@@ -18,7 +18,8 @@ from durable_rlm.scripted import ScriptedModelServer, root_and_sub
 
 LATENCIES_MS = (0, 250)
 TARGET_MS = 25.0
-"""Issue 38, item 3: at 0 ms of model latency (issue 17's 40 ms before it)."""
+"""The scale target: at 0 ms of model latency (40 ms before it; see
+docs/architecture/decisions.md#the-engines-overhead-per-iteration)."""
 
 
 async def body(ctx: Context, section: Section) -> None:

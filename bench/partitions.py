@@ -14,8 +14,8 @@ On this 2-core machine the workers and the server share two cores: throughput gr
 workers until the CPU (the server's, or the machine's) is the bound. The server's own
 ceiling is measured in the same run: 3 x PER_WORKER no-op workflows with the same events
 (concurrency.py `noop_wall`) give the episodes a second that SQLite and the dev server move
-when no worker work competes. The README's "Scaling workers" derives from these figures the
-worker processes and server capacity for 10,000 concurrent episodes.
+when no worker work competes. docs/guides/production.md ("Scaling workers") derives from
+these figures the worker processes and server capacity for 10,000 concurrent episodes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What the owner-only gate costs a client of the shared server (issue 33, finding 6).
+"""What the owner-only gate costs a client of the shared server (docs/security.md, "Other
+users of the machine").
 
     python bench/private_net.py [--calls N] [--repeats R]
 

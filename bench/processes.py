@@ -9,8 +9,9 @@ bench/concurrency.py's (`one_size`): N episodes of 11 model calls at 2 s latency
 embedded dev server as shipped; the baselines, in the same run, are the latency-bound ideal
 and N no-op workflows with the same events on the same server (the server-bound wall).
 
-Targets (issue 38, item 2): with 2 processes, N=200 at >= 80% of the best bound (the larger
-of the two baselines, over the wall time measured) and 0 workflow-task timeouts.
+Targets (the scale targets, docs/architecture/decisions.md): with 2 processes, N=200 at >=
+80% of the best bound (the larger of the two baselines, over the wall time measured) and 0
+workflow-task timeouts.
 """
 
 from __future__ import annotations

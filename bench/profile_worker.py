@@ -1,5 +1,6 @@
-"""Where a worker's CPU goes (issue 38, item 1): py-spy samples the worker while it serves
-bench/concurrency.py's episodes (N at once, 11 model calls each).
+"""Where a worker's CPU goes (the CPU per episode bounds throughput: BENCHMARKS.md): py-spy
+samples the worker while it serves bench/concurrency.py's episodes (N at once, 11 model
+calls each).
 
     python bench/profile_worker.py [--n 50] [--latency 0.5] [--rate 250]
 

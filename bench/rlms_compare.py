@@ -38,7 +38,7 @@ from durable_rlm.workflows.models import EpisodeLimits, EpisodeRequest, ModelSet
 
 RLMS_VERSION = "0.1.3"
 LATENCIES_MS = (0, 250, 1000)
-RLMS_RATIO = 0.95  # issue 38, item 3: wall time at 250 ms and 1 s of model latency (1.0x before it)
+RLMS_RATIO = 0.95  # the scale target: wall time at 250 ms and 1 s of model latency (1.0x before it)
 ROOT_PROMPT = "How many lines does the context have?"
 
 

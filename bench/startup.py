@@ -1,4 +1,5 @@
-"""Section `startup`: fast to first answer, against rlms 0.1.3 in the same run (issue 36, item 7).
+"""Section `startup`: fast to first answer, against rlms 0.1.3 in the same run
+(docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses).
 
     python bench/startup.py [--quick] [--repeats R] [--merge]
 

@@ -13,7 +13,7 @@ rlm:`) returns an `Episode` handle: `id`, `result()`, `progress()`, `cancel()`, 
 `retry_credentials()` (a refused key pauses an episode: `result()` raises EpisodeFailed
 with status "paused" and what to fix), and a person's steering: `hint()`, `set_limits()`,
 `pause()`, `resume()`, `finish_now()`, `pending_cell()`, `approve()`, `reject()` (each a
-validated Temporal update recorded with its sender; README "Supervising an episode").
+validated Temporal update recorded with its sender; docs/guides/supervising.md).
 `session()` returns a persistent session (rlms's `persistent=True`): successive completions
 are turns over one REPL, in one durable workflow (durable_rlm/client/sessions.py).
 """
@@ -44,7 +44,8 @@ from durable_rlm.workflows.models import (
     RewardReceipt,
 )
 
-# Start-up (issue 36): importing this module is what `from durable_rlm import DurableRLM`
+# Start-up (docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses): importing
+# this module is what `from durable_rlm import DurableRLM`
 # costs, so what only a running episode needs (temporalio, the stores and SQLAlchemy) is
 # imported inside the methods that run one, each import with its reason.
 if TYPE_CHECKING:
@@ -410,9 +411,11 @@ def _freeze_at_exit() -> None:
     """Once per process: at the interpreter's exit, take every object out of the cyclic
     collector (gc.freeze) before its last collection walks the runtime's ~180,000 objects
     (temporalio's, pydantic's, SQLAlchemy's): a new process's exit after a one-iteration
-    completion() took 0.40 s of it (issue 36). At exit only: freezing earlier would also
-    exempt the user's objects alive then from collection for good, a leak in a long-running
-    agent (an earlier version froze when the first object was made)."""
+    completion() took 0.40 s of it
+    (docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses). At exit only:
+    freezing earlier would also exempt the user's objects alive then from collection for
+    good, a leak in a long-running agent (an earlier version froze when the first object was
+    made)."""
     global _freezing
     if not _freezing:
         _freezing = True

@@ -54,7 +54,8 @@ class ChatRequest:
 
     @property
     def is_extraction(self) -> bool:
-        """A fallback-extraction call (seed 004): one user message with the seed's prompt."""
+        """A fallback-extraction call: one user message with the extraction prompt
+        (docs/behaviour/fallback-extraction.md)."""
         return not self.is_root and self.last_user.lstrip().startswith(EXTRACTION_MARKER)
 
     @property

@@ -1,4 +1,4 @@
-"""Capture the README's audit screens from a real episode: `drlm watch` mid-episode,
+"""Capture the audit screens of docs/guides/audit-and-cost.md from a real episode: `drlm watch` mid-episode,
 `drlm show` after it, and a SQL query over the audit tables.
 
     python scripts/audit_screens.py > /tmp/screens.md

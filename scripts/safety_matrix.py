@@ -5,7 +5,7 @@
 Each mechanism must have a test that fails when that mechanism alone is off; a mechanism
 whose suite stays green is a hole in the tests, and the script exits non-zero. The suite
 runs with the security and recovery tests first and stops at the first failure, so a
-caught mechanism costs seconds. The table it prints goes in the README's testing section.
+caught mechanism costs seconds. The table it prints goes in docs/testing.md ("Safety mechanisms").
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST = [
-    "tests/test_liveness.py",  # issue 38: a minute
+    "tests/test_liveness.py",  # a minute
     "tests/test_model_failures.py",  # half a minute
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
     "tests/test_page_access.py",  # seconds: the Host check, the one-shot login, `ps` of `drlm ui --open`
@@ -36,9 +36,9 @@ FIRST = [
     "tests/test_answers.py",
     "tests/test_hygiene.py",
     "tests/test_everyday.py",
-    "tests/test_sandbox_files.py",  # issue 33: seconds
+    "tests/test_sandbox_files.py",  # seconds
     "tests/test_host_protocol.py",
-    "tests/test_reply_limits.py",  # issue 45: a minute and a half
+    "tests/test_reply_limits.py",  # a minute and a half
     "tests/test_wire_values.py",  # seconds
     "tests/test_frame_bounds.py",  # half a minute
     "tests/test_owned_dirs.py",  # seconds
@@ -147,7 +147,7 @@ MECHANISMS = [
         "            if False:",
         "the supervisor counts no client's lease",
     ),
-    # Issue 33, finding 6: another user of the machine reads nothing from the shared server.
+    # Another user of the machine reads nothing from the shared server (docs/security.md).
     Mechanism(
         "shared server's private network",
         "durable_rlm/supervisor.py",
@@ -204,7 +204,7 @@ MECHANISMS = [
         "            if False:",
         "the UI's port answers any Host (DNS rebinding)",
     ),
-    # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
+    # The host trusts no path, size or count a sandbox chose (docs/security.md).
     Mechanism(
         "sandbox file: no link followed",
         "durable_rlm/host/files.py",
@@ -282,7 +282,7 @@ MECHANISMS = [
         "    if False:\n",
         "without a cgroup, each process may have the whole budget",
     ),
-    # Issue 38, item 4: a dead worker's calls retried at once, and planted files not followed.
+    # A dead worker's calls retried at once, and planted files not followed (the liveness signal).
     Mechanism(
         "liveness: dead workers reaped",
         "durable_rlm/worker/liveness.py",
@@ -318,7 +318,7 @@ MECHANISMS = [
         'DENIED_SOCKET_FAMILIES = {"AF_PACKET": AF_PACKET}',
         "netlink and vsock sockets are allowed",
     ),
-    # Issue 45, item 2: every size the host takes from a model is bounded before it is parsed.
+    # Every size the host takes from a model is bounded before it is parsed (docs/security.md).
     Mechanism(
         "reply body read within its cap",
         "activities/llm.py",
@@ -361,7 +361,7 @@ MECHANISMS = [
         "call = json.loads(request.arguments)",
         "a tool call's arguments are parsed whatever they build",
     ),
-    # Issue 45, item 1: no directory another user made, could swap or could write.
+    # No directory another user made, could swap or could write (docs/security.md).
     Mechanism(
         "sandbox root of the worker's own",
         "activities/sandbox_start.py",
@@ -390,7 +390,7 @@ MECHANISMS = [
         "    path.mkdir(parents=True, exist_ok=True, mode=0o700)\n    return path",
         "the data directory (store, snapshot key) may be one another user made",
     ),
-    # Issue 45, item 3: what one episode may put on disk.
+    # What one episode may put on disk (docs/security.md).
     Mechanism(
         "sandbox directory a tmpfs",
         "activities/sandbox/layers.py",

@@ -268,7 +268,8 @@ class WorkerProcess:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         assert line.startswith("worker ready"), line
-        # Its output is read as it comes (a worker whose pipe fills stops: issue 38), and kept.
+        # Its output is read as it comes (a worker whose pipe fills stops: see
+        # durable_rlm/telemetry/log_path.py), and kept.
         self._said: list[str] = []
         self._reader = threading.Thread(target=self._read, args=(self.process.stdout,), daemon=True)
         self._reader.start()

@@ -1,6 +1,7 @@
 """Answers you can trust: only the model gives an answer; data never ends an episode; the
-result says where its answer came from and why the episode stopped (issue 20, items 1, 3, 4).
-Real Temporal dev server, real sandbox, the real openai client against a scripted server."""
+result says where its answer came from and why the episode stopped
+(docs/behaviour/endings.md). Real Temporal dev server, real sandbox, the real openai client
+against a scripted server."""
 
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ async def test_a_negative_streak_stops_without_an_answer(client, worker, scripte
     assert "3 consecutive negative rewards" in result.stop_reason
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_the_deadline_during_extraction_does_not_start_a_second_one(client, worker, scripted) -> None:
     """The iteration limit starts an extraction; the deadline passes while it runs."""
     server = scripted(

@@ -233,8 +233,8 @@ os._exit(0)
 
 @pytest.mark.parametrize("logging_level", ["default", pytest.param("debug", marks=pytest.mark.slow)])
 def test_a_model_that_is_down_raises_episode_failed_quietly(tmp_path: Path, logging_level: str) -> None:
-    """Issue 37: a failed episode raises EpisodeFailed (status failed, the cause named), and
-    the SDK's per-attempt tracebacks are DEBUG records: none on stderr unless asked for."""
+    """A failed episode raises EpisodeFailed (status failed, the cause named), and the SDK's
+    per-attempt tracebacks are DEBUG records: none on stderr unless asked for."""
     from durable_rlm.ports import free_port
 
     nowhere = f"http://127.0.0.1:{free_port()}/v1"

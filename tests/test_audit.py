@@ -59,7 +59,7 @@ def table_rows(engine: sa.Engine) -> dict[str, list[dict[str, Any]]]:
     return dump
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 @pytest.mark.chaos
 async def test_the_rebuilt_audit_store_equals_the_live_one(audit_url: str, tmp_path: Path, scripted) -> None:
     engine = create_engine(audit_url)

@@ -101,7 +101,7 @@ def test_every_section_of_the_suite_runs_quick(tmp_path: Path) -> None:
     assert {"overhead.png", "concurrency.png"} <= set(results["plots"])
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_the_risk_benchmark_prints_its_ratio_to_parsing() -> None:
     out = run_bench("risk.py", timeout=300)
     assert re.search(r"typical cell\s+99,900\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+\s+[0-9.]+", out), out
@@ -123,8 +123,9 @@ def test_the_time_travel_benchmark_prints_its_ratios() -> None:
 
 @pytest.mark.slow
 def test_the_partitions_benchmark_gives_each_worker_a_queue_and_measures_the_server() -> None:
-    """Past one machine (issue 38, item 5), in small: 1, 2 and 3 worker processes on task
-    queues of their own, their throughput against one's, and the server's CPU per episode."""
+    """Past one machine (docs/guides/production.md), in small: 1, 2 and 3 worker processes
+    on task queues of their own, their throughput against one's, and the server's CPU per
+    episode."""
     out = run_bench("partitions.py", "--quick", timeout=600)
     assert len(re.findall(r"[0-9.]+x of one worker's", out)) == 2, out
     assert len(re.findall(r"Temporal server CPU per episode\s+│\s+[0-9.]+ ms", out)) == 3, out
@@ -134,7 +135,7 @@ def test_the_partitions_benchmark_gives_each_worker_a_queue_and_measures_the_ser
 @pytest.mark.slow
 def test_the_concurrency_benchmark_files_its_worker_output_and_counts_late_tasks() -> None:
     """A small N (5 episodes at 0.5 s): the worker's output is filed and measured, and the
-    tasks past their timeout are counted apart from waits (issue 38)."""
+    tasks past their timeout are counted apart from waits."""
     out = run_bench("concurrency.py", "--quick", timeout=600)
     assert re.search(r"N=5: tasks past their timeout .*?\s0\s", out), out
     assert "N=5: worker output per minute" in out and "N=5: episodes per minute" in out

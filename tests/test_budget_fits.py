@@ -1,6 +1,7 @@
-"""Budgets that work at any size (issue 36, patch budget-fits): a token budget pays for the
-first root call it can cover, and what is held back for an extraction never exceeds what is
-left. Real episodes on the dev server against the scripted model."""
+"""Budgets that work at any size (docs/architecture/decisions.md#a-budget-works-at-any-size):
+a token budget pays for the first root call it can cover, and what is held back for an
+extraction never exceeds what is left. Real episodes on the dev server against the scripted
+model."""
 
 from __future__ import annotations
 

@@ -207,7 +207,7 @@ async def test_one_sandbox_per_worker_still_runs_three_episodes_at_once(
         assert repl.slots.evictions >= 2  # the episodes took turns, each back from its log
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_step_whose_wait_runs_out_is_asked_again_and_loses_nothing(
     client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path, scripted
 ) -> None:

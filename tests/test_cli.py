@@ -96,7 +96,7 @@ def test_show_prints_the_timeline(tmp_path: Path, scripted, context_file: Path) 
     assert timeline["result"]["answer"] == "NAME FOR 3"
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_an_episode_survives_a_restart_of_the_cli(tmp_path: Path, scripted, context_file: Path) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     episode_id = f"later-{uuid.uuid4().hex[:6]}"
@@ -110,7 +110,7 @@ def test_an_episode_survives_a_restart_of_the_cli(tmp_path: Path, scripted, cont
     assert episode_id in listing.stdout
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
     out = drlm(tmp_path, "demo", "--json")
     assert out.returncode == 0, out.stderr
@@ -170,7 +170,7 @@ def test_bad_json_context_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "not valid JSON" in out.stderr
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub(["FINAL(x)"]), models={"real"})
     out = drlm(tmp_path, "run", "t", "--base-url", server.base_url, "--model", "imaginary", "--json")
@@ -225,7 +225,7 @@ def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and "invalid output schema" in out.stderr
 
 
-# --- endings a script can tell apart (issue 20) ---------------------------------------------------
+# --- endings a script can tell apart --------------------------------------------------------------
 
 ROOT_DIR = Path(__file__).resolve().parents[1]
 
@@ -263,7 +263,7 @@ def test_a_limit_without_an_answer_exits_3(tmp_path: Path, scripted) -> None:
     assert report["stop_reason"] == "max iterations reached (1/1); fallback extraction is disabled"
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub(["FINAL(never asked)"]))
     episode_id = f"cancel-{uuid.uuid4().hex[:6]}"
@@ -293,7 +293,7 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
     assert (unknown.returncode, unknown.stderr.strip()) == (2, "drlm: no episode with id 'no-such-episode'")
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_a_failed_episode_exits_1_and_a_custom_policy_loads_from_settings(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub(["```repl\nprint(1)\n```"]))
     env = {"DRLM_POLICY_MODULES": "tests.policy_plugins", "PYTHONPATH": str(ROOT_DIR)}
@@ -317,7 +317,7 @@ def test_a_failed_episode_exits_1_and_a_custom_policy_loads_from_settings(tmp_pa
     assert unknown.returncode == 2 and "DRLM_POLICY_MODULES: cannot import 'no.such.module'" in unknown.stderr
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_request_timeout_and_attempts_are_set_from_flags_and_settings(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub([Reply(text="FINAL(late)", delay_s=4)]))
     base = ("--base-url", server.base_url, "--model", "m", "--json")
@@ -356,7 +356,7 @@ def test_doctor_reports_each_sandbox_layer(tmp_path: Path) -> None:
     assert "ipc and pid namespaces" in out.stdout and "memory as a whole" in out.stdout
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
     from tests.test_recursion import SUM_CHILD, by_model
 
@@ -394,11 +394,11 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
     assert missing.returncode == 2 and "DRLM_TOOL_MODULES: cannot import 'no.such.tools'" in missing.stderr
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, context_file: Path) -> None:
-    """Issue 37: an episode nobody runs (started with --no-wait, or left by Ctrl-C) is not
-    taken up by an unrelated `drlm run`, which would leave it mid-call as it exits (the
-    call paid again). `drlm watch` of it says no worker runs it; `drlm resume` does."""
+    """An episode nobody runs (started with --no-wait, or left by Ctrl-C) is not taken up by
+    an unrelated `drlm run`, which would leave it mid-call as it exits (the call paid
+    again). `drlm watch` of it says no worker runs it; `drlm resume` does."""
     server = scripted(lambda request: "FINAL(done)" if request.is_root else "x")
     waiting = f"left-{uuid.uuid4().hex[:6]}"
     started = drlm(
@@ -429,8 +429,8 @@ def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, con
 
 
 def test_scripted_server_lets_a_new_user_run_without_a_key(tmp_path: Path) -> None:
-    """Issue 36: `drlm scripted-server` prints its base URL; the README's `drlm run` against
-    it answers the demo's question right, with no key of a real provider."""
+    """`drlm scripted-server` prints its base URL; the README's `drlm run` against it
+    answers the demo's question right, with no key of a real provider."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
     environ.update(DRLM_DATA_DIR=str(tmp_path), DRLM_SERVER_IDLE_S="2")
     log = tmp_path / "demo.log"

@@ -1,5 +1,6 @@
-"""The codec server (issue 19, item 2): the Web UI's claim-checked payloads decoded over HTTP,
-from a real episode's history, with a real SQL blob store, CORS and a bearer token."""
+"""The codec server (docs/guides/viewer.md): the Web UI's claim-checked payloads decoded
+over HTTP, from a real episode's history, with a real SQL blob store, CORS and a bearer
+token."""
 
 from __future__ import annotations
 
@@ -248,8 +249,9 @@ def test_a_configured_token_is_required_on_every_post(codec, blobs) -> None:
 
 
 def test_a_path_capability_is_required_on_every_request(codec, blobs) -> None:
-    """The supervisor's codec server (issue 33): loopback is no boundary between users, so
-    every path starts with its secret; without it, or with another, 404 and no payload."""
+    """The supervisor's codec server (docs/security.md): loopback is no boundary between
+    users, so every path starts with its secret; without it, or with another, 404 and no
+    payload."""
     secret = "k" * 43
     server = codec(path_secret=secret)
     assert server.url == f"http://127.0.0.1:{server.port}/{secret}"

@@ -1,6 +1,6 @@
-"""Long episodes keep going (issue 20, item 5): compaction before the window is full, a
-context-length error compacts and retries once then extracts, and long replies and outputs
-are shortened in what is resent but kept whole in what is stored."""
+"""Long episodes keep going: compaction before the window is full, a context-length error
+compacts and retries once then extracts, and long replies and outputs are shortened in what
+is resent but kept whole in what is stored."""
 
 from __future__ import annotations
 

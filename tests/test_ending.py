@@ -1,6 +1,6 @@
 """How an episode ends, told honestly (workflows/ending.py), as pure functions: who gave the
-answer, why it stopped, and the seed 004 result variant, for each way an episode can end.
-The endings of running episodes are in tests/test_endings.py."""
+answer, why it stopped, and fallback extraction's result variant, for each way an episode
+can end. The endings of running episodes are in tests/test_endings.py."""
 
 from __future__ import annotations
 
@@ -277,7 +277,7 @@ def test_an_extracted_answer_carries_the_seeds_confidence() -> None:
         ),
     )
     assert ending.confidence == 0.7
-    # A variable's value too (+0.3): the seed's clamp at 0.99.
+    # A variable's value too (+0.3): the confidence clamp at 0.99.
     assert extraction_ending(LIMIT, parsed, HISTORY, {"x": "42"}, ANSWER_FIELDS).confidence == 0.99
 
 

@@ -1,6 +1,6 @@
-"""Endings and time limits that hold (issue 20, item 6): every kind of ending projects into
-the audit store the same way live and on rebuild; the deadline counts from submission; a
-hung model shows in the progress line."""
+"""Endings and time limits that hold (docs/behaviour/endings.md): every kind of ending
+projects into the audit store the same way live and on rebuild; the deadline counts from
+submission; a hung model shows in the progress line."""
 
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ async def test_the_deadline_counts_from_submission_not_from_the_first_worker(
     assert timer < timedelta(seconds=3)  # 6 s budget, 4 s of it spent before any worker ran
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_hung_model_shows_in_the_progress_line(client: Client, worker, scripted) -> None:
     server = scripted(root_and_sub([Reply(text="FINAL(late)", delay_s=3.5)]))
     handle = await start_episode(

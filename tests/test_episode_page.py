@@ -447,7 +447,7 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_an_open_page_keeps_the_shared_server_up(tmp_path: Path, scripted) -> None:
     """`drlm ui` prints the address and exits: the page's own requests hold the server."""
     server = scripted(lambda request: "FINAL(kept)")

@@ -1,5 +1,5 @@
-"""The episode page's plots (issue 35, item 4): the steps on one time axis, and tokens and cost
-per iteration, drawn as inline SVG from a timeline."""
+"""The episode page's plots (docs/guides/viewer.md): the steps on one time axis, and tokens
+and cost per iteration, drawn as inline SVG from a timeline."""
 
 from __future__ import annotations
 

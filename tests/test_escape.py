@@ -325,7 +325,7 @@ async def test_a_process_a_cell_forked_does_not_outlive_the_cell(host: ReplActiv
     assert (await episode.run("print('still here')")).stdout == "still here\n"
 
 
-# --- namespaces and limits of the sandbox as a whole (issue 33) -------------------------------
+# --- namespaces and limits of the sandbox as a whole ------------------------------------------
 
 LIBC = "import ctypes, struct\nlibc = ctypes.CDLL(None, use_errno=True)\n"
 

@@ -109,7 +109,7 @@ def wait_server_gone(home: Path, timeout_s: float = 30) -> None:
     raise AssertionError(f"the shared server is still up: {server_state(home)}")
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_two_runs_from_two_directories_readers_and_a_worker_from_a_third(tmp_path: Path, scripted) -> None:
     context = tmp_path / "ctx.txt"
     context.write_text("one two three four")
@@ -233,7 +233,7 @@ def test_a_worker_waits_for_its_server(tmp_path: Path) -> None:
         worker.wait(30)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_closed_pipe_ends_quietly(tmp_path: Path, scripted) -> None:
     big = [Reply(text="```repl\nprint('x' * 300_000)\n```"), Reply(text="FINAL(done)")]
     server = scripted(root_and_sub(big))
@@ -256,7 +256,7 @@ def test_closed_pipe_ends_quietly(tmp_path: Path, scripted) -> None:
         assert len(piped.stdout) == 10
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_ctrl_c_says_the_episode_goes_on_and_resume_finishes_it(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub(turns("after", 1.5)))
     episode = f"int-{uuid.uuid4().hex[:6]}"
@@ -341,7 +341,7 @@ def test_an_unreachable_cluster_is_one_line_exit_1(tmp_path: Path) -> None:
     assert out.stderr.count("\n") == 1
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_a_wrong_key_pauses_the_run_and_resume_with_the_right_one_finishes_it(
     tmp_path: Path, scripted
 ) -> None:

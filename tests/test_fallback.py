@@ -1,5 +1,5 @@
-"""Seed 004 (SPEC-27) test plan: trigger, extraction prompt, reply parsing, result variants,
-confidence."""
+"""Fallback extraction, example for example (docs/behaviour/fallback-extraction.md): trigger,
+extraction prompt, reply parsing, result variants, confidence."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def test_a_context_overflow_reads_as_such_with_its_compaction_count() -> None:
 # --- test_extraction_prompt -------------------------------------------------------------------
 
 
-# Seed 004's template with HISTORY, two variables and three fields; \x20 is the space after
-# "Output:" of an iteration that printed nothing.
+# The specified extraction template with HISTORY, two variables and three fields; \x20 is the
+# space after "Output:" of an iteration that printed nothing.
 PINNED_PROMPT = """
 The REPL execution reached its limit (max iterations reached (20/20)).
 Extract the final outputs from the execution history and variables.

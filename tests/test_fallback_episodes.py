@@ -1,6 +1,6 @@
-"""Seed 004 at the orchestrator level, on the real Temporal dev server: submit bypasses
-extraction; each limit extracts with its reason; an unparseable reply fails and keeps the
-history and partial outputs."""
+"""Fallback extraction (docs/behaviour/fallback-extraction.md) at the orchestrator level, on
+the real Temporal dev server: submit bypasses extraction; each limit extracts with its
+reason; an unparseable reply fails and keeps the history and partial outputs."""
 
 from __future__ import annotations
 

@@ -243,7 +243,7 @@ async def test_a_running_episode_forks_at_a_finished_iteration(client, scripted,
         await workers.stop()
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_the_command_line_forks_shows_and_exports(
     client, scripted, worker, tmp_path: Path, temporal_address: str, session_dir: Path
 ) -> None:
@@ -273,7 +273,7 @@ async def test_the_command_line_forks_shows_and_exports(
     assert [e.get("inherited_from") for e in entries[1:]] == [source_id] * 3 + [None]
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_forks_across_continue_as_new_and_of_a_fork(session_dir: Path, store, blobs, scripted) -> None:
     from temporalio.client import Client
 
@@ -391,7 +391,7 @@ async def test_a_fork_takes_the_limits_as_they_were_at_k(client, scripted, worke
     assert (await last.result()).answer == "43"
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_two_forks_at_once_survive_a_worker_restart_mid_call(
     client, scripted, store, session_dir
 ) -> None:

@@ -1,5 +1,5 @@
-"""Sandboxes forked from a template process (issue 17, item 3): as isolated as spawned ones,
-cheaper to start and to keep, and bounded by a memory budget.
+"""Sandboxes forked from a template process (docs/security.md, "The sandbox"): as isolated
+as spawned ones, cheaper to start and to keep, and bounded by a memory budget.
 
 Isolation is checked in both modes where a layer alone decides (with the audit hook off,
 `bare`, for the OS layers); tests/test_repl.py runs every REPL test on the default (fork).

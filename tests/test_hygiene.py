@@ -1,6 +1,7 @@
-"""Sandbox hygiene (issue 15, item 5): a worker killed with SIGKILL leaves no sandbox
-directory and no sandbox process behind once another worker on the same root has started,
-and no worker ever touches the sandboxes of a live one."""
+"""Sandbox hygiene (docs/architecture/decisions.md#nothing-a-worker-started-outlives-it): a
+worker killed with SIGKILL leaves no sandbox directory and no sandbox process behind once
+another worker on the same root has started, and no worker ever touches the sandboxes of a
+live one."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Where imports go (issue 34): at the top of the module, unless there is a reason on the line.
+"""Where imports go (docs/architecture/decisions.md#rooms-floors-and-imports-with-a-reason):
+at the top of the module, unless there is a reason on the line.
 
 An import inside a function hides a dependency from the reader, from import-linter's view of
 the floors until the function runs, and from the start-up probes (tests/test_startup.py). It is

@@ -1,10 +1,10 @@
-"""The kernel layers of issue 33 ("Containment"), through real episodes on a real worker: an
-IPC namespace per sandbox (System V objects neither shared nor left behind), a PID namespace
-(no other process can be named), a cgroup bounding the sandbox as a whole (or RLIMIT_AS x
-RLIMIT_NPROC), and seccomp refusing io_uring, memfd and the socket families a REPL never
-needs. Each attack runs with the audit hook on and off (off: the kernel alone must stop it),
-and each is followed by an honest episode on the same worker that must answer right.
-(tests/test_escape.py attacks each layer of one sandbox directly.)
+"""The sandbox's kernel layers (docs/security.md), through real episodes on a real worker:
+an IPC namespace per sandbox (System V objects neither shared nor left behind), a PID
+namespace (no other process can be named), a cgroup bounding the sandbox as a whole (or
+RLIMIT_AS x RLIMIT_NPROC), and seccomp refusing io_uring, memfd and the socket families a
+REPL never needs. Each attack runs with the audit hook on and off (off: the kernel alone
+must stop it), and each is followed by an honest episode on the same worker that must answer
+right. (tests/test_escape.py attacks each layer of one sandbox directly.)
 """
 
 from __future__ import annotations

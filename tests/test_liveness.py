@@ -1,7 +1,8 @@
-"""A liveness signal of our own (durable_rlm/worker/liveness.py, issue 38 item 4): a dead
-worker's calls are retried as soon as another worker on the machine sees its lock free, not
-after their heartbeat timeout; a live worker, even one that does not run at all for a while
-(SIGSTOP), keeps its lock, and its call is paid once."""
+"""A liveness signal of our own (durable_rlm/worker/liveness.py,
+docs/architecture/failures.md): a dead worker's calls are retried as soon as another worker
+on the machine sees its lock free, not after their heartbeat timeout; a live worker, even
+one that does not run at all for a while (SIGSTOP), keeps its lock, and its call is paid
+once."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Issue 33, finding 6: another user of the machine gets nothing from the shared server.
+"""Another user of the machine gets nothing from the shared server (docs/security.md,
+"Other users of the machine").
 
 Run as root (the harness's user), these tests start the data directory's shared server as
-any client does, then act as uid `nobody` (the attacker of the finding) against every TCP
-port the supervisor's process tree listens on in the host's network: the Temporal frontend,
-the Web UI, the codec server. The same probes, run as the owner, must get answers, so a
-probe that learns nothing because it is broken cannot pass.
+any client does, then act as uid `nobody` (the attacker) against every TCP port the
+supervisor's process tree listens on in the host's network: the Temporal frontend, the Web
+UI, the codec server. The same probes, run as the owner, must get answers, so a probe that
+learns nothing because it is broken cannot pass.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Errors that explain (issue 15): a provider reply that is not a completion, an unreachable
-endpoint and a refused key, through the real `openai` and `anthropic` clients talking HTTP
-to a scripted server on 127.0.0.1, and through whole episodes on a Temporal dev server.
+"""Errors that explain (docs/architecture/decisions.md#errors-that-explain): a provider
+reply that is not a completion, an unreachable endpoint and a refused key, through the real
+`openai` and `anthropic` clients talking HTTP to a scripted server on 127.0.0.1, and through
+whole episodes on a Temporal dev server.
 
 A failure must say its cause first and fit what the server keeps of it (4 KB per activity
 failure; over that it stores "Failure exceeds size limit." instead). A refused key pauses
@@ -394,7 +395,7 @@ async def test_a_failing_tool_leaves_a_short_failure_without_its_chain() -> None
     assert error.__cause__ is None and failure_size(error) < SERVER_LIMIT // 2
 
 
-# --- a paused worker checks before it pays (issue 37) ----------------------------------------
+# --- a paused worker checks before it pays (docs/architecture/failures.md) -------------------
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""Seed 001 (FINAL / FINAL_VAR) and code blocks: spec rows, prose, real model output, and
-properties against a naive reference implementation."""
+"""FINAL / FINAL_VAR (docs/behaviour/answers.md) and code blocks: the answer format's rows,
+prose, real model output, and properties against a naive reference implementation."""
 
 from __future__ import annotations
 
@@ -52,15 +52,16 @@ class LocalEnvironment:
         return SimpleNamespace(stdout=buffer.getvalue(), stderr="")
 
 
-# --- seed 001 example table -------------------------------------------------------------------
+# --- the answer format's example table --------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("snippet", "raw", "answer"),
     [
         ("FINAL(42)", "42", "42"),
-        # Seed 001: "including quotes in content". Its table rules over issue 20's earlier
-        # request to strip them (issue 36).
+        # The answer format: "including quotes in content". Its table rules over an earlier
+        # wish to strip them (docs/architecture/decisions.md, "Behaviour kept from the
+        # specifications").
         ('FINAL("hello")', '"hello"', '"hello"'),
         ("FINAL(answer (with nested) parens)", "answer (with nested) parens", "answer (with nested) parens"),
     ],
@@ -165,14 +166,14 @@ def test_a_reader_that_printed_nothing_is_an_empty_answer(stdout: str | None) ->
     assert find_final_answer("FINAL_VAR(x)", bare) == ""
 
 
-# --- prose: apostrophes, quotes, code blocks (issue 20) -----------------------------------
+# --- prose: apostrophes, quotes, code blocks ----------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("reply", "answer"),
     [
         ("FINAL(It's a dog)", "It's a dog"),
-        # Seed 001: the argument as written, quotes included; a ')' inside a string
+        # The answer format: the argument as written, quotes included; a ')' inside a string
         # literal does not close the call.
         ('FINAL("It\'s a dog")', '"It\'s a dog"'),
         ("FINAL('It's a dog')", "'It's a dog'"),
@@ -324,7 +325,7 @@ def test_real_trace_final_answers_match_the_rlms_log(row: dict) -> None:
     expected = row["final_answer"]
     if expected is None:
         assert signal is None
-    else:  # rlms logged the seed's content, quotes included: so is our answer
+    else:  # rlms logged the content as written, quotes included: so is our answer
         assert signal.raw == signal.value == expected
 
 

@@ -267,7 +267,7 @@ async def test_policy_state_crosses_continue_as_new(session_dir: Path, store, bl
     )
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_drlm_reward_reaches_a_running_embedded_episode(tmp_path: Path, scripted) -> None:
     gate = threading.Event()
 
@@ -329,7 +329,7 @@ def test_model_settings_keep_logprobs_opt_in() -> None:
     assert ModelSettings(model="m").logprobs is False
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_rewards_sent_while_it_runs_cross_continue_as_new(
     session_dir: Path, store, blobs, scripted
 ) -> None:

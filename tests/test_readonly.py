@@ -1,7 +1,7 @@
 """The store's read-only queries (audit/readonly.py) run as SQL text by two readers
 (store/reading.py): the standard library's sqlite3 for a SQLite file (`drlm show`/`list`
-without SQLAlchemy, issue 36) and SQLAlchemy's engine for any other store. They must give
-the same answers: the rows, their order, their types."""
+without SQLAlchemy, for start-up) and SQLAlchemy's engine for any other store. They must
+give the same answers: the rows, their order, their types."""
 
 from __future__ import annotations
 
@@ -244,8 +244,9 @@ def test_sqlite_date_times_are_bound_as_sqlalchemy_stores_them(tmp_path: Path) -
 
 
 def test_drlm_show_and_list_read_a_sqlite_store_without_sqlalchemy(tmp_path: Path) -> None:
-    """What issue 36's 0.35 s needs: neither command imports SQLAlchemy (~0.17 s) or the SDK
-    for an ended episode's kept timeline and the list, and both print what is stored."""
+    """What the 0.35 s start-up target of `drlm show` and `list` needs: neither command
+    imports SQLAlchemy (~0.17 s) or the SDK for an ended episode's kept timeline and the
+    list, and both print what is stored."""
     engine = open_store(f"sqlite:///{tmp_path / 'drlm.sqlite'}")
     write(engine, [{"episode_id": "shown", "run_id": "run-a", "answer": "forty-two"}])
     store_timeline(engine, Timeline(episode_id="shown", status="answered", task="the task", runs=1), "run-a")

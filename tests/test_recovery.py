@@ -1,4 +1,5 @@
-"""Every failed step is recoverable (issue 20, item 2).
+"""Every failed step is recoverable
+(docs/architecture/decisions.md#every-failed-step-is-recoverable).
 
 Host level: a stale head that ends mid-cell no longer bricks the REPL; a rebuild heartbeats
 however quick its cells are; a cancelled attempt leaves no sandbox behind. Episode level,
@@ -87,7 +88,7 @@ async def test_a_live_sandbox_left_mid_cell_is_rebuilt_for_a_new_cell(host: Repl
     assert (outcome.error, outcome.stdout) == (None, "False 1\n")
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_rebuild_heartbeats_however_quick_its_cells_are(host: ReplActivities) -> None:
     episode = Episode(host)
     for _ in range(8):

@@ -335,7 +335,7 @@ def test_max_depth_out_of_range_is_refused(depth: int) -> None:
         EpisodeRequest(task="t", root_model=ModelSettings(model="m"), max_depth=depth)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_child_runs_out_of_time_before_its_parent(client, scripted, worker) -> None:
     # The child never answers; its deadline comes a little before the parent's, so it
     # extracts its answer and hands it over before the parent's own timer fires.
@@ -357,7 +357,7 @@ async def test_a_child_runs_out_of_time_before_its_parent(client, scripted, work
     assert result.ended_by == "max_duration"
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_cancel_while_the_episode_closes_changes_nothing(client, scripted, worker) -> None:
     server = scripted(
         by_model({"root-m": ["```repl\nx = 1\n```"]}, extract=Reply(text='{"answer": "x"}', delay_s=3))

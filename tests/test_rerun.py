@@ -56,7 +56,7 @@ async def _events(client, episode_id: str) -> int:
     return len((await client.get_workflow_handle(episode_id).fetch_history()).events)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_rerun_with_the_same_policy_and_with_a_stricter_one(
     client, scripted, worker, blobs, services
 ) -> None:
@@ -160,7 +160,7 @@ async def test_what_cannot_be_rerun_is_refused_before_anything_runs(
     await client.get_workflow_handle(running).terminate("test over")
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_the_command_line_reruns_and_exits_1_when_an_ending_changes(
     client, scripted, worker, blobs, tmp_path: Path, temporal_address: str, session_dir: Path
 ) -> None:

@@ -111,7 +111,7 @@ def reset_events(engine: sa.Engine, episode_id: str) -> list[dict[str, Any]]:
     return [dict(r._mapping) for r in rows]
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_reset_episode_with_children_reads_as_its_reset_run(
     client: Client, scripted, store, session_dir: Path, temporal_address: str
 ) -> None:

@@ -1,7 +1,7 @@
-"""rlms's API (issue 36): `from rlm import RLM` becomes `from durable_rlm import RLM` and the
-program runs unchanged. The same script runs under rlms itself (installed by the dev extra)
-and under durable-rlm against one scripted server, and must give the same response and the
-same model calls."""
+"""rlms's API (docs/guides/from-rlms.md): `from rlm import RLM` becomes `from durable_rlm
+import RLM` and the program runs unchanged. The same script runs under rlms itself
+(installed by the dev extra) and under durable-rlm against one scripted server, and must
+give the same response and the same model calls."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def run_script(code: str, base_url: str, depth: int, data_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "name",  # the plain one in the default run; the others are long (issue 34: near 13 min)
+    "name",  # the plain one in the default run; the others are long (it stays near 13 min)
     [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(EPISODES)],
 )
 def test_one_changed_import_gives_rlms_response(name: str, scripted, tmp_path: Path) -> None:
@@ -492,7 +492,7 @@ async def test_max_budget_raises_rlms_budget_exceeded_with_the_cost_the_provider
     assert info.value.budget == 0.05 and info.value.spent == pytest.approx(0.06)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 @pytest.mark.chaos
 async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
     client, scripted, worker_processes
@@ -514,7 +514,7 @@ async def test_setup_code_survives_a_worker_killed_before_the_first_turn(
     assert "base is 100" in server.root_requests()[-1].last_user  # the rebuilt REPL ran it again
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_max_timeout_raises_rlms_timeout_and_subcalls_and_verbose_are_reported(
     temporal_address, session_dir, scripted, worker, capsys
 ) -> None:
@@ -544,9 +544,9 @@ async def test_subcalls_are_reported_as_the_child_episodes_start_and_end(
     temporal_address, session_dir, scripted, worker
 ) -> None:
     """rlms fires on_subcall_start when a child RLM starts and on_subcall_complete when it
-    ends, while the run goes on (issue 36): each child's start is seen before the root's next
-    turn is asked for (which waits for the child, whose reply takes 2 s), and each child is
-    reported once, in order."""
+    ends, while the run goes on: each child's start is seen before the root's next turn is
+    asked for (which waits for the child, whose reply takes 2 s), and each child is reported
+    once, in order."""
     root_turns = [
         "```repl\na = rlm_query('1,2')\nb = rlm_query('3,4')\nprint(a, b)\n```",
         "```repl\nanswer['content'] = a + ' ' + b\nanswer['ready'] = True\n```",

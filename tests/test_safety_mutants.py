@@ -1,5 +1,6 @@
-"""Tests for behaviours a hand-made mutation of safety code once left unnoticed (issue 34):
-each fails on the mutant it is named for."""
+"""Tests for behaviours a hand-made mutation of safety code once left unnoticed (see
+docs/architecture/decisions.md#mutation-testing-of-the-pure-modules): each fails on the
+mutant it is named for."""
 
 from __future__ import annotations
 

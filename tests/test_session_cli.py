@@ -1,5 +1,5 @@
-"""A persistent session in `drlm show` and `drlm list` (issue 36 item 2): one session of many
-turns, not one line per turn episode; `drlm show <session>-turn<k>` stays an episode's timeline."""
+"""A persistent session in `drlm show` and `drlm list`: one session of many turns, not one
+line per turn episode; `drlm show <session>-turn<k>` stays an episode's timeline."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Persistent sessions (issue 36 item 2): `RLM(persistent=True)` and `DurableRLM.session()`
-keep one REPL across `completion()` calls, each a turn of one durable session workflow that
-survives a killed worker, and ends by `close()` or an idle timeout."""
+"""Persistent sessions (docs/guides/python-api.md): `RLM(persistent=True)` and
+`DurableRLM.session()` keep one REPL across `completion()` calls, each a turn of one durable
+session workflow that survives a killed worker, and ends by `close()` or an idle timeout."""
 
 from __future__ import annotations
 
@@ -163,8 +163,8 @@ def test_a_persistent_rlm_fires_its_callbacks_while_each_turn_runs(scripted, tmp
 
 
 def test_a_session_in_a_with_block_from_synchronous_code(scripted, tmp_path: Path) -> None:
-    """The README's form: `with rlm.session() as s:` and `s.completion(...)`; the block's end
-    closes the session."""
+    """The documented form (docs/guides/python-api.md): `with rlm.session() as s:` and
+    `s.completion(...)`; the block's end closes the session."""
     server = scripted(session_script)
     settings = Settings(data_dir=tmp_path)
     rlm = DurableRLM("gpt-x", base_url=server.base_url, max_iterations=4, settings=settings)
@@ -260,7 +260,7 @@ async def test_turns_answer_for_themselves_across_a_killed_worker(
     assert rebuilt and rebuilt[0].cells_rerun + (rebuilt[0].from_snapshot or 0) >= 2, rebuilt
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_close_and_idle_timeout_end_a_session(
     temporal_address, session_dir, client, scripted, worker
 ) -> None:

@@ -93,7 +93,7 @@ def test_the_answer_dict_pickles_by_reference_and_restores_without_answering() -
     assert answer.end_cell(older) is None and answer.end_cell({"answer": loaded}) is None
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_crash_after_a_long_cell_does_not_run_it_again(workers) -> None:
     first, second = workers
     episode = Episode(first, cell_timeout_s=60, snapshots=SnapshotPolicy())

@@ -1,4 +1,4 @@
-"""The soak (issue 37, item 9): durable against the engine's failures and the infrastructure's.
+"""The soak (docs/testing.md): durable against the engine's failures and the infrastructure's.
 
 Three `worker.py` processes on one PostgreSQL store (a cluster of this test's own, so it
 can be restarted) and one Temporal dev server (also its own, on its own SQLite file and
@@ -14,8 +14,9 @@ killed twice, PostgreSQL restarted once and stopped for 30 s once, and one worke
   before it began: the worker holding a reply has not necessarily reported it yet), and the
   calls paid again are no more than the calls in flight at a fault. A request a paused
   worker sends once resumed, for an attempt the server has given up, is in flight during no
-  fault: it is a call paid for nothing (issue 37, item 7: a paused worker checks before it
-  pays), listed with what the episode's history says of its model calls;
+  fault: it is a call paid for nothing (a paused worker checks before it pays:
+  docs/architecture/failures.md), listed with what the episode's history says of its model
+  calls;
 - the audit store rebuilt from the histories alone (`drlm audit-rebuild`'s
   `rebuild_audit`, into a fresh database) has exactly the live store's rows;
 - no sandbox is left: the sandbox root is empty and no sandbox process of any of the

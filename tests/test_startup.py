@@ -1,4 +1,5 @@
-"""Start-up: what a process imports before it needs it (issue 36). Pinned by what is in
+"""Start-up: what a process imports before it needs it
+(docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses). Pinned by what is in
 `sys.modules`, not by timings (those are bench/startup.py's): a provider's client library is
 imported when that provider is first used, never by importing the API or the worker side;
 temporalio and SQLAlchemy when an episode runs, not when the API is imported."""

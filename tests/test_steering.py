@@ -433,7 +433,7 @@ class Cli:
         return process.returncode, out.decode(), err.decode()
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_the_command_line_supervises_an_episode(
     client, scripted, workers, tmp_path: Path, temporal_address: str, session_dir: Path
 ) -> None:
@@ -524,7 +524,7 @@ async def test_the_command_line_supervises_an_episode(
     assert ">>> resume by zed" in out and ">>> finish by zed" in out
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_child_episodes_cells_wait_for_approval_too(client, scripted, workers) -> None:
     from tests.test_recursion import by_model, tree_request
 
@@ -617,7 +617,7 @@ async def test_the_python_api_steers_an_episode(temporal_address, session_dir, s
     assert "200" in observed and "multiply by a hundred" in observed
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_episodes_no_worker_polls_do_not_hold_up_the_list_of_waiting_cells(
     client, scripted, workers
 ) -> None:

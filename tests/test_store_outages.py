@@ -1,8 +1,8 @@
-"""An infrastructure failure is waited out, never an ending (issue 37): a full disk under the
-SQL store stops every write of an episode's steps; the episode says it waits for the store,
-and answers right once the disk has room again. Real parts: a tmpfs of 16 MB as the disk,
-SQLite on it for the audit and blob stores, the Temporal dev server, the real sandbox and
-the real openai client against a scripted server."""
+"""An infrastructure failure is waited out, never an ending (docs/architecture/failures.md):
+a full disk under the SQL store stops every write of an episode's steps; the episode says it
+waits for the store, and answers right once the disk has room again. Real parts: a tmpfs of
+16 MB as the disk, SQLite on it for the audit and blob stores, the Temporal dev server, the
+real sandbox and the real openai client against a scripted server."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_a_full_disk_is_a_store_outage_not_a_model_error(small_disk: Path) -> No
     assert store_problem(ValueError("blob sha256:00 is corrupt")) is None
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_full_disk_under_the_sql_store_is_waited_out(
     client, session_dir, scripted, small_disk
 ) -> None:
@@ -163,7 +163,7 @@ def test_no_negative_cell_duration_is_stored() -> None:
     assert merge_cell(started, later)["duration_s"] == 2.0
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, scripted, small_disk) -> None:
     """The audit store's disk is full when the episode ends: its closing row is retried
     until the disk has room, and then says completed, with the answer."""
@@ -226,7 +226,7 @@ async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, se
 @pytest.mark.slow
 @pytest.mark.postgres
 async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, session_dir, scripted) -> None:
-    """Issue 37's "done when": the episode's PostgreSQL store (audit and blobs) stops for 25 s
+    """The episode's PostgreSQL store (audit and blobs) stops for 25 s
     while the model answers; the episode waits, says why, and answers right once it is back."""
     from durable_rlm.store.sql import create_engine, migrate
     from tests.conftest import PostgresCluster

@@ -361,7 +361,7 @@ async def wait_until(condition, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_new_worker_finishing_an_episode_emits_one_chat_span_per_model_call(
     traced: Traced, store, session_dir, scripted
 ) -> None:

@@ -1,4 +1,5 @@
-"""Seed 003: every code example of the termination-policy spec, plus errors and state."""
+"""Every code example of the termination policies (docs/behaviour/termination-policies.md,
+rlm_code's interface), plus errors and state."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from durable_rlm.workflows.termination import (
     TerminationPolicy,
 )
 
-# --- the seed's convergence example, registered exactly as the spec writes it ----------------
+# --- rlm_code's convergence example, registered exactly as it is written ---------------------
 
 
 @PolicyRegistry.register_termination("convergence")
@@ -324,7 +325,7 @@ def test_composite_sub_policies_can_carry_config() -> None:
     assert policy.should_terminate(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.2}))[0]
 
 
-# --- custom policy (the seed's convergence example) -------------------------------------------
+# --- custom policy (rlm_code's convergence example) -------------------------------------------
 
 
 def test_seed_example_convergence_policy() -> None:
@@ -399,7 +400,7 @@ def test_policy_state_round_trips_through_json(name: str) -> None:
     assert second.get_state() == first.get_state()
 
 
-# --- explicit policy state (issue 22) --------------------------------------------------------
+# --- explicit policy state (docs/architecture/decisions.md: a policy's state is declared) ----
 
 
 def test_a_policy_whose_state_is_a_compiled_regex_is_refused_at_registration() -> None:
@@ -485,7 +486,7 @@ def test_a_status_message_is_a_reason_not_an_answer() -> None:
     policy = PolicyRegistry.get_termination("reward_threshold")
     decision = policy.decide(ActionResult("code"), PolicyContext(metrics={"last_reward": 0.9}))
     assert decision == PolicyDecision(True, None, "Reward threshold reached: 0.90")
-    assert decision.as_tuple() == (True, "Reward threshold reached: 0.90")  # the seed's tuple
+    assert decision.as_tuple() == (True, "Reward threshold reached: 0.90")  # rlm_code's tuple
     final = PolicyRegistry.get_termination("reward_threshold").decide(
         ActionResult("final", output="42"), PolicyContext(metrics={"last_reward": 0.9})
     )

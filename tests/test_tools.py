@@ -103,7 +103,7 @@ def test_bad_registrations_and_unknown_tools_are_clear_errors() -> None:
     assert tool_plugins.PRICES  # the plugin module is what registered the tools
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 @pytest.mark.chaos
 async def test_a_worker_killed_between_tool_calls_repeats_neither(
     client, scripted, worker_processes, tmp_path: Path, monkeypatch

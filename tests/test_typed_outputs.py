@@ -347,7 +347,7 @@ def test_checking_a_large_output_is_fast_and_a_huge_one_is_refused() -> None:
     assert time.perf_counter() - started < 1.0
 
 
-# --- the corners of the schema checks (the survivors of a mutation run, issue 34) -------------
+# --- the corners of the schema checks (the survivors of a mutation run: docs/mutation.md) -----
 
 
 def test_a_line_at_the_limit_is_shown_whole_and_a_longer_one_keeps_its_path_and_its_rule() -> None:

@@ -1,7 +1,7 @@
-"""What the Temporal Web UI shows of an episode (issue 19): a summary on every step, the
-child episodes' summaries, the memo, and search attributes the list of workflows filters
-on, kept current through a pause and at the end. On a server without the attributes an
-episode still completes. `python -m tests.test_ui_metadata` records the replay history."""
+"""What the Temporal Web UI shows of an episode (docs/guides/viewer.md): a summary on every
+step, the child episodes' summaries, the memo, and search attributes the list of workflows
+filters on, kept current through a pause and at the end. On a server without the attributes
+an episode still completes. `python -m tests.test_ui_metadata` records the replay history."""
 
 from __future__ import annotations
 

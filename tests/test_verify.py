@@ -53,7 +53,7 @@ def corrupt_blob(engine: sa.Engine, digest: str) -> None:
         assert changed.rowcount == 1
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_a_deleted_context_blob_names_its_episode_and_what_still_works(tmp_path: Path, scripted) -> None:
     server = scripted(root_and_sub(TURNS, lambda p: p.upper()))
     text = f"one\ntwo\nthree {uuid.uuid4().hex}\n"

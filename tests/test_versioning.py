@@ -163,7 +163,7 @@ def test_bad_versioning_settings_name_the_setting(env: dict[str, str], problem: 
         Settings.from_env(env)
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_drlm_deployment_shows_the_builds_and_switches_them(
     client: Client,
     store: tuple[BlobStore, sa.Engine],

@@ -74,7 +74,7 @@ async def test_an_episode_page_shows_its_task_code_and_answer(tmp_path: Path, sc
     assert "row 7: ERROR in service-2" in page
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_drlm_run_and_drlm_ui_print_the_pages(tmp_path: Path, scripted) -> None:
     """No browser needed: the addresses, and the UI answering at them."""
     import urllib.request

@@ -94,7 +94,7 @@ def test_before_any_call_the_cost_is_zero_only_for_priced_models(
         assert progress_cost(request, state) == cost
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_drlm_watch_on_a_terminal_draws_the_view_and_exits_with_the_runs_code(
     client, worker, scripted, temporal_address: str, session_dir: Path
 ) -> None:

@@ -1,4 +1,4 @@
-"""A worker never stops because nobody reads its output (issue 38, item 7).
+"""A worker never stops because nobody reads its output (durable_rlm/telemetry/log_path.py).
 
 Each test runs `python worker.py` as an operator's supervisor might: stdout and stderr are
 pipes, read only for the "worker ready" line and never again. A pipe holds 64 KB; a worker
@@ -111,7 +111,7 @@ async def run_unread(
     return [r.answer for r in results], code, worker.stderr.read()
 
 
-@pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
+@pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 async def test_a_worker_whose_output_nobody_reads_finishes_a_flood_of_failed_attempts(
     client: Client, scripted, temporal_address: str, session_dir: Path
 ) -> None:

@@ -1,6 +1,6 @@
-"""`python worker.py --processes N`: N worker processes under one supervisor (issue 38, item 2):
-each polls the queue, they share one sandbox budget, a killed one comes back, and one
-SIGTERM drains them all."""
+"""`python worker.py --processes N`: N worker processes under one supervisor
+(docs/guides/production.md): each polls the queue, they share one sandbox budget, a killed
+one comes back, and one SIGTERM drains them all."""
 
 from __future__ import annotations
 

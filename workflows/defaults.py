@@ -12,19 +12,20 @@ from datetime import timedelta
 # --- episode limits ------------------------------------------------------------------------
 
 MAX_ITERATIONS = 20
-"""Seed 004's FallbackTrigger default: enough turns for look, chunk, query, combine."""
+"""The fallback trigger's specified default: enough turns for look, chunk, query, combine."""
 
 MAX_LLM_CALLS = 50
-"""Seed 004's FallbackTrigger default for sub-calls made from the REPL."""
+"""The fallback trigger's specified default for sub-calls made from the REPL."""
 
 MAX_DURATION = timedelta(hours=1)
-"""An episode's wall-clock budget, counted from submission. Seed 004's bare trigger says 5
-minutes, but a production RLM run with a few dozen sub-calls routinely takes longer;
-episodes always pass their own limit, so SEED_TRIGGER_MAX_DURATION is only the seed's
-`FallbackTrigger()` default."""
+"""An episode's wall-clock budget, counted from submission. The bare fallback trigger's
+specified default is 5 minutes, but a production RLM run with a few dozen sub-calls
+routinely takes longer; episodes always pass their own limit, so SEED_TRIGGER_MAX_DURATION
+is only `FallbackTrigger()`'s default
+(docs/architecture/decisions.md#behaviour-kept-from-the-specifications)."""
 
 SEED_TRIGGER_MAX_DURATION = timedelta(seconds=300)
-"""Seed 004's `FallbackTrigger::default()`; kept for the seed's API, not used by episodes."""
+"""The specified `FallbackTrigger::default()`; kept for that API, not used by episodes."""
 
 CELL_TIMEOUT_S = 60.0
 """One REPL cell's compute time (model calls excluded): long enough for real pandas-free
@@ -280,7 +281,8 @@ inside the workflow task, so their input is bounded."""
 
 EXTRACTION_HISTORY_ENTRIES = 50
 EXTRACTION_OUTPUT_CHARS = 4_000
-"""Seed 004's extraction prompt: the last cells, each output shortened."""
+"""The specified extraction prompt: the last cells, each output shortened
+(docs/behaviour/fallback-extraction.md, "The prompt")."""
 
 REWARD_NOTE_CHARS = 2_000
 

@@ -1,5 +1,6 @@
 """How an episode ends, told honestly: who gave the answer, why it stopped, and the
-seed 004 result variant. Pure; the workflow adds the counters.
+result variant of fallback extraction (docs/behaviour/fallback-extraction.md). Pure; the
+workflow adds the counters.
 
 The rules: only the model gives an answer of its own (FINAL, FINAL_VAR, the answer dict,
 SUBMIT); a termination policy may stop the episode, and its status message is a stop
@@ -185,7 +186,8 @@ def extraction_ending(
     variables: dict[str, str],
     fields: list[FieldSpec],
 ) -> Ending:
-    """Seed 004: Extracted with the seed's confidence, or Failed keeping partial outputs."""
+    """Extracted with the extraction's confidence formula, or Failed keeping partial outputs
+    (docs/behaviour/fallback-extraction.md, "The result variants")."""
     if parsed.outputs is None:
         return extraction_failed_ending(reason, parsed.error or "extraction failed", history, parsed.partial)
     extracted = Extracted(

@@ -1,4 +1,5 @@
-"""Fallback extraction (seed 004, SPEC-27): when a limit is hit before a submit, ask a model
+"""Fallback extraction (docs/behaviour/fallback-extraction.md: DSPy's and rlm-core's
+behaviour, kept example for example): when a limit is hit before a submit, ask a model
 to extract the outputs from the REPL history. Pure: trigger, prompt, reply parsing,
 confidence and the result variants; the model call itself is activities/extraction.py, the
 output fields and their check are workflows/typed_outputs.py.
@@ -176,7 +177,8 @@ def format_variables(variables: dict[str, Any]) -> str:
 
 
 def generate_schema(fields: list[FieldSpec]) -> str:
-    """One line per field, in the seed's `"name": "type (description)",` shape."""
+    """One line per field, in the specified `"name": "type (description)",` shape (pinned
+    word for word in tests/golden/prompts.txt)."""
     return "\n".join(
         f'  "{f.name}": "{f.type}' + (f" ({f.description})" if f.description else "") + '",' for f in fields
     )
@@ -287,8 +289,9 @@ def calculate_extraction_confidence(
 
 
 def clamp_confidence(value: float) -> float:
-    """The seed's clamp to [0.1, 0.99]. With the seed's weights the formula never goes
-    below 0.2; the lower bound stands for weights that may change."""
+    """The specified clamp to [0.1, 0.99]. With today's weights the formula never goes
+    below 0.2; the lower bound stands for weights that may change
+    (docs/architecture/decisions.md#behaviour-kept-from-the-specifications)."""
     return round(min(max(value, 0.1), 0.99), 6)
 
 
@@ -344,8 +347,8 @@ class Stopped(BaseModel):
 
 
 class ExecutionResult(BaseModel):
-    """Submitted | Extracted | Failed (seed 004), or Stopped by a policy, with the seed's
-    accessors."""
+    """Submitted | Extracted | Failed, or Stopped by a policy, with the accessors fallback
+    extraction's users know (docs/behaviour/fallback-extraction.md)."""
 
     variant: Submitted | Extracted | Failed | Stopped = Field(discriminator="kind")
 

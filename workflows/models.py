@@ -230,7 +230,8 @@ class DurabilitySettings(StrictModel):
 
 
 class TerminationSpec(StrictModel):
-    """Which termination policy (seed 003) decides that the episode is done."""
+    """Which termination policy (docs/behaviour/termination-policies.md) decides that the
+    episode is done."""
 
     name: str = "final_pattern"
     config: dict[str, Any] = Field(default_factory=dict)

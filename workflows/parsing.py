@@ -1,4 +1,5 @@
-"""The one parser of model replies: FINAL / FINAL_VAR (seed 001) and code blocks.
+"""The one parser of model replies: FINAL / FINAL_VAR (docs/behaviour/answers.md) and code
+blocks.
 
 Everything here runs inside a workflow task on text a model wrote, so every function is
 linear in its input on any text (Temporal's deadlock detector fails a task after ~2 s):
@@ -9,9 +10,9 @@ The rules a user can rely on:
 - FINAL(...) / FINAL_VAR(...) count only at the start of a line of the reply's prose, that
   is outside fenced code blocks. (Inside a ```repl block they are function calls that the
   REPL runs; a FINAL in a ```python example is an example.)
-- The first FINAL_VAR line decides; if there is none, the first FINAL line decides (seed
-  001's precedence). A first candidate whose parentheses never close is no answer.
-- FINAL's answer is its argument as written, trimmed (seed 001's table: FINAL("hello")
+- The first FINAL_VAR line decides; if there is none, the first FINAL line decides (the
+  answer format's precedence). A first candidate whose parentheses never close is no answer.
+- FINAL's answer is its argument as written, trimmed (the answer format's table: FINAL("hello")
   answers "hello", quotes included). The argument is either one string literal, taken
   whole so a ')' inside it does not close the call, or prose, in which parentheses nest
   and quotes are plain text (FINAL(It's a dog) answers It's a dog).
@@ -274,7 +275,7 @@ _MISSING_MARKER = "\x00drlm:FINAL_VAR:missing\x00"
 @dataclass(frozen=True)
 class FinalSignal:
     kind: Literal["final", "final_var"]
-    value: str  # the answer for FINAL (as written, seed 001), the variable name for FINAL_VAR
+    value: str  # the answer for FINAL (as written), the variable name for FINAL_VAR
     raw: str = ""  # the argument as written
 
 
@@ -300,7 +301,7 @@ def _signal_in(prose: str) -> FinalSignal | None:
 
 
 def parse_final_signal(text: str | None) -> FinalSignal | None:
-    """The answer signal in a reply's prose, FINAL_VAR first (seed 001 precedence)."""
+    """The answer signal in a reply's prose, FINAL_VAR first (the answer format's precedence)."""
     return _signal_in(strip_code_blocks(text))
 
 

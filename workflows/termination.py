@@ -1,7 +1,7 @@
-"""Termination policies (seed 003): when an episode is done.
+"""Termination policies (docs/behaviour/termination-policies.md): when an episode is done.
 
 Deterministic workflow code: a policy sees the iteration's `ActionResult` and a
-`PolicyContext` and returns `(should_terminate, final_answer)` (the seed's API), or a
+`PolicyContext` and returns `(should_terminate, final_answer)` (rlm_code's API), or a
 `PolicyDecision` from `decide()`, which keeps an answer apart from a status message.
 
 A policy's state crosses continue-as-new as JSON. Built-ins declare it as a pydantic
@@ -57,8 +57,8 @@ class PolicyDecision:
     reason: str = ""
 
     def as_tuple(self) -> tuple[bool, str | None]:
-        """The seed's `(should_terminate, final_answer)`: a status message fills the
-        second place when there is no answer, as the seed's examples show."""
+        """rlm_code's `(should_terminate, final_answer)`: a status message fills the
+        second place when there is no answer, as its examples show."""
         if not self.stop:
             return False, None
         return True, self.answer if self.answer is not None else (self.reason or None)
@@ -173,7 +173,7 @@ class TerminationPolicy(Policy, ABC):
         """Return (should_terminate, final_answer_if_any)."""
 
     def decide(self, result: ActionResult, context: PolicyContext) -> PolicyDecision:
-        """The decision with answer and reason apart. Policies written to the seed's API
+        """The decision with answer and reason apart. Policies written to rlm_code's API
         only implement should_terminate; what they return counts as their answer."""
         stop, text = self.should_terminate(result, context)
         return PolicyDecision(

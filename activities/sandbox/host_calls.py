@@ -1,10 +1,11 @@
 """A cell's calls out of the sandbox: model calls, child episodes and custom tools.
 
 Each suspends the running cell: the call goes to the host as a frame, the workflow runs it
-as an activity (or a child workflow), and the cell goes on with the answer (DESIGN, "REPL
-cells as resumable coroutines"). While the REPL is rebuilt the same calls are answered
-from the log instead, by position, and what each asked is noted so the host can tell where
-re-run code diverged. Standard library only, like everything the sandbox loads.
+as an activity (or a child workflow), and the cell goes on with the answer
+(docs/architecture/index.md#repl-cells-as-resumable-coroutines). While the REPL is rebuilt
+the same calls are answered from the log instead, by position, and what each asked is noted
+so the host can tell where re-run code diverged. Standard library only, like everything the
+sandbox loads.
 """
 
 from __future__ import annotations

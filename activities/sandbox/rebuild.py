@@ -3,7 +3,8 @@
 The worker decides when (activities/repl_snapshots.py, repl_rebuild.py) and checks a
 snapshot's signature before handing it over; here the namespace is pickled and loaded (by
 snapshot.py, in the sandbox: a snapshot is bytes model code shaped), and cells are re-run
-with their calls answered from the log, so no model is called again (DESIGN invariant 3).
+with their calls answered from the log, so no model is called again (REPL state is a
+projection of its log: docs/architecture/index.md#invariants).
 Standard library only, like everything the sandbox loads (snapshot.py's cloudpickle is
 optional: without it a snapshot fails and the worker re-runs cells instead).
 """

@@ -1,10 +1,10 @@
 """Cells that read the clock or OS randomness, found as they run (inside the sandbox).
 
-A rebuild re-runs cells (DESIGN invariant 3), and such a cell would draw new values: the
-host snapshots the namespace right after it, so a rebuild restores what the model saw.
-Wrappers flag the reads they can see; what they cannot (datetime.now, secrets) is found in
-the code's words. `random` needs neither: it is seeded, and its state travels in the
-snapshot. Standard library only, like everything the sandbox loads.
+A rebuild re-runs cells (docs/architecture/resuming.md), and such a cell would draw new
+values: the host snapshots the namespace right after it, so a rebuild restores what the
+model saw. Wrappers flag the reads they can see; what they cannot (datetime.now, secrets) is
+found in the code's words. `random` needs neither: it is seeded, and its state travels in
+the snapshot. Standard library only, like everything the sandbox loads.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The SQL audit projection from Temporal histories (DESIGN invariant 6).
+"""The SQL audit projection from Temporal histories (it can be dropped and rebuilt from them:
+docs/architecture/index.md#invariants).
 
 One function, `record_of`, says what an execution's row is, whatever way it ended. The
 workflow writes its own row when it can (started, completed, failed, cancelled); a

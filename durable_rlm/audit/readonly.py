@@ -2,10 +2,11 @@
 no Temporal server (and must not start one), so they answer in a fraction of a second.
 
 The queries are SQL text, run by store/reading.py's readers: the standard library's sqlite3
-for a SQLite file (`drlm show`/`list` without SQLAlchemy's import, issue 36), SQLAlchemy's
+for a SQLite file (`drlm show`/`list` without SQLAlchemy's import: a 0.35 s budget, see
+docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses), SQLAlchemy's
 engine for any other store. A function here takes a reader or an engine.
 
-The tables are projections of histories (DESIGN invariant 6): a timeline is stored only
+The tables are projections of histories (docs/architecture/index.md#invariants): a timeline is stored only
 once its episode ended, when its history can no longer change (audit/timeline_store.py).
 """
 
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from durable_rlm.settings import Settings
 from durable_rlm.store.reading import Reader, as_reader, open_reader
 
-if TYPE_CHECKING:  # start-up: `drlm list` needs no timeline (issue 36)
+if TYPE_CHECKING:  # start-up: `drlm list` needs no timeline (its 0.35 s budget)
     from durable_rlm.audit.timeline import Timeline
 
 ENDED = ("answered", "extracted", "no_answer", "failed", "cancelled", "terminated", "timed_out")

@@ -630,7 +630,8 @@ _CANCELLED_PREFIX = "Cancelled: "
 
 
 def describe_execution(execution: ExecutionResult, status: str | None = None) -> str:
-    """One line on how the outputs were obtained (seed 004's variants, and a policy stop);
+    """One line on how the outputs were obtained (fallback extraction's result variants, and a
+    policy stop);
     a `failed` variant is named after the episode's ending (`status`): a cancel, no answer,
     or a failure."""
     v = execution.variant

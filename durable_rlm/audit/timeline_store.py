@@ -1,6 +1,7 @@
 """Keeping ended episodes' timelines in the SQL store, for `drlm show` to read back without
-the server (audit/readonly.py reads them). A projection of the history (DESIGN invariant 6):
-kept only once the episode ended, when its history can no longer change."""
+the server (audit/readonly.py reads them). A projection of the history
+(docs/architecture/index.md#invariants): kept only once the episode ended, when its history
+can no longer change."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """`drlm verify`: every blob an episode needs is in the blob store, and is what its digest says.
 
-Histories hold digests, not bytes (DESIGN invariant 5), so a blob store that lost a file or
-a row breaks an episode silently until someone reads it. This reads each episode's current
-run chain (durable_rlm/audit/history.py) and the timelines the audit store keeps, and follows
-every reference to the blob store:
+Histories hold digests, not bytes (the claim check, docs/architecture/index.md#invariants),
+so a blob store that lost a file or a row breaks an episode silently until someone reads it.
+This reads each episode's current run chain (durable_rlm/audit/history.py) and the timelines
+the audit store keeps, and follows every reference to the blob store:
 
 - a claim-checked payload (durable_rlm/store/codec.py) anywhere in an event;
 - inside the payloads: a `ContextRef` (the episode's context, an rlm_query prompt), a root

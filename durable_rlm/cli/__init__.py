@@ -7,8 +7,9 @@ the episode in-process. With it, the CLI is only a client and `python worker.py`
 A module per command group adds its commands' parsers, each bound to its handler
 (durable_rlm/cli/handlers.py); this one lists them and calls the handler of the command
 given. Building the parser imports only light modules: `drlm --help`, a usage error, `drlm
-list` and `drlm show` answer without temporalio (issue 36), and each handler imports what
-it needs.
+list` and `drlm show` answer without temporalio
+(docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses), and each handler
+imports what it needs.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def platform_checks(settings: Settings) -> list[Check]:
         )
     )
     if settings.embedded:
-        # Issue 33: who else on this machine could reach the shared server (server.py).
+        # Who else on this machine could reach the shared server (docs/security.md, "Other
+        # users of the machine").
         checks.append(Check("temporal", "other local users", *local_exposure(settings)))
     location, chosen_by = settings.describe_stores()["data directory"]
     mode = settings.data_dir.stat().st_mode & 0o777 if settings.data_dir.is_dir() else None

@@ -29,7 +29,8 @@ Command: TypeAlias = Callable[[Settings, argparse.Namespace], Awaitable[int]]
 def bind(parser: argparse.ArgumentParser, command: Command, *, sdk_runtime: bool = True) -> None:
     """`parser`'s command runs `command`. `sdk_runtime=False` for a command that never
     reaches Temporal, or reaches it only on some paths and sets the SDK's Runtime up there
-    (start-up: temporalio costs 0.15 s of a 0.35 s target for `drlm list` and `show`, issue 36)."""
+    (start-up: temporalio costs 0.15 s of a 0.35 s target for `drlm list` and `show`; see
+    docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses)."""
     parser.set_defaults(handler=lambda args: asyncio.run(_run(command, args, sdk_runtime)))
 
 

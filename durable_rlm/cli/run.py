@@ -48,7 +48,11 @@ def _run_parser(sub: Subparsers) -> None:
     _model_args(run)
     _limit_args(run)
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
-    run.add_argument("--policy", default="final_pattern", help="termination policy (seed 003)")
+    run.add_argument(
+        "--policy",
+        default="final_pattern",
+        help="termination policy: final_pattern, reward_threshold, confidence, composite or a registered one",
+    )
     run.add_argument("--policy-config", type=json_object, default={}, help="policy config as JSON")
     run.add_argument(
         "--policy-scans-output",

@@ -1,8 +1,9 @@
 """Hash chains in the blob store: the conversation and the REPL cell log.
 
 History carries only a chain's head digest and the entries one step adds, so its bytes per
-iteration stay bounded (DESIGN invariant 5). Entries name their predecessor, so a head
-digest identifies the whole sequence: two workers agree on REPL state iff heads are equal.
+iteration stay bounded (the claim check: docs/architecture/index.md#invariants). Entries
+name their predecessor, so a head digest identifies the whole sequence: two workers agree
+on REPL state iff heads are equal.
 
 The cell log is typed: `CellStarted`, `CallsAnswered`, `CellEnded` and (room for REPL
 snapshots) `SnapshotTaken`, stored as `{"prev": ..., "t": ..., ...}` JSON nodes, the shape

@@ -2,8 +2,8 @@
 
 Claim check: payloads over a threshold go to the blob store. History then holds a digest, so
 its bytes per iteration stay bounded however large the prompts, responses and outputs get
-(DESIGN invariant 5). Small payloads pass untouched, so short histories replay without the
-blob store.
+(docs/architecture/index.md#invariants). Small payloads pass untouched, so short histories
+replay without the blob store.
 
 Encryption (DRLM_ENCRYPTION_KEYS, durable_rlm/store/encryption.py): every payload, claim-check
 references included, is sealed with AES-256-GCM; the blobs are sealed by the blob store.

@@ -1,10 +1,11 @@
 """Reading the SQL store by plain SQL, with or without SQLAlchemy.
 
 `drlm show` of an ended episode and `drlm list` answer from the store in a new process each
-time, and importing SQLAlchemy alone cost them ~0.17 s of their 0.35 s budget (issue 36). So
-a SQLite file is read with the standard library's `sqlite3` (opened without creating it;
-no statement can write: `query_only`, though closing may checkpoint the WAL into the file,
-as any SQLite connection's close does), and any other store through SQLAlchemy's engine
+time, and importing SQLAlchemy alone cost them ~0.17 s of their 0.35 s budget
+(docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses). So a SQLite file is
+read with the standard library's `sqlite3` (opened without creating it; no statement can
+write: `query_only`, though closing may checkpoint the WAL into the file, as any SQLite
+connection's close does), and any other store through SQLAlchemy's engine
 (`store.sql.EngineReader`). Both run the same SQL text: the queries exist once
 (`audit/readonly.py`); only how they are run differs.
 

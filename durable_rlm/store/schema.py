@@ -16,8 +16,8 @@ blobs = sa.Table(
     sa.Column("created_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-# A projection of histories (DESIGN invariant 6): written by the audit activity, and
-# droppable; Temporal's history stays the source of truth.
+# A projection of histories (docs/architecture/index.md#invariants): written by the audit
+# activity, and droppable; Temporal's history stays the source of truth.
 episodes = sa.Table(
     "episodes",
     metadata,

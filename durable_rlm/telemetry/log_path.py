@@ -5,7 +5,8 @@ A worker's output is a pipe its supervisor may never read (a bench, systemd, a c
 runtime that stalls). A pipe holds 64 KB: a thread that writes to a full one blocks. When
 that thread was the event loop (a logging.StreamHandler) or the SDK core's own (its console
 logger), the worker stopped polling, and its episodes waited until someone read the pipe
-(issue 38: bench/concurrency.py at N=200 stopped for 7 minutes on 246 KB of core WARN lines).
+(bench/concurrency.py at N=200 stopped for 7 minutes on 246 KB of core WARN lines; see
+docs/architecture/decisions.md, "Scale").
 So every record, Python's and the core's, takes one path that never blocks its caller: a
 bounded queue that drops (and counts) when full, a thread of its own that writes, and limits
 on what it writes, so a saturated worker's repeated warnings cost lines, not megabytes.

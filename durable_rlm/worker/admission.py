@@ -6,9 +6,10 @@ loop's few executor threads. Each episode it holds costs it work every step unti
 episode ends. With nothing but fixed slots it takes every episode the server offers; past
 its capacity their clocks run while they wait inside it: a workflow task not completed in
 its timeout (10 s) is given again and its work thrown away, heartbeats leave late, live
-calls are presumed dead and paid again (issue 38: 400 episodes on one worker, 288 failed on
-heartbeat timeouts). A task that waits on the server costs nothing: its clock starts when a
-worker takes it (no schedule-to-start timeout on the shared queue).
+calls are presumed dead and paid again (400 episodes on one worker had 288 fail on heartbeat
+timeouts; docs/architecture/decisions.md, "Scale"). A task that waits on the server costs
+nothing: its clock starts when a worker takes it (no schedule-to-start timeout on the shared
+queue).
 
 So two limits follow what a worker measures each second:
 - how late its event loop runs a timer, and how long a job waits for a thread of the

@@ -1,5 +1,5 @@
 """A liveness signal of our own: which worker holds which activity attempt, and which
-worker is dead, known at once on one machine (issue 38, item 4).
+worker is dead, known at once on one machine (docs/architecture/failures.md).
 
 Temporal learns that a worker died only when an attempt's heartbeat timeout runs out (5 s
 as shipped; a model call that never heartbeated: 5 s from its start). The timeout cannot be

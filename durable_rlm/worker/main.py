@@ -4,8 +4,8 @@ workflows and activities.
 With TEMPORAL_ADDRESS it serves that cluster, waiting (with backoff) until the server
 answers, so it can start before the server and outlive its restarts. Without it, it joins
 the data directory's shared embedded server, the one `drlm run` uses, from any directory.
-Settings come from the environment (README, `drlm info`). Model credentials live only here,
-in the worker's environment; they never enter workflow history.
+Settings come from the environment (docs/reference/settings.md, `drlm info`). Model
+credentials live only here, in the worker's environment; they never enter workflow history.
 
 Its output never stops it: stdout carries only "worker ready" and the drain's report; every
 log record, its own, the SDK's and the SDK core's (forwarded from Rust), goes through one

@@ -10,9 +10,9 @@ sandbox budget among them, restarts one that dies, and drains them together.
   would take of this machine's memory) and of `DRLM_SANDBOX_BUDGET_MB`, so N processes hold
   no more sandboxes than one worker would.
 - **Ready once all are.** Each child's stdout is read (a pipe nobody reads stops a worker:
-  issue 38) and passed on with its index; "worker ready: N processes: ..." is the first
-  line, once every child said "worker ready" (a restarted child's line says "restarted").
-  Their stderr (the bounded log path) is the supervisor's.
+  durable_rlm/telemetry/log_path.py) and passed on with its index; "worker ready: N
+  processes: ..." is the first line, once every child said "worker ready" (a restarted
+  child's line says "restarted"). Their stderr (the bounded log path) is the supervisor's.
 - **Drained together.** SIGTERM or SIGINT is passed to every child, which drains as a single
   worker does; a second signal is passed on too (the children leave at once). The
   supervisor exits with the worst child's code.

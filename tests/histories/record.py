@@ -70,7 +70,7 @@ SCRIPTS = {
         ],
         "alpha beta gamma",
     ),
-    # Seed 001: FINAL("hello") answers "hello", quotes included (final-as-written patch).
+    # The answer format: FINAL("hello") answers "hello", quotes included (final-as-written patch).
     "final_as_written": (["```repl\nx = 1\n```", 'FINAL("hello")'], "a context"),
 }
 
@@ -116,7 +116,8 @@ async def record_reward_driven(client: Client, blobs: BlobStore) -> None:
 
 
 async def record_fallback_extracted(client: Client, blobs: BlobStore) -> None:
-    """A limit reached before any answer: fallback extraction (seed 004)."""
+    """A limit reached before any answer: fallback extraction
+    (docs/behaviour/fallback-extraction.md)."""
     script = root_and_sub(["```repl\nx = 41 + 1\n```"], extract=lambda p: '{"answer": "42"}')
     with ScriptedModelServer(script) as server:
         request = EpisodeRequest(
@@ -380,7 +381,7 @@ async def record_budgets(client: Client, only: set[str]) -> None:
 
 
 async def record_rlms_compat(client: Client, only: set[str]) -> None:
-    """Issue 36's patches: a 2,500-token budget that makes its root calls and extracts
+    """The rlms-compatibility patches: a 2,500-token budget that makes its root calls and extracts
     (budget-fits), and rlms's setup_code as the REPL's first cell (setup-code)."""
     if wanted("token_budget_fits", only):
         script = root_and_sub(["```repl\nprint('looking')\n```"], extract=lambda p: '{"answer": "1"}')
