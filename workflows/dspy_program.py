@@ -95,10 +95,10 @@ def action_of(reply: str) -> Action:
 
 
 def strip_fences(code: str) -> tuple[str, str | None]:
-    """(the Python code inside markdown fences, None), or (the text, why it is refused) when
-    the first fence names a language other than Python. As DSPy's RLM: outer bare fence
+    """(the Python code inside markdown fences, None), or (the text as written, why it is
+    refused) when the first fence names a language other than Python. As DSPy's RLM: outer bare fence
     pairs go, then the first fence's block is the code; text with no fence is code."""
-    code = code.strip()
+    code = written = code.strip()
     if "```" not in code:
         return code, None
     lines = code.splitlines()
@@ -115,7 +115,7 @@ def strip_fences(code: str) -> tuple[str, str | None]:
     words = language_line.split(maxsplit=1)
     language = (words[0] if words else "").lower()
     if language not in _PYTHON_FENCES:
-        return code, f"Expected Python code but got ```{language} fence. Write Python code, not {language}."
+        return written, f"Expected Python code but got ```{language} fence. Write Python code, not {language}."
     closing = rest.find("```")
     return (rest.strip() if closing == -1 else rest[:closing].strip()), None
 

@@ -1,0 +1,52 @@
+"""DSPy programs on DSPy's RLM and on ours, one scripted model: the same Prediction, and the
+model sent the same prompts but for the lines DSPy takes from its interpreter."""
+
+from __future__ import annotations
+
+from tests.dspy_compat.harness import Compared, interpreter_lines
+from tests.dspy_compat.models import INCIDENT, OUT_OF_ITERATIONS
+
+
+def sent(run_requests: list) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Each request as (model, [(role, text)]), the system prompt's interpreter lines left out."""
+    return [
+        (
+            request.model,
+            [
+                (m["role"], interpreter_lines(m["content"]) if m["role"] == "system" else m["content"])
+                for m in request.messages
+            ],
+        )
+        for request in run_requests
+    ]
+
+
+def assert_same_run(run: Compared) -> None:
+    assert run.ours.printed == run.theirs.printed
+    assert sent(run.ours.requests) == sent(run.theirs.requests)
+
+
+def test_a_program_with_two_inputs_two_typed_outputs_a_tool_and_a_sub_lm(differential) -> None:
+    run = differential("qa", INCIDENT)
+    assert_same_run(run)
+    fields = run.theirs.printed["fields"]
+    assert run.theirs.printed["keys"] == ["service", "failures", "trajectory", "final_reasoning"]
+    assert (fields["service"], fields["failures"]) == ("auth-service", 20)
+    outputs = [step["output"] for step in fields["trajectory"]]
+    assert outputs[1] == "20\nauth-service: 3 restarts\nauth-service times out"
+    assert outputs[2] == "[Error] NameError: name 'undefined_total' is not defined"
+    assert outputs[3] == "FINAL: {'service': 'auth-service', 'failures': 20}"
+    assert [r.model for r in run.theirs.requests] == ["root-m", "root-m", "sub-m", "root-m", "root-m"]
+
+
+def test_a_program_that_runs_out_of_iterations_is_answered_by_extraction(differential) -> None:
+    run = differential("out_of_iterations", OUT_OF_ITERATIONS)
+    assert_same_run(run)
+    fields = run.theirs.printed["fields"]
+    assert run.theirs.printed["keys"] == ["trajectory", "final_reasoning", "total", "reached"]
+    assert (fields["total"], fields["reached"], fields["final_reasoning"]) == (
+        108,
+        True,
+        "Extract forced final output",
+    )
+    assert len(fields["trajectory"]) == 2
