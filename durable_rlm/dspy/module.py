@@ -118,7 +118,8 @@ class RLM(dspy.RLM):  # type: ignore[misc]  # dspy ships no type information
                     f"input {name!r} ({type(value).__name__}) is not a JSON value, and the REPL gets "
                     f"its inputs as JSON, as DSPy's LocalInterpreter does: {exc}"
                 ) from None
-        variables_info = [variable.format() for variable in self._build_variables(**input_args)]
+        variables = self._build_variables(**input_args)
+        variables_info = [variable.format() for variable in variables]
         action_signature = self._action_signature_for_current_factory(prompts.Sandbox, "")
         rendered = prompts.dspy_prompts(
             action_signature,
@@ -134,7 +135,7 @@ class RLM(dspy.RLM):  # type: ignore[misc]  # dspy ships no type information
             update={"dspy": rendered, "output_fields": output_fields(self.signature)}
         )
         durable.template = request_template
-        return _Plan(durable, dict(input_args), variables_info, len(rendered.action), _task(self.signature))
+        return _Plan(durable, dict(input_args), variables, len(rendered.action), _task(self.signature))
 
     def _durable_rlm(self) -> DurableRLM:
         root_lm = self.generate_action.lm or dspy.settings.lm
@@ -193,7 +194,7 @@ class RLM(dspy.RLM):  # type: ignore[misc]  # dspy ships no type information
             run,
             self.generate_action,
             self.extract,
-            plan.variables_info,
+            plan.variables,
             self.max_iters,
             self.max_output_chars,
         )
@@ -202,9 +203,9 @@ class RLM(dspy.RLM):  # type: ignore[misc]  # dspy ships no type information
 
 class _Plan:
     def __init__(
-        self, durable: DurableRLM, inputs: dict[str, Any], variables_info: list[str], prefix: int, task: str
+        self, durable: DurableRLM, inputs: dict[str, Any], variables: list[Any], prefix: int, task: str
     ) -> None:
-        self.durable, self.inputs, self.variables_info = durable, inputs, variables_info
+        self.durable, self.inputs, self.variables = durable, inputs, variables
         self.prefix, self.task = prefix, task
 
 

@@ -12,6 +12,7 @@ are the demos DSPy's RLM would have given.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +75,18 @@ def record_traces(
     run: Run,
     generate_action: Any,
     extract: Any,
-    variables_info: list[str],
+    variables: list[Any],
     max_iters: int,
     max_output_chars: int,
 ) -> None:
     """Each step as `generate_action` would have traced it, and the extraction as `extract`,
-    when a trace is being kept (an optimizer's bootstrapping, `dspy.context(trace=[])`)."""
+    when a trace is being kept (an optimizer's bootstrapping, `dspy.context(trace=[])`).
+
+    Built as DSPy's RLM builds them, down to which values are one object: BootstrapFewShot
+    picks among a run's traces by a hash of their pickled demos, and pickle writes a value
+    met twice once. So each call gets its own `variables_info` (DSPy formats the variables
+    anew each iteration), and a step's reasoning in the history is the very string its
+    call returned, its field names the very strings DSPy's are."""
     trace = dspy_settings.trace
     if trace is None or dspy_settings.max_trace_size <= 0:
         return
@@ -88,16 +95,24 @@ def record_traces(
     history = REPLHistory(max_output_chars=max_output_chars)
     calls: list[tuple[Any, dict[str, Any], Prediction]] = []
     for number, (step, reply) in enumerate(zip(steps, replies, strict=True), start=1):
-        fields = dspy_program.fields_of(reply, dspy_program.ACTION_FIELDS)
+        # The names as DSPy's are: interned (a signature's field names are identifiers).
+        fields = {
+            sys.intern(name): text
+            for name, text in dspy_program.fields_of(reply, dspy_program.ACTION_FIELDS).items()
+        }
         inputs = {
-            "variables_info": variables_info,
+            "variables_info": [variable.format() for variable in variables],
             "repl_history": history,
             "iteration": f"{number}/{max_iters}",
         }
         calls.append((generate_action, inputs, Prediction(**fields)))
-        history = history.append(reasoning=step.reasoning, code=step.code, output=step.output)
+        written = fields.get("code", "")
+        code, problem = dspy_program.strip_fences(written)
+        history = history.append(
+            reasoning=fields.get("reasoning", ""), code=written if problem else code, output=step.output
+        )
     if run.final is None:
-        inputs = {"variables_info": variables_info, "repl_history": history}
+        inputs = {"variables_info": [variable.format() for variable in variables], "repl_history": history}
         calls.append((extract, inputs, Prediction(**run.outputs)))
     for call in calls:
         if len(trace) >= dspy_settings.max_trace_size:

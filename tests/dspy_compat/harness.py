@@ -44,6 +44,9 @@ def run(source: str, server: ScriptedModelServer, cwd: Path, data_dir: Path | No
         DSPY_TEST_API_BASE=server.base_url,
         LITELLM_LOCAL_MODEL_COST_MAP="True",  # DSPy's LiteLLM fetches nothing at import
         PYTHONUNBUFFERED="1",
+        # DSPy's BootstrapFewShot picks among a run's traces by a hash of pickled examples, which
+        # hold sets: fixed string hashing makes its pick the same in both processes.
+        PYTHONHASHSEED="0",
     )
     if data_dir is not None:
         environ.update(DRLM_DATA_DIR=str(data_dir), DRLM_SERVER_IDLE_S="15")

@@ -75,3 +75,10 @@ OUT_OF_ITERATIONS = dspy_model(
     ],
     extract=fields(total=108, reached=True),
 )
+
+SHOUT = dspy_model(
+    [
+        action("Read the question.", "print(question.upper())"),
+        action("Shout it back.", "SUBMIT(answer=question.upper())"),
+    ]
+)

@@ -4,7 +4,7 @@ model sent the same prompts but for the lines DSPy takes from its interpreter.""
 from __future__ import annotations
 
 from tests.dspy_compat.harness import Compared, interpreter_lines
-from tests.dspy_compat.models import INCIDENT, OUT_OF_ITERATIONS
+from tests.dspy_compat.models import INCIDENT, OUT_OF_ITERATIONS, SHOUT
 
 
 def sent(run_requests: list) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -50,3 +50,21 @@ def test_a_program_that_runs_out_of_iterations_is_answered_by_extraction(differe
         "Extract forced final output",
     )
     assert len(fields["trajectory"]) == 2
+
+
+def test_an_optimizer_compiles_a_program_that_contains_it_and_its_demos_reach_the_model(differential) -> None:
+    run = differential("compiled", SHOUT)
+    assert_same_run(run)  # the same demos bootstrapped, the same compiled prompts sent
+    demos = run.theirs.printed["demos"]
+    assert [len(demos["rlm.generate_action"]), len(demos["rlm.extract"])] == [2, 0]
+    assert run.theirs.printed["fields"]["answer"] == "XYZ"
+    after = [r for r in run.ours.requests if "xyz" in r.messages[-1]["content"]]
+    first = after[0].messages  # the compiled program's first call: system, the demos, the question
+    assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant", "user"]
+    bootstrapped = [demo["reasoning"] for demo in demos["rlm.generate_action"]]
+    assert [
+        f"[[ ## reasoning ## ]]\n{text}\n" in m["content"] for text, m in zip(bootstrapped, first[2:5:2])
+    ] == [
+        True,
+        True,
+    ]
