@@ -62,9 +62,7 @@ def test_an_optimizer_compiles_a_program_that_contains_it_and_its_demos_reach_th
     first = after[0].messages  # the compiled program's first call: system, the demos, the question
     assert [m["role"] for m in first] == ["system", "user", "assistant", "user", "assistant", "user"]
     bootstrapped = [demo["reasoning"] for demo in demos["rlm.generate_action"]]
-    assert [
-        f"[[ ## reasoning ## ]]\n{text}\n" in m["content"] for text, m in zip(bootstrapped, first[2:5:2])
-    ] == [
-        True,
-        True,
-    ]
+    shown = [m["content"] for m in first[2:5:2]]
+    assert all(
+        f"[[ ## reasoning ## ]]\n{text}\n" in reply for text, reply in zip(bootstrapped, shown, strict=True)
+    )
