@@ -5,10 +5,6 @@ formats it. Each is the peer's function and ours on the same input."""
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # DSPy's LiteLLM stays offline
-
 import dspy
 import pytest
 from dspy.adapters.chat_adapter import ChatAdapter

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -8,8 +7,6 @@ import pytest
 
 from durable_rlm.scripted import Script, ScriptedModelServer
 from tests.dspy_compat.harness import Compared, compare
-
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # DSPy's LiteLLM stays offline here too
 
 
 @pytest.fixture(scope="module")

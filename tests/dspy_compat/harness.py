@@ -42,7 +42,7 @@ def run(source: str, server: ScriptedModelServer, cwd: Path, data_dir: Path | No
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("OPENAI_", "TEMPORAL_", "DRLM_"))}
     environ.update(
         DSPY_TEST_API_BASE=server.base_url,
-        LITELLM_LOCAL_MODEL_COST_MAP="True",  # DSPy's LiteLLM fetches nothing at import
+        LITELLM_LOCAL_MODEL_COST_MAP="True",  # DSPy's model metadata: its bundled copy, no fetch
         PYTHONUNBUFFERED="1",
         # DSPy's BootstrapFewShot picks among a run's traces by a hash of pickled examples, which
         # hold sets: fixed string hashing makes its pick the same in both processes.
