@@ -26,6 +26,7 @@ import asyncio
 import functools
 import inspect
 import json
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Coroutine
@@ -41,9 +42,12 @@ from durable_rlm.dspy.outputs import output_fields
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.settings import Settings
 from durable_rlm.tools import registered_as
+from durable_rlm.workflows import dspy_program
 from durable_rlm.workflows.models import EpisodeResult, Message
 
 T = TypeVar("T")
+STEPS_LOG = logging.getLogger("dspy.predict.rlm")
+"""`verbose`: each step, where DSPy's RLM logs its own (logged when the call returns)."""
 DSPY_VERSION = "3.4.1"
 SUB_KEY_ENV = "DSPY_SUB_LM_API_KEY"
 """The sub-model's key variable when its key is not the root model's (embedded worker only)."""
@@ -190,6 +194,14 @@ class RLM(dspy.RLM):  # type: ignore[misc]  # dspy ships no type information
 
     def _predicted(self, plan: _Plan, result: EpisodeResult, conversation: list[Message]) -> Any:
         run = prediction.run_of(self.signature, result, conversation, plan.prefix)
+        if self.verbose:
+            steps = [*run.steps, *([run.final] if run.final is not None else [])]
+            for number, step in enumerate(steps, start=1):
+                STEPS_LOG.info(
+                    f"RLM iteration {number}/{self.max_iters} (episode {result.episode_id})\n"
+                    f"Reasoning: {step.reasoning}\nCode:\n{step.code}\n"
+                    + dspy_program.format_output(step.output, self.max_output_chars)
+                )
         prediction.record_traces(
             run,
             self.generate_action,

@@ -82,3 +82,11 @@ SHOUT = dspy_model(
         action("Shout it back.", "SUBMIT(answer=question.upper())"),
     ]
 )
+
+OVER_THE_CALL_LIMIT = dspy_model(
+    [
+        action("Ask twice.", 'print(llm_query("first"))\nprint(llm_query("second"))'),
+        action("One call it is.", 'SUBMIT(answer="one")'),
+    ],
+    sub=lambda prompt: f"answer to {prompt}",
+)

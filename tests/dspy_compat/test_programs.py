@@ -4,7 +4,7 @@ model sent the same prompts but for the lines DSPy takes from its interpreter.""
 from __future__ import annotations
 
 from tests.dspy_compat.harness import Compared, interpreter_lines
-from tests.dspy_compat.models import INCIDENT, OUT_OF_ITERATIONS, SHOUT
+from tests.dspy_compat.models import INCIDENT, OUT_OF_ITERATIONS, OVER_THE_CALL_LIMIT, SHOUT
 
 
 def sent(run_requests: list) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -66,3 +66,21 @@ def test_an_optimizer_compiles_a_program_that_contains_it_and_its_demos_reach_th
     assert all(
         f"[[ ## reasoning ## ]]\n{text}\n" in reply for text, reply in zip(bootstrapped, shown, strict=True)
     )
+
+
+def test_a_call_over_max_llm_calls_raises_in_the_code_and_the_run_goes_on(differential) -> None:
+    run = differential("llm_limit", OVER_THE_CALL_LIMIT)
+    theirs, ours = run.theirs.printed["fields"], run.ours.printed["fields"]
+    assert run.ours.printed["keys"] == run.theirs.printed["keys"]
+    assert (
+        (ours["answer"], ours["final_reasoning"])
+        == (theirs["answer"], theirs["final_reasoning"])
+        == ("one", "One call it is.")
+    )
+    steps = [ours["trajectory"], theirs["trajectory"]]
+    assert [len(s) for s in steps] == [2, 2]
+    assert steps[0][1] == steps[1][1]  # the second step, the same
+    # Each says the limit in its own words: DSPy "LLM call limit exceeded: 1 + 1 > 1", ours
+    # "max_llm_calls (1) reached: the call was not made".
+    assert all(s[0]["output"].startswith("[Error] RuntimeError: ") for s in steps)
+    assert [r.model for r in run.ours.requests] == [r.model for r in run.theirs.requests]
