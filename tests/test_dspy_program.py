@@ -18,7 +18,7 @@ from durable_rlm.dspy.outputs import output_fields
 from durable_rlm.dspy.prompts import _stand_ins, rendered
 from durable_rlm.workflows import dspy_program
 from durable_rlm.workflows.dspy_program import Step
-from durable_rlm.workflows.models import Message
+from durable_rlm.workflows.models import Message, PromptTemplate
 from durable_rlm.workflows.typed_outputs import check_outputs
 
 ACTION = dspy.Signature("question -> reasoning, code")
@@ -221,3 +221,15 @@ def test_typed_outputs_refuse_what_dspy_s_parse_refuses_and_take_any_value_for_a
     assert check_outputs(good, fields, allow_null=False) == []
     bad = {"answer": "ok", "count": "three", "tags": [1], "kind": "c"}
     assert len(check_outputs(bad, fields, allow_null=False)) == 3
+
+
+def test_a_hint_before_the_first_reply_follows_the_first_message() -> None:
+    template = PromptTemplate(parts=["H:", " I:", "."], holes=["history", "iteration"])
+    opening = [Message(role="system", content="s"), Message(role="user", content="first")]
+    sent = dspy_program.action_messages(
+        [*opening, Message(role="user", content="a hint")], 1, template, "1/3", 10
+    )
+    assert sent == [
+        opening[0],
+        Message(role="user", content=f"H:{dspy_program.EMPTY_HISTORY} I:1/3.\n\na hint"),
+    ]

@@ -16,6 +16,7 @@ on model-written text in workflow code: linear in its input.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -115,7 +116,10 @@ def strip_fences(code: str) -> tuple[str, str | None]:
     words = language_line.split(maxsplit=1)
     language = (words[0] if words else "").lower()
     if language not in _PYTHON_FENCES:
-        return written, f"Expected Python code but got ```{language} fence. Write Python code, not {language}."
+        return (
+            written,
+            f"Expected Python code but got ```{language} fence. Write Python code, not {language}.",
+        )
     closing = rest.find("```")
     return (rest.strip() if closing == -1 else rest[:closing].strip()), None
 
@@ -241,9 +245,13 @@ def action_messages(
     messages: list[Message], prefix: int, template: PromptTemplate, iteration: str, max_chars: int
 ) -> list[Message]:
     """What a root call sends: the system message and demos, then the user message with
-    the history so far (`messages`: the whole conversation)."""
-    history = history_text(steps_of(messages[prefix + 1 :]), max_chars)
-    return [*messages[:prefix], Message(role="user", content=filled(template, history, iteration))]
+    the history so far (`messages`: the whole conversation). What came before the first
+    reply (a person's hint; DSPy's prompt has no place for one) follows the message."""
+    turns = messages[prefix + 1 :]
+    history = history_text(steps_of(turns), max_chars)
+    early = [m.content for m in itertools.takewhile(lambda m: m.role != "assistant", turns)]
+    content = "\n\n".join([filled(template, history, iteration), *early])
+    return [*messages[:prefix], Message(role="user", content=content)]
 
 
 def extraction_messages(
