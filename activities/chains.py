@@ -72,10 +72,19 @@ class RecreateCell(_Entry):
     names: dict[str, str]  # name -> why it could not be saved
 
 
+class StoredSnapshot(_Entry):
+    """An earlier snapshot of the episode that the store still holds: its blob and size."""
+
+    ref: str
+    size: int
+
+
 class SnapshotTaken(_Entry):
     """A checkpoint of the namespace after `cell`. `mac` is a keyed hash (the workers' key)
     over the rest of the entry, so a snapshot is loaded only into the episode it was made
-    for, and only as it was made."""
+    for, and only as it was made. `kept`: the episode's earlier snapshots still stored when
+    this one was taken, oldest first (activities/repl_snapshots.py deletes the oldest when
+    the episode's snapshot quota needs the room); not signed: it decides deletions only."""
 
     t: Literal["snapshot"] = "snapshot"
     ref: str  # blob digest of the compressed pickle
@@ -85,9 +94,10 @@ class SnapshotTaken(_Entry):
     recreate: list[RecreateCell] = []
     lost: dict[str, str] = {}  # names it could not hold and no logged cell re-creates
     mac: str = ""
+    kept: list[StoredSnapshot] = []
 
     def signed_part(self) -> bytes:
-        body = self.model_dump(mode="json", exclude={"mac"})
+        body = self.model_dump(mode="json", exclude={"mac", "kept"})
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @property

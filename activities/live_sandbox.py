@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from durable_rlm.activities.chains import LoggedCell, SnapshotTaken
 from durable_rlm.activities.sandbox.framing import encode_frame
+from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
 from durable_rlm.activities.sandbox_files import remove_sandbox_tree
 from durable_rlm.activities.sandbox_processes import SandboxProcess, SandboxUids, kill_uid
 from durable_rlm.activities.sandbox_protocol import BROKEN, FrameInbox, decode_frame
@@ -27,6 +29,12 @@ from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import SandboxRef, SnapshotPolicy, SubCallRequest
 
 log = logging.getLogger(__name__)
+
+
+UNREADABLE_VIEW = (
+    "unreadable: the worker cannot read its sandboxes' files through /proc/PID/root (a root "
+    "worker needs CAP_SYS_PTRACE, e.g. docker's cap_add: [SYS_PTRACE]): no REPL snapshots"
+)
 
 
 @dataclass
@@ -58,10 +66,31 @@ class LiveSandbox:
     last_cell: int | None = None
     cells: dict[int, LoggedCell] = field(default_factory=dict)
     snapshot_cost_s: float = 0.0  # what the last snapshot took, sandbox and store
+    snapshot_note: str | None = None  # why the last snapshot due was not taken
     uid: int | None = None  # its own uid (root workers), released when it is gone
     seq: int = 0  # the number of the last request sent to it
     output_limit: int = defaults.STORED_OUTPUT_CHARS  # the stdout it may send for the cell
     uids: SandboxUids | None = None
+
+    @property
+    def view(self) -> Path:
+        """Its directory as the host reads what the sandbox wrote there: through the
+        sandbox's own view (/proc/PID/root) when that directory is a tmpfs of its mount
+        namespace, which the host's path does not show."""
+        if OWN_TMPFS in self.layers.get("filesystem", ""):
+            return Path(f"/proc/{self.process.pid}/root{self.directory}")
+        return self.directory
+
+    def view_readable(self) -> bool:
+        """Can this worker read its view? /proc/PID/root of a process of another uid wants
+        CAP_SYS_PTRACE (a root worker in a container has it only if given)."""
+        try:
+            os.stat(self.view)
+        except PermissionError:
+            return False
+        except OSError:
+            return True  # gone, or another error: said by the read that follows
+        return True
 
     def ran(self, cell: LoggedCell, elapsed: float, volatile: bool) -> None:
         """A cell finished (live or re-run): the snapshot policy counts it."""

@@ -128,6 +128,7 @@ class ReplActivities:
     namespaces = _Part("config")
     sandbox_start = _Part("config")
     memory_budget_mb = _Part("config")
+    files_mb = _Part("config")
     snapshot_key = _Part("snapshots")
     # What tests and benchmarks look into or drive directly.
     _live = _Part("pool", "live")
@@ -153,6 +154,7 @@ class ReplActivities:
         max_sandboxes: int | None = None,
         filesystem: bool = True,
         namespaces: str = "auto",
+        files_mb: int | None = defaults.SANDBOX_FILES_MB,
     ) -> None:
         if sandbox_start not in ("fork", "spawn"):
             raise ValueError(f"sandbox_start must be 'fork' or 'spawn', not {sandbox_start!r}")
@@ -170,6 +172,7 @@ class ReplActivities:
             memory_budget_mb=memory_budget_mb,
             filesystem=filesystem,
             namespaces=namespaces,
+            files_mb=files_mb,
         )
         if snapshot_key is not None and len(snapshot_key) < 16:
             raise ValueError("snapshot_key must be at least 16 bytes")

@@ -19,18 +19,22 @@ import logging
 import time
 import uuid
 
-from durable_rlm.activities.chains import LoggedCell, RecreateCell, SnapshotTaken
-from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
+from durable_rlm.activities.chains import LoggedCell, RecreateCell, SnapshotTaken, StoredSnapshot
+from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox, exec_message
 from durable_rlm.activities.repl_writes import StepWrites
 from durable_rlm.activities.sandbox.snapshot import SNAPSHOT_PREFIX
 from durable_rlm.activities.sandbox_files import read_sandbox_file, write_sandbox_file
 from durable_rlm.activities.sandbox_pool import SandboxPool
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.snapshot_key import lineage_mac
+from durable_rlm.store.snapshot_pins import pin_snapshot, snapshot_pinned
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import CellOutcome, SandboxRef, SnapshotRef
 
 log = logging.getLogger(__name__)
+
+
+_TOLD_UNREADABLE: list[bool] = []
 
 
 class SnapshotRefused(Exception):
@@ -57,11 +61,14 @@ class Snapshots:
             raise SnapshotRefused(f"it belongs to another episode ({snapshot.episode})")
         if not hmac.compare_digest(snapshot.mac, self._mac(snapshot)):
             raise SnapshotRefused("its integrity check failed: it was altered, or signed with another key")
+        if snapshot.episode != ref.episode_id:  # a fork's: its source's quota must not delete it
+            await asyncio.to_thread(pin_snapshot, self.blobs, snapshot.ref)
         try:
             data = await asyncio.to_thread(self.blobs.get, snapshot.ref)
         except (KeyError, ValueError) as exc:
             raise SnapshotRefused(f"its blob cannot be read ({exc})") from None
         name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
+        # The host's side of the directory (seen read-only by a sandbox whose own is a tmpfs).
         await asyncio.to_thread(write_sandbox_file, box.directory, name, data, box.uid)
         del data
         recreate = []
@@ -77,6 +84,8 @@ class Snapshots:
         await box.send({"op": "restore", "name": name, "recreate": recreate})
         timeout = defaults.SNAPSHOT_TIMEOUT_S + len(recreate) * ref.cell_timeout_s
         reply = await box.receive(timeout)
+        with contextlib.suppress(OSError):
+            (box.directory / name).unlink()  # read by now (the sandbox cannot, where it is read-only)
         if reply is None or reply.get("op") not in ("restored", "restore_failed"):
             raise SnapshotRefused(f"loading it failed: {await box.silence(reply, timeout)}")
         if reply["op"] == "restore_failed":
@@ -116,7 +125,8 @@ class Snapshots:
             return outcome
         entry = await self.take(box, ref)
         if entry is None:
-            return outcome
+            note = box.snapshot_note
+            return outcome if note is None else outcome.model_copy(update={"snapshot_note": note})
         box.log_head = await self.writes.log(box.log_head, entry)
         box.snapshot, box.snapshot_head = entry, box.log_head
         return outcome.model_copy(
@@ -138,9 +148,29 @@ class Snapshots:
         episode = ref.episode_id if ref is not None else box.episode_id
         started = time.monotonic()
         name = f"{SNAPSHOT_PREFIX}{uuid.uuid4().hex[:8]}"
-        path = box.directory / name
+        path = box.view / name  # written by the sandbox: read through its own view
         box.since_s, box.since_cells, box.since_volatile = 0.0, 0, False  # tried: not again at once
-        limit = defaults.SNAPSHOT_MAX_MB * 2**20
+        box.snapshot_note = None
+        policy = (ref.snapshots if ref is not None else None) or box.policy
+        quota = (policy.max_mb if policy is not None else defaults.SNAPSHOT_EPISODE_MB) * 2**20
+        # The one before it is always kept: what it leaves of the quota bounds this one.
+        previous = box.snapshot if box.snapshot is not None and box.snapshot.episode == episode else None
+        room = quota - (previous.size if previous is not None else 0)
+        limit = min(defaults.SNAPSHOT_MAX_MB * 2**20, room)
+        over_quota = (
+            f" (the episode keeps {quota // 2**20:,} MB of snapshots, snapshots.max_mb; "
+            f"the one after cell {previous.cell if previous is not None else 0} takes "
+            f"{previous.size if previous is not None else 0:,} bytes of it)"
+        )
+        if limit <= 0:
+            box.snapshot_note = f"no snapshot after cell {box.last_cell}: no room left{over_quota}"
+            return None
+        if not box.view_readable():
+            box.snapshot_note = f"no snapshot after cell {box.last_cell}: {UNREADABLE_VIEW}"
+            if not _TOLD_UNREADABLE:
+                _TOLD_UNREADABLE.append(True)
+                log.warning("REPL snapshots are off on this worker: %s", UNREADABLE_VIEW)
+            return None
         await box.send(
             {
                 "op": "snapshot",
@@ -157,6 +187,10 @@ class Snapshots:
             return None
         if reply["op"] == "snapshot_failed":
             log.info("episode %s: no snapshot after cell %s: %s", episode, box.last_cell, reply.get("error"))
+            why = str(reply.get("error") or "it failed")[:500]
+            box.snapshot_note = f"no snapshot after cell {box.last_cell}: {why}" + (
+                over_quota if limit < defaults.SNAPSHOT_MAX_MB * 2**20 else ""
+            )
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
@@ -164,7 +198,7 @@ class Snapshots:
             # The sandbox chose what is at that path: only a regular file of its own, at most
             # `limit` bytes, is read, and never for longer than a snapshot may take.
             async with asyncio.timeout(defaults.SNAPSHOT_TIMEOUT_S):
-                data = await asyncio.to_thread(read_sandbox_file, box.directory, name, limit, box.uid)
+                data = await asyncio.to_thread(read_sandbox_file, box.view, name, limit, box.uid)
         except (OSError, TimeoutError) as exc:
             problem = str(exc) if isinstance(exc, OSError) else "reading it took too long"
             log.warning("episode %s: snapshot refused (%s); the sandbox is discarded", episode, problem)
@@ -202,11 +236,34 @@ class Snapshots:
             lost=lost,
         )
         snapshot.mac = self._mac(snapshot)
+        snapshot.kept = await asyncio.to_thread(self._kept_beside, previous, snapshot, quota)
         box.cells = {
             c.cell: box.cells.get(c.cell) or LoggedCell(c.cell, 0, c.code, list(c.answers), "ok")
             for c in snapshot.recreate
         }
         return snapshot
+
+    def _kept_beside(
+        self, previous: SnapshotTaken | None, new: SnapshotTaken, quota: int
+    ) -> list[StoredSnapshot]:
+        """The episode's earlier snapshots still stored beside `new`: those `previous` listed,
+        and `previous` itself, less the oldest ones the quota has no room for, whose blobs go
+        (the one before `new` is always kept; a pinned one, which a fork loads, is kept in the
+        store but no longer counted)."""
+        if previous is None:
+            return []
+        kept = [*previous.kept]
+        if previous.ref != new.ref:
+            kept.append(StoredSnapshot(ref=previous.ref, size=previous.size))
+        total = new.size + sum(k.size for k in kept)
+        while len(kept) > 1 and total > quota:
+            oldest = kept.pop(0)
+            total -= oldest.size
+            if oldest.ref == new.ref or any(k.ref == oldest.ref for k in kept):
+                continue  # the same bytes as one still kept: one blob
+            if not snapshot_pinned(self.blobs, oldest.ref):
+                self.blobs.forget(oldest.ref, keep=[new.ref, *(k.ref for k in kept)])
+        return kept
 
     async def take_idle(self, box: LiveSandbox) -> SnapshotTaken | None:
         """A snapshot of an idle sandbox about to be evicted: no step is open, so its writes

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from durable_rlm.activities.sandbox import values
 from durable_rlm.activities.sandbox.framing import HEADER
 from durable_rlm.workflows import defaults
 
@@ -117,8 +118,14 @@ _FRAMES: TypeAdapter[Any] = TypeAdapter(
 
 
 def decode_frame(body: bytes) -> dict[str, Any]:
-    """A frame's body as the host reads it: every field checked, defaults filled; or a
+    """A frame's body as the host reads it: its size as objects bounded before any is built
+    (the wire's decoder counts its values and depth), every field checked, defaults filled;
+    a call no larger than MAX_CALL_BYTES, whatever the sandbox's own check said; or a
     BROKEN frame saying what was wrong."""
+    try:
+        values.check(body, defaults.SANDBOX_FRAME_VALUES, defaults.SANDBOX_FRAME_DEPTH)
+    except values.ValueRefused as exc:
+        return broken(f"the sandbox sent a frame past the host's bounds: {exc}")
     try:
         frame = _FRAMES.validate_json(body)
     except ValidationError as exc:
@@ -127,6 +134,11 @@ def decode_frame(body: bytes) -> dict[str, Any]:
         where = ".".join(str(part) for part in first["loc"]) or "the frame"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return broken(f"the sandbox sent a malformed frame: {where}: {first['msg']}{more}")
+    if isinstance(frame, Call) and len(body) > defaults.MAX_CALL_BYTES:
+        return broken(
+            f"the sandbox sent a call of {len(body):,} bytes, over the {defaults.MAX_CALL_BYTES:,}-byte "
+            "limit of one call (MAX_CALL_BYTES)"
+        )
     return frame.model_dump()
 
 

@@ -14,7 +14,11 @@ zombie, a pid reused by a process started at another time, another boot), claims
 renaming it (two reapers never both work on one home), SIGKILLs the recorded processes that
 are still those processes (same start time, a sandbox command line naming that owner), and
 removes the directory. It never judges a home of another pid namespace (its pids mean
-nothing here) or, unless root, of another user.
+nothing here) or of another user, root or not (a home another user made holds records that
+user wrote), and reads only records this user wrote; it reaps nothing under a root that is
+not this user's own (activities/sandbox_start.py makes it so, or refuses it). A process is
+killed through a pidfd opened before its start time and command line are checked, so the
+process checked is the one killed, even if its pid were reused in between.
 """
 
 from __future__ import annotations
@@ -163,10 +167,33 @@ class Owner:
         return "alive" if running(self.pid, self.start) else "dead"
 
 
-def read_owner(home: Path) -> Owner | None:
+RECORD_BYTES = 64 * 1024
+"""An owner file or a process record is a line of JSON; anything larger is not one."""
+
+
+def read_own_file(path: Path) -> bytes | None:
+    """A small regular file this user wrote, or None: never through a link, never a FIFO or a
+    device, never a file another user owns (a record another user wrote proves nothing)."""
     try:
-        return Owner.parse((home / OWNER_FILE).read_bytes())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > RECORD_BYTES:
+            return None
+        return os.read(fd, RECORD_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def read_owner(home: Path) -> Owner | None:
+    data = read_own_file(home / OWNER_FILE)
+    try:
+        return None if data is None else Owner.parse(data)
+    except ValueError:
         return None
 
 
@@ -197,7 +224,11 @@ class SandboxHome:
 
     def ensure(self) -> Path:
         """The home, made now if it is not there (first use, or after `remove`)."""
-        if not self.path.is_dir():
+        try:
+            there = stat.S_ISDIR(os.lstat(self.path).st_mode)  # a link in its place is not it
+        except FileNotFoundError:
+            there = False
+        if not there:
             self._make()
         return self.path
 
@@ -248,10 +279,11 @@ class SandboxHome:
 
 
 def _read_record(path: Path) -> tuple[int, int] | None:
+    data = read_own_file(path)
     try:
-        fields = json.loads(path.read_bytes())
-        return int(fields["pid"]), int(fields["start"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        fields = json.loads(data) if data is not None else None
+        return None if fields is None else (int(fields["pid"]), int(fields["start"]))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
@@ -274,6 +306,19 @@ def reap_dead(root: Path, grace_s: float = GRACE_S) -> list[Reaped]:
     here = Owner.current()
     if here is None:
         log.warning("sandbox directories are not reaped: /proc/self/stat cannot be read")
+        return []
+    try:
+        info = os.lstat(root)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        log.warning(
+            "sandbox directories under %s are not reaped: it is not a directory of this user's "
+            "that only it can write (uid %d, mode %s)",
+            root,
+            info.st_uid,
+            stat.filemode(info.st_mode),
+        )
         return []
     try:
         entries = list(os.scandir(root))
@@ -336,8 +381,8 @@ def _reap_one(root: Path, entry: os.DirEntry[str], here: Owner, grace_s: float) 
         return None  # reaped by another worker meanwhile
     if not stat.S_ISDIR(info.st_mode):
         return None
-    if os.geteuid() != 0 and info.st_uid != os.geteuid():
-        return None  # another user's worker: its files are not ours to delete
+    if info.st_uid != os.geteuid():
+        return None  # another user's, even to root: its owner file and records are that user's word
     home = Path(entry.path)
     owner = read_owner(home)
     if name.startswith(HOME_PREFIX) and owner is not None:
@@ -370,16 +415,39 @@ def kill_recorded(home: Path, owner_pid: int | None) -> list[int]:
         if not entry.name.endswith(RECORD_SUFFIX):
             continue
         record = _read_record(Path(entry.path))
-        if record is None or not sandbox_of(*record, owner_pid):
+        if record is None:
             continue
         try:
-            os.kill(record[0], signal.SIGKILL)
-            killed.append(record[0])
-        except ProcessLookupError:
-            pass
+            if kill_if_still(*record, owner_pid):
+                killed.append(record[0])
         except PermissionError as exc:
             log.warning("could not kill leftover sandbox process %d: %s", record[0], exc)
     return killed
+
+
+def kill_if_still(pid: int, start: int, owner_pid: int | None) -> bool:
+    """SIGKILL `pid` if it is still the recorded sandbox process; True when it was killed.
+    The pidfd is opened first: a pid reused after that is another process, which the pidfd
+    does not name, so the process checked is the one signalled."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfds here (a kernel before 5.3): the check right before the kill
+        fd = None
+    try:
+        if not sandbox_of(pid, start, owner_pid):
+            return False
+        if fd is None:
+            os.kill(pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def remove_tree(path: Path) -> bool:

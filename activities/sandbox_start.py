@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,7 +21,10 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities.live_sandbox import LiveSandbox
+from durable_rlm.activities.context_cache import ContextCache
+from durable_rlm.activities.context_room import sandbox_room
+from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox
+from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
 from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
     ForkServer,
@@ -33,6 +37,7 @@ from durable_rlm.activities.sandbox_processes import (
 )
 from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD, READ_BUFFER, FrameInbox, read_frames
 from durable_rlm.activities.sandbox_reaper import SandboxHome
+from durable_rlm.owned_dirs import owned_directory
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import SandboxRef
@@ -42,12 +47,20 @@ log = logging.getLogger(__name__)
 FORK_RETRY_S = 60.0  # after a template failed to start, sandboxes are spawned this long
 
 
+def default_sandbox_root() -> Path:
+    """Where sandboxes live unless DRLM_SANDBOX_DIR says: shared by the workers of this user,
+    so one reaps the sandboxes another left when it died."""
+    return Path(tempfile.gettempdir()) / "drlm-sandboxes"
+
+
 def prepare_sandbox_root(root: Path) -> Path:
-    """Create the root; when sandboxes drop to `nobody`, every parent must let it through."""
-    root = root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    """The root, this worker's own: made now, or refused when another user made it, could
+    swap it or could write in it (durable_rlm/owned_dirs.py); its homes' records say which
+    processes a reaper may kill. When sandboxes drop to other uids, every parent must let
+    them through, and the root only through (0711)."""
+    mode = 0o711 if os.geteuid() == 0 else 0o700
+    root = owned_directory(root, mode=mode, parents_mode=mode)
     if os.geteuid() == 0:
-        os.chmod(root, 0o711)
         for parent in [root, *root.parents]:
             if not os.stat(parent).st_mode & 0o001:
                 raise ValueError(
@@ -55,6 +68,19 @@ def prepare_sandbox_root(root: Path) -> Path:
                     f"{parent} is not traversable by others (chmod o+x, or choose another root)"
                 )
     return root
+
+
+def refuse_too_large(ref: SandboxRef, memory_mb: int) -> None:
+    """A context no sandbox of this worker can hold as one string ends the step with the
+    reason (a client elsewhere checked it against the budget at best, not this host's)."""
+    context = ref.context
+    if context is None or context.kind == "documents" or context.view == "mapped" or not context.stored_bytes:
+        return
+    refusal = sandbox_room(memory_mb).refusal(
+        f"the context ({context.size:,} characters)", context.size * context.char_width, context.stored_bytes
+    )
+    if refusal is not None:
+        raise ApplicationError(refusal, type=names.SANDBOX_FAILURE, non_retryable=True)
 
 
 @dataclass
@@ -70,6 +96,7 @@ class SandboxConfig:
     memory_budget_mb: int | None
     filesystem: bool  # the private root; tests of the other layers turn it off
     namespaces: str  # "user": as a root worker without CAP_SYS_ADMIN would
+    files_mb: int | None = defaults.SANDBOX_FILES_MB  # its own directory a tmpfs this big (None: the host's)
 
 
 class SandboxStarter:
@@ -79,6 +106,7 @@ class SandboxStarter:
         self, blobs: BlobStore, config: SandboxConfig, home: SandboxHome, uids: SandboxUids | None
     ) -> None:
         self.blobs = blobs
+        self.contexts = ContextCache(blobs, encrypting=blobs.keyring is not None)
         self.config = config
         self.home = home
         self.uids = uids
@@ -113,16 +141,17 @@ class SandboxStarter:
             # The sandbox refuses larger calls in the cell; a frame past them is refused here.
             "max_prompts": defaults.MAX_PROMPTS_PER_CALL,
             "max_call_bytes": defaults.MAX_CALL_BYTES,
+            "dir_mb": config.files_mb,
         }
         if config.namespaces == "user":
             init["namespaces"] = "user"  # tests: the path of a root worker without CAP_SYS_ADMIN
         uid = self.uids.claim() if self.uids is not None else None
         try:
             if ref.context is not None:
-                data = await asyncio.to_thread(self.blobs.get, ref.context.digest)
-                path = directory / ("context.json" if ref.context.kind == "json" else "context.txt")
-                path.write_bytes(data)
-                init.update(context_path=str(path), context_kind=ref.context.kind)
+                refuse_too_large(ref, config.memory_mb)
+                # The worker's read-only copy, made once and mapped by every sandbox over it.
+                copy = await self.contexts.copy_of(ref.context)
+                init["context"] = copy.init_message(ref.context.view)
             if uid is not None:
                 init["uid"] = uid
                 for p in [directory, *directory.iterdir()]:
@@ -217,6 +246,7 @@ class SandboxStarter:
                 await self.template.close()
                 self.template = None
             self.home.remove()  # made again if this host starts another sandbox
+            self.contexts.close()  # and the context copies with it
             if self.uids is not None:
                 self.uids.reap_stale()
 
@@ -233,6 +263,9 @@ class SandboxStarter:
         )
         box = await self.start(ref)
         try:
-            return dict(box.layers)
+            layers = dict(box.layers)
+            if OWN_TMPFS in layers.get("filesystem", ""):
+                layers["view"] = "readable" if box.view_readable() else UNREADABLE_VIEW
+            return layers
         finally:
             await box.kill()

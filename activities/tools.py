@@ -25,6 +25,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.activities.model_errors import clip
+from durable_rlm.activities.sandbox import values
 from durable_rlm.tools import registered
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import ToolCallInput, ToolReply
@@ -47,7 +48,9 @@ async def run_tool(request: ToolCallInput) -> ToolReply:
             type=names.TOOL_NOT_REGISTERED,
         )
     try:
-        call = json.loads(request.arguments)
+        # A cell chose these bytes: what they hold is counted before any object is built, and
+        # only values of a closed set of types are built (never unpickled).
+        call = values.loads(request.arguments.encode("utf-8", "surrogatepass"))
         args, kwargs = call["args"], call["kwargs"]
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise TypeError("arguments must be a list and a mapping")

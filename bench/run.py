@@ -17,6 +17,7 @@ Sections (each also runs alone: python bench/<module>.py [--quick]):
     recovery     SIGKILL the only worker mid-call; time to the next step (bench/recovery.py)
     snapshots    rebuild time against episode length, with/without snapshots (bench/snapshots.py)
     startup      new processes: imports, CLI, a first answer against rlms (bench/startup.py)
+    contexts     contexts of 100 MB to 5 GB against rlms==0.1.3, stores, documents (bench/contexts.py)
 
 Prints rich tables (median, min, max of several runs, the ratio to the baseline, the target
 and PASS/MISS) and writes the figures to bench/results/latest.json with PNG plots next to it
@@ -51,6 +52,7 @@ SECTIONS = {
     "snapshots": "snapshots",
     "containment": "containment",
     "startup": "startup",
+    "contexts": "contexts",
 }
 
 

@@ -20,6 +20,7 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.owned_dirs import owned_directory
 from durable_rlm.store.encryption import Keyring
 from durable_rlm.workflows import defaults
 
@@ -86,12 +87,38 @@ class Settings(BaseSettings):
         "data_dir", "DRLM_DATA_DIR", None, description="default: the user data dir (platformdirs)"
     )
     database_url: str | None = _env("database_url", "DRLM_DATABASE_URL", None)
-    blob_store: str = _env("blob_store", "DRLM_BLOB_STORE", "sql", description="'sql' or a directory path")
+    blob_store: str = _env(
+        "blob_store",
+        "DRLM_BLOB_STORE",
+        "sql",
+        description="'sql', a directory path, or s3://BUCKET/PREFIX (an S3-compatible object store)",
+    )
+    s3_endpoint_url: str | None = _env(
+        "s3_endpoint_url",
+        "DRLM_S3_ENDPOINT_URL",
+        None,
+        description="the endpoint of an s3:// blob store; unset: AWS S3 (or AWS_ENDPOINT_URL)",
+    )
     claim_check_threshold: int = _env("claim_check_threshold", "DRLM_CLAIM_CHECK_THRESHOLD", 4096, ge=256)
     sandbox_memory_mb: int = _env(
         "sandbox_memory_mb", "DRLM_SANDBOX_MEMORY_MB", defaults.SANDBOX_MEMORY_MB, ge=64
     )
     sandbox_idle_s: float = _env("sandbox_idle_s", "DRLM_SANDBOX_IDLE_S", defaults.SANDBOX_IDLE_S, gt=0)
+    sandbox_dir: Path | None = _env(
+        "sandbox_dir",
+        "DRLM_SANDBOX_DIR",
+        None,
+        description="the sandboxes' root, a directory of this user's own that only it can write "
+        "(refused otherwise); default: $TMPDIR/drlm-sandboxes",
+    )
+    sandbox_files_mb: int = _env(
+        "sandbox_files_mb",
+        "DRLM_SANDBOX_FILES_MB",
+        defaults.SANDBOX_FILES_MB,
+        ge=1,
+        description="a sandbox's own directory, a tmpfs of this size counted in its memory "
+        "(with the private root; without it the host's disk, 256 MB a file)",
+    )
     sandbox_start: Literal["fork", "spawn"] = _env(
         "sandbox_start",
         "DRLM_SANDBOX_START",
@@ -422,12 +449,20 @@ class Settings(BaseSettings):
             ),
             "SQL store": (database_url, chosen("database_url", in_data_dir)),
             "blob store": (
-                f"table 'blobs' of {database_url}"
-                if self.blob_store == "sql"
-                else str(Path(self.blob_store).resolve()),
+                f"table 'blobs' of {database_url}" if self.blob_store == "sql" else self.blob_store_name,
                 chosen("blob_store", "DRLM_BLOB_STORE unset: in the SQL store"),
             ),
         }
+
+    @property
+    def blob_store_name(self) -> str:
+        """Where blobs live, as every process of a deployment must name it the same way."""
+        if self.blob_store == "sql":
+            return "sql"
+        if self.blob_store.startswith("s3://"):
+            endpoint = f" at {self.s3_endpoint_url}" if self.s3_endpoint_url else ""
+            return f"{self.blob_store}{endpoint}"
+        return str(Path(self.blob_store).resolve())
 
     def prepare_data_dir(self) -> Path:
         """The data directory, created private (0700) with its SQLite files 0600: it holds
@@ -477,9 +512,9 @@ def safe_url(url: str) -> str:
 
 
 def private_dir(path: Path) -> Path:
-    if not path.is_dir():
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(path, 0o700)
+    """`path` as a 0700 directory of this user's own: made now, or refused (UnsafeDirectory)
+    when another user made it, could swap it or could write in it (durable_rlm/owned_dirs.py)."""
+    owned_directory(path, 0o700)
     return path
 
 

@@ -11,7 +11,9 @@ Register them in a module that the workers (and the CLI, which offers them to ep
 import: name it in DRLM_TOOL_MODULES. Inside the REPL each tool is a function of the same
 name, parameters and docstring; a call suspends the cell like `llm_query`, the workflow runs
 the tool as an activity on the shared queue, and the result is recorded, so a rebuilt REPL
-gets it from the log instead of calling again. Arguments must be JSON values; a result is
+gets it from the log instead of calling again. Arguments are values of a closed set of types
+(JSON's, and tuple, set, frozenset, bytes, date, datetime, time, timedelta, Decimal, UUID),
+which the worker decodes without unpickling (activities/sandbox/values.py); a result is
 any value: one that is no JSON value reaches the cell pickled (loaded in the sandbox only,
 never in the worker), as rlms hands back the object itself.
 

@@ -26,6 +26,7 @@ FIRST = [
     "tests/test_liveness.py",  # issue 38: a minute
     "tests/test_model_failures.py",  # half a minute
     "tests/test_local_users.py",  # seconds; the codec capability is caught in test_codec_server.py
+    "tests/test_page_access.py",  # seconds: the Host check, the one-shot login, `ps` of `drlm ui --open`
     "tests/test_repl.py",
     "tests/test_escape.py",  # the kernel layers, attacked with the audit hook on and off
     "tests/test_snapshots.py",
@@ -38,6 +39,10 @@ FIRST = [
     "tests/test_sandbox_files.py",  # issue 33: seconds
     "tests/test_host_protocol.py",
     "tests/test_reply_limits.py",  # issue 45: a minute and a half
+    "tests/test_wire_values.py",  # seconds
+    "tests/test_frame_bounds.py",  # half a minute
+    "tests/test_owned_dirs.py",  # seconds
+    "tests/test_disk_quotas.py",  # half a minute
 ]
 
 
@@ -160,9 +165,30 @@ MECHANISMS = [
     Mechanism(
         "codec capability",
         "durable_rlm/viewer/codec_server.py",
-        "                if hmac.compare_digest(first.encode(), server.path_secret.encode()):",
-        "                if True:",
+        "                return hmac.compare_digest(first.encode(), server.path_secret.encode())",
+        "                return True",
         "the codec server answers without its path secret",
+    ),
+    Mechanism(
+        "codec host check",
+        "durable_rlm/viewer/codec_server.py",
+        'if host_of(self.headers.get("Host")) not in server.hosts:',
+        "if False:",
+        "the page and codec server answer any Host header (a DNS-rebinding page's)",
+    ),
+    Mechanism(
+        "one-shot login",
+        "durable_rlm/viewer/codec_server.py",
+        "            found = self._tokens.pop(token, None) if token else None",
+        "            found = self._tokens.get(token) if token else None",
+        "a login link opens the page again and again",
+    ),
+    Mechanism(
+        "capability off the command line",
+        "durable_rlm/server/embedded.py",
+        '            args += ("--env-file", str(self._codec_env_file()), "--env", "default")',
+        '            args += ("--ui-codec-endpoint", str(self.codec_endpoint))',
+        "the Temporal server's command line carries the codec endpoint and its secret",
     ),
     Mechanism(
         "codec owner uid",
@@ -313,6 +339,85 @@ MECHANISMS = [
         "itertools.islice(iter_fenced_blocks(text), EXTRACTION_FENCES_READ)",
         "iter_fenced_blocks(text)",
         "an extraction reply of a million fenced blocks costs a million parses in a workflow task",
+    ),
+    Mechanism(
+        "frames bounded in values and depth",
+        "activities/sandbox_protocol.py",
+        "        values.check(body, defaults.SANDBOX_FRAME_VALUES, defaults.SANDBOX_FRAME_DEPTH)\n",
+        "        pass\n",
+        "a frame's JSON is parsed whatever it builds (60 MB of `[{},...]`: 20 million objects)",
+    ),
+    Mechanism(
+        "MAX_CALL_BYTES on the host",
+        "activities/sandbox_protocol.py",
+        "    if isinstance(frame, Call) and len(body) > defaults.MAX_CALL_BYTES:",
+        "    if False:",
+        "a call the sandbox's own check let through (its code changed) reaches the provider",
+    ),
+    Mechanism(
+        "tool arguments bounded in values",
+        "activities/tools.py",
+        '        values.check(request.arguments.encode("utf-8", "surrogatepass"))\n',
+        "",
+        "a tool call's arguments are parsed whatever they build",
+    ),
+    # Issue 45, item 1: no directory another user made, could swap or could write.
+    Mechanism(
+        "sandbox root of the worker's own",
+        "activities/sandbox_start.py",
+        "    root = owned_directory(root, mode=mode, parents_mode=mode)\n",
+        "    root = root.resolve()\n    root.mkdir(parents=True, exist_ok=True)\n    os.chmod(root, mode)\n",
+        "a root worker uses (and chmods) a sandbox root another user made, or a link one left",
+    ),
+    Mechanism(
+        "reaper: own homes only",
+        "activities/sandbox_reaper.py",
+        "    if info.st_uid != os.geteuid():\n        return None  # another user's",
+        "    if os.geteuid() != 0 and info.st_uid != os.geteuid():\n        return None  # another user's",
+        "a root reaper judges homes other users made",
+    ),
+    Mechanism(
+        "reaper: own records only",
+        "activities/sandbox_reaper.py",
+        "if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_size > RECORD_BYTES:",
+        "if not stat.S_ISREG(info.st_mode) or info.st_size > RECORD_BYTES:",
+        "the reaper kills the processes named by records another user wrote",
+    ),
+    Mechanism(
+        "data directory of the user's own",
+        "durable_rlm/settings.py",
+        "    owned_directory(path, 0o700)\n    return path",
+        "    path.mkdir(parents=True, exist_ok=True, mode=0o700)\n    return path",
+        "the data directory (store, snapshot key) may be one another user made",
+    ),
+    # Issue 45, item 3: what one episode may put on disk.
+    Mechanism(
+        "sandbox directory a tmpfs",
+        "activities/sandbox/layers.py",
+        '    dir_mb = int(init["dir_mb"]) if init.get("dir_mb") else None',
+        "    dir_mb = None",
+        "a sandbox's own directory is the host's: its cells write to the host's disk without bound",
+    ),
+    Mechanism(
+        "snapshot quota: older ones go",
+        "activities/repl_snapshots.py",
+        "        while len(kept) > 1 and total > quota:",
+        "        while False:",
+        "every snapshot an episode takes stays in the store",
+    ),
+    Mechanism(
+        "snapshot quota: room beside the last",
+        "activities/repl_snapshots.py",
+        "        limit = min(defaults.SNAPSHOT_MAX_MB * 2**20, room)",
+        "        limit = defaults.SNAPSHOT_MAX_MB * 2**20",
+        "a snapshot larger than the quota leaves room for is taken anyway",
+    ),
+    Mechanism(
+        "large buffers returned to the system",
+        "durable_rlm/worker/runtime.py",
+        "    return_large_buffers()  # a snapshot or a reply of megabytes leaves no heap behind\n",
+        "",
+        "a worker that read a few large snapshots stays hundreds of megabytes larger",
     ),
 ]
 

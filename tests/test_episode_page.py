@@ -1,5 +1,6 @@
-"""The episode page (durable_rlm/viewer/episode_page.py), served by the shared server's supervisor
-beside its codec server, read and steered by a real browser.
+"""The episode page (durable_rlm/viewer/episode_page.py), served by the shared server's
+supervisor beside its codec server, read and steered by a real browser (its screenshots go
+to a temporary directory; scripts/screenshots.py makes the ones in docs/).
 
 Episodes run for real (embedded server, in-process worker, the scripted OpenAI-compatible
 server); the page is fetched over HTTP from the supervisor, and headless Chromium (Debian's
@@ -148,7 +149,7 @@ def show_items(timeline: Timeline) -> Iterator[str]:
         if r.termination is not None:
             yield r.termination.reason
         if r.execution is not None:
-            yield describe_execution(r.execution)
+            yield describe_execution(r.execution, r.status)
         yield f"{r.usage.total_tokens:,} tokens"
 
 
@@ -324,7 +325,7 @@ RUNNING_TURNS = [
 async def test_a_browser_reads_a_finished_tree_and_approves_a_pending_cell(tmp_path: Path, scripted) -> None:
     browser()
     server = scripted(tree_script(), context_window_tokens=6_000)
-    docs = ROOT / "docs"
+    docs = tmp_path  # the suite writes nothing of the repository's: scripts/screenshots.py makes docs/*.png
     async with session(
         tmp_path, server.base_url, max_depth=2, sampling={"max_tokens": 500}, context_window_tokens=6_000
     ) as (rlm, services, settings):

@@ -115,7 +115,9 @@ async def test_the_root_holds_only_the_python_installation_and_its_own_directory
         shown = set(eval(listing))  # noqa: S307 - a list of names printed by our own cell
         # the first part of each bound path: the venv may live anywhere (/work here, /check in CI)
         installed = {Path(source).parts[1] for source in readonly_sources()}
-        assert shown <= {"dev", "etc", "root", "tmp", "bin", "sbin"} | installed, shown
+        # .drlm-host: the host's side of its own directory (the context, a snapshot to load),
+        # read-only, since its own is a tmpfs (activities/sandbox/kernel.py)
+        assert shown <= {"dev", "etc", "root", "tmp", "bin", "sbin", ".drlm-host"} | installed, shown
         assert "proc" not in shown and "home" not in shown and "sys" not in shown
 
 

@@ -169,7 +169,7 @@ def test_two_runs_from_two_directories_readers_and_a_worker_from_a_third(tmp_pat
     shown = drlm(tmp_path, tmp_path / "f", "show", "ep-quick", "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["result"]["answer"] == "quick: 4"
     listing = drlm(tmp_path, tmp_path / "f", "list")
-    assert "ep-3" in listing.stdout and "completed" in listing.stdout
+    assert "ep-3" in listing.stdout and "answered" in listing.stdout
     assert server_state(tmp_path) is None
 
 
@@ -284,14 +284,15 @@ def test_ctrl_c_says_the_episode_goes_on_and_resume_finishes_it(tmp_path: Path, 
     [
         (["run", "t", "--max-iterations", "many"], "drlm run: argument --max-iterations: invalid int value"),
         (["frobnicate"], "drlm: argument command: invalid choice: 'frobnicate'"),
-        (["run", "t", "--context", "."], "is a directory"),
+        (["run", "t", "--context", "pipe"], "is a FIFO (named pipe)"),
         (["run", "t", "--context", "latin1.txt"], "context file is not UTF-8 text"),
     ],
 )
 def test_bad_flags_and_files_are_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    os.mkfifo(tmp_path / "pipe")
     out = (
-        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1")
+        drlm(tmp_path, tmp_path, *args, "--base-url", "http://127.0.0.1:9/v1", "--model", "m")
         if args[0] == "run"
         else drlm(tmp_path, tmp_path, *args)
     )
@@ -307,10 +308,14 @@ def test_an_unreadable_context_file_is_a_clear_error(tmp_path: Path, monkeypatch
     path = tmp_path / "secret.txt"
     path.write_text("x")
 
-    def refuse(*_: object, **__: object) -> str:
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
 
-    monkeypatch.setattr(Path, "read_text", refuse)
+    def refuse(target: object, *args: object, **kwargs: object) -> int:
+        if str(target) == str(path):  # root reads any file: the refusal a user would meet
+            raise PermissionError(13, "Permission denied")
+        return real_open(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", refuse)
     with pytest.raises(ConfigurationError, match="cannot read context file .*secret.txt: Permission denied"):
         read_context_text(path)
 

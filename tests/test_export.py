@@ -326,7 +326,13 @@ async def test_export_writes_the_log_to_a_file(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout == ""
-    assert target.read_text() == export_text(timeline, blobs, "rlms")
+    text = export_text(timeline, blobs, "rlms")
+    assert target.read_text() == text
+    lines = text.count("\n")
+    assert out.stderr == (  # success says what was written where
+        f"episode {episode_id}: {len(timeline.iterations)} iteration(s) written as an rlms trajectory log "
+        f"to {target} ({lines:,} line(s), {len(text.encode()):,} bytes)\n"
+    )
 
 
 def test_an_unknown_episode_is_one_line_exit_2(temporal_address, session_dir, tmp_path) -> None:

@@ -347,7 +347,7 @@ async def test_a_sigkilled_sandbox_reports_code_minus_9_and_only_its_cell_is_los
     await episode.run("kept = 'earlier'")
     box = live(any_host, episode)
     running = asyncio.ensure_future(episode.run("open('busy', 'w').close()\nimport time\ntime.sleep(60)"))
-    await until(lambda: (box.directory / "busy").exists(), "the cell started")
+    await until(lambda: (box.view / "busy").exists(), "the cell started")  # its own view: a tmpfs
     os.kill(box.process.pid, signal.SIGKILL)  # alive (it is busy), so the pid is still its own
     outcome = await running
     assert "the REPL process exited (code -9) during this cell" in (outcome.error or "")
@@ -394,7 +394,7 @@ async def test_a_sigkilled_worker_takes_its_template_and_busy_sandboxes_down(san
             box = await host._spawn(ref)
             await box.send({{"op": "exec", "code": "open('busy', 'w').close()\\nwhile True: pass",
                             "cell_name": "<cell 1>", "timeout": 600, "limit": 100}})
-            print(host._template.pid, box.process.pid, box.directory, flush=True)
+            print(host._template.pid, box.process.pid, box.view, flush=True)
             await asyncio.sleep(3600)
 
         asyncio.run(main())

@@ -382,7 +382,7 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
             box = await host._spawn(ref)
             await box.send({{"op": "exec", "code": "open('busy', 'w').close()\\nwhile True: pass",
                             "cell_name": "<cell 1>", "timeout": 600, "limit": 100}})
-            print(host._template.pid, box.process.pid, box.directory, flush=True)
+            print(host._template.pid, box.process.pid, box.directory, box.view, flush=True)
             await asyncio.sleep(3600)
 
         asyncio.run(main())
@@ -398,10 +398,10 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
     ]
     try:
         lines = [w.stdout.readline().split() for w in workers]  # type: ignore[union-attr]
-        for _, _, directory in lines:
-            await until(lambda d=directory: (Path(d) / "busy").exists(), "the cell runs")
+        for *_, view in lines:  # a tmpfs of the sandbox's: seen through its own view
+            await until(lambda d=view: (Path(d) / "busy").exists(), "the cell runs")
         first, second = workers
-        homes = {Path(directory).parent for _, _, directory in lines}
+        homes = {Path(directory).parent for _, _, directory, _ in lines}
         # The second's start reaped nothing of the live first (".uids": the uids in use).
         assert {p for p in root.iterdir() if p.name != UID_CLAIMS} == homes
         # Each: its template, and its sandbox's keeper and REPL (PID 1 of the sandbox's namespace)
@@ -448,6 +448,16 @@ def leftovers(root: Path, live: int) -> list[str]:
     return found
 
 
+def cell_wrote(root: Path, worker_pid: int, name: str) -> bool:
+    """A file a cell of that worker wrote in its own directory: a tmpfs of the sandbox's mount
+    namespace, seen through the sandbox's processes (/proc/PID/root), not the host's path."""
+    for sandbox in sandbox_processes({worker_pid}):
+        for directory in root.glob(f"w-{worker_pid}-*/*/"):
+            if Path(f"/proc/{sandbox}/root{directory}", name).exists():
+                return True
+    return False
+
+
 async def kill_mid_cell(kills: int, client, scripted, worker_processes, root: Path) -> None:
     """Kill a worker while a cell sleeps in its sandbox, start the next (which reaps the dead
     one's sandboxes), let the episode finish there; `kills` times. Then stop the last."""
@@ -459,7 +469,7 @@ async def kill_mid_cell(kills: int, client, scripted, worker_processes, root: Pa
             client, request_for(server), worker_processes.queue, f"hygiene-{n}-{uuid.uuid4().hex[:6]}"
         )
         pid = worker.process.pid
-        await until(lambda pid=pid: any(root.glob(f"w-{pid}-*/*/started")), "the cell runs")
+        await until(lambda pid=pid: cell_wrote(root, pid, "started"), "the cell runs")
         worker.kill()
         dead.add(pid)
         worker = worker_processes()  # started: it has reaped the dead worker's home

@@ -305,7 +305,7 @@ async def test_a_refused_root_key_pauses_until_a_worker_with_the_right_key_retri
         assert (outcome.accepted, outcome.waiting_calls) == (True, 1), outcome.message
         assert not (await retry_credentials(client, handle.id)).accepted  # nothing waits now
         end = await asyncio.wait_for(follow(handle), 60)
-    assert end.status == "completed" and end.result is not None
+    assert end.status == "answered" and end.result is not None
     assert end.result.answer == "the answer is 42"
     assert (end.result.iterations, end.result.model_calls) == (2, 2)
     assert [r.turn for r in server.root_requests()] == [0, 1]  # the refused call, made again once

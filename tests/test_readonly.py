@@ -31,7 +31,7 @@ from durable_rlm.store.sql import EngineReader, open_store
 
 NOW = datetime(2026, 11, 27, 10, 0, 0, 123456, tzinfo=UTC)
 MODELS = ("gpt-4o", "gpt-4o-mini", "local-llama")
-STATUSES = ("completed", "failed", "running", "terminated")
+STATUSES = ("answered", "failed", "running", "terminated")
 
 
 def episodes(prefix: str = "") -> list[dict[str, Any]]:
@@ -64,7 +64,7 @@ def write(engine: sa.Engine, rows: list[dict[str, Any]]) -> None:
                 "run_id": "r1",
                 "task": f"task of {row['episode_id']}",
                 "root_model": "gpt-4o",
-                "status": "completed",
+                "status": "answered",
                 "depth": 1 if row.get("parent_id") else 0,
                 "updated_at": NOW,
                 **row,
@@ -146,7 +146,7 @@ def test_a_kept_timeline_is_read_back_by_both_and_a_reset_run_s_is_not(tmp_path:
     path = tmp_path / "store.sqlite"
     engine = open_store(f"sqlite:///{path}")
     write(engine, [{"episode_id": "kept", "run_id": "run-a"}])
-    timeline = Timeline(episode_id="kept", status="completed", task="t", runs=1)
+    timeline = Timeline(episode_id="kept", status="answered", task="t", runs=1)
     assert store_timeline(engine, timeline, "run-a")
     stdlib = SqliteReader(path)
     assert readonly.cached_timeline(stdlib, "kept") == timeline == readonly.cached_timeline(engine, "kept")
@@ -181,7 +181,7 @@ def test_a_store_from_before_the_new_columns_lists_and_names_what_it_lacks(tmp_p
             "CREATE TABLE episodes (episode_id TEXT PRIMARY KEY, run_id TEXT, task TEXT, root_model TEXT,"
             " status TEXT, updated_at DATETIME)"
         )
-        conn.execute("INSERT INTO episodes VALUES ('old', 'r', 't', 'm', 'completed', '2026-01-02 03:04:05')")
+        conn.execute("INSERT INTO episodes VALUES ('old', 'r', 't', 'm', 'answered', '2026-01-02 03:04:05')")
     conn.close()
     engine = sa.create_engine(f"sqlite:///{path}")
     for reader in (SqliteReader(path), EngineReader(engine)):
@@ -210,7 +210,7 @@ def test_postgres_gives_the_same_rows_as_sqlite(
     try:
         cases = [
             readonly.EpisodeFilter(),
-            readonly.EpisodeFilter(status="completed", model="gpt-4o"),
+            readonly.EpisodeFilter(status="answered", model="gpt-4o"),
             readonly.EpisodeFilter(since=NOW - timedelta(hours=40), min_cost=1.0),
             readonly.EpisodeFilter(until=NOW - timedelta(hours=30), roots_only=True, max_cost=8.0),
         ]
@@ -248,7 +248,7 @@ def test_drlm_show_and_list_read_a_sqlite_store_without_sqlalchemy(tmp_path: Pat
     for an ended episode's kept timeline and the list, and both print what is stored."""
     engine = open_store(f"sqlite:///{tmp_path / 'drlm.sqlite'}")
     write(engine, [{"episode_id": "shown", "run_id": "run-a", "answer": "forty-two"}])
-    store_timeline(engine, Timeline(episode_id="shown", status="completed", task="the task", runs=1), "run-a")
+    store_timeline(engine, Timeline(episode_id="shown", status="answered", task="the task", runs=1), "run-a")
     engine.dispose()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "DRLM_", "OPENAI_"))}
     env |= {"DRLM_DATA_DIR": str(tmp_path), "COLUMNS": "200"}

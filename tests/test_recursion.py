@@ -136,7 +136,7 @@ async def test_depth_three_tree_and_the_last_level_is_a_plain_call(client, scrip
     mid_line = next(i for i, line in enumerate(lines) if f"child {mid.episode_id} " in line)
     leaf_line = next(i for i, line in enumerate(lines) if f"child {mid.episode_id}/1.0 " in line)
     assert lines[mid_line].startswith("    child ") and lines[leaf_line].startswith("            child ")
-    assert "depth 1: ended by final, answer 'mid saw 84 <is this a plain call?>'" in lines[mid_line]
+    assert "depth 1: answered (final), answer 'mid saw 84 <is this a plain call?>'" in lines[mid_line]
     assert "2 episode(s)" in lines[mid_line]
     cell_1 = lines.index("--- cell 1 ---")
     output_1 = lines.index("output:", cell_1)

@@ -216,8 +216,11 @@ async def workflow_tasks(client, episode_id: str) -> tuple[int, float]:
     return failed, longest
 
 
-@pytest.fixture
-async def health(client, worker, scripted) -> WorkerHealth:
+@pytest.fixture(params=[True, False], ids=["hook-on", "hook-off"])
+async def health(request: pytest.FixtureRequest, client, worker, scripted) -> WorkerHealth:
+    """The worker, warmed up, with the sandbox's audit hook on and off: a reply never reaches
+    a sandbox, so the bound is the worker's own either way."""
+    worker.audit_hook = request.param
     return await WorkerHealth.measure(client, worker, scripted)
 
 
@@ -270,6 +273,8 @@ def repeated(unit: str) -> Callable[[], str]:
 WORST_TEXTS: dict[str, Callable[[], str]] = {
     "fence lines": repeated("```\n"),
     "repl blocks": repeated("```repl\nx\n```\n"),
+    "inline openers": repeated("x ```repl "),
+    "inline openers and blanks": repeated("```repl \n \n"),
     "json blocks": repeated("```json\n[]\n```\n"),
     "info lines": repeated("```python ```\n"),
     "an open fence": lambda: "```repl\n" + "x\n" * (SIZE // 2),
@@ -293,6 +298,9 @@ _CONTEXT = PolicyContext(task="t", step=0, variables={}, metrics={})
 
 WORKFLOW_SCANS: dict[str, Callable[[str], object]] = {
     "parse_reply": lambda text: parse_reply(text, ["repl"], defaults.MAX_CELLS_PER_REPLY),
+    "parse_reply, fences as rlms finds them": lambda text: parse_reply(
+        text, ["repl"], defaults.MAX_CELLS_PER_REPLY, inline=True
+    ),
     "parse_final_signal": parse_final_signal,
     "unquote_argument": unquote_argument,
     "stated_confidence": stated_confidence,

@@ -148,7 +148,7 @@ async def test_a_reset_episode_with_children_reads_as_its_reset_run(
 
     # The timeline: one run (the abandoned one is not a continue-as-new), each child once.
     timeline = await episode_timeline(client, episode_id)
-    assert (timeline.runs, timeline.run_id, timeline.status) == (1, new_run, "completed")
+    assert (timeline.runs, timeline.run_id, timeline.status) == (1, new_run, "answered")
     assert [it.iteration for it in timeline.iterations] == [1, 2]
     (cell,) = timeline.iterations[0].cells
     assert [c.episode_id for c in cell.children] == [f"{episode_id}/1.0", f"{episode_id}/1.1"]
@@ -178,10 +178,10 @@ async def test_a_reset_episode_with_children_reads_as_its_reset_run(
 
     # The audit rows are the reset run's, live and rebuilt.
     live = episode_row(engine, episode_id)
-    assert (live["run_id"], live["status"], live["answer"]) == (new_run, "completed", "3+3")
+    assert (live["run_id"], live["status"], live["answer"]) == (new_run, "answered", "3+3")
     await _forget_and_rebuild(client, engine, episode_id)
     rebuilt = episode_row(engine, episode_id)
-    assert (rebuilt["run_id"], rebuilt["status"], rebuilt["answer"]) == (new_run, "completed", "3+3")
+    assert (rebuilt["run_id"], rebuilt["status"], rebuilt["answer"]) == (new_run, "answered", "3+3")
     assert len(reset_events(engine, episode_id)) == 1
 
     # The CLI: show reads the reset run (not the stored timeline of the old one), export
@@ -198,7 +198,7 @@ async def test_a_reset_episode_with_children_reads_as_its_reset_run(
     out = drlm(session_dir, temporal_address, "list", "--json", "--limit", "1000")
     assert out.returncode == 0, out.stderr
     (listed,) = [r for r in map(json.loads, out.stdout.splitlines()) if r["episode_id"] == episode_id]
-    assert (listed["run_id"], listed["status"], listed["answer"]) == (new_run, "completed", "3+3")
+    assert (listed["run_id"], listed["status"], listed["answer"]) == (new_run, "answered", "3+3")
 
 
 async def _forget_and_rebuild(client: Client, engine: sa.Engine, episode_id: str) -> None:
@@ -259,6 +259,6 @@ async def test_the_rows_of_steps_a_reset_abandoned_go_even_when_the_reset_run_en
     assert (episode_id, 2) not in settled["audit_cells"]
     assert len(reset_events(engine, episode_id)) == 1
     row = episode_row(engine, episode_id)
-    assert (row["answer"], row["iterations"], row["status"]) == ("short", 2, "completed")
+    assert (row["answer"], row["iterations"], row["status"]) == ("short", 2, "answered")
     await _forget_and_rebuild(client, engine, episode_id)
     assert audit_keys(engine, episode_id) == settled

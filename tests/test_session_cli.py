@@ -40,7 +40,7 @@ def test_show_and_list_give_a_session_of_three_turns(scripted, tmp_path: Path) -
     assert shown.stdout.startswith(f"Session {session_id}: completed, {TURNS} turn(s), model gpt-x")
     assert "Ended by: closed" in shown.stdout
     for k, turn_id in enumerate(turn_ids):
-        block = shown.stdout.split(f"=== turn {k}: {turn_id} (completed) ===")[1].split("=== turn")[0]
+        block = shown.stdout.split(f"=== turn {k}: {turn_id} (answered) ===")[1].split("=== turn")[0]
         assert f"Task: Session step {k}" in block
         assert f"Answer: {expected(k)}\n" in block
         assert "2 iteration(s), 2 model call(s)" in block and "ended by final_var" in block
@@ -83,7 +83,7 @@ def test_show_and_list_give_a_session_of_three_turns(scripted, tmp_path: Path) -
     session_lines = [line for line in lines if line.startswith(session_id)]
     assert len(session_lines) == 1, listing.stdout
     assert f"{session_id} (session, {TURNS} turns)" in session_lines[0]
-    assert f"turn {TURNS - 1} completed: 'Session step {TURNS - 1}" in session_lines[0]
+    assert f"turn {TURNS - 1} answered: 'Session step {TURNS - 1}" in session_lines[0]
     assert session_lines[0].endswith(f"-> {expected(TURNS - 1)}")
     assert not any(turn_id in listing.stdout for turn_id in turn_ids)
     assert any(line.startswith(lonely) for line in lines)

@@ -422,7 +422,7 @@ async def test_forty_episodes_survive_workers_server_and_store_failing_around_th
         for n, got in enumerate(results):
             if isinstance(got, BaseException):
                 problems.append(f"episode {n} ({ids[n]}) failed: {got!r}")
-            elif (got.answer, got.status) != (expected(n), "completed"):
+            elif (got.answer, got.status) != (expected(n), "answered"):
                 problems.append(
                     f"episode {n} ({ids[n]}): answer {got.answer!r} status {got.status} "
                     f"ended_by {got.ended_by}, wanted {expected(n)!r}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -211,3 +212,32 @@ def test_processes_opening_a_new_store_at_once_take_turns_migrating(tmp_path: Pa
     with engine.connect() as conn:
         tables = set(sa.inspect(conn).get_table_names())
     assert {"blobs", "episodes", "episode_timelines"} <= tables
+
+
+def test_the_head_revision_read_from_the_files_is_alembic_s() -> None:
+    from alembic.script import ScriptDirectory
+
+    from durable_rlm.store.sql import MIGRATIONS_DIR, alembic_config, head_revision
+
+    config = alembic_config(create_engine("sqlite://"))
+    assert config.get_main_option("script_location") == str(MIGRATIONS_DIR)
+    assert [head_revision()] == ScriptDirectory.from_config(config).get_heads()
+
+
+def test_a_store_at_the_newest_revision_opens_without_alembic(tmp_path: Path) -> None:
+    """A one-off program pays for alembic only when the schema must change."""
+    from durable_rlm.store.sql import head_revision
+
+    url = f"sqlite:///{tmp_path / 'drlm.sqlite'}"
+    open_store(url)  # new: migrated
+    code = (
+        "import sys\nfrom durable_rlm.store.sql import open_store\n"
+        f"open_store({url!r})\nprint('alembic' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    downgrade(create_engine(url), "-1")  # one migration behind: alembic brings it up
+    open_store(url)
+    with create_engine(url).connect() as connection:
+        recorded = connection.execute(sa.text("SELECT version_num FROM alembic_version")).scalar()
+    assert recorded == head_revision()

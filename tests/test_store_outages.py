@@ -143,7 +143,7 @@ async def test_a_full_disk_under_the_sql_store_is_waited_out(
         assert (await handle.describe()).status.name == "RUNNING"
         filled[0].unlink()  # the operator frees the disk
         result = await asyncio.wait_for(handle.result(), 120)
-    assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "completed")
+    assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "answered")
     assert result.lost_cells == 0 and result.failure_cause is None
 
 
@@ -195,7 +195,7 @@ async def test_the_closing_row_waits_for_the_audit_store(client, session_dir, sc
         row = conn.execute(
             sa.select(schema.episodes).where(schema.episodes.c.episode_id == episode_id)
         ).first()
-    assert row is not None and (row.status, row.answer) == ("completed", "forty-two")
+    assert row is not None and (row.status, row.answer) == ("answered", "forty-two")
 
 
 async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, session_dir, scripted) -> None:
@@ -220,7 +220,7 @@ async def test_a_worker_settles_rows_left_running_as_it_starts(client, store, se
             if row.status != "running":
                 break
             await asyncio.sleep(0.1)
-    assert (row.status, row.answer) == ("completed", "done")
+    assert (row.status, row.answer) == ("answered", "done")
 
 
 @pytest.mark.slow
@@ -265,7 +265,7 @@ async def test_postgresql_stopped_for_25_s_mid_episode_is_waited_out(client, ses
             cluster.start()
             result = await asyncio.wait_for(handle.result(), 120)
         assert any(p.startswith("waiting for the store: ") for p in phases), sorted(set(phases))
-        assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "completed")
+        assert (result.answer, result.ended_by, result.status) == ("SHOUT", "final_var", "answered")
         assert result.lost_cells == 0
     finally:
         cluster.remove()
@@ -302,7 +302,7 @@ async def test_a_full_disk_during_a_cell_loses_no_cell(client, session_dir, scri
         assert phase.startswith("waiting for the store: "), phase
         filled[0].unlink()
         result = await asyncio.wait_for(handle.result(), 120)
-    assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "completed")
+    assert (result.answer, result.lost_cells, result.status) == ("SHOUT!", 0, "answered")
 
 
 @pytest.mark.chaos

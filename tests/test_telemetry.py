@@ -346,7 +346,7 @@ async def test_metrics_count_calls_tokens_and_the_episode_outcome(
     (ended,) = traced.points("drlm.episodes")
     assert (ended.value, dict(ended.attributes)) == (
         1,
-        {"drlm.status": "completed", "drlm.ended_by": result.ended_by},
+        {"drlm.status": "answered", "drlm.ended_by": result.ended_by},
     )
     (iterations,) = traced.points("drlm.episode.iterations")
     assert (iterations.count, iterations.sum) == (1, result.iterations)

@@ -64,7 +64,7 @@ async def test_tool_failures_are_errors_the_cell_can_catch(client, scripted, wor
         "```repl\n"
         "for label, thunk in [('broken', lambda: broken(3)), ('hangs', hangs), ('not_json', not_json),\n"
         "                     ('ghost', ghost), ('args', lambda: lookup_price()),\n"
-        "                     ('json_arg', lambda: lookup_price({1}))]:\n"
+        "                     ('odd_arg', lambda: lookup_price(object()))]:\n"
         "    try:\n        thunk()\n    except (ToolError, TypeError) as e:\n"
         "        print(label, type(e).__name__, e)\n"
         "print('price', lookup_price('gadget'))\n"
@@ -85,7 +85,8 @@ async def test_tool_failures_are_errors_the_cell_can_catch(client, scripted, wor
     assert "cause ValueError('no luck with 4')" in output  # the tool's own exception, kept
     assert "ghost ToolError ghost failed: tool 'ghost' is not registered on this worker" in output
     assert "args TypeError missing a required argument: 'item'" in output
-    assert "json_arg TypeError lookup_price: arguments must be JSON values" in output
+    # An argument outside the closed set the worker decodes is refused in the cell.
+    assert "odd_arg TypeError lookup_price: a object cannot be sent; the values that can: None," in output
     assert "price 40.0" in output
 
 

@@ -161,7 +161,7 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
 
     # Listed by model and status, with how it ended.
     (row,) = await listed(
-        ui_client, f'DrlmModel = "scripted" AND DrlmStatus = "completed" AND WorkflowId = "{episode_id}"'
+        ui_client, f'DrlmModel = "scripted" AND DrlmStatus = "answered" AND WorkflowId = "{episode_id}"'
     )
     attrs = row.typed_search_attributes
     assert attrs.get(metadata.TASK) == TASK
@@ -184,7 +184,7 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
         "root call 2",  # the same call, after retry_credentials
         "llm_query 2.0: Describe: alpha beta gamma",
         "root call 3",
-        "audit: completed",
+        "audit: answered",
     ]
     local = [
         summary_of(e, converter)
@@ -211,9 +211,9 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
     # The memo, and the attributes: upserted when it paused, resumed and ended, not each iteration.
     memo = await (await handle.describe()).memo()
     assert memo == {"task": TASK, "model": "scripted", "depth": 0}
-    assert [u["DrlmStatus"] for u in upserted(events)] == ["paused", "running", "completed"]
+    assert [u["DrlmStatus"] for u in upserted(events)] == ["paused", "running", "answered"]
     assert upserted(events)[-1] == {
-        "DrlmStatus": "completed",
+        "DrlmStatus": "answered",
         "DrlmIterations": 3,
         "DrlmTokens": result.usage.total_tokens,
         "DrlmEndedBy": "final_var",
@@ -221,7 +221,7 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
     }
     # The UI's "current details" (a query: no history).
     meta = await handle.query("__temporal_workflow_metadata", result_type=WorkflowMetadata)
-    assert meta.current_details == "iteration 3: ended: final_var"
+    assert meta.current_details == "iteration 3: ended: answered (final_var)"
 
     # The child: its memo names its prompt and parent; it is listed under its own model.
     child_id = f"{episode_id}/2.1"
@@ -233,7 +233,7 @@ async def test_an_episode_reads_like_itself_in_the_ui(ui_client, ui_queue, blobs
         "model": "child-m",
     }
     (child_row,) = await listed(ui_client, f'DrlmModel = "child-m" AND WorkflowId = "{child_id}"')
-    assert child_row.typed_search_attributes.get(metadata.STATUS) == "completed"
+    assert child_row.typed_search_attributes.get(metadata.STATUS) == "answered"
     assert child_row.typed_search_attributes.get(metadata.TASK) == "1,2,3"
     assert child_row.typed_search_attributes.get(metadata.ITERATIONS) == 2
 
@@ -309,7 +309,7 @@ def test_the_stored_ui_history_upserts_the_memo_and_the_attributes() -> None:
         .get("searchAttributes", {})
         .get("indexedFields", {})
     ]
-    assert len(statuses) == 3  # paused, running, completed
+    assert len(statuses) == 3  # paused, running, answered
     child = _stored("ui_metadata_child")
     assert "EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED" in [e["eventType"] for e in child]
 

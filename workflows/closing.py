@@ -32,6 +32,7 @@ with workflow.unsafe.imports_passed_through():
         ExtractionInput,
         ExtractionReply,
         ReplState,
+        ending_words,
     )
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.retries import describe_failure, model_step_options, raise_if_cancelled
@@ -162,7 +163,10 @@ class Closing:
         result = self.result(ending)
         display = self.ctx.display
         self.ctx.stop.finished = True
-        display.set_phase(f"ended: {result.ended_by}")
+        words = ending_words(result.status)  # the vocabulary of endings, what ended it beside
+        display.set_phase(
+            f"ended: {words}" + ("" if result.ended_by == result.status else f" ({result.ended_by})")
+        )
         display.show(result.status, result.ended_by, result.answer_source)
         await self.repl.close()
         await self.audit(result.status, result)
@@ -172,7 +176,7 @@ class Closing:
         """An episode that ends without a result still closes its sandbox and its audit row."""
         display = self.ctx.display
         self.ctx.stop.finished = True
-        display.set_phase(f"ended: {status}")
+        display.set_phase(f"ended: {ending_words(status)}")
         display.show(status)
         await self.repl.close()
         await self.audit(status, error=error)

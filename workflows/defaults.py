@@ -186,6 +186,18 @@ SANDBOX_MEMORY_MB = 4_096
 SANDBOX_FILE_MB = 256
 """Address space and largest file of a sandbox: room for a large context and its copies."""
 
+SANDBOX_FILES_MB = 1_024
+"""A sandbox's own directory, a tmpfs of this size in its mount namespace: what its cells
+write is bounded there (a cell once wrote 1 GB to the host's /tmp in 3 s), and its pages
+count against the sandbox's memory (SANDBOX_MEMORY_MB), never the host's disk."""
+
+SNAPSHOT_EPISODE_MB = 1_024
+"""Snapshot bytes one episode keeps in the store: its newest snapshots that fit, the older
+ones deleted as newer ones need the room (a cell making 240 MB of variables once added 240
+MB to the store each time, 720 MB in 20 s). The newest two are always kept (a step retried
+after a crash restarts from the one before the newest), so one snapshot larger than what
+the one before it leaves of this is not taken: a rebuild re-runs the cells after the last."""
+
 SANDBOX_CPU_S = 3_600
 SANDBOX_PROCESSES = 64
 """CPU seconds over a sandbox's whole life (RLIMIT_CPU: a thread left spinning after its cell
@@ -234,6 +246,14 @@ SANDBOX_IN_FLIGHT_BYTES = 64 * 1024 * 1024
 frame being read included), whatever their number; also the largest frame. Past it the
 worker stops reading and the sandbox blocks on its pipe: N hostile sandboxes cost at most
 N x this, not what they write."""
+
+SANDBOX_FRAME_VALUES = 400_000
+SANDBOX_FRAME_DEPTH = 100
+"""Values (containers, keys, scalars) and nesting of one frame from a sandbox, counted on its
+bytes before any object is built (activities/sandbox/values.py): bytes alone do not bound
+what JSON builds (a 60 MB frame of `[{},{},...]` is 20 million objects, 3.2 GB); this many
+are ~30 MB at most. An honest frame's largest part is a SUBMIT of at most
+SANDBOX_FIELD_CHARS as the sandbox writes it (", " between values): ~333,000 values."""
 
 SNAPSHOT_MAX_MB = 512
 """Largest REPL snapshot the worker reads from a sandbox (compressed). A namespace past it is

@@ -318,6 +318,10 @@ class EpisodeWorkflow:
                 s.pending.append(failed)  # the model reads why in its first turn
         while True:
             stop.halt_if_stopping()
+            if stop.cancel is not None:
+                # A cancel taken at this boundary: no iteration begins after it (`_episode`
+                # stops the loop here), so the result counts only iterations that began.
+                await stop.until(lambda: False)
             asked = await self._gate.checkpoint()
             if asked is not None:
                 return asked

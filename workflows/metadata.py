@@ -45,7 +45,8 @@ ITERATIONS = SearchAttributeKey.for_int("DrlmIterations")
 TOKENS = SearchAttributeKey.for_int("DrlmTokens")  # with its children's, as EpisodeResult.usage
 
 # --- DrlmStatus: the values the workflow writes, defined once ------------------------------
-# An ended episode's is its EpisodeStatus (completed, failed, cancelled). `drlm pending`
+# An ended episode's is its ending (workflows/models.py ENDINGS: answered, extracted,
+# no_answer, failed, cancelled), the word the CLI and the audit store use. `drlm pending`
 # (durable_rlm/client/steering.py) asks only the episodes whose status says a cell may wait.
 
 RUNNING: Final = "running"

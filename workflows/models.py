@@ -95,12 +95,31 @@ class ModelSettings(StrictModel):
 
 
 class ContextRef(StrictModel):
-    """The episode's context, stored once in the blob store before the episode starts."""
+    """The episode's context, stored once in the blob store before the episode starts:
+    text (a `str`), a JSON value, or documents (an index blob naming one blob per document,
+    loaded by the sandbox when code touches it)."""
 
+    digest: str
+    kind: Literal["text", "json", "documents"] = "text"
+    size: int = Field(ge=0, description="characters (of all documents, for documents)")
+    type_name: str = "str"
+    stored_bytes: int = Field(default=0, ge=0, description="UTF-8 bytes stored; 0: not recorded")
+    char_width: int = Field(default=1, ge=1, le=4, description="bytes per character of the `str`")
+    documents: int = Field(default=0, ge=0, description="how many, for documents")
+    view: Literal["str", "mapped"] = Field(
+        default="str", description="text only: a `str`, or a read-only view of the worker's copy (ASCII)"
+    )
+
+
+class DocumentRef(StrictModel):
+    """One document of a documents context, as its index lists it."""
+
+    name: str
     digest: str
     kind: Literal["text", "json"] = "text"
     size: int = Field(ge=0)
-    type_name: str = "str"
+    stored_bytes: int = Field(default=0, ge=0)
+    char_width: int = Field(default=1, ge=1, le=4)
 
 
 class EpisodeLimits(StrictModel):
@@ -178,6 +197,13 @@ class SnapshotPolicy(StrictModel):
         default=True,
         description="snapshot after a cell that read the clock or OS randomness, so a rebuild "
         "restores the values the model saw instead of drawing new ones",
+    )
+    max_mb: int = Field(
+        default=defaults.SNAPSHOT_EPISODE_MB,
+        ge=1,
+        description="snapshot megabytes the episode keeps in the store: the newest that fit, "
+        "older ones deleted (the newest two always kept, so a snapshot larger than the one "
+        "before it leaves room for is not taken, and the timeline says so)",
     )
 
 
@@ -601,13 +627,9 @@ class EpisodeResult(StrictModel):
 
     @property
     def status(self) -> EpisodeStatus:
-        """How the audit store and the CLI name an episode that ended with this result: an
-        episode that a failure ended without an answer has failed, whatever recorded it."""
-        if self.ended_by == "cancelled":
-            return "cancelled"
-        if self.ended_by in FAILURE_ENDINGS and self.answer is None:
-            return "failed"
-        return "completed"
+        """How the episode ended, in the one vocabulary of endings (`ENDINGS`): the CLI, the
+        API, the audit store, the page and the `DrlmStatus` search attribute all say this."""
+        return ending_of_result(self.ended_by, self.answer, self.answer_source)
 
 
 class EpisodeProgress(StrictModel):
@@ -923,6 +945,7 @@ class CellOutcome(StrictModel):
         default=None, description="which step this answers; set by local steps, whose input is not in history"
     )
     snapshot: SnapshotRef | None = Field(default=None, description="taken after this cell")
+    snapshot_note: str | None = Field(default=None, description="why no snapshot was taken when one was due")
     rebuild: RebuildReport | None = None
     started_at: datetime | None = Field(default=None, description="when this step began (audit)")
     ended_at: datetime | None = None
@@ -1157,7 +1180,39 @@ class SteeringReceipt(StrictModel):
 # --- audit ------------------------------------------------------------------------------------
 
 
-EpisodeStatus = Literal["running", "completed", "failed", "cancelled", "terminated", "timed_out"]
+EpisodeStatus = Literal[
+    "running", "answered", "extracted", "no_answer", "failed", "cancelled", "terminated", "timed_out"
+]
+ENDINGS: tuple[EpisodeStatus, ...] = (
+    "answered",
+    "extracted",
+    "no_answer",
+    "failed",
+    "cancelled",
+    "terminated",
+    "timed_out",
+)
+"""How an episode ended, one word for each way, the same everywhere: the model (or a
+policy) answered; a limit came first and the answer was extracted; it ended with no answer
+(a limit, a policy, an extraction that found none); a failure ended it; a person cancelled
+it; Temporal terminated it; it passed its execution timeout. Never "completed": Temporal's
+own word for a workflow that returned, whatever it returned."""
+LEGACY_COMPLETED = "completed"
+"""The word rows and histories of earlier versions used for the first three endings."""
+
+
+def ending_of_result(ended_by: str, answer: str | None, answer_source: str) -> EpisodeStatus:
+    """The ending of an episode that returned a result (`EpisodeResult.status`)."""
+    if ended_by == "cancelled":
+        return "cancelled"
+    if answer is None:
+        return "failed" if ended_by in FAILURE_ENDINGS else "no_answer"
+    return "extracted" if answer_source == "extraction" else "answered"
+
+
+def ending_words(status: str) -> str:
+    """An ending as a person reads it: `no answer`, `timed out`."""
+    return status.replace("_", " ")
 
 
 class AuditEvent(StrictModel):
@@ -1190,6 +1245,23 @@ class AuditEpisodeInput(StrictModel):
     events: list[AuditEvent] = Field(default_factory=list)
     forked_from: str | None = None
     forked_at: int | None = Field(default=None, description="the source's last inherited iteration")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_status(cls, data: Any) -> Any:
+        """A row an earlier version wrote said "completed" for any result: read it as the
+        ending its result had (audit-rebuild of old histories)."""
+        if isinstance(data, dict) and data.get("status") == LEGACY_COMPLETED:
+            result = data.get("result")
+            if isinstance(result, EpisodeResult):
+                ending = result.status
+            elif isinstance(result, dict):
+                source = str(result.get("answer_source", "none"))
+                ending = ending_of_result(str(result.get("ended_by")), result.get("answer"), source)
+            else:
+                ending = "no_answer"
+            data = {**data, "status": ending}
+        return data
 
     @classmethod
     def of(

@@ -86,3 +86,10 @@ SESSION_STATE = "session"  # query: the session's turns and REPL
 def turn_episode_id(session_id: str, turn: int) -> str:
     """The id of a session's turn `turn` (0-based): the CLI finds a session's turns by it."""
     return f"{session_id}-turn{turn}"
+
+
+# Retention (durable_rlm/audit/gc.py): a Temporal Schedule starts GC_WORKFLOW, which runs one
+# COLLECT_GARBAGE activity on any worker.
+GC_WORKFLOW = "DrlmBlobRetention"
+COLLECT_GARBAGE = "drlm.collect_garbage"
+GC_SCHEDULE_ID = "drlm-blob-retention"

@@ -103,12 +103,16 @@ def find_code_blocks(
 
 
 def inline_code_blocks(
-    text: str | None, fences: tuple[str, ...] | list[str] = ("repl",), limit: int | None = None
+    text: str | None,
+    fences: tuple[str, ...] | list[str] = ("repl",),
+    limit: int | None = None,
+    keep_empty: bool = False,
 ) -> list[str]:
     """Code blocks as rlms 0.1.3 finds them (its regex ```repl\\s*\\n(.*?)\\n```): "```repl",
     blanks through the last newline among them, the code up to the next newline followed by
     ```, anywhere in the text (an opening fence need not start its line: "Here: ```repl"),
-    the code stripped; empty blocks are left out. Linear, where the regex is not: a search
+    the code stripped; empty blocks are left out (`keep_empty`: kept, as rlms's own parser
+    keeps them). Linear, where the regex is not: a search
     for the closing "\\n```" that fails ends the scan, since any later opener would search
     the same tail."""
     body = text or ""
@@ -130,11 +134,13 @@ def inline_code_blocks(
             # The regex's last resort: an earlier newline of the blanks closes an empty block.
             earlier = blanks.rfind("\n", 0, last)
             if earlier >= 0 and body.startswith("```", code_start):
+                if keep_empty:
+                    found.append("")
                 position = code_start + 3
                 continue
             break
         code = body[code_start:end].strip()
-        if code:
+        if code or keep_empty:
             found.append(code)
         position = end + 4
     return found

@@ -112,6 +112,16 @@ MISSING_VAR_TURN = (
 def describe_context(context: ContextRef | None) -> str:
     if context is None:
         return "None (this query has no separate context)."
+    if context.kind == "documents":
+        return (
+            f"a list of {context.documents:,} documents (strings, or for .json files their values), "
+            f"{context.size:,} characters in all; `context.names` lists their file names."
+        )
+    if context.view == "mapped":
+        return (
+            f"a read-only view of {context.size:,} characters of ASCII text, too large to copy: "
+            "slices, find, count and `context.lines()` give strings; `str(context)` would copy all of it."
+        )
     return f"a {context.type_name} of {context.size:,} characters."
 
 

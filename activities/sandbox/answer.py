@@ -55,33 +55,32 @@ def end_cell(namespace: dict[str, Any], rlms: bool = False) -> str | None:
     model's own variable (`answer = 6 * 7`, then `FINAL_VAR(answer)`), kept as it is; in an
     rlms program (`rlms`) it is replaced by an empty AnswerDict, as rlms 0.1.3 puts its
     scaffold back after each cell."""
-    current = namespace.get("answer")
-    if not isinstance(current, AnswerDict) and (
-        rlms or isinstance(current, dict) or "answer" not in namespace
-    ):
-        replacement = AnswerDict()
-        if isinstance(current, dict):
-            dict.update(replacement, current)
-            if current.get("ready") and _SET[0] is None:
-                _SET[0] = _text(current.get("content", ""))
-        namespace["answer"] = replacement
+    rebound = _wrap(namespace, rlms)
+    if isinstance(rebound, dict) and rebound.get("ready") and _SET[0] is None:
+        _SET[0] = _text(rebound.get("content", ""))
     answer, _SET[0] = _SET[0], None
     return answer
 
 
 def rewrap(namespace: dict[str, Any], rlms: bool = False) -> None:
-    """After a snapshot was loaded: `answer` an AnswerDict if the snapshot held a dict there
-    (older snapshots hold a plain one), or anything in an rlms program (as `end_cell`);
-    nothing it holds counts as set."""
+    """After a snapshot was loaded: `answer` an AnswerDict as `end_cell` leaves it (older
+    snapshots hold a plain dict); nothing it holds counts as set."""
+    _wrap(namespace, rlms)
+    _SET[0] = None
+
+
+def _wrap(namespace: dict[str, Any], rlms: bool) -> Any:
+    """Bind `answer` to an AnswerDict again where it must be one; the value it replaced."""
     current = namespace.get("answer")
-    if not isinstance(current, AnswerDict) and (
+    if isinstance(current, AnswerDict) or not (
         rlms or isinstance(current, dict) or "answer" not in namespace
     ):
-        replacement = AnswerDict()
-        if isinstance(current, dict):
-            dict.update(replacement, current)
-        namespace["answer"] = replacement
-    _SET[0] = None
+        return None
+    replacement = AnswerDict()
+    if isinstance(current, dict):
+        dict.update(replacement, current)
+    namespace["answer"] = replacement
+    return current
 
 
 def _text(value: Any) -> str:

@@ -53,6 +53,7 @@ _load_siblings()
 framing = _sibling("framing")
 layers = _sibling("layers")
 session = _sibling("session")
+contexts = _sibling("contexts")
 rebuild = _sibling("rebuild")
 
 
@@ -71,9 +72,12 @@ def serve(parent_pid: int, sandbox_dir: str) -> NoReturn:
         os._exit(2)
     repl = session.Session(channel_in, channel_out)
     try:
+        # The worker's cached context is opened first: once the layers are in place its
+        # files are out of reach (contexts.py). No code of the model has run yet.
+        context_fd = contexts.open_context(init)
         started = layers.start_layers(init, parent_pid, sandbox_dir)
-        repl.init(init)
-    except (layers.LayerError, OSError) as exc:
+        repl.init(init, context_fd)
+    except (layers.LayerError, OSError, ValueError, MemoryError) as exc:
         framing.write_frame(channel_out, {"op": "failed", "error": f"{type(exc).__name__}: {exc}"})
         os._exit(4)
     framing.write_frame(

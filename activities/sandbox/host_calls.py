@@ -18,6 +18,7 @@ import pickle
 import signal
 from typing import Any, BinaryIO
 
+from . import values
 from .framing import HEADER, encode_frame, numbered, read_frame
 from .volatile import WALL
 
@@ -105,9 +106,11 @@ class HostCalls:
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)  # TypeError, as a real call would raise
             try:
-                payload = json.dumps({"args": list(bound.args), "kwargs": bound.kwargs})
+                # What the worker decodes without unpickling: JSON values, and the other types
+                # rlms's in-process tools take (tuple, set, bytes, date, Decimal, ...).
+                payload = values.dumps({"args": list(bound.args), "kwargs": bound.kwargs})
             except (TypeError, ValueError) as exc:
-                raise TypeError(f"{name}: arguments must be JSON values ({exc})") from None
+                raise TypeError(f"{name}: {exc}") from None
             answer = self.call(f"tool:{name}", [payload])[0]
             text = str(answer["text"])
             if not answer["ok"]:

@@ -43,9 +43,18 @@ ROOT_DIR = ".drlm-root"
 """The empty directory in the sandbox's own directory where its root filesystem is built (a
 tmpfs); after the pivot it is an empty directory again, and is removed."""
 
+HOST_FILES = "/.drlm-host"
+"""Where, in the private root, the host's side of the sandbox directory is seen read-only:
+the files the host writes for the sandbox (the context, a snapshot to restore), which the
+sandbox's own directory, a tmpfs, no longer shows."""
+
 TMP_SIZE = "size=64m,mode=1777"
 SHM_SIZE = "size=16m,mode=1777"
 DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+CONTEXT_FILES = ("context.txt", "context.json")
+OWN_TMPFS = "own directory a tmpfs"
+"""Said in the filesystem layer's report when the own directory is a tmpfs: the host then
+reads the sandbox's files through /proc/PID/root (activities/live_sandbox.py)."""
 
 
 class KernelLayerError(OSError):
@@ -137,10 +146,18 @@ def _make_target(root: str, path: str, is_dir: bool) -> str:
     return target
 
 
-def isolate_filesystem(libc: Any, sandbox_dir: str, sources: Iterable[str]) -> str:
+def isolate_filesystem(
+    libc: Any, sandbox_dir: str, sources: Iterable[str], dir_mb: int | None = None, uid: int | None = None
+) -> str:
     """Enter a private mount namespace whose root holds only `sources` (read-only), the
     sandbox's own directory (read-write, at its own path), four devices, and a private /tmp
-    and /dev/shm. Needs CAP_SYS_ADMIN (root, or a user namespace of our own)."""
+    and /dev/shm. Needs CAP_SYS_ADMIN (root, or a user namespace of our own).
+
+    With `dir_mb`, the own directory is a tmpfs of that size (owned by `uid`, when given)
+    instead of the host's directory: what cells write is bounded there, and its pages count
+    against the sandbox's memory cgroup, never the host's disk. The host's directory is then
+    seen read-only at HOST_FILES (and its context file in the own directory, read-only); the
+    host reads what the sandbox writes through the sandbox's own view, /proc/PID/root."""
     mounts = Mounts(libc)
     _check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     mounts.mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing leaks back to the host
@@ -164,8 +181,18 @@ def isolate_filesystem(libc: Any, sandbox_dir: str, sources: Iterable[str]) -> s
     mounts.mount("tmpfs", _make_target(root, "/tmp", True), "tmpfs", MS_NOSUID | MS_NODEV, TMP_SIZE)
     mounts.mount("tmpfs", _make_target(root, "/dev/shm", True), "tmpfs", MS_NOSUID | MS_NODEV, SHM_SIZE)
     # The sandbox's own directory last, so a source above it cannot cover it.
-    mounts.mount(sandbox_dir, _make_target(root, sandbox_dir, True), None, MS_BIND, None)
-    mounts.mount(None, root + sandbox_dir, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV, None)
+    own = _make_target(root, sandbox_dir, True)
+    if dir_mb is None:
+        mounts.mount(sandbox_dir, own, None, MS_BIND, None)
+        mounts.mount(None, own, None, MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV, None)
+    else:
+        mounts.bind(sandbox_dir, _make_target(root, HOST_FILES, True), writable=False)
+        owner = "" if uid is None else f",uid={uid},gid={uid}"
+        mounts.mount("tmpfs", own, "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(dir_mb)}m,mode=0700{owner}")
+        for name in CONTEXT_FILES:  # where cells have always found it, read-only
+            source = os.path.join(sandbox_dir, name)
+            if os.path.isfile(source):
+                mounts.bind(source, _make_target(own, "/" + name, False), writable=False)
     old = os.path.join(root, ".old")
     os.mkdir(old)
     libc.syscall.restype = ctypes.c_long
@@ -180,6 +207,8 @@ def isolate_filesystem(libc: Any, sandbox_dir: str, sources: Iterable[str]) -> s
     except OSError:
         pass
     shown = "private root: Python and system libraries read-only, own directory, private /tmp"
+    if dir_mb is not None:
+        shown += f"; {OWN_TMPFS} of {int(dir_mb)} MB"
     return shown + (f" (unreadable, left out: {', '.join(unreachable)})" if unreachable else "")
 
 
@@ -231,7 +260,7 @@ def private_ipc_and_pids(libc: Any) -> str:
     return "ipc+pid" if SANDBOX_NAMESPACES & CLONE_NEWPID else "ipc"
 
 
-def become_pid_one(libc: Any) -> None:
+def become_pid_one(libc: Any, host_reads: bool = False) -> None:
     """Fork into the PID namespace `private_ipc_and_pids` made: the child returns, as its
     PID 1, and runs the REPL; this process stays outside, waits for it and exits as it did.
 
@@ -240,11 +269,19 @@ def become_pid_one(libc: Any) -> None:
     left in the namespace: nothing a cell started outlives its sandbox. The host keeps this
     process's pid: the parent it knows, its process group (which the REPL shares), its exit
     code. Killing this process kills the REPL (its parent-death signal), hence the whole
-    namespace."""
+    namespace.
+
+    `host_reads`: the keeper lets its host (a worker of its own uid, not root) read the
+    sandbox's files through /proc/PID/root (its tmpfs shows nowhere else): a process whose uid
+    changed, or that entered a user namespace, is not "dumpable", and /proc leaves it to
+    root. Only processes of that uid outside the sandbox can name the keeper; the REPL, in
+    its own PID namespace, cannot."""
     alive_r, alive_w = os.pipe()  # the REPL sees EOF on it once its keeper is gone
     pid = os.fork()
     if pid != 0:
         os.close(alive_r)
+        if host_reads:
+            libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, this process only (the REPL stays not)
         _keep(pid, alive_w)
     os.close(alive_w)
     _check(libc.prctl(1, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")  # SIGKILL; a fork cleared it

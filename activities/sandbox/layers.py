@@ -184,7 +184,8 @@ OPEN_FILES = 256
 
 def readable_roots(sandbox_dir: str) -> tuple[str, ...]:
     """What the audit hook lets a cell read: the Python installation, time zones, locales,
-    three devices and the sandbox's own directory."""
+    three devices, the sandbox's own directory, and the host's side of it (read-only, where
+    its own directory is a tmpfs: the files the host wrote for it)."""
     paths = sysconfig.get_paths()
     roots = {paths.get(key, "") for key in ("stdlib", "platstdlib", "purelib", "platlib")}
     roots |= {
@@ -196,6 +197,7 @@ def readable_roots(sandbox_dir: str) -> tuple[str, ...]:
         "/dev/urandom",
         "/dev/zero",
         sandbox_dir,
+        kernel.HOST_FILES,
     }
     return tuple(sorted(os.path.normpath(r) for r in roots if r))
 
@@ -296,10 +298,12 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
     except OSError as exc:
         raise LayerError(f"cannot limit the sandbox's cgroup: {exc}") from exc
     layers["cgroup"] = whole or "none (the host placed it in no cgroup of its own)"
+    dir_mb = int(init["dir_mb"]) if init.get("dir_mb") else None  # the own directory's tmpfs
     if root and init.get("namespaces") != "user" and libc.unshare(kernel.CLONE_NEWNET) == 0:
         layers["network"] = "netns"
         layers["ipc_pid"] = _ipc_and_pids(libc)
-        layers["filesystem"] = _filesystem(libc, sandbox_dir, sources, filesystem)
+        # Made as root, so its tmpfs is given to the uid the sandbox becomes next.
+        layers["filesystem"] = _filesystem(libc, sandbox_dir, sources, filesystem, dir_mb, uid)
         layers["uid"] = set_ids(uid)
     else:
         if root:
@@ -313,7 +317,7 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
                 raise OSError("unshare(CLONE_NEWNET) refused")
             layers["network"] = "userns+netns"
             layers["ipc_pid"] = _ipc_and_pids(libc)
-            layers["filesystem"] = _filesystem(libc, sandbox_dir, sources, filesystem)
+            layers["filesystem"] = _filesystem(libc, sandbox_dir, sources, filesystem, dir_mb, None)
             kernel.drop_capabilities(libc)
         except OSError as exc:
             layers.setdefault("network", "none")
@@ -333,7 +337,7 @@ def start_layers(init: dict[str, Any], parent_pid: int, sandbox_dir: str) -> dic
         raise LayerError(f"cannot install the seccomp filter: {exc}") from exc
     if layers["ipc_pid"] == "ipc+pid":
         # Last of the kernel layers, so the keeper left outside holds every one of them too.
-        kernel.become_pid_one(libc)
+        kernel.become_pid_one(libc, host_reads=not root)  # a worker of its own uid reads its files
         _OWN_UID[0] = True  # kill(-1) now reaches the namespace's processes only: strays can be swept
     os.chdir(sandbox_dir)
     forget_libc()  # model code finds no libc handle lying around (it is refused anyway)
@@ -352,10 +356,12 @@ def _ipc_and_pids(libc: Any) -> str:
         return f"none ({exc})"
 
 
-def _filesystem(libc: Any, sandbox_dir: str, sources: list[str], wanted: bool) -> str:
+def _filesystem(
+    libc: Any, sandbox_dir: str, sources: list[str], wanted: bool, dir_mb: int | None, uid: int | None
+) -> str:
     if not wanted:
         return "off (asked)"
     try:
-        return kernel.isolate_filesystem(libc, sandbox_dir, sources)
+        return kernel.isolate_filesystem(libc, sandbox_dir, sources, dir_mb, uid)
     except OSError as exc:
         raise LayerError(f"cannot make the sandbox's private root: {exc}") from exc

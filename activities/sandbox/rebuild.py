@@ -17,6 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from .answer import AnswerDict, rewrap
+from .kernel import HOST_FILES
 from .session import Session
 
 
@@ -53,10 +54,18 @@ def snapshot(session: Session, message: dict[str, Any]) -> dict[str, Any]:
     return {"op": "snapshotted", **taken}
 
 
+def host_file(session: Session, name: str) -> str:
+    """A file the host wrote for the sandbox: in its own directory, or, when that is a tmpfs
+    of its own (kernel.py), where the host's side of it is seen read-only."""
+    if os.path.isdir(HOST_FILES):
+        return os.path.join(HOST_FILES, name)
+    return os.path.join(session.sandbox_dir, name)
+
+
 def restore(session: Session, message: dict[str, Any]) -> dict[str, Any]:
     """Load a snapshot, then re-run the cells that bound the names it could not hold,
     keeping only those names from each (everything else stays as the snapshot has it)."""
-    path = os.path.join(session.sandbox_dir, str(message["name"]))
+    path = host_file(session, str(message["name"]))
     try:
         # Older snapshots refer to the REPL's first `answer` as one of its own names.
         known = {**session.initial, "answer": AnswerDict()}

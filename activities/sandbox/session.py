@@ -24,6 +24,7 @@ import types
 from typing import Any, BinaryIO
 
 from . import answer as answers
+from . import contexts
 from .host_calls import HostCalls, ToolError, check_prompts, prompt_list, text_or_error
 from .layers import sweep_strays
 from .volatile import FLAGGED, WALL, volatile_source, watch_volatile_reads
@@ -189,14 +190,11 @@ class Session:
             )
         self.final = ("final_var", text_of(self.namespace[key]))
 
-    def init(self, message: dict[str, Any]) -> None:
-        """The namespace from the host's init message: the context, `random` seeded, the
-        helpers and the episode's tools, and the host's limits."""
-        context: Any = None
-        path = message.get("context_path")
-        if path:
-            with open(path, encoding="utf-8") as handle:
-                context = json.load(handle) if message.get("context_kind") == "json" else handle.read()
+    def init(self, message: dict[str, Any], context_fd: int | None = None) -> None:
+        """The namespace from the host's init message: the context (from the worker's cached
+        copy, opened before the layers: contexts.py), `random` seeded, the helpers and the
+        episode's tools, and the host's limits."""
+        context: Any = contexts.load_context(context_fd, message)
         random.seed(message.get("seed", 0))
         if message.get("variables_shown") is not None and message.get("variable_chars") is not None:
             self.variable_limits = (int(message["variables_shown"]), int(message["variable_chars"]))

@@ -26,23 +26,13 @@ from durable_rlm.audit.history import Reset, completed_steps, episode_runs, rese
 from durable_rlm.audit.readonly import ENDED
 from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.audit.timeline_store import cached_ids, store_timeline
-from durable_rlm.client.episodes import closing_error
+from durable_rlm.client.episodes import closing_error, execution_ending
 from durable_rlm.server.connection import open_stores
 from durable_rlm.settings import Settings
 from durable_rlm.store import schema
 from durable_rlm.store.codec import data_converter
 from durable_rlm.workflows import names
-from durable_rlm.workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult, EpisodeStatus
-
-_STATUS: dict[WorkflowExecutionStatus, EpisodeStatus] = {
-    WorkflowExecutionStatus.RUNNING: "running",
-    WorkflowExecutionStatus.CONTINUED_AS_NEW: "running",
-    WorkflowExecutionStatus.COMPLETED: "completed",
-    WorkflowExecutionStatus.FAILED: "failed",
-    WorkflowExecutionStatus.CANCELED: "cancelled",
-    WorkflowExecutionStatus.TERMINATED: "terminated",
-    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
-}
+from durable_rlm.workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult
 
 
 async def first_request(client: Client, episode_id: str, first_run_id: str | None = None) -> EpisodeRequest:
@@ -63,11 +53,10 @@ async def record_of(client: Client, episode_id: str, first_run_id: str | None = 
         # (its own start time is the reset's).
         first_run = (await episode_runs(client, episode_id))[0]
         first_run_id, started_at = first_run.run_id, first_run.start_time
-    status = _STATUS.get(description.status or WorkflowExecutionStatus.RUNNING, "running")
+    returned = description.status == WorkflowExecutionStatus.COMPLETED
     request = await first_request(client, episode_id, first_run_id)
-    result = await handle.result() if status == "completed" else None
-    if result is not None:
-        status = result.status  # cancelled on request: the workflow completed with a result
+    result = await handle.result() if returned else None
+    status = execution_ending(description.status, result)
     latest = client.get_workflow_handle(episode_id, run_id=description.run_id)
     first = await client.get_workflow_handle(episode_id, run_id=first_run_id).describe()
     return AuditEpisodeInput.of(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, Field
 
 from durable_rlm.audit.history import Reset, decode, episode_runs, repl_marker, reset_of
+from durable_rlm.terminal import safe
 from durable_rlm.workflows import names
 from durable_rlm.workflows.fallback import ExecutionResult
 from durable_rlm.workflows.models import (
@@ -46,7 +47,9 @@ from durable_rlm.workflows.models import (
     StepEcho,
     SubQueryInput,
     SubQueryReply,
+    TerminationDecision,
     TokenUsage,
+    ending_words,
 )
 
 if TYPE_CHECKING:  # reading a history needs temporalio; rendering a stored timeline does not
@@ -82,6 +85,7 @@ class CellView(BaseModel):
     rebuilt: bool = False
     rebuild: RebuildReport | None = None
     snapshot: SnapshotRef | None = Field(default=None, description="the REPL snapshot taken after it")
+    snapshot_note: str | None = Field(default=None, description="why no snapshot was taken after it")
     sub_calls: list[SubCall] = Field(default_factory=list)
     children: list[ChildView] = Field(default_factory=list)
     answer: str | None = Field(default=None, description="the answer the cell gave (FINAL...), if any")
@@ -151,6 +155,7 @@ class Timeline(BaseModel):
     request: EpisodeRequest | None = Field(default=None, description="as the first run received it")
     started_at: datetime | None = None
     ended_at: datetime | None = None
+    unattended: bool = Field(default=False, description="running, and no worker runs it now")
 
 
 ChildView.model_rebuild()
@@ -178,6 +183,8 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
     from temporalio.api.enums.v1 import (
         EventType,  # start-up: temporalio (~0.1 s): drlm show of a kept timeline
     )
+
+    from durable_rlm.client.episodes import execution_ending  # start-up: temporalio, as above
 
     runs = await episode_runs(client, episode_id)
     current = runs[-1]
@@ -284,6 +291,7 @@ async def episode_timeline(client: Client, episode_id: str, children: bool = Tru
             elif kind == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
                 timeline.failure = event.workflow_execution_failed_event_attributes.failure.message
     timeline.iterations = [iterations[k] for k in sorted(iterations)]
+    timeline.status = execution_ending(current.status, timeline.result)  # not Temporal's "completed"
     for it in timeline.iterations:
         ends = [t for t in (it.ended_at, *(c.ended_at for c in it.cells)) if t is not None]
         it.ended_at = max(ends, default=None)
@@ -456,12 +464,19 @@ def _apply_result(
             cell.rebuilt = cell.rebuilt or value.rebuilt
             cell.rebuild = cell.rebuild or value.rebuild
             cell.snapshot = value.snapshot or cell.snapshot
+            cell.snapshot_note = value.snapshot_note or cell.snapshot_note
 
 
 def fork_line(fork: ForkOrigin) -> str:
     changed = "; ".join(fork.changes) if fork.changes else "same settings"
     running = ", which was still running" if fork.source_running else ""
     return f"Forked from {fork.source_id} after iteration {fork.iteration}{running}: {changed}"
+
+
+def unattended_line(episode_id: str) -> str:
+    """The one sentence every command and the page say of an episode no worker runs
+    (durable_rlm/client/attendance.py decides it)."""
+    return f"no worker runs this episode: `drlm resume {episode_id}`"
 
 
 def render(timeline: Timeline, width: int = 2_000) -> str:
@@ -471,7 +486,10 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         text = text or ""
         return text if len(text) <= width else text[:width] + f" ... [{len(text) - width} more chars]"
 
-    lines = [f"Episode {timeline.episode_id}: {timeline.status} ({timeline.runs} run(s))"]
+    ending = ending_text(timeline.result) if timeline.result is not None else ending_words(timeline.status)
+    lines = [f"Episode {timeline.episode_id}: {ending} ({timeline.runs} run(s))"]
+    if timeline.unattended:
+        lines.append(unattended_line(timeline.episode_id))
     lines.append(f"Task: {clip(timeline.task)}")
     fork = timeline.request.fork if timeline.request is not None else None
     if fork is not None:
@@ -520,23 +538,21 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
                     f"snapshot after this cell: {cell.snapshot.size:,} bytes"
                     + (unsaved if cell.snapshot.unsaved else "")
                 )
+            elif cell.snapshot_note is not None:
+                lines.append(cell.snapshot_note)
     lines.extend(_action_lines(a, clip) for a in actions)
     if timeline.result is not None:
         r = timeline.result
-        lines.append(
-            f"\nEnded by {r.ended_by} after {r.iterations} iteration(s), {r.model_calls} model "
-            f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens} tokens, {cost_text(r.usage)}"
-        )
+        lines.append("\n" + ended_line(r).replace("ended:", "Ended:", 1))
         if r.children:
             lines.append(
                 f"Tree: {r.tree_episodes} episode(s), {len(r.children)} direct child(ren); the "
                 "counts above include what the children spent"
             )
         if r.termination is not None:
-            t = r.termination
-            lines.append(f"Termination: policy {t.policy} at step {t.step} ({t.action_type}): {t.reason}")
+            lines.append(termination_text(r.termination))
         if r.execution is not None:
-            lines.append(describe_execution(r.execution))
+            lines.append(describe_execution(r.execution, r.status))
         if r.error:
             lines.append(f"Error: {r.error}")
         lines.append(f"Stop reason: {r.stop_reason}")
@@ -549,7 +565,7 @@ def render(timeline: Timeline, width: int = 2_000) -> str:
         lines.append(f"Answer ({source}): {r.answer}")
     if timeline.failure:
         lines.append(f"\nFailed: {timeline.failure}")
-    return "\n".join(lines)
+    return safe("\n".join(lines))  # for a terminal: model text cannot drive it
 
 
 def _action_lines(action: ActionView, clip: Callable[[str | None], str]) -> str:
@@ -574,7 +590,7 @@ def _render_child(child: ChildView, width: int) -> str:
         ending = timeline.failure or timeline.status
         return f"{head}: {ending}\n" + _indent(render(timeline, width))
     summary = (
-        f"{head}, depth {r.depth}: ended by {r.ended_by}, answer {r.answer!r}; "
+        f"{head}, depth {r.depth}: {ending_text(r)}, answer {r.answer!r}; "
         f"{r.model_calls} model call(s), {r.usage.total_tokens} tokens, {r.tree_episodes} episode(s)"
     )
     return summary + "\n" + _indent(render(timeline, width))
@@ -585,8 +601,38 @@ def cost_text(usage: TokenUsage) -> str:
     return "cost unknown (a model has no price)" if usage.cost_usd is None else f"${usage.cost_usd:.4f}"
 
 
-def describe_execution(execution: ExecutionResult) -> str:
-    """One line on how the outputs were obtained (seed 004's variants, and a policy stop)."""
+def ending_text(result: EpisodeResult) -> str:
+    """How an episode ended, as every command and the page say it: the ending in the one
+    vocabulary (answered, extracted, no answer, failed, cancelled, ...), then what ended it
+    (`final_var`, `max_iterations`, ...) when that says more."""
+    words = ending_words(result.status)
+    return words if result.ended_by == result.status else f"{words} ({result.ended_by})"
+
+
+def ended_line(result: EpisodeResult) -> str:
+    """`ended: no answer (max_iterations) after 3 iteration(s), 3 model call(s), ...`"""
+    return (
+        f"ended: {ending_text(result)} after {result.iterations} iteration(s), {result.model_calls} "
+        f"model call(s) ({result.sub_calls} from the REPL), {result.usage.total_tokens:,} tokens, "
+        f"{cost_text(result.usage)}"
+    )
+
+
+def termination_text(decision: TerminationDecision) -> str:
+    """A policy's decision; `step` is 0-based (the policy's own count), iterations are not."""
+    return (
+        f"Termination: policy {decision.policy} at iteration {decision.step + 1} "
+        f"({decision.action_type}): {decision.reason}"
+    )
+
+
+_CANCELLED_PREFIX = "Cancelled: "
+
+
+def describe_execution(execution: ExecutionResult, status: str | None = None) -> str:
+    """One line on how the outputs were obtained (seed 004's variants, and a policy stop);
+    a `failed` variant is named after the episode's ending (`status`): a cancel, no answer,
+    or a failure."""
     v = execution.variant
     if v.kind == "submitted":
         return f"Result: submitted (confidence 1.0), outputs {json.dumps(v.outputs, sort_keys=True)}"
@@ -602,7 +648,11 @@ def describe_execution(execution: ExecutionResult) -> str:
     partial = (
         f"; partial outputs {json.dumps(v.partial_outputs, sort_keys=True)}" if v.partial_outputs else ""
     )
-    return f"Result: failed: {v.reason}{partial}; {len(v.history)} history entries kept"
+    kept = f"; {len(v.history)} REPL history entries kept" if v.history else ""
+    if status == "cancelled":
+        return f"Result: cancelled: {v.reason.removeprefix(_CANCELLED_PREFIX)}{partial}{kept}"
+    words = ending_words(status) if status in ("no_answer", "failed") else "failed"
+    return f"Result: {words}: {v.reason}{partial}{kept}"
 
 
 def _indent(text: str) -> str:

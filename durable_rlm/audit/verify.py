@@ -36,7 +36,7 @@ from temporalio.api.enums.v1 import EventType
 from durable_rlm.audit.history import episode_runs
 from durable_rlm.server.connection import connect
 from durable_rlm.store import schema
-from durable_rlm.store.blobs import BlobStore, digest_of
+from durable_rlm.store.blobs import BlobNotFound, BlobStore, CorruptBlob, digest_of
 from durable_rlm.store.codec import ENCODING as CLAIM_CHECK
 from durable_rlm.store.codec import ENCRYPTED, EncryptionCodec
 from durable_rlm.store.encryption import open_blob
@@ -45,14 +45,19 @@ from durable_rlm.workflows import names
 if TYPE_CHECKING:
     from temporalio.client import Client
 
-DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+DIGEST = re.compile(r"^sha256m?:[0-9a-f]{64}$")  # a blob, or a manifest of chunks (store/chunks.py)
+_UNSEEN = object()
+_CHECKED = object()  # a large blob read and checked chunk by chunk, its bytes not kept
 JSON_ENCODINGS = (b"json/plain", b"json/protobuf")
 
-Kind = Literal["payload", "context", "prompt", "conversation", "cell log", "snapshot", "output", "reply"]
+Kind = Literal[
+    "payload", "context", "documents", "prompt", "conversation", "cell log", "snapshot", "output", "reply"
+]
 
 BREAKS: dict[str, str] = {
     "payload": "its history cannot be decoded whole: show, export, audit-rebuild and a replay fail on it",
     "context": "a REPL rebuild cannot load `context` (a resume on another worker, a fork, a rerun)",
+    "documents": "a REPL rebuild cannot load `context` (a resume on another worker, a fork, a rerun)",
     "prompt": "export cannot write an rlm_query's prompt (a child's context)",
     "conversation": "export cannot write the prompts sent; a fork or rerun from there cannot go on",
     "cell log": "a REPL rebuild cannot replay its cells (a resume on another worker, a fork, a rerun)",
@@ -93,6 +98,7 @@ class VerifyReport:
     episodes: dict[str, EpisodeCheck] = field(default_factory=dict)
     problems: dict[str, BlobProblem] = field(default_factory=dict)
     checked: int = 0
+    chunks: int = 0  # chunks of large blobs, each read and checked
     unreadable: list[str] = field(default_factory=list)  # e.g. sealed payloads without a key
 
     @property
@@ -111,7 +117,9 @@ class VerifyReport:
         missing = sum(p.state == "missing" for p in self.problems.values())
         corrupt = len(self.problems) - missing
         head = (
-            f"{len(self.episodes)} episode(s), {self.checked} blob(s) checked: "
+            f"{len(self.episodes)} episode(s), {self.checked} blob(s) checked"
+            + (f" ({self.chunks} chunk(s) of large ones)" if self.chunks else "")
+            + ": "
             f"{missing} missing, {corrupt} corrupt"
         )
         out = [head]
@@ -154,6 +162,7 @@ class VerifyReport:
         return {
             "ok": self.ok,
             "checked": self.checked,
+            "chunks": self.chunks,
             "episodes": len(self.episodes),
             "problems": [
                 {
@@ -187,42 +196,59 @@ class Verifier:
         self.blobs = blobs
         self.engine = engine
         self.report = VerifyReport()
-        self._read: dict[str, bytes | None] = {}  # None: missing or corrupt (see report)
+        self._read: dict[str, object] = {}  # bytes, _CHECKED, or None: missing or corrupt
         self._opener = EncryptionCodec(blobs.keyring)
 
     # -- blobs -------------------------------------------------------------------------
 
-    def _load(self, digest: str) -> bytes | None:
-        if digest in self._read:
-            return self._read[digest]
+    def _load(self, digest: str, keep: bool = True) -> bytes | None:
+        """The blob's bytes when `keep` (a payload, a chain node: parsed next), else only
+        checked: a manifest's chunks are each read, checked and dropped, never held whole."""
+        known = self._read.get(digest, _UNSEEN)
+        if known is not _UNSEEN and (known is not _CHECKED or not keep):
+            return known if isinstance(known, bytes) else None  # None: checked only, or broken
         data: bytes | None = None
+        outcome: object = None
         try:
-            stored = self.blobs.backend.read(digest)
+            manifest = self.blobs.manifest(digest)
+            if manifest is None:
+                stored = self.blobs.backend.read(digest)  # the store's bytes, never a cached copy
+                if stored is None:
+                    raise BlobNotFound(digest, self.blobs.where)
+                data = open_blob(self.blobs.keyring, digest, stored)
+                if digest_of(data) != digest:
+                    raise CorruptBlob(f"its {len(data):,} bytes hash to {digest_of(data)}")
+                outcome = data
+            else:
+                self.report.chunks += len(manifest.chunks)
+                if keep:
+                    data = b"".join(self.blobs.chunks(digest))
+                    outcome = data
+                else:
+                    self.blobs.check(digest)
+                    outcome = _CHECKED
+        except BlobNotFound as exc:
+            where = self.blobs.where or "the blob store"
+            inner = f" ({exc.digest})" if exc.digest != digest else ""
+            self._problem(digest, "missing", f"not in {where}{inner}")
+        except CorruptBlob as exc:
+            self._problem(digest, "corrupt", str(exc))
         except ValueError as exc:  # a malformed digest
             self._problem(digest, "corrupt", str(exc))
-        else:
-            if stored is None:
-                self._problem(digest, "missing", f"not in {self.blobs.where or 'the blob store'}")
-            else:
-                try:
-                    data = open_blob(self.blobs.keyring, digest, stored)
-                except Exception as exc:  # noqa: BLE001 - a seal that does not open is corruption
-                    self._problem(digest, "corrupt", f"cannot be opened: {exc}")
-                else:
-                    if digest_of(data) != digest:
-                        self._problem(digest, "corrupt", f"its {len(data):,} bytes hash to {digest_of(data)}")
-                        data = None
-        self._read[digest] = data
-        self.report.checked += 1
+        except Exception as exc:  # noqa: BLE001 - a seal that does not open is corruption
+            self._problem(digest, "corrupt", f"cannot be opened: {exc}")
+        if known is _UNSEEN:
+            self.report.checked += 1
+        self._read[digest] = outcome  # None: missing or corrupt (see report)
         return data
 
     def _problem(self, digest: str, state: Literal["missing", "corrupt"], detail: str) -> None:
         self.report.problems.setdefault(digest, BlobProblem(digest, state, detail))
 
-    def _need(self, digest: str, ref: Reference, seen: set[str]) -> bytes | None:
-        """The blob's bytes if whole; records who needed it when it is not."""
+    def _need(self, digest: str, ref: Reference, seen: set[str], keep: bool = True) -> bytes | None:
+        """The blob's bytes if whole (and `keep`); records who needed it when it is not."""
         seen.add(digest)
-        data = self._load(digest)
+        data = self._load(digest, keep)
         problem = self.report.problems.get(digest)
         if problem is not None and ref not in problem.references:
             problem.references.append(ref)
@@ -237,8 +263,30 @@ class Verifier:
             ref = Reference(episode_id, kind, what)
             if kind in ("conversation", "cell log"):
                 self._walk(episode_id, digest, kind, what, seen)
+            elif kind == "documents":
+                self._documents(episode_id, digest, what, seen)
             elif _is_digest(digest):
-                self._need(digest, ref, seen)
+                self._need(digest, ref, seen, keep=False)
+
+    def _documents(self, episode_id: str, digest: str, what: str, seen: set[str]) -> None:
+        """A documents context: its index, then each document it names."""
+        if not _is_digest(digest):
+            return
+        data = self._need(digest, Reference(episode_id, "context", f"the documents index of {what}"), seen)
+        if data is None:
+            return
+        try:
+            documents = json.loads(data)["documents"]
+        except (ValueError, KeyError, TypeError):
+            self._problem(digest, "corrupt", "not a documents index")
+            return
+        for document in documents if isinstance(documents, list) else []:
+            sub = document.get("digest") if isinstance(document, dict) else None
+            if _is_digest(sub):
+                name = document.get("name")
+                self._need(
+                    sub, Reference(episode_id, "context", f"document {name!r} of {what}"), seen, keep=False
+                )
 
     def _walk(self, episode_id: str, head: str, kind: Kind, what: str, seen: set[str]) -> None:
         """A hash chain from its head back to its first node; shared prefixes are walked once
@@ -335,7 +383,9 @@ class Verifier:
         try:
             with self.engine.connect() as conn:
                 text = conn.execute(
-                    sa.select(table.c.timeline).where(table.c.episode_id == episode_id)
+                    sa.select(table.c.timeline).where(
+                        table.c.episode_id == episode_id, table.c.blobs_expired_at.is_(None)
+                    )
                 ).scalar_one_or_none()
         except sa.exc.DatabaseError:
             return None
@@ -373,7 +423,10 @@ class Verifier:
             return set()
         try:
             with self.engine.connect() as conn:
-                return set(conn.execute(sa.select(schema.episode_timelines.c.episode_id)).scalars())
+                table = schema.episode_timelines
+                # An episode whose history passed retention: `drlm gc` removed its blobs.
+                query = sa.select(table.c.episode_id).where(table.c.blobs_expired_at.is_(None))
+                return set(conn.execute(query).scalars())
         except sa.exc.DatabaseError:
             return set()
 
@@ -398,6 +451,8 @@ def _references(value: Any, where: str) -> Iterator[tuple[Kind, str, str]]:
         keys = set(item)
         if {"digest", "kind", "size"} <= keys and item.get("kind") in ("text", "json"):
             yield "context", item["digest"], f"the context in {context}"
+        elif {"digest", "kind", "size"} <= keys and item.get("kind") == "documents":
+            yield "documents", item["digest"], f"the context in {context}"
         elif {"digest", "cell", "size", "log_head"} <= keys:
             yield "snapshot", item["digest"], f"the REPL snapshot after cell {item['cell']} ({context})"
         conversation = item.get("conversation")

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -40,7 +41,8 @@ _GROUPS = (run, follow, reading, steering, timetravel, operations)
 # The order `drlm --help` lists the commands in (and a usage error names them in).
 _LISTED = (
     "run demo scripted-server show worker watch ui codec-server config info resume cancel doctor reward "
-    "audit-rebuild verify hint limits pause finish pending approve reject deployment fork rerun export list"
+    "audit-rebuild verify gc hint limits pause finish pending approve reject deployment fork rerun export "
+    "list"
 ).split()
 
 
@@ -73,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         args = build_parser().parse_args(argv)
         code = args.handler(args)
     except KeyboardInterrupt:
+        code = _interrupted()
+    except asyncio.CancelledError:  # SIGTERM cancelled the command (durable_rlm/cli/handlers.py)
+        if not INTERRUPTED:
+            raise
         code = _interrupted()
     except BrokenPipeError:
         code = EXIT_OK  # `drlm list | head`: the reader has what it wanted
@@ -124,20 +130,25 @@ def _report(exc: Exception) -> int:
 
 
 def _interrupted() -> int:
+    """What Ctrl-C (or SIGTERM) leaves: one line, or for a followed episode what to do next;
+    the exit code is the shell's for that signal (130, 143)."""
+    signum = INTERRUPTED[-1] if INTERRUPTED else signal.SIGINT
+    code = EXIT_INTERRUPTED if signum == signal.SIGINT else 128 + signum
     if ON_INTERRUPT:
         stderr(ON_INTERRUPT[-1])
-        return EXIT_INTERRUPTED
+        return code
+    how = "interrupted" if signum == signal.SIGINT else f"stopped ({signal.Signals(signum).name})"
     if not FOLLOWING:
-        stderr("drlm: interrupted")
-        return EXIT_INTERRUPTED
+        stderr(f"drlm: {how}")
+        return code
     episode = FOLLOWING[-1]
     stderr(
-        f"drlm: interrupted; episode {episode} goes on (its history keeps every step).\n"
+        f"drlm: {how}; episode {episode} goes on (its history keeps every step).\n"
         f"  follow it:   drlm watch {episode}\n"
         f"  work on it:  drlm resume {episode}   (until then only a worker on its task queue does)\n"
         f"  stop it:     drlm cancel {episode}"
     )
-    return EXIT_INTERRUPTED
+    return code
 
 
 def _exit(code: int) -> None:

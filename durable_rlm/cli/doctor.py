@@ -19,12 +19,15 @@ from rich.table import Table
 
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox import cgroups
+from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
 from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.activities.sandbox_start import default_sandbox_root
 from durable_rlm.server.embedded import local_exposure
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
 from durable_rlm.store.sql import open_store
 from durable_rlm.worker.runtime import temporal_binary
+from durable_rlm.workflows import defaults
 
 
 @dataclass
@@ -35,11 +38,12 @@ class Check:
     detail: str
 
 
-async def sandbox_layers(root: Path) -> list[Check]:
+async def sandbox_layers(root: Path, files_mb: int = defaults.SANDBOX_FILES_MB) -> list[Check]:
     scratch = Path(tempfile.mkdtemp(prefix="drlm-doctor-"))
     try:
         try:
-            host = ReplActivities(BlobStore(DirectoryBackend(scratch / "blobs")), "doctor", root)
+            blobs = BlobStore(DirectoryBackend(scratch / "blobs"))
+            host = ReplActivities(blobs, "doctor", root, files_mb=files_mb)
             try:
                 layers = await host.probe()
             finally:
@@ -103,6 +107,33 @@ async def sandbox_layers(root: Path) -> list[Check]:
             "audit hook",
             "ok" if layers.get("audit_hook") == "on" else "fail",
             layers.get("audit_hook", "?"),
+        ),
+        *disk_checks(layers, root, files_mb),
+    ]
+
+
+def disk_checks(layers: dict[str, str], root: Path, files_mb: int) -> list[Check]:
+    """What one episode may put on disk: its sandbox's files and its REPL snapshots."""
+    tmpfs = OWN_TMPFS in layers.get("filesystem", "")
+    view = layers.get("view", "readable")
+    return [
+        Check(
+            "disk",
+            "sandbox files",
+            "ok" if tmpfs and view == "readable" else "warn",
+            f"a sandbox's own directory is a tmpfs of {files_mb:,} MB (DRLM_SANDBOX_FILES_MB), "
+            "counted in its memory, never on the host's disk" + ("" if view == "readable" else f"; {view}")
+            if tmpfs
+            else f"on the host's disk under {root}: {defaults.SANDBOX_FILE_MB} MB a file "
+            "(RLIMIT_FSIZE), no bound on the total (no private root here)",
+        ),
+        Check(
+            "disk",
+            "REPL snapshots",
+            "ok",
+            f"each episode keeps at most {defaults.SNAPSHOT_EPISODE_MB:,} MB of snapshots in the store "
+            "(snapshots.max_mb): older ones are deleted as newer ones need the room, those a fork "
+            "starts from are kept; one that does not fit is not taken, and the timeline says so",
         ),
     ]
 
@@ -169,8 +200,8 @@ def platform_checks(settings: Settings) -> list[Check]:
 
 async def run_doctor(settings: Settings, console: Console | None = None) -> int:
     console = console or Console()
-    root = Path(tempfile.gettempdir()) / "drlm-sandboxes"
-    checks = platform_checks(settings) + await sandbox_layers(root)
+    root = settings.sandbox_dir or default_sandbox_root()
+    checks = platform_checks(settings) + await sandbox_layers(root, settings.sandbox_files_mb)
     table = Table(title="drlm doctor")
     for column in ("area", "check", "state", "detail"):
         table.add_column(column)

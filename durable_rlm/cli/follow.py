@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import functools
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from durable_rlm.cli.arguments import add_sender
@@ -75,14 +76,12 @@ PARSERS = {"watch": _watch_parser, "resume": _resume_parser, "cancel": _cancel_p
 
 
 async def _watch(settings: Settings, args: argparse.Namespace) -> int:
-    """Follow without working on it: any number of watchers, from anywhere."""
+    """Follow without working on it: any number of watchers, from anywhere. While no worker
+    runs the episode, it says so (and again when that changes): a query would get no
+    answer, and the watch would otherwise show nothing at all."""
     from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
-    from durable_rlm.client.episodes import (  # start-up: temporalio, the stores (~0.6 s)
-        describe_episode,
-        follow,
-        workers_polling,
-    )
+    from durable_rlm.client.episodes import describe_episode, follow  # start-up: temporalio (~0.6 s)
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
     from durable_rlm.workflows.models import EpisodeResult  # start-up: pydantic's models (~0.1 s)
 
@@ -90,29 +89,67 @@ async def _watch(settings: Settings, args: argparse.Namespace) -> int:
         handle = services.client.get_workflow_handle(args.episode_id, result_type=EpisodeResult)
         description = await describe_episode(handle)  # an unknown id is a usage error now, not a wait
         FOLLOWING.append(args.episode_id)
-        running = description.status == WorkflowExecutionStatus.RUNNING
-        if running and not await workers_polling(services.client, description.task_queue):
-            stderr(
-                f"no worker runs episode {args.episode_id} (none polls its task queue "
-                f"{description.task_queue}): `drlm resume {args.episode_id}` works on it"
+        live = not (args.json or args.plain or not sys.stderr.isatty())
+        say: list[Callable[[str], None]] = [stderr]
+        telling = None
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            telling = asyncio.ensure_future(
+                _tell_attendance(services.client, settings, args.episode_id, description.task_queue, say)
             )
-        if args.json or args.plain or not sys.stderr.isatty():
-            end = await follow(handle, None if args.json else stderr)
-        else:
-            end = await _follow_live(handle)
+        try:
+            if not live:
+                end = await follow(handle, None if args.json else stderr)
+            else:
+                end = await _follow_live(handle, say)
+        finally:
+            if telling is not None:
+                telling.cancel()
+                with contextlib.suppress(BaseException):
+                    await telling
     return print_end(end, args.json, args.accept_extracted)
 
 
-async def _follow_live(handle: Any) -> Any:
-    """The rich live view on stderr until the episode ends; its last frame stays."""
+ATTENDANCE_EVERY_S = 3.0
+"""How often `drlm watch` looks again at whether a worker runs the episode."""
+
+
+async def _tell_attendance(
+    client: Any, settings: Settings, episode_id: str, task_queue: str, say: list[Callable[[str], None]]
+) -> None:
+    """Say "no worker runs this episode" while none does, and when one takes it up again;
+    a worker alive but busy (or shedding load) is never called absent
+    (durable_rlm/client/attendance.py)."""
+    from durable_rlm.audit.timeline import unattended_line  # start-up: the timeline's models (~0.1 s)
+    from durable_rlm.client.attendance import attendance  # start-up: temporalio, loaded by now
+
+    told: bool | None = None
+    while True:
+        seen = await attendance(client, task_queue, settings.data_dir)
+        if seen.known and seen.unattended != told:
+            if seen.unattended:
+                say[-1](f"episode {episode_id}: " + unattended_line(episode_id))
+            elif told:
+                say[-1](f"episode {episode_id}: a worker runs it again")
+            told = seen.unattended
+        await asyncio.sleep(ATTENDANCE_EVERY_S)
+
+
+async def _follow_live(handle: Any, say: list[Callable[[str], None]]) -> Any:
+    """The rich live view on stderr until the episode ends; its last frame stays. A line
+    said meanwhile is printed above it."""
     from rich.console import Console  # start-up: rich (~30 ms), only for the live view
     from rich.live import Live  # start-up: as the line above
 
     from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.terminal import safe  # start-up: nothing (a table of controls)
     from durable_rlm.viewer.live import frame  # start-up: the timeline's models (~0.1 s)
 
     with Live(console=Console(stderr=True), refresh_per_second=4, transient=False) as live:
-        return await follow(handle, on_state=lambda progress: live.update(frame(handle.id, progress)))
+        say.append(lambda line: live.console.print(safe(line), markup=False, highlight=False))
+        try:
+            return await follow(handle, on_state=lambda progress: live.update(frame(handle.id, progress)))
+        finally:
+            say.pop()
 
 
 async def _resume(settings: Settings, args: argparse.Namespace) -> int:

@@ -67,7 +67,17 @@ def polling(services: Services, task_queue: str) -> Services:
 def _note_interrupts() -> None:
     """Remember a Ctrl-C (durable_rlm/cli/output.py `INTERRUPTED`) before asyncio's own
     handler cancels the command: what the cancellation then raises (the SDK wraps it in
-    errors of its own) reads as the interruption it is."""
+    errors of its own) reads as the interruption it is. SIGTERM (a service manager, `kill`)
+    cancels the command the same way, instead of killing it without a word: `drlm run`
+    says how its episode goes on, and its worker stops as on Ctrl-C."""
+    command = asyncio.current_task()
+
+    def on_sigterm() -> None:
+        INTERRUPTED.append(signal.SIGTERM)
+        if command is not None:
+            command.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     previous = signal.getsignal(signal.SIGINT)
     if not callable(previous):
         return  # SIGINT ignored (a background job of a shell): nothing will interrupt

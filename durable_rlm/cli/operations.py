@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import webbrowser
+from datetime import timedelta
 from urllib.parse import quote
 
 from durable_rlm.cli.handlers import Subparsers, bind
@@ -30,13 +31,20 @@ def _worker_parser(sub: Subparsers) -> None:
 
 def _ui_parser(sub: Subparsers) -> None:
     ui = sub.add_parser(
-        "ui", help="the episode page of one episode (--temporal: its Temporal UI page), or the UI's list"
+        "ui",
+        help="the page of one episode, or the list of episodes (--temporal: the Temporal UI's page "
+        "or list instead)",
     )
     ui.add_argument("episode_id", nargs="?")
     ui.add_argument(
-        "--temporal", action="store_true", help="the episode's Temporal UI page (its raw events) instead"
+        "--temporal", action="store_true", help="the Temporal UI's page (raw events) or list instead"
     )
-    ui.add_argument("--open", action="store_true", help="open it in the browser too")
+    ui.add_argument(
+        "--open",
+        action="store_true",
+        help="open it in the browser too (by a one-shot link: the page's capability is never on "
+        "the browser's command line)",
+    )
     ui.add_argument(
         "--keep", action="store_true", help="keep the embedded server (and its UI) up until Ctrl-C"
     )
@@ -54,6 +62,14 @@ def _codec_server_parser(sub: Subparsers) -> None:
         "--origin",
         action="append",
         help="a Web UI origin allowed to call it (repeatable; default DRLM_UI_ADDRESS, or the embedded UI's)",
+    )
+    codec.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name requests may use besides 127.0.0.1, localhost and the bound address "
+        "(repeatable); any other Host header gets 421, as a DNS-rebinding page's would",
     )
     bind(codec, _codec_server)
 
@@ -84,6 +100,43 @@ def _audit_rebuild_parser(sub: Subparsers) -> None:
     bind(rebuild, _audit_rebuild)
 
 
+def _gc_parser(sub: Subparsers) -> None:
+    gc = sub.add_parser(
+        "gc", help="remove blobs only histories past the namespace's retention named (--schedule: on a timer)"
+    )
+    gc.add_argument(
+        "--grace", type=_duration, default="24h", help="keep unnamed blobs younger than this (default 24h)"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="count what would go; remove nothing")
+    gc.add_argument(
+        "--schedule", type=_duration, metavar="EVERY", help="create or update a Temporal Schedule (e.g. 6h)"
+    )
+    gc.add_argument("--json", action="store_true")
+    bind(gc, _gc)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> timedelta:
+    """`90s`, `30m`, `6h`, `7d` (a bare number is seconds)."""
+    text = text.strip().lower()
+    unit = _UNITS.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if unit else text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 90s, 30m, 6h or 7d") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a duration must be positive")
+    return timedelta(seconds=value * (unit or 1))
+
+
+async def _gc(settings: Settings, args: argparse.Namespace) -> int:
+    from durable_rlm.audit.gc import gc_command  # start-up: temporalio, the stores (~0.5 s)
+
+    return await gc_command(settings, args.grace, args.dry_run, args.json, args.schedule)
+
+
 def _deployment_parser(sub: Subparsers) -> None:
     deployment = sub.add_parser(
         "deployment", help="the Worker Deployment's builds; make one current or ramp it (rolling upgrades)"
@@ -103,6 +156,7 @@ PARSERS = {
     "info": _info_parser,
     "doctor": _doctor_parser,
     "audit-rebuild": _audit_rebuild_parser,
+    "gc": _gc_parser,
     "deployment": _deployment_parser,
 }
 
@@ -116,45 +170,72 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 async def _ui(settings: Settings, args: argparse.Namespace) -> int:
+    """Our episode page (or the list of episodes); the Temporal UI's with --temporal, or
+    where the embedded server's supervisor serves no page (a cluster)."""
     from durable_rlm.client.episodes import describe_episode  # start-up: temporalio, the stores (~0.6 s)
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
 
     async with connect(settings) as services:
-        if services.ui is None:
-            raise ConfigurationError(
-                "no Web UI here: DRLM_UI is off"
-                if settings.embedded
-                else "no Web UI address for this cluster: set DRLM_UI_ADDRESS (the compose stack's is "
-                "http://localhost:8080)"
-            )
-        if args.episode_id:
+        if args.episode_id:  # an unknown id is a usage error before any page is opened
             handle = services.client.get_workflow_handle(args.episode_id)
-            url = services.episode_url(args.episode_id, (await describe_episode(handle)).run_id)
-            assert url is not None  # a page of the UI, which is there (checked above)
-            if not args.temporal:
-                url = _episode_page(settings, args.episode_id)
+            run_id = (await describe_episode(handle)).run_id
+        page = None if args.temporal else episode_page(settings, args.episode_id)
+        if page is None:
+            if services.ui is None:
+                raise ConfigurationError(
+                    "no Web UI here: DRLM_UI is off"
+                    if settings.embedded
+                    else "no Web UI address for this cluster: set DRLM_UI_ADDRESS (the compose stack's "
+                    "is http://localhost:8080)"
+                )
+            if args.episode_id:
+                url = services.episode_url(args.episode_id, run_id)
+                assert url is not None  # a page of the UI, which is there (checked above)
+            else:
+                url = f"{services.ui.rstrip('/')}/namespaces/{settings.temporal_namespace}/workflows"
         else:
-            url = f"{services.ui.rstrip('/')}/namespaces/{settings.temporal_namespace}/workflows"
+            url = page
         print(url, flush=True)
         if args.open:
-            webbrowser.open(url)
+            opened = url if page is None else await asyncio.to_thread(_one_shot, page)
+            webbrowser.open(opened)
         if args.keep and settings.embedded:
             stderr("keeping the embedded server and its UI up; Ctrl-C to let it go")
             await asyncio.Event().wait()
     return EXIT_OK
 
 
-def _episode_page(settings: Settings, episode_id: str) -> str:
-    """The episode page the shared server's supervisor serves (durable_rlm/viewer/episode_page.py)."""
+def episode_page(settings: Settings, episode_id: str | None) -> str | None:
+    """Our page of an episode (or, without one, the list), which the shared server's
+    supervisor serves (durable_rlm/viewer/episode_page.py), with its capability; None where
+    none is served (a cluster's server, or the Web UI off)."""
     from durable_rlm.server.embedded import running_state  # start-up: the server's supervisor (~40 ms)
 
     codec = (running_state(settings) or {}).get("codec") if settings.embedded else None
     if not codec:
-        raise ConfigurationError(
-            "no episode page here: the embedded server's supervisor serves it (use --temporal for "
-            "the Temporal UI page)"
-        )
-    return f"{codec}/episodes/{quote(episode_id, safe='')}"
+        return None
+    return f"{codec}/episodes" + (f"/{quote(episode_id, safe='')}" if episode_id else "")
+
+
+LOGIN_TIMEOUT_S = 10.0
+
+
+def _one_shot(page: str) -> str:
+    """A link that opens `page` once, without its capability: the browser's command line is
+    readable by every local user (`ps`). The supervisor mints it for this process, which
+    holds the capability, and the browser exchanges it for a session cookie."""
+    import urllib.request  # start-up: http.client and email (~20 ms), only for --open
+
+    base, _, rest = page.partition("/episodes")
+    request = urllib.request.Request(
+        f"{base}/login-token",
+        data=json.dumps({"next": "/episodes" + rest}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: no proxy
+    with opener.open(request, timeout=LOGIN_TIMEOUT_S) as answer:
+        return str(json.loads(answer.read())["url"])
 
 
 async def _codec_server(settings: Settings, args: argparse.Namespace) -> int:
@@ -178,6 +259,7 @@ async def _codec_server(settings: Settings, args: argparse.Namespace) -> int:
         origins=origins,
         token=settings.codec_token,
         threshold=settings.claim_check_threshold,
+        allowed_hosts=args.allow_host,
     )
     stderr(f"codec server on {server.url} for {', '.join(origins)}; point the UI's codec endpoint at it")
     try:

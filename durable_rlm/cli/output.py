@@ -10,6 +10,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
+from durable_rlm.terminal import safe
+
 if TYPE_CHECKING:
     from durable_rlm.client.episodes import EpisodeEnd
 
@@ -32,7 +34,9 @@ INTERRUPTED: list[int] = []
 
 
 def stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    """A line for a person; what it quotes of a model, a cell or a tool cannot drive their
+    terminal (durable_rlm/terminal.py)."""
+    print(safe(line), file=sys.stderr, flush=True)
 
 
 def exit_code(end: EpisodeEnd, accept_extracted: bool = False) -> int:
@@ -60,24 +64,29 @@ def print_end(end: EpisodeEnd, as_json: bool, accept_extracted: bool = False) ->
         return exit_code(end, accept_extracted)
     result = end.result
     if result is None:
-        stderr(f"episode {end.episode_id} {end.status.replace('_', ' ')}: {end.error}")
+        how = "paused" if end.status == "paused" else f"ended: {end.status.replace('_', ' ')}"
+        stderr(f"episode {end.episode_id} {how}: {end.error}")
         return exit_code(end, accept_extracted)
-    from durable_rlm.audit.timeline import cost_text, describe_execution  # start-up: the timeline (~0.4 s)
-
-    stderr(
-        f"ended by {result.ended_by} after {result.iterations} iteration(s), "
-        f"{result.model_calls} model call(s), {result.usage.total_tokens} tokens, {cost_text(result.usage)}"
+    from durable_rlm.audit.timeline import (  # start-up: the timeline (~0.4 s)
+        describe_execution,
+        ended_line,
+        termination_text,
     )
+
+    stderr(ended_line(result))
     stderr(f"stop reason: {result.stop_reason}")
     source = result.answer_source + (f" ({result.answer_policy})" if result.answer_policy else "")
     confidence = "" if result.confidence is None else f", confidence {result.confidence:.2f}"
     stderr(f"answer source: {source}{confidence}")
+    if result.termination is not None:
+        stderr(termination_text(result.termination))
     if result.execution is not None:
-        stderr(describe_execution(result.execution))
+        stderr(describe_execution(result.execution, result.status))
     if result.lost_cells or result.compactions:
         stderr(f"lost cells: {result.lost_cells}; compactions: {result.compactions}")
     if result.error:
         stderr(f"error: {result.error}")
     if result.answer is not None:
-        print(result.answer)
+        # As written for a file or a pipe (a script reads it whole); shown safe on a terminal.
+        print(safe(result.answer) if sys.stdout.isatty() else result.answer)
     return exit_code(end, accept_extracted)

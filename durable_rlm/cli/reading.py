@@ -22,6 +22,10 @@ from durable_rlm.cli.handlers import Subparsers, bind
 from durable_rlm.cli.output import EXIT_OK, stderr
 from durable_rlm.settings import ConfigurationError, Settings
 
+ENDINGS = ("answered", "extracted", "no_answer", "failed", "cancelled", "terminated", "timed_out")
+"""workflows/models.py's ENDINGS for `list --status` (a test holds them equal): the parser is
+built for every command, and importing the models would cost each 0.2 s."""
+
 
 def _show_parser(sub: Subparsers) -> None:
     show = sub.add_parser(
@@ -62,7 +66,9 @@ def _list_parser(sub: Subparsers) -> None:
     )
     listing.add_argument("--limit", type=int, default=20)
     listing.add_argument(
-        "--status", choices=("running", "completed", "failed", "cancelled", "terminated", "timed_out")
+        "--status",
+        choices=("running", *ENDINGS),
+        help="running, or how it ended: " + ", ".join(ENDINGS),
     )
     listing.add_argument("--model", help="episodes whose root or sub-model is this one")
     listing.add_argument(
@@ -106,8 +112,8 @@ async def _show(settings: Settings, args: argparse.Namespace) -> int:
 
         print(json.dumps(timeline, default=str) if args.json else session_text(timeline, _width(args)))
         return EXIT_OK
-    if args.json:
-        print(timeline.model_dump_json())
+    if args.json:  # ASCII: a control or bidirectional character is escaped, not sent
+        print(json.dumps(timeline.model_dump(mode="json")))
     else:
         print(render(timeline, width=_width(args)))
     return EXIT_OK
@@ -123,6 +129,7 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
     from durable_rlm.audit import readonly  # start-up: the store's reader (~10 ms), not for --help
     from durable_rlm.audit.timeline import episode_timeline  # start-up: the timeline's models (~0.05 s)
     from durable_rlm.audit.timeline_store import store_timeline  # start-up: SQLAlchemy, this path
+    from durable_rlm.client.attendance import unattended_episodes  # start-up: temporalio, this path
     from durable_rlm.client.sessions import session_overview  # start-up: temporalio, this path
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
     from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, this path
@@ -136,6 +143,9 @@ async def _timeline_from_history(settings: Settings, episode_id: str) -> Any:
         else:
             return await _session_view(services, overview)
         timeline = await episode_timeline(services.client, episode_id)
+        if timeline.status == "running":
+            unattended = await unattended_episodes(services.client, [episode_id], settings.data_dir)
+            timeline.unattended = episode_id in unattended
         # Not kept when payloads are encrypted: a stored timeline is clear text at rest.
         if services.engine is not None and timeline.status in readonly.ENDED and not settings.encryption_keys:
             description = await services.client.get_workflow_handle(episode_id).describe()
@@ -271,18 +281,56 @@ async def _list(settings: Settings, args: argparse.Namespace) -> int:
             rows = readonly.grouped_rows(reader, args.limit, where)
     if args.refresh and rows:
         rows = await _with_live_status(settings, rows)
+    unattended = await _unattended_rows(settings, rows)
     if args.json:
         for row in rows:
             line = row.summary() if isinstance(row, readonly.SessionRows) else dict(row._mapping)
+            if line.get("episode_id") in unattended:
+                line["worker"] = "none"
             print(json.dumps(line, default=str))
         return EXIT_OK
     if not rows:
         stderr("no episodes" + (" match these filters" if where.active else " in the audit store yet"))
         return EXIT_OK
+    from durable_rlm.audit.timeline import unattended_line  # start-up: the timeline's models (~0.05 s)
     from durable_rlm.viewer.listing import episode_table, print_table  # start-up: rich (~20 ms), rows only
 
-    print_table(episode_table(rows))
+    print_table(episode_table(rows, unattended))
+    named = [row.episode_id for row in rows if getattr(row, "episode_id", None) in unattended]
+    for episode_id in named[:UNATTENDED_NAMED]:
+        stderr(f"{episode_id}: {unattended_line(episode_id)}")
+    if len(named) > UNATTENDED_NAMED:
+        stderr(f"... and {len(named) - UNATTENDED_NAMED} more episodes no worker runs")
     return EXIT_OK
+
+
+UNATTENDED_ASKED = 50  # running rows `drlm list` asks the server about (the newest)
+UNATTENDED_NAMED = 10  # of them, named one per line under the table
+
+
+async def _unattended_rows(settings: Settings, rows: list[Any]) -> set[str]:
+    """The running episodes of `rows` that no worker runs. With the embedded server down,
+    every one (no worker runs without it), and nothing is started to find that out."""
+    running = [row.episode_id for row in rows if not hasattr(row, "summary") and row.status == "running"][
+        :UNATTENDED_ASKED
+    ]
+    if not running:
+        return set()
+    if settings.embedded:
+        from durable_rlm.server.embedded import running_state  # start-up: the supervisor's files (~40 ms)
+
+        if running_state(settings) is None:
+            return set(running)
+    from durable_rlm.client.attendance import unattended_episodes  # start-up: temporalio, running rows only
+    from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
+    from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: temporalio, this path
+
+    forward_core_logs()  # before the first client: stdout is the command's own (--json)
+    try:
+        async with connect(settings) as services:
+            return await unattended_episodes(services.client, running, settings.data_dir)
+    except Exception:  # noqa: BLE001 - a server that does not answer: the rows as stored, nothing claimed
+        return set()
 
 
 async def _with_live_status(settings: Settings, rows: list[Any]) -> list[Any]:

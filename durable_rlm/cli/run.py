@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from durable_rlm.cli.arguments import env_number, json_object
 from durable_rlm.cli.handlers import Subparsers, bind, import_extensions
+from durable_rlm.cli.operations import episode_page
 from durable_rlm.cli.output import EXIT_OK, FOLLOWING, print_end, stderr
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.workflows import defaults
@@ -28,7 +29,20 @@ if TYPE_CHECKING:
 def _run_parser(sub: Subparsers) -> None:
     run = sub.add_parser("run", help="run an episode and print its answer")
     run.add_argument("task")
-    run.add_argument("--context", type=Path, help="file whose text (or JSON, for .json) is `context`")
+    run.add_argument(
+        "--context",
+        type=Path,
+        action="append",
+        help="a file whose text (or JSON, for .json) is `context`; a directory, or --context given "
+        "more than once, makes `context` a list of documents, one per file, each loaded when touched",
+    )
+    run.add_argument(
+        "--context-view",
+        choices=("str", "mapped"),
+        default="str",
+        help="mapped: one ASCII text too large for a str, as a read-only view of the worker's copy "
+        "(slices, find, count, lines(); pages shared by every sandbox)",
+    )
     _model_args(run)
     _limit_args(run)
     run.add_argument("--fence", action="append", help="code fence language(s) to run (default: repl)")
@@ -92,10 +106,16 @@ def _scripted_server_parser(sub: Subparsers) -> None:
 
 
 PARSERS = {"run": _run_parser, "demo": _demo_parser, "scripted-server": _scripted_server_parser}
+SCRIPTED_MODEL = "scripted-rlm"  # the scripted server's model: any name does, this one says what it is
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("DRLM_MODEL", "gpt-4o-mini"))
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("DRLM_MODEL") or None,
+        help="the root model, e.g. gpt-4o-mini or anthropic:claude-sonnet-4-5 (default: DRLM_MODEL; "
+        "there is no built-in default: a run names the model it pays for)",
+    )
     parser.add_argument("--sub-model", help="model for llm_query (default: --model)")
     parser.add_argument(
         "--sampling",
@@ -180,12 +200,23 @@ def _limit_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+NO_MODEL = "name a model: --model NAME or DRLM_MODEL (e.g. --model gpt-4o-mini)"
+
+
+def _require_model(args: argparse.Namespace) -> None:
+    """No silent default: a model the user never chose must not be called, nor priced."""
+    if not args.model:
+        raise ConfigurationError(NO_MODEL)
+
+
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
+    _require_model(args)
     import_extensions(settings)
-    context = _read_context(args.context)
+    plan = _plan_context(args.context, settings, getattr(args, "context_view", "str"))
     rlm = _rlm(args, settings)  # validate before starting anything
     rlm.request(None, args.task)
     rlm.check_credentials()
+    context = None if plan is None else await asyncio.to_thread(_store_context, settings, plan)
     return await _run_episode(settings, args, context)
 
 
@@ -261,29 +292,47 @@ async def _run_episode(settings: Settings, args: argparse.Namespace, context: An
         FOLLOWING.append(handle.id)
         if not args.json:
             stderr(f"episode {handle.id} started on task queue {services.settings.task_queue}")
-            url = services.episode_url(handle.id, handle.first_execution_run_id)
-            if url:
-                stderr(f"watch it in the Temporal UI: {url}")
+            page = episode_page(settings, handle.id)
+            if page:
+                stderr(f"its page: {page}")
+            elif url := services.episode_url(handle.id, handle.first_execution_run_id):
+                stderr(f"its events in the Temporal UI: {url}")
         end = await follow(handle, None if args.json else stderr)
         return print_end(end, args.json, args.accept_extracted)
     finally:
         await rlm.close()
 
 
-def _read_context(path: Path | None) -> Any:
-    """The --context file's value, read before anything starts: its text, or for .json its
-    JSON value. Every problem with the file is a one-line error."""
-    if path is None:
-        return None
-    from durable_rlm.client.episodes import read_context_text  # start-up: temporalio, the stores (~0.6 s)
+def _room(settings: Settings) -> Any:
+    """What one sandbox can hold: as this host's worker sets it when the session's workers
+    are embedded (or local), as a worker at best would otherwise."""
+    from durable_rlm.activities.context_room import sandbox_room  # start-up: the sandbox's limits (~20 ms)
 
-    text = read_context_text(path)
-    if path.suffix.lower() != ".json":
-        return text
+    return sandbox_room(settings.sandbox_memory_mb, local=settings.embedded)
+
+
+def _store_context(settings: Settings, plan: Any) -> Any:
+    """Stream the planned files into the blob store, then measure them against what a
+    sandbox holds: a context that cannot load is refused before the server or an episode
+    starts (its blobs, named by nothing, go at the next `drlm gc`)."""
+    from durable_rlm.client.context_input import store_plan  # start-up: the stores (~0.3 s)
+    from durable_rlm.server.connection import open_stores  # start-up: as the line above
+
+    blobs, engine = open_stores(settings)
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from None
+        return store_plan(blobs, plan, _room(settings))
+    finally:
+        engine.dispose()
+
+
+def _plan_context(paths: list[Path] | None, settings: Settings, view: str = "str") -> Any:
+    """The --context paths checked before anything starts (what they are, their size against
+    what a sandbox holds), none of them read yet: every problem is a one-line error."""
+    if not paths:
+        return None
+    from durable_rlm.client.context_input import plan_context  # start-up: the stores (~0.3 s)
+
+    return plan_context(paths, _room(settings), view)
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:
@@ -296,11 +345,12 @@ async def _demo(settings: Settings, args: argparse.Namespace) -> int:
     args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
     args.context_window = None
     if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
+        _require_model(args)
         if not args.json:
             stderr(f"demo: using the real model {args.model!r}")
         return await _run_episode(settings, args, demo.demo_log())
     with ScriptedModelServer(demo.demo_script()) as server:
-        args.base_url, args.model, args.sub_model = server.base_url, "scripted-rlm", None
+        args.base_url, args.model, args.sub_model = server.base_url, SCRIPTED_MODEL, None
         if not args.json:
             stderr(
                 f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
@@ -331,7 +381,7 @@ async def _scripted_server(settings: Settings, args: argparse.Namespace) -> int:
         stderr(
             "a SCRIPTED model (it plays the demo's RLM transcript, and really counts the ERROR lines "
             "its sub-calls are given); any key is accepted. Try:\n"
-            f'  drlm run "{demo.TASK}" --base-url {server.base_url} '
+            f'  drlm run "{demo.TASK}" --base-url {server.base_url} --model {SCRIPTED_MODEL} '
             f"--context {context}\n(Ctrl-C stops it)"
         )
         await stop.wait()

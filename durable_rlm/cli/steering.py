@@ -221,11 +221,15 @@ async def _attended(
     from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
     from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
-    from durable_rlm.client.episodes import describe_episode  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.client.episodes import describe_episode, ended_refusal  # start-up: temporalio (~0.6 s)
 
     description = await describe_episode(services.client.get_workflow_handle(episode_id))
     if description.status != WorkflowExecutionStatus.RUNNING:
-        return await work(), False  # refused without a worker: it has ended
+        # Said without a worker: an update or a query to an ended episode would wait for one.
+        stderr(
+            f"drlm: {await ended_refusal(services.client, episode_id) or f'episode {episode_id} has ended'}"
+        )
+        return EXIT_USAGE
     ON_INTERRUPT.append(
         f"drlm: interrupted before episode {episode_id} answered: `drlm show {episode_id}` tells "
         f"whether the {command} took effect"
@@ -262,7 +266,7 @@ async def _pending(settings: Settings, args: argparse.Namespace) -> int:
     async with connect(settings) as services:
         cells = await pending_cells(services.client, unanswered)
         silent = await _unattended_of(settings, services, unanswered)
-    from durable_rlm.client.attendance import unattended_line  # start-up: loaded with the connection
+    from durable_rlm.audit.timeline import unattended_line  # start-up: the timeline's models (~0.1 s)
 
     for episode_id, nobody in silent.items():
         stderr(
@@ -276,15 +280,17 @@ async def _pending(settings: Settings, args: argparse.Namespace) -> int:
     if not cells:
         stderr("no cell waits for approval" + (" in the episodes that answered" if silent else ""))
         return EXIT_OK
+    from durable_rlm.terminal import safe  # start-up: nothing (a table of controls)
+
     now = datetime.now(UTC)
-    for cell in cells:
+    for cell in cells:  # the code is a model's: shown, never acted on by the terminal
         waited = max((now - cell.since).total_seconds(), 0)
         where = f"iteration {cell.iteration}, --approve {cell.mode}"
-        print(f"{cell.approval_id}  waiting {_duration(waited)} ({where})")
+        print(safe(f"{cell.approval_id}  waiting {_duration(waited)} ({where})"))
         for reason in cell.reasons or ["(every cell waits)"]:
-            print(f"  risk: {reason}")
+            print(safe(f"  risk: {reason}"))
         for line in cell.code.splitlines() or [""]:
-            print(f"  | {line}")
+            print(safe(f"  | {line}"))
     stderr(f"{len(cells)} cell(s): `drlm approve ID [--edit FILE]` or `drlm reject ID --reason TEXT`")
     return EXIT_OK
 

@@ -18,6 +18,7 @@ worker that is only slow.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import re
@@ -29,10 +30,11 @@ from pathlib import Path
 from temporalio.api.enums.v1 import TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
 LOCK_SUFFIX = ".lock"
+DESCRIBES_AT_ONCE = 8
 _TAG = " drlm-worker "
 
 
@@ -152,6 +154,25 @@ async def attendance(client: Client, task_queue: str, data_dir: Path | None) -> 
     return Attendance(task_queue, tuple(alive), tuple(dead))
 
 
-def unattended_line(episode_id: str) -> str:
-    """The one sentence every command and the page say of an episode nobody runs."""
-    return f"no worker runs this episode: `drlm resume {episode_id}`"
+async def unattended_episodes(client: Client, episode_ids: list[str], data_dir: Path | None) -> set[str]:
+    """Those of the running episodes `episode_ids` that no live worker runs (one look at the
+    server per task queue; an episode that ended meanwhile, or the server not answering,
+    is not counted)."""
+    queues: dict[str, list[str]] = {}
+    gate = asyncio.Semaphore(DESCRIBES_AT_ONCE)
+
+    async def queue_of(episode_id: str) -> None:
+        async with gate:
+            try:
+                description = await client.get_workflow_handle(episode_id).describe()
+            except RPCError:
+                return
+        if description.status == WorkflowExecutionStatus.RUNNING:
+            queues.setdefault(description.task_queue, []).append(episode_id)
+
+    await asyncio.gather(*(queue_of(i) for i in dict.fromkeys(episode_ids)))
+    found: set[str] = set()
+    for queue, ids in queues.items():
+        if (await attendance(client, queue, data_dir)).unattended:
+            found.update(ids)
+    return found

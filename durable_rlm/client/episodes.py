@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 import weakref
 from collections.abc import Callable
@@ -12,10 +11,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from temporalio.api.enums.v1 import EventType, TaskQueueType
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.operatorservice.v1 import ListSearchAttributesRequest
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -28,10 +25,11 @@ from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from durable_rlm.activities.context_cache import local_cache
 from durable_rlm.errors import EpisodeIdInUse
-from durable_rlm.settings import ConfigurationError
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.codec import encrypts
+from durable_rlm.store.contexts import TextMeasure, read_file_pieces, store_file, store_json_file, store_value
 from durable_rlm.workflows import metadata, names
 from durable_rlm.workflows.ending import CANCELLED, TIMED_OUT
 from durable_rlm.workflows.episode import episode_policy
@@ -46,44 +44,37 @@ from durable_rlm.workflows.models import (
     EpisodeStatus,
     RewardReceipt,
     RewardUpdate,
+    ending_words,
 )
 from durable_rlm.workflows.retries import describe_failure, ending_of
 
 
 def store_context(blobs: BlobStore, value: Any) -> ContextRef:
-    """Put the context in the blob store once; the episode carries only its digest."""
-    if isinstance(value, str):
-        return ContextRef(digest=blobs.put_text(value), kind="text", size=len(value), type_name="str")
-    text = json.dumps(value, ensure_ascii=False)
-    return ContextRef(
-        digest=blobs.put_text(text), kind="json", size=len(text), type_name=type(value).__name__
-    )
+    """Put the context in the blob store once, as a stream; the episode carries its digest.
+    When a worker of this process uses the same store (embedded mode), its cache copy is
+    written on the way, so its sandbox maps it without reading the store back."""
+    cache = local_cache(blobs)
+    if cache is None:
+        return store_value(blobs, value)
+    copy = cache.teeing()
+    try:
+        ref = store_value(blobs, value, copy.pieces)
+    except BaseException:
+        copy.drop()
+        raise
+    copy.keep(ref)
+    return ref
 
 
 def read_context_text(path: Path) -> str:
-    """A context file's text, or a one-line error saying what is wrong with the file."""
-    if path.is_dir():
-        raise ConfigurationError(f"context file {path} is a directory")
-    if not path.exists():
-        raise ConfigurationError(f"context file not found: {path}")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigurationError(
-            f"context file is not UTF-8 text: {path} ({exc.reason} at byte {exc.start})"
-        ) from None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read context file {path}: {exc.strerror or exc}") from None
+    """A small context file's text, or a one-line error saying what is wrong with the file
+    (for files read whole on purpose; contexts are streamed by `load_context_file`)."""
+    return b"".join(read_file_pieces(path, TextMeasure())).decode("utf-8")
 
 
 def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
-    text = read_context_text(path)
-    if path.suffix.lower() == ".json":
-        try:
-            return store_context(blobs, json.loads(text))
-        except json.JSONDecodeError as exc:
-            raise ConfigurationError(f"context file {path} is not valid JSON: {exc}") from exc
-    return store_context(blobs, text)
+    """A context file streamed into the store: a .json file as its value, any other as text."""
+    return store_json_file(blobs, path) if path.suffix.lower() == ".json" else store_file(blobs, path)
 
 
 # client -> whether its namespace has our attributes (asked once per client)
@@ -177,6 +168,28 @@ class EpisodeEnd(BaseModel):
         }
 
 
+_WITHOUT_RESULT: dict[WorkflowExecutionStatus, EpisodeStatus] = {
+    WorkflowExecutionStatus.FAILED: "failed",
+    WorkflowExecutionStatus.CANCELED: "cancelled",
+    WorkflowExecutionStatus.TERMINATED: "terminated",
+    WorkflowExecutionStatus.TIMED_OUT: "timed_out",
+}
+
+
+_GOING_ON = (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.CONTINUED_AS_NEW)
+
+
+def execution_ending(status: WorkflowExecutionStatus | None, result: EpisodeResult | None) -> EpisodeStatus:
+    """An episode's status in the vocabulary of endings (workflows/models.py `ENDINGS`), from
+    its Temporal status and, when it returned one, its result: Temporal says "completed" of
+    a cancelled episode, or of one that ended without an answer."""
+    if result is not None:
+        return result.status
+    if status is None or status in _GOING_ON:
+        return "running"
+    return _WITHOUT_RESULT.get(status, "failed")
+
+
 def failure_status(error: WorkflowFailureError) -> EpisodeStatus:
     return ending_of(error.cause)
 
@@ -233,6 +246,7 @@ async def pending_step(handle: WorkflowHandle[Any, Any]) -> str | None:
 
 
 WAITING_EVERY_S = 10.0
+WAITING_AT_MOST_S = 600.0
 
 
 def _raise_if_cancel_was_swallowed() -> None:
@@ -252,13 +266,16 @@ async def follow(
     waiting_every_s: float = WAITING_EVERY_S,
     on_state: Callable[[EpisodeProgress], None] | None = None,
 ) -> EpisodeEnd:
-    """Wait for the end, reporting each new iteration and phase, and every `waiting_every_s`
-    how long the current step has been waiting (a hung model shows, it is not silence).
-    Returns early, status "paused", when the episode waits for a fixed key: it would wait
-    for nothing else, until its deadline."""
+    """Wait for the end, reporting each new iteration and phase, and how long the current
+    step has been waiting: after `waiting_every_s`, then at doubling intervals up to
+    WAITING_AT_MOST_S (a hung model shows, it is not silence, nor a line every 10 s for
+    ever). A step that waits for a person (a cell for approval, a pause) is said once, with
+    what to do. Returns early, status "paused", when the episode waits for a fixed key: it
+    would wait for nothing else, until its deadline."""
     result_task = asyncio.ensure_future(handle.result())
     seen: tuple[int, str] = (-1, "")
     last_waiting = 0.0
+    every = waiting_every_s
     actions_seen = 0
     try:
         while not result_task.done():
@@ -283,7 +300,7 @@ async def follow(
             actions_seen = max(actions_seen, progress.actions_total)
             if (progress.iteration, progress.phase) != seen:
                 seen = (progress.iteration, progress.phase)
-                last_waiting = 0.0
+                last_waiting, every = 0.0, waiting_every_s
                 on_progress(
                     f"iteration {progress.iteration}: {progress.phase} "
                     f"({progress.model_calls} model calls, {progress.sub_calls} from the REPL)"
@@ -294,12 +311,16 @@ async def follow(
                         f"  `drlm pending` shows it; `drlm approve {waiting.approval_id} [--edit FILE]` "
                         f"or `drlm reject {waiting.approval_id} --reason TEXT`"
                     )
+                elif progress.held is not None:
+                    on_progress(f"  held until `drlm resume {handle.id}`")
                 continue
             if progress.phase_started is None or progress.finished:
                 continue
+            if progress.pending_cell is not None or progress.held is not None:
+                continue  # a person's turn: said once, with what to do
             waited = (datetime.now(UTC) - progress.phase_started).total_seconds()
-            if waited - last_waiting >= waiting_every_s:
-                last_waiting = waited
+            if waited - last_waiting >= every:
+                last_waiting, every = waited, min(every * 2, WAITING_AT_MOST_S)
                 step = await pending_step(handle)
                 on_progress(f"still {progress.phase}: {waited:.0f} s" + (f" ({step})" if step else ""))
         return await wait_end(handle, result_task)
@@ -361,19 +382,6 @@ async def episode_task_queue(client: Client, episode_id: str) -> str:
     return (await describe_episode(client.get_workflow_handle(episode_id))).task_queue
 
 
-async def workers_polling(client: Client, task_queue: str) -> int:
-    """How many workers polled `task_queue` for workflow tasks lately (the server forgets a
-    poller about a minute after its last poll)."""
-    reply = await client.workflow_service.describe_task_queue(
-        DescribeTaskQueueRequest(
-            namespace=client.namespace,
-            task_queue=TaskQueue(name=task_queue),
-            task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW,
-        )
-    )
-    return len(reply.pollers)
-
-
 async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutionDescription:
     """The episode's description; an id the server does not know is a LookupError."""
     try:
@@ -384,15 +392,29 @@ async def describe_episode(handle: WorkflowHandle[Any, Any]) -> WorkflowExecutio
         raise
 
 
+async def ended_refusal(
+    client: Client, episode_id: str, unchanged: str = "nothing was changed"
+) -> str | None:
+    """Why an action on an ended episode changes nothing, in the words of its ending; None
+    while it runs. Needs no worker (a query or an update to an ended episode would)."""
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    status = (await describe_episode(handle)).status
+    if status is None or status == WorkflowExecutionStatus.RUNNING:
+        return None
+    result = await handle.result() if status == WorkflowExecutionStatus.COMPLETED else None
+    ending = ending_words(execution_ending(status, result))
+    return f"episode {episode_id} has already ended ({ending}); {unchanged}"
+
+
 async def update_running(
     client: Client, episode_id: str, update: str, arg: Any, result_type: type, unchanged: str
 ) -> tuple[Any, str | None]:
     """Send an update to a running episode: (its receipt, None), or (None, why not: it has
     ended, or the workflow refused the update)."""
-    handle = client.get_workflow_handle(episode_id)
-    status = (await describe_episode(handle)).status
-    if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return None, f"episode {episode_id} has already ended ({status.name.lower()}); {unchanged}"
+    handle = client.get_workflow_handle(episode_id, result_type=EpisodeResult)
+    ended = await ended_refusal(client, episode_id, unchanged)
+    if ended is not None:
+        return None, ended
     try:
         args = [] if arg is None else [arg]
         return await handle.execute_update(update, args=args, result_type=result_type), None
@@ -428,9 +450,10 @@ async def cancel_episode(
     if refused is not None:
         return CancelOutcome(episode_id=episode_id, accepted=False, message=refused)
     what = "extracting what was found, then ending" if extract else "ending"
+    where = f"at iteration {receipt.iteration}" if receipt.iteration else "before its first iteration"
     return CancelOutcome(
         episode_id=episode_id,
         accepted=True,
-        message=f"episode {episode_id}: cancel accepted at iteration {receipt.iteration}; {what}",
+        message=f"episode {episode_id}: cancel accepted {where}; {what}",
         receipt=receipt,
     )

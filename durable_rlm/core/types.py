@@ -9,7 +9,10 @@ from durable_rlm.rlms.types import (
     REPLResult,
     RLMIteration,
     RLMMetadata,
+    json_value,
 )
+
+_serialize_value = json_value  # rlms's own tests import it under this name
 
 __all__ = [
     "ClientBackend",

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from durable_rlm.api import DurableRLM
+from durable_rlm.api import DurableRLM, run_blocking
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
 from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
 from durable_rlm.rlms.limits import CancellationError, raise_for_limit, trail_of
@@ -209,7 +209,7 @@ class RLM(DurableRLM):
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(make())
+            return run_blocking(make())
         if self._services is not None:
             # Opened with `async with rlm:`: its connection belongs to the running loop.
             raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")
@@ -305,7 +305,7 @@ class RLM(DurableRLM):
         elapsed = time.perf_counter() - started
         usage = usage_by_model(timeline, result, self.root_model_name)
         if self.logger is not None:
-            replay_to_logger(self.logger, timeline, services.blobs)
+            replay_to_logger(self.logger, timeline, services.blobs, self._run_metadata)
         report_children(timeline, services.blobs, self.callbacks, reported)
         raise_for_limit(
             result,

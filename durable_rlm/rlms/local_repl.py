@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.client.episodes import store_context
 from durable_rlm.client.sessions import value_literal
+from durable_rlm.rlms.environments import BaseEnv, validate_custom_tools
 from durable_rlm.rlms.lm_handler import LMHandler, handler_at
 from durable_rlm.rlms.results import RLMChatCompletion, UsageSummary
 from durable_rlm.rlms.types import REPLResult
@@ -49,7 +50,7 @@ T = TypeVar("T")
 NO_HANDLER = "No LM handler configured"  # rlms's words
 
 
-class LocalREPL:
+class LocalREPL(BaseEnv):
     """rlms's LocalREPL: a persistent namespace with the context, `llm_query` and friends."""
 
     def __init__(
@@ -66,8 +67,10 @@ class LocalREPL:
         max_concurrent_subcalls: int = 4,
         **kwargs: Any,
     ) -> None:
+        super().__init__(persistent, depth, max_concurrent_subcalls, **kwargs)
+        validate_custom_tools(custom_tools)
         self.lm_handler_address = lm_handler_address
-        self.persistent, self.depth, self.subcall_fn = persistent, depth, subcall_fn
+        self.subcall_fn = subcall_fn
         self.custom_tools = custom_tools or {}
         self.custom_sub_tools = custom_sub_tools if custom_sub_tools is not None else self.custom_tools
         self.compaction = compaction
@@ -83,6 +86,7 @@ class LocalREPL:
             else:
                 data[name] = value
         self._dir = Path(tempfile.mkdtemp(prefix="drlm-local-repl-"))
+        self.temp_dir = str(self._dir)  # rlms's: the REPL's own files, removed by cleanup()
         self._blobs = BlobStore(DirectoryBackend(self._dir / "blobs"))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -103,8 +107,13 @@ class LocalREPL:
             self.execute_code(OfferedTools(None, data).setup_code() or "")
         if setup_code:
             self.execute_code(setup_code)
+        if not self._cells:
+            self.locals = self._run(self._locals())  # the REPL starts now, as rlms's does
 
     # --- rlms's REPL ---------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """rlms's: make the namespace. Here the sandbox makes it when it starts."""
 
     def execute_code(self, code: str) -> REPLResult:
         """Run `code` as a cell; a call to llm_query waits for the handler's answer."""
@@ -203,7 +212,12 @@ class LocalREPL:
         )
         self._head = outcome.log_head
         while outcome.status == "suspended":
-            answers = [await asyncio.to_thread(self._answer, request, calls) for request in outcome.requests]
+            # A batch's calls run side by side, at most max_concurrent_subcalls at once, and are
+            # recorded in the order asked (rlms's).
+            room = asyncio.Semaphore(max(1, self.max_concurrent_subcalls))
+            done = await asyncio.gather(*(self._answered(room, request) for request in outcome.requests))
+            answers = [answer for answer, _ in done]
+            calls.extend(made for _, each in done for made in each)
             outcome = await self._host.resume_cell(
                 ResumeCellInput(sandbox=self._ref(), cell_index=self._cells, answers=answers)
             )
@@ -222,11 +236,16 @@ class LocalREPL:
             return {name: text for name, text in outcome.variables.items()}
         return {name: _value(kind, text) for name, (kind, text) in shown.items()}
 
-    def _answer(self, request: SubCallRequest, calls: list[RLMChatCompletion]) -> CallAnswer:
-        ok, text = self._call(request, calls)
-        return CallAnswer(
+    async def _answered(
+        self, room: asyncio.Semaphore, request: SubCallRequest
+    ) -> tuple[CallAnswer, list[RLMChatCompletion]]:
+        calls: list[RLMChatCompletion] = []
+        async with room:
+            ok, text = await asyncio.to_thread(self._call, request, calls)
+        answer = CallAnswer(
             call_index=request.call_index, prompt_digest=request.prompt_digest, ok=ok, text=text
         )
+        return answer, calls
 
     def _call(self, request: SubCallRequest, calls: list[RLMChatCompletion]) -> tuple[bool, str]:
         """One call of the cell, answered here: a tool, a child (subcall_fn) or a model."""

@@ -78,8 +78,12 @@ class Logged:
         return self.body
 
 
-def replay_to_logger(logger: Any, timeline: Timeline, blobs: BlobStore) -> None:
-    """The episode's iterations as rlms's logger lines (durable_rlm/viewer/export.py)."""
+def replay_to_logger(
+    logger: Any, timeline: Timeline, blobs: BlobStore, run_metadata: dict[str, Any] | None = None
+) -> None:
+    """The episode's iterations as rlms's logger lines (durable_rlm/viewer/export.py). A
+    child episode's trajectory carries `run_metadata` (the RLM's own), as rlms's child RLM
+    is made from its parent's settings, with the child's model."""
     from durable_rlm.viewer.export import (  # start-up: temporalio, not on import
         iteration_entries,
         resolve_prompts,
@@ -88,4 +92,19 @@ def replay_to_logger(logger: Any, timeline: Timeline, blobs: BlobStore) -> None:
     resolve_prompts(timeline, blobs)
     for entry in iteration_entries(timeline, blobs):
         body = {k: v for k, v in entry.items() if k not in ("type", "iteration", "timestamp")}
+        if run_metadata is not None:
+            _children_as_rlms_makes_them(body, run_metadata)
         logger.log(Logged(body))
+
+
+def _children_as_rlms_makes_them(iteration: dict[str, Any], run_metadata: dict[str, Any]) -> None:
+    for block in iteration.get("code_blocks", []):
+        for call in block.get("result", {}).get("rlm_calls", []):
+            trajectory = call.get("metadata")
+            if not isinstance(trajectory, dict) or "run_metadata" not in trajectory:
+                continue
+            model = call.get("root_model") or run_metadata.get("root_model")
+            kwargs = {**run_metadata.get("backend_kwargs", {}), "model_name": model}
+            trajectory["run_metadata"] = {**run_metadata, "root_model": model, "backend_kwargs": kwargs}
+            for inner in trajectory.get("iterations", []):
+                _children_as_rlms_makes_them(inner, run_metadata)

@@ -241,4 +241,5 @@ def run_metadata(
 
 
 def _keyless(data: dict[str, Any] | None) -> dict[str, Any]:
-    return {k: v for k, v in (data or {}).items() if "key" not in k.lower()}
+    """rlms's filter_sensitive_keys: no key whose name says "api" and "key"."""
+    return {k: v for k, v in (data or {}).items() if not ("api" in k.lower() and "key" in k.lower())}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from durable_rlm.rlms.environments import format_tools_for_prompt
+
 ORCHESTRATOR_ADDENDUM = "\n\n".join(
     [
         "As an RLM, you should act as an orchestrator, not a solver.",
@@ -63,21 +65,8 @@ ORCHESTRATOR_ADDENDUM = "\n\n".join(
 def tools_section(custom_tools: dict[str, Any] | None) -> str:
     """rlms's `{custom_tools_section}`: each tool or data value on a line, with its
     description (or what it is)."""
-    lines = []
-    for name, entry in (custom_tools or {}).items():
-        value, description = entry, None
-        if isinstance(entry, dict) and "tool" in entry:
-            value = entry["tool"]
-            description = entry.get("description") if isinstance(entry.get("description"), str) else None
-        if description:
-            lines.append(f"- `{name}`: {description}")
-        elif callable(value):
-            lines.append(f"- `{name}`: A custom function")
-        else:
-            lines.append(f"- `{name}`: A custom {type(value).__name__} value")
-    if not lines:
-        return ""
-    return "\n6. Custom tools and data available in the REPL:\n" + "\n".join(lines)
+    lines = format_tools_for_prompt(custom_tools)
+    return f"\n6. Custom tools and data available in the REPL:\n{lines}" if lines else ""
 
 
 def composed_system_prompt(

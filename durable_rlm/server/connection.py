@@ -17,7 +17,7 @@ from temporalio.client import Client
 from durable_rlm.errors import ServerUnavailable
 from durable_rlm.server.embedded import shared_server
 from durable_rlm.settings import Settings, private_file
-from durable_rlm.store.blobs import BlobStore, DirectoryBackend, SqlBackend
+from durable_rlm.store.blobs import BlobBackend, BlobStore, DirectoryBackend, SqlBackend
 from durable_rlm.store.codec import data_converter
 from durable_rlm.store.sql import agree_on_blob_store, open_store
 from durable_rlm.telemetry.metrics_server import metrics_runtime
@@ -50,15 +50,26 @@ def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     engine = open_store(settings.effective_database_url)
     where, chosen_by = settings.describe_stores()["blob store"]
     hint = f"{where} ({chosen_by})"
-    agree_on_blob_store(engine, settings.blob_store)  # a stray local blob store strands episodes
+    agree_on_blob_store(engine, settings.blob_store_name)  # a stray local blob store strands episodes
     keyring = settings.keyring()  # DRLM_ENCRYPTION_KEYS: blobs sealed at rest
     if keyring is not None:
         from durable_rlm.activities.audit import keep_text_out  # start-up: 0.13 s; unsealed stores skip it
 
         keep_text_out(engine)  # and no clear text in the audit rows either
+    return BlobStore(blob_backend(settings, engine), where=hint, keyring=keyring), engine
+
+
+def blob_backend(settings: Settings, engine: sa.Engine) -> BlobBackend:
+    """The backend DRLM_BLOB_STORE names: the SQL store's table, an object store, a directory."""
     if settings.blob_store == "sql":
-        return BlobStore(SqlBackend(engine), where=hint, keyring=keyring), engine
-    return BlobStore(DirectoryBackend(Path(settings.blob_store)), where=hint, keyring=keyring), engine
+        return SqlBackend(engine)
+    if settings.blob_store.startswith("s3://"):
+        from durable_rlm.store.s3 import S3Backend  # start-up: boto3 (~0.3 s) only for an object store
+
+        backend = S3Backend(settings.blob_store, settings.s3_endpoint_url)
+        backend.check_reachable()
+        return backend
+    return DirectoryBackend(Path(settings.blob_store))
 
 
 @contextlib.asynccontextmanager

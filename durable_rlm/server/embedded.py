@@ -161,8 +161,17 @@ class EmbeddedServer:
             "--ui-disable-news-fetch",
         )
         if self.codec_endpoint:
-            args += ("--ui-codec-endpoint", self.codec_endpoint)
+            # The endpoint carries the codec server's capability: never on a command line,
+            # which every local user reads (`ps`). The temporal CLI takes any flag's value
+            # from an environment file of its own: this one is the owner's alone (0600).
+            args += ("--env-file", str(self._codec_env_file()), "--env", "default")
         return args
+
+    def _codec_env_file(self) -> Path:
+        path = private_file(self.db_file.with_name(self.db_file.stem + "-ui.yaml"))
+        # YAML reads JSON: the URL needs no quoting rules of its own.
+        path.write_text(json.dumps({"env": {"default": {"ui-codec-endpoint": self.codec_endpoint}}}))
+        return path
 
     def _command(self) -> list[str]:
         command = [

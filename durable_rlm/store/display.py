@@ -19,7 +19,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from temporalio.api.common.v1 import Payload
 
-from durable_rlm.store.blobs import BlobNotFound, BlobStore, DirectoryBackend, SqlBackend
+from durable_rlm.store.blobs import BlobNotFound, BlobStore
 from durable_rlm.store.codec import (
     ENCODING,
     ENCRYPTED,
@@ -94,7 +94,7 @@ def _with_contexts(payload: Payload, blobs: BlobStore) -> Payload:
     for a reader, put the start of the context beside it (`"preview"`)."""
     if payload.metadata.get("encoding") != JSON_PLAIN or b'"kind"' not in payload.data:
         return payload
-    if len(payload.data) > DISPLAY_LIMIT or b'"sha256:' not in payload.data:
+    if len(payload.data) > DISPLAY_LIMIT or b'"sha256' not in payload.data:
         return payload
     try:
         value = json.loads(payload.data)
@@ -115,12 +115,15 @@ def _add_previews(value: Any, blobs: BlobStore, budget: list[int], depth: int = 
     changed = False
     if isinstance(value, dict):
         digest = value.get("digest")
-        if isinstance(digest, str) and digest.startswith("sha256:") and value.get("kind") in ("text", "json"):
+        if isinstance(digest, str) and digest.startswith("sha256") and value.get("kind") in ("text", "json"):
             budget[0] -= 1
             try:
-                text = blobs.get_text(digest)
-                cut = len(text) - CONTEXT_PREVIEW
-                value["preview"] = text[:CONTEXT_PREVIEW] + (f"… [{cut} more characters]" if cut > 0 else "")
+                # The head only: a context of gigabytes is never read whole for a preview.
+                head = blobs.head(digest, CONTEXT_PREVIEW * 4)
+                text = head.decode("utf-8", errors="ignore")[:CONTEXT_PREVIEW]
+                size = value.get("size")
+                cut = size - len(text) if isinstance(size, int) else 0
+                value["preview"] = text + (f"… [{cut} more characters]" if cut > 0 else "")
             except Exception as exc:  # noqa: BLE001 - a missing context must not hide the event
                 value["preview"] = f"[context {digest} unreadable: {str(exc).splitlines()[0][:200]}]"
             return True
@@ -175,12 +178,7 @@ def store_name(blobs: BlobStore) -> str:
     """Where the blobs are read from, for messages (no password)."""
     if blobs.where:
         return blobs.where
-    backend = blobs.backend
-    if isinstance(backend, SqlBackend):
-        return "the blobs table of " + backend.engine.url.render_as_string(hide_password=True)
-    if isinstance(backend, DirectoryBackend):
-        return f"the blob directory {backend.root}"
-    return type(backend).__name__
+    return blobs.backend.describe()
 
 
 def _placeholder(text: str, digest: str) -> Payload:

@@ -137,6 +137,9 @@ episode_timelines = sa.Table(
     sa.Column("status", sa.String(20), nullable=False),
     sa.Column("timeline", sa.Text, nullable=False),
     sa.Column("cached_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
+    # Since 0008: its history went past the namespace's retention and `drlm gc` removed the
+    # blobs only it named; the timeline's text stays, its blob references are not checked.
+    sa.Column("blobs_expired_at", sa.DateTime(timezone=True)),
 )
 
 # What every process using this store must agree on (0005): where the blobs live.
@@ -149,4 +152,4 @@ store_facts = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0007"  # alembic head; a test checks they agree
+SCHEMA_REVISION = "0009"  # alembic head; a test checks they agree

@@ -26,7 +26,9 @@ from durable_rlm.endpoints import model_settings
 from durable_rlm.errors import DurableRLMError
 from durable_rlm.prices import PriceTable
 from durable_rlm.settings import Settings
+from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.snapshot_key import lineage_mac, snapshot_key
+from durable_rlm.store.snapshot_pins import pin_snapshot
 from durable_rlm.workflows import names
 from durable_rlm.workflows.budget import limit_reached
 from durable_rlm.workflows.episode import EpisodeWorkflow, episode_policy
@@ -295,11 +297,14 @@ async def fork_episode(
     at: int,
     *,
     settings: Settings | None = None,
+    blobs: BlobStore | None = None,
     **changes: Any,
 ) -> tuple[Any, ForkPoint]:
     """Check everything, then start a fork of `source_id` after iteration `at`: (its
     handle, where it branched). `changes` are ForkChanges' fields. A changed model gets the
-    price table's price (`settings` names a user price file; without it, the shipped table)."""
+    price table's price (`settings` names a user price file; without it, the shipped table).
+    With `blobs`, the snapshot the fork starts from is pinned first, so its source's quota
+    never deletes it (the fork's first rebuild pins it too, if the source still holds it)."""
 
     wanted = ForkChanges.of(changes)
     point = await fork_point(client, source_id, at)
@@ -321,6 +326,8 @@ async def fork_episode(
         max_duration=wanted.max_duration,
         signed_for=(chosen, snapshot_key(settings.snapshot_key, settings.data_dir)),
     )
+    if blobs is not None and point.state.snapshot is not None:
+        await asyncio.to_thread(pin_snapshot, blobs, point.state.snapshot.digest)
     handle = await start_episode(client, request, task_queue, chosen)
     return handle, point
 
@@ -348,6 +355,7 @@ async def fork_command(
         args.episode_id,
         args.at,
         settings=settings,
+        blobs=services.blobs,
         **changes.model_dump(),
     )
     if say is not None:

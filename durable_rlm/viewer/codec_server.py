@@ -18,11 +18,14 @@ import asyncio
 import base64
 import binascii
 import hmac
+import http.cookies
 import json
 import logging
+import secrets
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -45,6 +48,77 @@ log = logging.getLogger(__name__)
 MAX_BODY = 32 * 1024 * 1024  # a request body over this is refused (413), not read
 UI_PORT = 8233  # the embedded server's default Web UI port (settings.ui_port)
 ALLOWED_HEADERS = "Content-Type, X-Namespace, Authorization"  # what the Web UI sends
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOGIN_TOKEN_S = 60.0  # a one-shot login link works this long, once
+MAX_LOGINS = 1_000  # tokens and sessions kept; the oldest go first
+
+
+def host_of(header: str | None) -> str | None:
+    """The host a Host header names, without its port (`[::1]:8234` -> `::1`)."""
+    if not header:
+        return None
+    value = header.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    return value.rpartition(":")[0] if value.count(":") == 1 else value
+
+
+class Logins:
+    """One-shot login tokens (a command mints one; a browser redeems it once, within
+    LOGIN_TOKEN_S) and the sessions they open (a random cookie, HttpOnly, SameSite=Strict:
+    sent by no other site's page). In memory: they end with the server."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[str, tuple[float, str]] = {}
+        self._sessions: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mint(self, wanted: str) -> str:
+        """A token for a page below the server's own paths (never another site)."""
+        target = wanted if wanted.startswith("/episodes") and "//" not in wanted else "/episodes"
+        token = secrets.token_urlsafe(32)
+        with self._lock:
+            self._tokens[token] = (time.monotonic() + LOGIN_TOKEN_S, target)
+            _bounded(self._tokens)
+        return token
+
+    def redeem(self, token: str) -> tuple[str, str] | None:
+        """(the page the token opens, a new session), once; None when the token was used,
+        expired or never minted."""
+        with self._lock:
+            found = self._tokens.pop(token, None) if token else None
+            if found is None or found[0] < time.monotonic():
+                return None
+            session = secrets.token_urlsafe(32)
+            self._sessions[session] = time.monotonic()
+            _bounded(self._sessions)
+            return found[1], session
+
+    @staticmethod
+    def cookie(port: int, session: str) -> str:
+        """The session's cookie: per port (127.0.0.1's cookies are shared by its ports)."""
+        return f"drlm_{port}={session}; Path=/; HttpOnly; SameSite=Strict"
+
+    def has_session(self, header: str | None, port: int) -> bool:
+        if not header:
+            return False
+        jar = http.cookies.SimpleCookie()
+        try:
+            jar.load(header)
+        except http.cookies.CookieError:
+            return False
+        morsel = jar.get(f"drlm_{port}")
+        with self._lock:
+            return morsel is not None and any(
+                hmac.compare_digest(morsel.value.encode(), known.encode()) for known in self._sessions
+            )
+
+
+def _bounded(table: dict[str, Any]) -> None:
+    while len(table) > MAX_LOGINS:
+        table.pop(next(iter(table)))
 
 
 def ui_origins(port: int = UI_PORT) -> tuple[str, ...]:
@@ -152,6 +226,7 @@ class CodecServer:
         path_secret: str | None = None,
         owner_uid: int | None = None,
         pages: Any | None = None,
+        allowed_hosts: Sequence[str] = (),
     ) -> None:
         self.blobs = blobs
         # The episode pages (durable_rlm/viewer/episode_page.py): served under the same capability.
@@ -166,6 +241,10 @@ class CodecServer:
         self.threshold = threshold
         # The blob store's read cache is not thread-safe and request threads share it.
         self._lock = threading.Lock()
+        # Host names a request may use: loopback's, the bound address, and those given (a
+        # server others reach by a name). Any other is a DNS-rebinding page's: 421.
+        self.hosts = frozenset(h.lower() for h in (*LOOPBACK_HOSTS, host, *allowed_hosts))
+        self.logins = Logins()
         try:
             self._server = ThreadingHTTPServer((host, port), self._handler())
         except OSError as exc:
@@ -253,15 +332,51 @@ class CodecServer:
                     return
                 super().handle()
 
+            def parse_request(self) -> bool:
+                """Every request names a host of ours, before anything else is looked at."""
+                if not super().parse_request():
+                    return False
+                if host_of(self.headers.get("Host")) not in server.hosts:
+                    self._error(421, "this server answers only to 127.0.0.1, localhost or its own address")
+                    return False
+                return True
+
             def _capable(self) -> bool:
-                """The path starts with the capability (always, without one); else 404."""
-                if server.path_secret is None:
-                    return True
-                first = self.path.split("?", 1)[0].lstrip("/").split("/", 1)[0]
-                if hmac.compare_digest(first.encode(), server.path_secret.encode()):
+                """The path starts with the capability, or the browser holds a session the
+                one-shot login gave it (always, without a capability); else 404."""
+                if server.path_secret is None or self._by_path() or self._by_cookie():
                     return True
                 self._error(404, "not found")
                 return False
+
+            def _by_path(self) -> bool:
+                if server.path_secret is None:
+                    return False
+                first = self.path.split("?", 1)[0].lstrip("/").split("/", 1)[0]
+                return hmac.compare_digest(first.encode(), server.path_secret.encode())
+
+            def _by_cookie(self) -> bool:
+                return server.logins.has_session(self.headers.get("Cookie"), server.port)
+
+            def _login(self) -> bool:
+                """GET /open?token=T (no capability in the URL): a one-shot token that a
+                command minted is exchanged for a session cookie, then the page."""
+                if self.path.split("?", 1)[0].rstrip("/") != "/open":
+                    return False
+                token = (self._query().get("token") or [""])[0]
+                redeemed = server.logins.redeem(token)
+                if redeemed is None:
+                    self._error(403, "this link was used or has expired: run `drlm ui --open` again")
+                    return True
+                target, session = redeemed
+                self.send_response(303)
+                self.send_header("Location", target)
+                self.send_header("Set-Cookie", server.logins.cookie(server.port, session))
+                self.send_header("Content-Length", "0")
+                self.send_header("Cache-Control", "no-store")
+                self.send_header("Referrer-Policy", "no-referrer")
+                self.end_headers()
+                return True
 
             def _cors(self) -> dict[str, str]:
                 origin = self.headers.get("Origin")
@@ -316,7 +431,7 @@ class CodecServer:
                 self.end_headers()
 
             def do_GET(self) -> None:  # noqa: N802
-                if not self._capable():
+                if self._login() or not self._capable():
                     return
                 if server.pages is not None and server.pages.owns(self._path()):
                     self._page(lambda: server.pages.get(self._path(), self._query(), self._base()))
@@ -340,9 +455,9 @@ class CodecServer:
                     )
 
             def _path(self) -> str:
-                """The path below the capability."""
+                """The path below the capability (a session's paths have none)."""
                 path = self.path.split("?", 1)[0]
-                if server.path_secret is not None:
+                if self._by_path():
                     path = "/" + path.lstrip("/").partition("/")[2]
                 return path.rstrip("/") or "/"
 
@@ -362,7 +477,7 @@ class CodecServer:
                 return parse_qs(self.path.partition("?")[2])
 
             def _base(self) -> str:
-                return f"/{server.path_secret}" if server.path_secret else ""
+                return f"/{server.path_secret}" if self._by_path() else ""
 
             def _page(self, answer: Any) -> None:
                 """An episode page's answer, with the page's security headers."""
@@ -387,6 +502,9 @@ class CodecServer:
 
             def _post(self) -> None:
                 if not self._capable():
+                    return
+                if self._path() == "/login-token" and self._by_path():
+                    self._mint()
                     return
                 if server.pages is not None and server.pages.owns(self._path()):
                     body = self._body()
@@ -422,5 +540,20 @@ class CodecServer:
                     return
                 convert = server.decode if action == "decode" else server.encode
                 self._send(200, payloads_to_json(convert(payloads)))
+
+            def _mint(self) -> None:
+                """A command holding the capability asks for a one-shot login link (`drlm ui
+                --open`): a browser's command line then carries a token that works once, within
+                seconds, instead of the capability."""
+                body = self._body()
+                if body is None:
+                    return
+                try:
+                    wanted = json.loads(body or b"{}").get("next") or "/episodes"
+                except (ValueError, AttributeError):
+                    wanted = "/episodes"
+                token = server.logins.mint(str(wanted))
+                host, port = server._server.server_address[:2]
+                self._send(200, {"url": f"http://{host!s}:{port}/open?token={token}"})
 
         return Handler

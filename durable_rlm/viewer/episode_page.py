@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -33,8 +34,9 @@ from temporalio.service import RPCError
 
 from durable_rlm.activities.sandbox_reaper import start_time
 from durable_rlm.audit import readonly
-from durable_rlm.audit.timeline import episode_timeline
+from durable_rlm.audit.timeline import episode_timeline, unattended_line
 from durable_rlm.client import steering
+from durable_rlm.client.attendance import unattended_episodes
 from durable_rlm.client.episodes import cancel_episode
 from durable_rlm.client.steering import default_sender, progress_of
 from durable_rlm.server.connection import connect_client
@@ -66,6 +68,7 @@ STATIC = ("page.js", "page.css")
 LIST_LIMIT = 500  # audit rows searched by the list page
 LIVE_QUERIES = 20  # running episodes the list asks whether they are paused or waiting
 CALL_TIMEOUT_S = 60.0
+QUERY_TIMEOUT_S = 5.0  # a busy worker's answer to the progress query: the page shows without it
 PAGE_LEASE_S = 60.0  # an open page keeps the shared server this long after its last poll
 
 SECURITY_HEADERS = {
@@ -221,16 +224,20 @@ class EpisodePages:
         timeline = await episode_timeline(client, episode_id)
         progress = None
         if timeline.status == "running":
+            unattended = await unattended_episodes(client, [episode_id], self.settings.data_dir)
+            timeline.unattended = episode_id in unattended
+        if timeline.status == "running" and not timeline.unattended:
             try:
-                progress = await progress_of(client, episode_id)
-            except RPCError:
-                progress = None  # no worker to answer the query: the history still shows
+                progress = await asyncio.wait_for(progress_of(client, episode_id), QUERY_TIMEOUT_S)
+            except (RPCError, TimeoutError):
+                progress = None  # its worker is busy: the history still shows
         body = TimelineView(self.renderer, base).body(timeline, progress)
         pending = progress.pending_cell if progress is not None else None
         return {
             "episode_id": episode_id,
             "status": timeline.status,
             "running": timeline.status == "running",
+            "unattended": timeline.unattended,
             # The clock's row alone changes every second: the script updates it in place.
             "version": hashlib.sha256(_CLOCK_ROW.sub("", body).encode()).hexdigest()[:16],
             "html": body,
@@ -297,10 +304,14 @@ class EpisodePages:
         return rows
 
     async def _live_states(self, episode_ids: list[str]) -> dict[str, str]:
-        """Which running episodes wait for a person: paused, or a cell awaiting approval."""
+        """Which running episodes wait for a person (paused, or a cell awaiting approval) or
+        for a worker (none runs them)."""
         client = await self.client()
+        unattended = await unattended_episodes(client, episode_ids, self.settings.data_dir)
 
         async def one(episode_id: str) -> tuple[str, str]:
+            if episode_id in unattended:
+                return episode_id, unattended_line(episode_id)
             try:
                 p = await asyncio.wait_for(progress_of(client, episode_id), 5)
             except Exception:  # noqa: BLE001 - no worker answers: nothing to flag
@@ -366,6 +377,8 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
     client = await pages.client()
     sender = str(form.get("sender") or pages.sender)[:100]
     reason = str(form.get("reason") or "")[:500]
+    if episode_id in await unattended_episodes(client, [episode_id], pages.settings.data_dir):
+        return await _act_unattended(pages, episode_id, action, sender, reason, form)
     if action in ("approve", "edit", "reject"):
         cell = form.get("cell")
         approval = f"{episode_id}#{int(cell)}" if cell is not None else episode_id
@@ -405,3 +418,35 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
     else:
         raise ValueError(f"no action {action!r}")
     return {"accepted": outcome.accepted, "message": outcome.message}
+
+
+UNATTENDED_CANCEL_S = 60.0
+"""How long the page waits for `drlm cancel` of an episode no worker runs (seconds, as the
+command takes: it runs the episode until the cancel has ended it)."""
+
+
+async def _act_unattended(
+    pages: EpisodePages, episode_id: str, action: str, sender: str, reason: str, form: dict[str, Any]
+) -> dict[str, Any]:
+    """No worker runs the episode, and the page's process runs none: a cancel is handed to
+    `drlm cancel`, which runs the episode until it has ended cancelled (an update sent here
+    would wait for a worker, and the page with it); any other action waits for a worker,
+    and the page says how to give it one."""
+    if action != "cancel":
+        return {"accepted": False, "message": f"{unattended_line(episode_id)}, then act on it"}
+    if form.get("extract"):
+        return {"accepted": False, "message": f"{unattended_line(episode_id)}: an extraction needs it"}
+    why = f"cancelled by {sender} from the episode page" + (f": {reason}" if reason else "")
+    env = {**os.environ, "DRLM_DATA_DIR": str(pages.settings.data_dir)}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "durable_rlm.cli", "cancel", episode_id, "--reason", why[:200],
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        _, said = await asyncio.wait_for(process.communicate(), UNATTENDED_CANCEL_S)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        return {"accepted": False, "message": f"drlm cancel {episode_id} did not end in time"}
+    lines = said.decode(errors="replace").strip().splitlines()
+    return {"accepted": process.returncode == 0, "message": " ".join(lines[:3])[:500]}

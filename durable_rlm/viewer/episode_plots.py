@@ -177,11 +177,11 @@ def usage_svg(t: Timeline) -> str:
             f'fill="{COLOURS["cost"]}"><title>iteration {i}: ${c:.4f}</title></circle>'
             for x, y, i, c in cost_points
         )
-        colour = COLOURS["cost"]
-        parts.append(f'<text x="0" y="46" font-size="11" fill="{colour}">cost max ${top_cost:.4f}</text>')
-    legend = [("prompt", "prompt"), ("reply", "reply"), ("sub", "sub-calls")]
+    legend = [("prompt", "prompt tokens"), ("reply", "reply tokens"), ("sub", "sub-call tokens")]
+    if cost_points:  # every line drawn is named here, the cost's scale with it
+        legend.append(("cost", f"cost, USD (its own scale: top ${top_cost:.4f})"))
     for n, (kind, text) in enumerate(legend):
-        x = LEFT + n * 110
+        x = LEFT + n * 140
         parts.append(f'<rect x="{x}" y="{base + 24}" width="10" height="10" fill="{COLOURS[kind]}"/>')
         parts.append(f'<text x="{x + 14}" y="{base + 33}" font-size="11">{text}</text>')
     parts.append("</svg>")

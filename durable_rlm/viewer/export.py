@@ -20,13 +20,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from durable_rlm.activities.chains import read_conversation
 from durable_rlm.activities.llm import resent_view
-from durable_rlm.audit.timeline import CellView, ChildView, SubCall, Timeline, episode_timeline
+from durable_rlm.audit.timeline import CellView, ChildView, SubCall, Timeline, ending_text, episode_timeline
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.server.connection import connect
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults
-from durable_rlm.workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage
+from durable_rlm.workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage, ending_words
 from durable_rlm.workflows.prompts import HISTORY_CELL
 
 FORMATS = ("rlms", "json")
@@ -44,6 +44,15 @@ async def export_command(settings: Settings, episode_id: str, fmt: str, output: 
         timeline = await episode_timeline(services.client, episode_id)
         text = await asyncio.to_thread(export_text, timeline, services.blobs, fmt)
     _write(text, output)
+    what = "an rlms trajectory log" if fmt == "rlms" else "JSON"
+    lines = text.count("\n")
+    where = f"to {output}" if output is not None else "to standard output"
+    # On stderr: standard output may be the export itself.
+    print(
+        f"episode {episode_id}: {len(timeline.iterations)} iteration(s) written as {what} {where} "
+        f"({lines:,} line(s), {len(text.encode()):,} bytes)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -215,9 +224,9 @@ def child_call(child: ChildView, blobs: BlobStore) -> dict[str, Any]:
         entry["error"] = f"child episode {child.episode_id} has no history"
     elif result is None:
         why = f": {timeline.failure}" if timeline.failure else ""
-        entry["error"] = f"child episode {child.episode_id} {timeline.status}{why}"
+        entry["error"] = f"child episode {child.episode_id} {ending_words(timeline.status)}{why}"
     elif result.answer is None:
-        entry["error"] = f"child episode {child.episode_id} ended by {result.ended_by} without an answer"
+        entry["error"] = f"child episode {child.episode_id} ended ({ending_text(result)}) without an answer"
     return entry
 
 

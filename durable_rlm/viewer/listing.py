@@ -3,11 +3,14 @@ for all its turns), drawn with rich; and `drlm show <session>`'s text."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from durable_rlm.terminal import safe
 
 
 def print_table(table: Table, console: Console | None = None) -> None:
@@ -15,7 +18,8 @@ def print_table(table: Table, console: Console | None = None) -> None:
     (console or Console(soft_wrap=True, width=1_000 if not Console().is_terminal else None)).print(table)
 
 
-def episode_table(rows: Sequence[Any]) -> Table:
+def episode_table(rows: Sequence[Any], unattended: Collection[str] = ()) -> Table:
+    """A line per episode; a running one that no worker runs says so in its status."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, justify in (
         ("episode", "left"),
@@ -32,14 +36,14 @@ def episode_table(rows: Sequence[Any]) -> Table:
         table.add_column(name, justify=justify, no_wrap=name != "task / answer")  # type: ignore[arg-type]  # rich's "left" or "right"
     for row in rows:
         if hasattr(row, "summary"):  # a persistent session (audit/readonly.py's SessionRows)
-            table.add_row(*_session_cells(row.summary()))
+            table.add_row(*_plain(_session_cells(row.summary())))
             continue
         tokens = (row.prompt_tokens or 0) + (row.completion_tokens or 0)
         started = row.started_at.strftime("%Y-%m-%d %H:%M:%S") if row.started_at else "-"
         answer = (row.answer or "").replace("\n", " ")
-        table.add_row(
+        cells = [
             ("  " * (row.depth or 0)) + row.episode_id,
-            row.status,
+            "running, no worker" if row.episode_id in unattended else row.status,
             row.ended_by or "-",
             row.root_model,
             _number(row.iterations),
@@ -48,8 +52,15 @@ def episode_table(rows: Sequence[Any]) -> Table:
             "-" if row.cost_usd is None else f"{row.cost_usd:.4f}",
             started,
             f"{row.task[:40]!r} -> {answer[:40]}" if answer else repr(row.task[:40]),
-        )
+        ]
+        table.add_row(*_plain(cells))
     return table
+
+
+def _plain(cells: list[str]) -> list[Text]:
+    """Cells as plain text: a task or an answer (a user's, a model's) is neither rich markup
+    (`[link=...]` would make a link) nor control sequences."""
+    return [Text(safe(cell)) for cell in cells]
 
 
 def _session_cells(line: dict[str, Any]) -> list[str]:
@@ -109,7 +120,7 @@ def session_text(view: dict[str, Any], width: int = 2_000) -> str:
         lines.append(f"Timeline: drlm show {turn['episode_id']}")
     if not turns:
         lines.append("\n(no turn yet)")
-    return "\n".join(lines)
+    return safe("\n".join(lines))
 
 
 def _number(value: int | None) -> str:

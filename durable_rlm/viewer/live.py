@@ -1,8 +1,10 @@
 """The live view of `drlm watch`: where a running episode is, against its budgets.
 
 One frame is a function of the episode's `progress` query (no history is read), drawn with
-rich: a bar per budget the request set (iterations, model calls, tokens, cost, time),
-what is being waited for, and the tail of the last response and cell output.
+rich: a bar per budget the request set (iterations, model calls, tokens, cost, time), what
+is being waited for, and the tail of the last response and cell output. Every text a model,
+a cell or a person wrote is plain rich Text (no markup) passed through
+durable_rlm/terminal.py.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from durable_rlm.terminal import safe
 from durable_rlm.workflows.models import EpisodeProgress
 
 TAIL_LINES = 8
@@ -26,13 +29,13 @@ def frame(episode_id: str, progress: EpisodeProgress, now: datetime | None = Non
     limits = progress.limits
     head = Text.assemble(
         ("episode ", "dim"),
-        (episode_id, "bold"),
+        (safe(episode_id), "bold"),
         ("  model ", "dim"),
-        (progress.root_model or "?", "bold"),
+        (safe(progress.root_model or "?"), "bold"),
         ("  iteration ", "dim"),
         (str(progress.iteration), "bold cyan"),
     )
-    phase = Text(progress.phase, style="yellow" if progress.paused or progress.held else "green")
+    phase = Text(safe(progress.phase), style="yellow" if progress.paused or progress.held else "green")
     if progress.phase_started is not None and not progress.finished:
         phase.append(f"  ({(now - progress.phase_started).total_seconds():.0f} s)", style="dim")
     bars = Table.grid(padding=(0, 1))
@@ -56,12 +59,16 @@ def frame(episode_id: str, progress: EpisodeProgress, now: datetime | None = Non
     if progress.pending_cell is not None:
         waiting = progress.pending_cell
         lines = [f"risk: {r}" for r in waiting.reasons] + waiting.code.splitlines()[-TAIL_LINES:]
-        title = f"cell {waiting.cell} waits: drlm approve {waiting.approval_id} | drlm reject ... --reason"
-        parts.append(Panel(Text("\n".join(lines)), title=title, title_align="left", border_style="yellow"))
+        title = Text(
+            safe(f"cell {waiting.cell} waits: drlm approve {waiting.approval_id} | drlm reject ... --reason")
+        )
+        parts.append(
+            Panel(Text(safe("\n".join(lines))), title=title, title_align="left", border_style="yellow")
+        )
     if progress.actions:
         actions = Text()
         for a in progress.actions[-5:]:
-            actions.append(f"{a.at:%H:%M:%S} {a.kind} by {a.sender}: {a.detail}"[:200] + "\n")
+            actions.append(safe(f"{a.at:%H:%M:%S} {a.kind} by {a.sender}: {a.detail}"[:200]) + "\n")
         parts.append(Panel(actions, title=f"actions ({progress.actions_total})", title_align="left"))
     if progress.last_response:
         parts.append(Panel(_tail(progress.last_response), title="last response", title_align="left"))
@@ -90,4 +97,4 @@ def _bar(
 
 def _tail(text: str) -> Text:
     lines = text.rstrip().splitlines()[-TAIL_LINES:]
-    return Text("\n".join(line[:200] for line in lines))
+    return Text(safe("\n".join(line[:200] for line in lines)))

@@ -22,17 +22,22 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
+from durable_rlm.audit.readonly import ENDED
 from durable_rlm.audit.timeline import (
     ActionView,
     CellView,
     ChildView,
     IterationView,
     Timeline,
-    cost_text,
     describe_execution,
+    ended_line,
+    ending_text,
     fork_line,
+    termination_text,
+    unattended_line,
 )
 from durable_rlm.viewer.episode_plots import plots_section
+from durable_rlm.workflows.models import ending_words
 
 if TYPE_CHECKING:
     from durable_rlm.workflows.models import EpisodeProgress
@@ -41,6 +46,7 @@ PREFIX = "/episodes"
 SUMMARY_CHARS = 120  # of a folded text shown in its summary line
 FOLD_CHARS = 1_500  # text longer than this is folded (<details>)
 MARKDOWN_CHARS = 200_000  # a reply longer than this is not rendered as Markdown
+CODE_FENCES = ("repl", "py", "python", "python3")  # fences highlighted as Python
 
 
 def esc(value: Any) -> str:
@@ -53,14 +59,24 @@ def esc(value: Any) -> str:
 
 class Renderer:
     """Timeline -> HTML. Markdown for replies (no raw HTML, links or images: model text is
-    hostile), pygments for code; both escape what they are given."""
+    hostile), pygments for code; both escape what they are given.
+
+    A reply's line breaks are kept (`breaks`): a `FINAL_VAR(result)` on a line of its own
+    stays there, not merged into the sentence before it. A reply whose cells ran shows each
+    of their fences as a pointer to the cell below, where its code is shown once."""
 
     def __init__(self) -> None:
         self._lexer = PythonLexer()
         self._formatter = HtmlFormatter(cssclass="hl")
         self._inline = HtmlFormatter(nowrap=True)
-        self._md = MarkdownIt("commonmark", {"html": False, "highlight": self._fence})
-        self._md.disable(["link", "image", "autolink", "html_inline", "html_block"])
+        self._md = self._markdown_it(self._fence)
+        self._md_ran = self._markdown_it(self._fence_ran)
+
+    @staticmethod
+    def _markdown_it(fence: Any) -> MarkdownIt:
+        md = MarkdownIt("commonmark", {"html": False, "breaks": True, "highlight": fence})
+        md.disable(["link", "image", "autolink", "html_inline", "html_block"])
+        return md
 
     def style(self) -> str:
         return str(self._formatter.get_style_defs(".hl"))
@@ -70,16 +86,22 @@ class Renderer:
         return str(highlight(source, self._lexer, self._formatter))
 
     def _fence(self, source: str, language: str, _attrs: Any) -> str:
-        if language not in ("repl", "py", "python", "python3"):
+        if language not in CODE_FENCES:
             return ""  # markdown-it escapes it as a plain block
         # Starts with <pre, so markdown-it takes it as the whole block (pygments escapes).
         return f'<pre class="hl">{highlight(source, self._lexer, self._inline)}</pre>'
 
-    def markdown(self, text: str) -> str:
-        """A reply as Markdown; one too long to render is shown as sent (it is below too)."""
+    def _fence_ran(self, source: str, language: str, attrs: Any) -> str:
+        if language not in CODE_FENCES:
+            return self._fence(source, language, attrs)
+        return '<pre class="ran">(this code is shown once, in its cell below)</pre>'
+
+    def markdown(self, text: str, cells_below: bool = False) -> str:
+        """A reply as Markdown; one too long to render is shown as sent (it is below too).
+        With `cells_below`, its code fences point to the cells that show their code."""
         if len(text) > MARKDOWN_CHARS:
             return f"<pre>{esc(text[:MARKDOWN_CHARS])}…</pre>"
-        return str(self._md.render(text))
+        return str((self._md_ran if cells_below else self._md).render(text))
 
 
 def _folded(label: str, text: str | None, css: str = "", key: str = "", always: bool = False) -> str:
@@ -113,7 +135,11 @@ class TimelineView:
         self.base = base
 
     def body(self, timeline: Timeline, progress: EpisodeProgress | None = None) -> str:
-        parts = [self._header(timeline, progress), self._budgets(timeline, progress), plots_section(timeline)]
+        """How it ended (its answer first) at the top, then budgets, plots and the steps."""
+        parts = [self._header(timeline, progress)]
+        if timeline.result is not None or timeline.failure:
+            parts.append(self._ending(timeline))
+        parts.extend([self._budgets(timeline, progress), plots_section(timeline)])
         actions = sorted(timeline.actions, key=lambda a: a.at)
         for it in timeline.iterations:
             before = [a for a in actions if a.iteration < it.iteration]
@@ -123,11 +149,13 @@ class TimelineView:
             parts.append(
                 '<section class="actions-tail">' + "".join(self._action(a) for a in actions) + "</section>"
             )
-        parts.append(self._ending(timeline))
+        if timeline.result is None and not timeline.failure:
+            parts.append('<section class="ending running"><h2>Not ended yet</h2></section>')
         return "\n".join(parts)
 
     def _header(self, t: Timeline, progress: EpisodeProgress | None) -> str:
         status = t.status
+        shown = ending_text(t.result) if t.result is not None else ending_words(status)
         flags = []
         if progress is not None and progress.held:
             flags.append(f'<span class="badge paused">paused: {esc(progress.held)}</span>')
@@ -139,7 +167,7 @@ class TimelineView:
             )
         lines = [
             f'<header><h1>Episode <span class="episode-id">{esc(t.episode_id)}</span> '
-            f'<span class="badge status-{esc(status)}">{esc(status)}</span> {"".join(flags)}</h1>',
+            f'<span class="badge status-{esc(status)}">{esc(shown)}</span> {"".join(flags)}</h1>',
             _folded("Task", t.task, "task", "task"),
         ]
         request = t.request
@@ -159,7 +187,10 @@ class TimelineView:
             facts.append(f"started {t.started_at:%Y-%m-%d %H:%M:%S} UTC")
         if t.ended_at is not None:
             facts.append(f"ended {t.ended_at:%Y-%m-%d %H:%M:%S} UTC")
-        lines.append('<p class="facts">' + " · ".join(facts) + "</p></header>")
+        lines.append('<p class="facts">' + " · ".join(facts) + "</p>")
+        if t.unattended:
+            lines.append(f'<p class="unattended">{esc(unattended_line(t.episode_id))}</p>')
+        lines.append("</header>")
         return "\n".join(lines)
 
     def _budgets(self, t: Timeline, progress: EpisodeProgress | None) -> str:
@@ -261,18 +292,20 @@ class TimelineView:
                 '<div class="error"><span class="label">model error</span>'
                 f"<pre>{esc(it.model_error)}</pre></div>"
             )
+        pending = progress.pending_cell if progress is not None else None
+        waiting_here = pending is not None and pending.iteration == it.iteration
         if it.response is not None:
+            cells_below = bool(it.cells) or waiting_here
             out.append(
                 '<div class="reply"><span class="label">model reply</span>'
-                f'<div class="markdown">{self.r.markdown(it.response)}</div>'
+                f'<div class="markdown">{self.r.markdown(it.response, cells_below=cells_below)}</div>'
                 f'<details class="raw" data-key="raw{it.iteration}"><summary>reply as sent</summary>'
                 f"<pre>{esc(it.response)}</pre></details></div>"
             )
         elif not it.model_error:
             out.append('<div class="reply pending-step">the model is answering…</div>')
         out.extend(self._cell(c) for c in it.cells)
-        pending = progress.pending_cell if progress is not None else None
-        if pending is not None and pending.iteration == it.iteration:
+        if pending is not None and waiting_here:
             # Not in history yet (it has not run): the workflow's own state says it waits.
             reasons = "; ".join(pending.reasons)
             out.append(
@@ -340,11 +373,11 @@ class TimelineView:
         elif t.result is not None:
             r = t.result
             state = (
-                f"ended by {r.ended_by}; answer: {r.answer}; {r.model_calls} model call(s), "
+                f"{ending_text(r)}; answer: {r.answer}; {r.model_calls} model call(s), "
                 f"{r.usage.total_tokens:,} tokens"
             )
         else:
-            state = t.failure or t.status
+            state = t.failure or ending_words(t.status)
         nested = ""
         if t is not None and depth < 8:
             grandchildren = [c for it in t.iterations for cell in it.cells for c in cell.children]
@@ -357,8 +390,6 @@ class TimelineView:
         )
 
     def _ending(self, t: Timeline) -> str:
-        if t.result is None and not t.failure:
-            return '<section class="ending running"><h2>Not ended yet</h2></section>'
         out = ['<section class="ending"><h2>How it ended</h2>']
         r = t.result
         if r is not None:
@@ -368,21 +399,15 @@ class TimelineView:
                 f"<pre>{esc(r.answer) if r.answer is not None else '(no answer)'}</pre></div>"
             )
             facts = [
-                f"Ended by <b>{esc(r.ended_by)}</b> after {r.iterations} iteration(s), {r.model_calls} model "
-                f"call(s) ({r.sub_calls} from the REPL), {r.usage.total_tokens:,} tokens, "
-                f"{esc(cost_text(r.usage))}",
+                esc(ended_line(r).replace("ended:", "Ended:", 1)),
                 f"Stop reason: {esc(r.stop_reason)}",
             ]
             if r.children:
                 facts.append(f"Tree: {r.tree_episodes} episode(s), {len(r.children)} direct child(ren)")
             if r.termination is not None:
-                tm = r.termination
-                facts.append(
-                    f"Termination: policy {esc(tm.policy)} at step {tm.step} ({esc(tm.action_type)}): "
-                    f"{esc(tm.reason)}"
-                )
+                facts.append(esc(termination_text(r.termination)))
             if r.execution is not None:
-                facts.append(esc(describe_execution(r.execution)))
+                facts.append(esc(describe_execution(r.execution, r.status)))
             if r.error:
                 facts.append(f"Error: {esc(r.error)}")
             if r.lost_cells or r.compactions or r.replay_divergences:
@@ -475,9 +500,10 @@ class ListQuery:
 
 def list_body(base: str, rows: Sequence[Any], q: ListQuery, live: dict[str, str], error: str = "") -> str:
     """The episode list: a search form, then one row per episode, paused and waiting ones marked."""
-    statuses = ("", "running", "completed", "failed", "cancelled", "terminated", "timed_out")
+    statuses = ("", "running", *ENDED)
     options = "".join(
-        f'<option value="{esc(s)}"{" selected" if s == q.status else ""}>{esc(s or "any status")}</option>'
+        f'<option value="{esc(s)}"{" selected" if s == q.status else ""}>'
+        f"{esc(ending_words(s) or 'any status')}</option>"
         for s in statuses
     )
     form = (
@@ -508,7 +534,7 @@ def list_body(base: str, rows: Sequence[Any], q: ListQuery, live: dict[str, str]
             f'<td>{esc(indent)}<a href="{esc(_page_href(base, row.episode_id))}">'
             f"{esc(row.episode_id)}</a></td>"
             f'<td class="text">{esc((row.task or "")[:200])}</td>'
-            f'<td><span class="badge status-{esc(row.status)}">{esc(row.status)}</span>'
+            f'<td><span class="badge status-{esc(row.status)}">{esc(ending_words(row.status))}</span>'
             f"{f' <span class=badge-attention>{esc(state)}</span>' if state else ''}</td>"
             f'<td class="text">{esc((row.answer or "")[:200])}</td>'
             f"<td>{esc(row.iterations if row.iterations is not None else '—')}</td>"

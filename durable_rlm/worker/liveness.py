@@ -58,6 +58,7 @@ from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, 
 
 from durable_rlm.activities.sandbox_files import read_sandbox_file
 from durable_rlm.client.attendance import LOCK_SUFFIX, liveness_folder, worker_identity
+from durable_rlm.owned_dirs import UnsafeDirectory, owned_directory
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import names
 
@@ -283,19 +284,15 @@ class _LedgerInbound(ActivityInboundInterceptor):
 
 
 def _private_folder(folder: Path) -> None:
-    """Make the folder (0700) or check it: a real directory of this user's, and neither it nor
-    its parent writable by anyone else (who could plant records or swap it)."""
-    # Each level made 0700 itself: `parents=True` would make the middle one by the umask
-    # (0775 under a umask of 002), which the check below would then refuse.
-    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    folder.mkdir(mode=0o700, exist_ok=True)
-    for path in (folder, folder.parent):
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
-            raise LivenessUnavailable(
-                f"{path} is not a directory of this user's that only it can write "
-                f"(uid {info.st_uid}, mode {stat.filemode(info.st_mode)})"
-            )
+    """Make the folder (0700) or check it: a real directory of this user's that only it can
+    write, reached through none another user could change (who could plant records or swap
+    it: durable_rlm/owned_dirs.py)."""
+    try:
+        owned_directory(folder, 0o700)
+    except UnsafeDirectory as exc:
+        raise LivenessUnavailable(
+            f"{folder} is not a directory of this user's that only it can write: {exc}"
+        ) from None
 
 
 def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:

@@ -31,6 +31,7 @@ import sys
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import default_max_sandboxes
 from durable_rlm.errors import ServerUnavailable
+from durable_rlm.owned_dirs import UnsafeDirectory
 from durable_rlm.server.embedded import answers
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.log_path import close_log_path, install_log_path
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None, prog: str = "worker.py") -> None:
         install_log_path(os.environ.get("DRLM_LOG_LEVEL", "INFO"))
         logging.getLogger("alembic").setLevel(logging.WARNING)
         asyncio.run(serve(Settings.from_env()))
-    except ConfigurationError as exc:
+    except (ConfigurationError, UnsafeDirectory) as exc:
         print(f"worker: {exc}", file=sys.stderr)
         code = 2
     except ServerUnavailable as exc:

@@ -8,7 +8,6 @@ import contextlib
 import functools
 import importlib
 import logging
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -28,7 +27,9 @@ from durable_rlm.activities.extraction import ExtractionActivities
 from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import WorkflowSlots
+from durable_rlm.activities.sandbox_start import default_sandbox_root
 from durable_rlm.activities.tools import run_tool
+from durable_rlm.audit.gc import RetentionActivities
 from durable_rlm.audit.projection import rebuild_episode, reconcile_audit, settle_at_close
 from durable_rlm.server.connection import (  # noqa: F401 - re-exported: one import for the worker side
     Services,
@@ -51,10 +52,12 @@ from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingWorkflowSlots
+from durable_rlm.worker.heap import return_large_buffers
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.episode import EpisodeWorkflow
+from durable_rlm.workflows.retention import BlobRetentionWorkflow
 from durable_rlm.workflows.session import SessionWorkflow
 
 Takes = Literal["all", "workflows", "activities"]
@@ -118,6 +121,7 @@ def build_workers(
     admission: AdmittingWorkflowSlots | None = None,
     liveness: WorkerLiveness | None = None,
     takes: Takes = "all",
+    sandbox_files_mb: int | None = defaults.SANDBOX_FILES_MB,
 ) -> tuple[list[Worker], ReplActivities]:
     """Two workers on one process: the shared queue (workflows and every activity) and a
     queue only this process polls, where an episode's REPL steps come back to its sandbox.
@@ -128,10 +132,11 @@ def build_workers(
     run it (started and abandoned as the command exits, it would be paid twice); or
     "activities", beside such a worker, once the calls it must not start are gone (the
     SDK lets one process have two workers on a queue only if they take different tasks)."""
+    return_large_buffers()  # a snapshot or a reply of megabytes leaves no heap behind
     import_policy_modules(policy_modules)
     import_tool_modules(tool_modules)
     worker_queue = f"{task_queue}-repl-{uuid.uuid4().hex[:12]}"
-    root = sandbox_root or Path(tempfile.gettempdir()) / "drlm-sandboxes"
+    root = sandbox_root or default_sandbox_root()
     repl = ReplActivities(
         blobs,
         worker_queue,
@@ -142,6 +147,7 @@ def build_workers(
         memory_budget_mb=sandbox_budget_mb,
         snapshot_key=snapshot_key,
         max_sandboxes=max_sandboxes,
+        files_mb=sandbox_files_mb,
     )
     observe_sandboxes(repl.slots, worker_queue)
     models = ModelActivities(blobs, credentials)
@@ -160,7 +166,7 @@ def build_workers(
     shared = Worker(
         client,
         task_queue=task_queue,
-        workflows=[EpisodeWorkflow, SessionWorkflow] if takes != "activities" else [],
+        workflows=[EpisodeWorkflow, SessionWorkflow, BlobRetentionWorkflow] if takes != "activities" else [],
         activities=[
             models.root_completion,
             models.sub_query,
@@ -168,6 +174,7 @@ def build_workers(
             extraction.extract_fallback,
             audit.audit_episode,
             run_tool,
+            RetentionActivities(blobs, engine).collect,
             *repl_activities,
         ],
         workflow_runner=workflow_runner(policy_modules),
@@ -315,6 +322,8 @@ def _workers_of(
         activity_slots=settings.activity_slots,
         sandbox_budget_mb=settings.sandbox_budget_mb,
         sandbox_start=settings.sandbox_start,
+        sandbox_root=settings.sandbox_dir,
+        sandbox_files_mb=settings.sandbox_files_mb,
         snapshot_key=load_snapshot_key(settings.snapshot_key, settings.data_dir),
         drain_grace_s=drain_grace_s,
         max_sandboxes=settings.max_sandboxes,

@@ -26,3 +26,13 @@ def test_a_program_drives_a_local_repl_through_an_lm_handler(differential) -> No
     assert run.ours.printed == run.theirs.printed
     assert run.theirs.printed[3] == "response variable: '4'"
     assert run.theirs.printed[-2:] == ["error: ZeroDivisionError: division by zero", "answered: 4"]
+
+
+def test_a_local_repl_keeps_rlms_s_names_versions_and_tools(differential) -> None:
+    run = differential("local_repl_behaviours", lambda request: "unused")
+    assert run.ours.printed == run.theirs.printed
+    assert run.theirs.printed[-3:] == [
+        "locals: ['answer', 'context', 'context_0', 'context_1', 'history']",
+        "answer: 4 None",
+        "error: NameError: name 'undefined_name' is not defined",
+    ]
