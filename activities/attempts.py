@@ -20,8 +20,8 @@ from datetime import UTC, datetime
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities.store_errors import store_problem, store_unavailable
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.outages import store_problem, store_unavailable
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import CellOutcome, StepEcho
 

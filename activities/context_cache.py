@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from durable_rlm.activities.sandbox.contexts import HEADER, PACK_MAGIC
-from durable_rlm.owned_dirs import UnsafeDirectory, check_owned
+from durable_rlm.host.owned_dirs import UnsafeDirectory, check_owned
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.chunks import split_digest
 from durable_rlm.store.contexts import read_documents_index
@@ -64,7 +64,7 @@ def owned_cache_dir(encrypting: bool, base: Path | None = None) -> Path:
 
 
 def check_private(directory: Path) -> None:
-    """The rules of every directory the worker owns (durable_rlm/owned_dirs.py: not a link,
+    """The rules of every directory the worker owns (durable_rlm/host/owned_dirs.py: not a link,
     this user's, writable by nobody else), and readable by nobody else: it holds contexts
     in the clear."""
     info = check_owned(directory)

@@ -8,10 +8,10 @@ import asyncio
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities import chains
 from durable_rlm.activities.attempts import start_attempt_clock
 from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.model_errors import compact_failures
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults, dspy_program, names, prompts
 from durable_rlm.workflows.fallback import ExtractFallbackInputs, REPLHistoryEntry, extraction_prompt

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from durable_rlm.activities.chains import LoggedCell, SnapshotTaken
 from durable_rlm.activities.sandbox.framing import encode_frame
 from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
-from durable_rlm.activities.sandbox_files import remove_sandbox_tree
 from durable_rlm.activities.sandbox_processes import SandboxProcess, SandboxUids, kill_uid
 from durable_rlm.activities.sandbox_protocol import BROKEN, FrameInbox, decode_frame
+from durable_rlm.host.files import remove_sandbox_tree
 from durable_rlm.store.blobs import text_digest
+from durable_rlm.store.chains import LoggedCell, SnapshotTaken
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import SandboxRef, SnapshotPolicy, SubCallRequest
 

@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities import chains
 from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.activities.providers import client_library, error_types
@@ -38,8 +37,10 @@ from durable_rlm.activities.reply_limits import (
     text_of_cut_body,
     was_cut,
 )
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults, dspy_program, names
+from durable_rlm.workflows.compaction import resent_view
 from durable_rlm.workflows.models import (
     CallFacts,
     CompactionInput,
@@ -496,16 +497,3 @@ def compaction_prompt(middle: list[Message], input_chars: int) -> str:
     each = max(200, input_chars // max(1, len(middle)))
     turns = "\n\n".join(f"[{m.role}]\n{shorten_middle(m.content, each)}" for m in middle)
     return COMPACTION_PROMPT.format(turns=shorten_middle(turns, input_chars))
-
-
-def resent_view(messages: list[Message], limit: int) -> list[Message]:
-    """What is sent: earlier replies and observations longer than `limit` are shortened
-    (head and tail kept). The system prompt, the task and the newest message go whole; the
-    stored conversation always keeps every message whole."""
-    last = len(messages) - 1
-    return [
-        m
-        if i < 2 or i == last or len(m.content) <= limit
-        else Message(role=m.role, content=shorten_middle(m.content, limit))
-        for i, m in enumerate(messages)
-    ]

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from temporalio.exceptions import ApplicationError, FailureError
 
 from durable_rlm.activities.providers import error_types
-from durable_rlm.activities.store_errors import store_problem, store_unavailable
+from durable_rlm.store.outages import store_problem, store_unavailable
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import ModelSettings
 from durable_rlm.workflows.parsing import shorten_middle

@@ -25,13 +25,11 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.activities.attempts import count_local_start, echoed
-from durable_rlm.activities.chains import CallsAnswered, CellStarted, LoggedAnswer, LoggedCell
 from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
 from durable_rlm.activities.model_errors import compact_failures
 from durable_rlm.activities.repl_cells import CellDriver
@@ -45,6 +43,7 @@ from durable_rlm.activities.sandbox_reaper import SandboxHome
 from durable_rlm.activities.sandbox_slots import SandboxSlots
 from durable_rlm.activities.sandbox_start import SandboxConfig, SandboxStarter, prepare_sandbox_root
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.chains import CallsAnswered, CellStarted, LoggedAnswer, LoggedCell
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import (
     CellOutcome,
@@ -81,25 +80,6 @@ async def heartbeating(every_s: float = defaults.HEARTBEAT_EVERY_S) -> AsyncIter
             await task
 
 
-class _Part:
-    """An attribute of one of the worker's parts, read and set on ReplActivities as its own:
-    tests, benchmarks and `drlm doctor` tune a worker's sandboxes (`host.memory_mb = ...`)
-    and look into them (`host._live`) as they did when it was one class."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self.part = part
-        self.name = name or ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        return self if obj is None else getattr(getattr(obj, self.part), self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(getattr(obj, self.part), self.name, value)
-
-
 class ReplActivities:
     """The sandboxes this worker process holds, and the REPL activities that drive them.
 
@@ -117,27 +97,11 @@ class ReplActivities:
     and a rebuild loads the latest snapshot and re-runs only the cells after it. A sandbox
     discarded while idle (reaped, or over the memory budget) is snapshotted first, so it
     comes back as it was without re-running anything.
-    """
 
-    # The worker's sandbox settings (its arguments), read as each sandbox starts.
-    memory_mb = _Part("config")
-    idle_s = _Part("config")
-    max_frame_bytes = _Part("config")
-    audit_hook = _Part("config")
-    filesystem = _Part("config")
-    namespaces = _Part("config")
-    sandbox_start = _Part("config")
-    memory_budget_mb = _Part("config")
-    files_mb = _Part("config")
-    snapshot_key = _Part("snapshots")
-    # What tests and benchmarks look into or drive directly.
-    _live = _Part("pool", "live")
-    _budget_task = _Part("pool", "budget_task")
-    _lock = _Part("pool", "lock")
-    _discard = _Part("pool", "discard")
-    _template = _Part("starter", "template")
-    _spawn = _Part("starter", "start")
-    _running_template = _Part("starter", "running_template")
+    Its parts are public: `config` (the worker's sandbox settings, read as each sandbox
+    starts, so tests and `drlm doctor` may change them), `pool` (the live sandboxes),
+    `starter` (the fork template), `snapshots`, `rebuilder`, `cells`.
+    """
 
     def __init__(
         self,

@@ -15,11 +15,11 @@ import json
 import time
 from typing import Any
 
-from durable_rlm.activities import chains
-from durable_rlm.activities.chains import CellEnded
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.repl_writes import StepWrites
 from durable_rlm.activities.sandbox_pool import SandboxPool
+from durable_rlm.store import chains
+from durable_rlm.store.chains import CellEnded
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import CellOutcome, ContextRef, SandboxRef, SubCallRequest
 

@@ -18,14 +18,14 @@ from typing import Any
 
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities import chains
-from durable_rlm.activities.chains import CellEnded, LoggedCell, SnapshotTaken
 from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
 from durable_rlm.activities.repl_snapshots import SnapshotRefused, Snapshots
 from durable_rlm.activities.repl_writes import StepWrites
 from durable_rlm.activities.sandbox_pool import SandboxPool
 from durable_rlm.activities.sandbox_start import SandboxStarter
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.chains import CellEnded, LoggedCell, SnapshotTaken
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import RebuildReport, SandboxRef
 

@@ -3,7 +3,7 @@ checking one before a rebuild loads it.
 
 A snapshot is bytes that sandboxed code produced (DESIGN, "REPL cells as resumable
 coroutines"): the worker never loads one itself. It stores the file a sandbox wrote (read
-with the care sandbox_files.py takes), signs the log entry that names it with the
+with the care durable_rlm/host/files.py takes), signs the log entry that names it with the
 worker's snapshot key, and hands a snapshot only to a sandbox of the same episode (or of a
 fork of it, as `drlm fork` signed), after checking that signature; what a snapshot could
 not hold is re-created by re-running the cells that bound it.
@@ -19,13 +19,13 @@ import logging
 import time
 import uuid
 
-from durable_rlm.activities.chains import LoggedCell, RecreateCell, SnapshotTaken, StoredSnapshot
 from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox, exec_message
 from durable_rlm.activities.repl_writes import StepWrites
 from durable_rlm.activities.sandbox.snapshot import SNAPSHOT_PREFIX
-from durable_rlm.activities.sandbox_files import read_sandbox_file, write_sandbox_file
 from durable_rlm.activities.sandbox_pool import SandboxPool
+from durable_rlm.host.files import read_sandbox_file, write_sandbox_file
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.chains import LoggedCell, RecreateCell, SnapshotTaken, StoredSnapshot
 from durable_rlm.store.snapshot_key import lineage_mac
 from durable_rlm.store.snapshot_pins import pin_snapshot, snapshot_pinned
 from durable_rlm.workflows import defaults

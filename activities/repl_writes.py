@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 from collections.abc import AsyncIterator
 
-from durable_rlm.activities import chains
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobBatch, BlobStore, TypedBlobs
 
 # The open step's blob writes (each activity runs in its own task, so its own context).

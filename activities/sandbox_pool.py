@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from durable_rlm.activities.chains import SnapshotTaken
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.sandbox_processes import uss_bytes
 from durable_rlm.activities.sandbox_reaper import reap_dead
 from durable_rlm.activities.sandbox_slots import SandboxSlots, default_max_sandboxes
 from durable_rlm.activities.sandbox_start import SandboxConfig, SandboxStarter
+from durable_rlm.store.chains import SnapshotTaken
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 from durable_rlm.activities.sandbox import CHILD_PATH, FORKSERVER_PATH, cgroups
 from durable_rlm.activities.sandbox.forkserver import MAX_MESSAGE, decode, encode
-from durable_rlm.activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims, proc_stat
+from durable_rlm.activities.sandbox_reaper import UID_CLAIMS, forget_stale_uid_claims
+from durable_rlm.host.processes import proc_stat
 
 log = logging.getLogger(__name__)
 

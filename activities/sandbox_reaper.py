@@ -36,10 +36,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from durable_rlm.host.processes import proc_stat, running
+
 try:
     from durable_rlm.activities.sandbox import cgroups
-    from durable_rlm.activities.sandbox_files import remove_sandbox_tree
-except ImportError:  # this file loaded alone, as another uid's reaper (tests/test_hygiene.py)
+    from durable_rlm.host.files import remove_sandbox_tree
+except ImportError:  # loaded with durable_rlm.host alone, as another uid's reaper (tests/test_hygiene.py)
     cgroups = None  # type: ignore[assignment]  # absent when loaded alone: checked where used
     remove_sandbox_tree = None  # type: ignore[assignment]  # likewise
 
@@ -57,36 +59,6 @@ SANDBOX_SCRIPTS = (b"child.py", b"forkserver.py")
 
 
 # --- processes ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    state: str
-    ppid: int
-    start: int  # clock ticks after boot: with the pid, names one process for good
-
-
-def proc_stat(pid: int) -> ProcStat | None:
-    """/proc/<pid>/stat, or None when there is no such process (or it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            text = file.read().decode("ascii", "replace")
-        fields = text[text.rindex(")") + 2 :].split()  # the name may hold spaces and ')'
-        return ProcStat(state=fields[0], ppid=int(fields[1]), start=int(fields[19]))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def running(pid: int, start: int | None) -> bool:
-    """Is `pid` still the process that started at `start` (any, when None)? A zombie has
-    ended. (The shared server's leases are judged this way too: durable_rlm/server/embedded.py.)"""
-    found = proc_stat(pid)
-    return found is not None and found.state not in ("Z", "X") and (start is None or found.start == start)
-
-
-def start_time(pid: int) -> int | None:
-    found = proc_stat(pid)
-    return None if found is None else found.start
 
 
 def sandbox_of(pid: int, start: int, owner_pid: int | None) -> bool:
@@ -453,7 +425,7 @@ def kill_if_still(pid: int, start: int, owner_pid: int | None) -> bool:
 def remove_tree(path: Path) -> bool:
     """Delete a sandbox tree, even one whose sandbox made parts of it read-only or deep;
     True once nothing of it is left. The tree is the sandbox's writing: it is removed
-    without recursion and without following a link (activities/sandbox_files.py), so a
+    without recursion and without following a link (durable_rlm/host/files.py), so a
     1,500-deep tree or a planted link cannot stop a reaper or lead it out."""
     if not os.path.lexists(path):
         return True

@@ -25,7 +25,6 @@ from durable_rlm.activities.context_cache import ContextCache
 from durable_rlm.activities.context_room import sandbox_room
 from durable_rlm.activities.live_sandbox import UNREADABLE_VIEW, LiveSandbox
 from durable_rlm.activities.sandbox.kernel import OWN_TMPFS
-from durable_rlm.activities.sandbox_files import sandbox_file_tail
 from durable_rlm.activities.sandbox_processes import (
     ForkServer,
     ForkServerError,
@@ -37,7 +36,8 @@ from durable_rlm.activities.sandbox_processes import (
 )
 from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD, READ_BUFFER, FrameInbox, read_frames
 from durable_rlm.activities.sandbox_reaper import SandboxHome
-from durable_rlm.owned_dirs import owned_directory
+from durable_rlm.host.files import sandbox_file_tail
+from durable_rlm.host.owned_dirs import owned_directory
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import SandboxRef
@@ -55,7 +55,7 @@ def default_sandbox_root() -> Path:
 
 def prepare_sandbox_root(root: Path) -> Path:
     """The root, this worker's own: made now, or refused when another user made it, could
-    swap it or could write in it (durable_rlm/owned_dirs.py); its homes' records say which
+    swap it or could write in it (durable_rlm/host/owned_dirs.py); its homes' records say which
     processes a reaper may kill. When sandboxes drop to other uids, every parent must let
     them through, and the root only through (0711)."""
     mode = 0o711 if os.geteuid() == 0 else 0o700

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from durable_rlm.activities.audit import episode_rows, rows_of_step, write_rows  # noqa: E402
 from durable_rlm.store import schema  # noqa: E402
+from durable_rlm.store.audit_rows import episode_rows, rows_of_step, write_rows  # noqa: E402
 from durable_rlm.store.sql import open_store  # noqa: E402
 from durable_rlm.workflows import names  # noqa: E402
 from durable_rlm.workflows.models import (  # noqa: E402

@@ -73,14 +73,14 @@ async def main(count: int) -> None:
     starts: dict[str, list[float]] = {mode: [] for mode in MODES}
     try:
         began = time.perf_counter()
-        template = await hosts["fork"]._running_template()
+        template = await hosts["fork"].starter.running_template()
         template_ms = (time.perf_counter() - began) * 1000
         assert template is not None, "the template did not start"
         layers = {mode: await host.probe() for mode, host in hosts.items()}  # also warms each mode
         for i in range(count):
             for mode in MODES:
                 began = time.perf_counter()
-                box = await hosts[mode]._spawn(ref(mode, i))
+                box = await hosts[mode].starter.start(ref(mode, i))
                 starts[mode].append((time.perf_counter() - began) * 1000)
                 boxes[mode].append(box)
         for mode in MODES:

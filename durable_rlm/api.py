@@ -30,15 +30,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from durable_rlm.endpoints import missing_key
 from durable_rlm.errors import EpisodeFailed
-from durable_rlm.request_template import episode_request, request_template
+from durable_rlm.request_template import RunOptions, episode_request, request_template
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.sdk_logs import quiet_sdk_failures
-from durable_rlm.tools import ToolsArgument, import_tool_modules
-from durable_rlm.workflows import defaults
+from durable_rlm.tools import import_tool_modules
 from durable_rlm.workflows.models import (
-    ApproveMode,
     ContextRef,
-    EpisodeLimits,
     EpisodeProgress,
     EpisodeRequest,
     EpisodeResult,
@@ -63,43 +60,17 @@ class DurableRLM:
         self,
         model: str,
         *,
-        provider: str | None = None,
-        base_url: str | None = None,
-        sub_model: str | None = None,
-        sub_base_url: str | None = None,
-        other_models: Sequence[str] = (),
-        max_depth: int = defaults.MAX_DEPTH,
-        limits: EpisodeLimits | dict[str, Any] | None = None,
-        policy: str = "final_pattern",
-        policy_config: dict[str, Any] | None = None,
-        policy_scans_output: bool = False,
-        reward_function: str = "none",
-        output_schema: dict[str, Any] | None = None,
-        tools: ToolsArgument = None,
-        sub_tools: ToolsArgument = None,
-        system_prompt: str | None = None,
-        setup_code: str | None = None,
-        sampling: dict[str, Any] | None = None,
-        sub_sampling: dict[str, Any] | None = None,
-        request_timeout_s: float = defaults.REQUEST_TIMEOUT_S,
-        max_attempts: int = defaults.MODEL_ATTEMPTS,
-        logprobs: bool = False,
-        code_fences: Sequence[str] = ("repl",),
-        fallback_extraction: bool = True,
-        approve: ApproveMode = "none",
         api_key: str | None = None,
-        reports_cost: bool | None = None,
         settings: Settings | None = None,
-        **limit_values: Any,
+        options: RunOptions | None = None,
+        **values: Any,
     ) -> None:
-        """Everything is checked here, before anything starts: a bad limit, policy, tool,
-        sampling key or output schema raises ConfigurationError or InvalidRequestError.
-        Limits come as `limits={...}` or as keywords (`max_iterations=10`), which win.
-        `tools` / `sub_tools` (what child episodes offer) take functions, registered tool
-        names, or rlms's dict of name -> function or data. `setup_code` is the REPL's first
-        cell; `system_prompt` replaces the built-in one. `reports_cost`: the provider returns
-        each call's cost (None: known for OpenRouter's endpoint), so max_cost_usd needs no
-        price for these models."""
+        """How its episodes run is `RunOptions` (durable_rlm/request_template.py), given as
+        keywords (`max_depth=2`, `tools=[...]`, a limit by its name: `max_iterations=10`) or
+        whole as `options`. Everything is checked here, before anything starts: an unknown
+        name, a bad limit, policy, tool, sampling key or output schema raises
+        ConfigurationError or InvalidRequestError. `api_key` is the model's key for the
+        embedded worker (never stored in history); `settings` default to the environment's."""
         from durable_rlm.worker.runtime import import_policy_modules  # start-up: temporalio, stores (0.3 s)
 
         _freeze_at_exit()
@@ -111,36 +82,13 @@ class DurableRLM:
                 "api_key only works with the embedded worker; with TEMPORAL_ADDRESS set, give "
                 "the key to the worker process (in its environment)"
             )
-        self.template = request_template(
-            model,
-            settings=self.settings,
-            provider=provider,
-            base_url=base_url,
-            sub_model=sub_model,
-            sub_base_url=sub_base_url,
-            other_models=other_models,
-            max_depth=max_depth,
-            limits=limits,
-            limit_values=limit_values,
-            policy=policy,
-            policy_config=policy_config,
-            policy_scans_output=policy_scans_output,
-            reward_function=reward_function,
-            output_schema=output_schema,
-            tools=tools,
-            sub_tools=sub_tools,
-            system_prompt=system_prompt,
-            setup_code=setup_code,
-            sampling=sampling,
-            sub_sampling=sub_sampling,
-            request_timeout_s=request_timeout_s,
-            max_attempts=max_attempts,
-            logprobs=logprobs,
-            code_fences=code_fences,
-            fallback_extraction=fallback_extraction,
-            approve=approve,
-            reports_cost=reports_cost,
-        )
+        if options is not None and values:
+            raise ConfigurationError("give the options either whole (options=...) or as keywords, not both")
+        if options is not None:
+            self.options = options if options.model == model else options.model_copy(update={"model": model})
+        else:
+            self.options = RunOptions.of(model, values)
+        self.template = request_template(self.options, self.settings)
         self.credentials = {self.template.root_model.api_key_env: api_key} if api_key else {}
         self._services: Services | None = None
         self._stack: contextlib.AsyncExitStack | None = None

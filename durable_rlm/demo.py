@@ -16,6 +16,14 @@ from durable_rlm.scripted import Reply, Script, root_and_sub
 
 SERVICES = ("auth", "billing", "search", "ingest", "notify")
 TASK = "Which service logged the most ERROR lines in this log, and how many?"
+LIMITS = {
+    "max_iterations": 10,
+    "max_llm_calls": 50,
+    "max_duration": 600.0,
+    "cell_timeout_s": 60.0,
+    "output_truncation": 20_000,
+}
+"""The demo's limits: a few times what its transcript needs."""
 
 
 def demo_log(lines: int = 600, seed: int = 7) -> str:

@@ -121,8 +121,7 @@ class ScriptedModelServer:
         self.requests: list[ChatRequest] = []
         self.completed = 0
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
-        self._server.daemon_threads = True
+        self._server = ScriptedHttpServer(("127.0.0.1", port), self)
         self._thread: threading.Thread | None = None
 
     @property
@@ -148,6 +147,16 @@ class ScriptedModelServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def record(self, request: ChatRequest) -> None:
+        """A request as it arrived (a test reads them all: what the model was sent)."""
+        with self._lock:
+            self.requests.append(request)
+
+    def count_completed(self) -> None:
+        """A reply was sent whole (a test tells calls answered from calls cut off)."""
+        with self._lock:
+            self.completed += 1
+
     def root_requests(self) -> list[ChatRequest]:
         with self._lock:
             return [r for r in self.requests if r.is_root]
@@ -164,206 +173,224 @@ class ScriptedModelServer:
         with self._lock:
             return [r for r in self.requests if r.is_extraction]
 
-    def _handler(self) -> type[BaseHTTPRequestHandler]:
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
+class ScriptedHttpServer(ThreadingHTTPServer):
+    """The listening socket of one `ScriptedModelServer`, which its requests reach as `self.model_server`."""
 
-            def log_message(self, *args: Any) -> None:
-                pass
+    daemon_threads = True
 
-            def handle(self) -> None:
-                try:
-                    super().handle()
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # a client that read only so much of a reply hung up: not the server's error
+    def __init__(self, address: tuple[str, int], model_server: ScriptedModelServer) -> None:
+        self.model_server = model_server
+        super().__init__(address, ScriptedRequests)
 
-            def setup(self) -> None:
-                super().setup()
-                # Headers and body go out in separate writes; without this, Nagle and delayed
-                # ACKs add ~40 ms to every keep-alive request and pollute timings.
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def _send(
-                self,
-                status: int,
-                body: dict[str, Any] | str,
-                headers: dict[str, str] | None = None,
-                content_type: str = "application/json",
-                compress: bool = False,
-            ) -> None:
-                data = (body if isinstance(body, str) else json.dumps(body)).encode()
-                if compress:
-                    data = gzip.compress(data, compresslevel=6)
-                    headers = {**(headers or {}), "Content-Encoding": "gzip"}
-                self.send_response(status)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.end_headers()
-                try:
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    # A client that reads only so much of a reply closes the connection.
-                    self.close_connection = True
+class ScriptedRequests(BaseHTTPRequestHandler):
+    """One request to the scripted model: OpenAI's chat completions or Anthropic's messages,
+    answered by the script, with each API's own error shape."""
 
-            api = "openai"
+    protocol_version = "HTTP/1.1"
+    server: ScriptedHttpServer
+    api = "openai"
 
-            def _error(
-                self, status: int, message: str, headers: dict[str, str] | None = None, code: object = None
-            ) -> None:
-                if self.api == "anthropic":
-                    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-                    name = kind.get(status, "invalid_request_error" if status < 500 else "api_error")
-                    self._send(
-                        status, {"type": "error", "error": {"type": name, "message": message}}, headers
-                    )
-                    return
-                kind_ = "invalid_request_error" if status < 500 else "server_error"
-                error = {"message": message, "type": kind_, "code": code if code is not None else status}
-                self._send(status, {"error": error}, headers)
+    @property
+    def model_server(self) -> ScriptedModelServer:
+        return self.server.model_server
 
-            def _anthropic_request(self, body: dict[str, Any]) -> ChatRequest:
-                """An Anthropic Messages request, seen as a chat request: the system prompt
-                becomes the first message and content blocks become text."""
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
-                def text(content: Any) -> str:
-                    if isinstance(content, str):
-                        return content
-                    return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a client that read only so much of a reply hung up: not the server's error
 
-                messages = [{"role": m["role"], "content": text(m["content"])} for m in body["messages"]]
-                system = body.get("system")
-                if system:
-                    messages.insert(0, {"role": "system", "content": text(system)})
-                return ChatRequest(
-                    body["model"], messages, time.time(), body, "anthropic", dict(self.headers)
-                )
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in separate writes; without this, Nagle and delayed ACKs add
+        # ~40 ms to every keep-alive request and pollute timings.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-            def do_GET(self) -> None:  # noqa: N802
-                if self.path.rstrip("/").endswith("/models"):
-                    names = sorted(server.models or {"scripted"})
-                    self._send(
-                        200,
-                        {
-                            "object": "list",
-                            "data": [{"id": n, "object": "model", "owned_by": "scripted"} for n in names],
-                        },
-                    )
-                else:
-                    self._error(404, f"no route {self.path}")
+    def _send(
+        self,
+        status: int,
+        body: dict[str, Any] | str,
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+        compress: bool = False,
+    ) -> None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        if compress:
+            data = gzip.compress(data, compresslevel=6)
+            headers = {**(headers or {}), "Content-Encoding": "gzip"}
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        try:
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True  # a client that reads only so much of a reply closes
 
-            def do_POST(self) -> None:  # noqa: N802
-                length = int(self.headers.get("Content-Length", "0"))
-                raw = self.rfile.read(length)
-                path = self.path.split("?")[0].rstrip("/")
-                if path.endswith("/messages"):
-                    self.api = "anthropic"
-                elif not path.endswith("/chat/completions"):
-                    return self._error(404, f"no route {self.path}")
-                # Anthropic's clients send x-api-key (older) or a bearer token (newer).
-                bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
-                given = (self.headers.get("x-api-key") or bearer) if self.api == "anthropic" else bearer
-                if server.api_key and given != server.api_key:
-                    return self._error(
-                        401, "invalid x-api-key" if self.api == "anthropic" else "Incorrect API key provided"
-                    )
-                try:
-                    body = json.loads(raw)
-                    if self.api == "anthropic":
-                        request = self._anthropic_request(body)
-                        if not isinstance(body.get("max_tokens"), int):
-                            return self._error(400, "max_tokens: Field required")
-                    else:
-                        request = ChatRequest(body["model"], list(body["messages"]), time.time(), body)
-                except (ValueError, KeyError, TypeError):
-                    return self._error(400, "malformed chat completion request")
-                with server._lock:
-                    server.requests.append(request)
-                if server.models is not None and request.model not in server.models:
-                    return self._error(404, f"The model `{request.model}` does not exist")
-                window = server.context_window_tokens
-                tokens = sum(len(str(m.get("content", ""))) for m in request.messages) // 4
-                if window is not None and tokens + int(request.body.get("max_tokens") or 0) > window:
-                    return self._error(
-                        400,
-                        f"This model's maximum context length is {window} tokens. However, your "
-                        f"messages resulted in {tokens} tokens. Please reduce the length of the messages.",
-                        code="context_length_exceeded",
-                    )
-                reply = server.script(request)
-                if isinstance(reply, str):
-                    reply = Reply(text=reply)
-                if reply.delay_s:
-                    time.sleep(reply.delay_s)
-                if reply.reset:
-                    # SO_LINGER 0: closing sends RST, as a proxy dropping the connection does.
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    self.close_connection = True
-                    self.connection.close()
+    def _error(
+        self, status: int, message: str, headers: dict[str, str] | None = None, code: object = None
+    ) -> None:
+        if self.api == "anthropic":
+            kinds = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+            name = kinds.get(status, "invalid_request_error" if status < 500 else "api_error")
+            self._send(status, {"type": "error", "error": {"type": name, "message": message}}, headers)
+            return
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        error = {"message": message, "type": kind, "code": code if code is not None else status}
+        self._send(status, {"error": error}, headers)
+
+    def do_GET(self) -> None:  # noqa: N802 (the http.server naming)
+        if not self.path.rstrip("/").endswith("/models"):
+            self._error(404, f"no route {self.path}")
+            return
+        names = sorted(self.model_server.models or {"scripted"})
+        models = [{"id": n, "object": "model", "owned_by": "scripted"} for n in names]
+        self._send(200, {"object": "list", "data": models})
+
+    def do_POST(self) -> None:  # noqa: N802
+        request = self._request()
+        if request is None or self._refused(request):
+            return
+        reply = self.model_server.script(request)
+        if isinstance(reply, str):
+            reply = Reply(text=reply)
+        if reply.delay_s:
+            time.sleep(reply.delay_s)
+        if reply.reset:
+            # SO_LINGER 0: closing sends RST, as a proxy dropping the connection does.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            self.connection.close()
+            return
+        if reply.raw is not None:
+            self._send(reply.status, reply.raw, reply.headers, reply.content_type, reply.gzip)
+        elif reply.status != 200:
+            self._error(reply.status, reply.error or "scripted failure", reply.headers)
+            return
+        else:
+            number = len(self.model_server.requests)
+            body = (anthropic_body if self.api == "anthropic" else openai_body)(request, reply, number)
+            self._send(200, body, reply.headers, compress=reply.gzip and self.api == "openai")
+        self.model_server.count_completed()
+
+    def _request(self) -> ChatRequest | None:
+        """The request read, routed and authenticated (recorded as it arrived), or None
+        once an error was answered."""
+        raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        path = self.path.split("?")[0].rstrip("/")
+        if path.endswith("/messages"):
+            self.api = "anthropic"
+        elif not path.endswith("/chat/completions"):
+            self._error(404, f"no route {self.path}")
+            return None
+        # Anthropic's clients send x-api-key (older) or a bearer token (newer).
+        bearer = (self.headers.get("Authorization") or "").removeprefix("Bearer ")
+        given = (self.headers.get("x-api-key") or bearer) if self.api == "anthropic" else bearer
+        expected = self.model_server.api_key
+        if expected and given != expected:
+            self._error(401, "invalid x-api-key" if self.api == "anthropic" else "Incorrect API key provided")
+            return None
+        try:
+            body = json.loads(raw)
+            if self.api == "anthropic":
+                request = anthropic_request(body, dict(self.headers))
+                if not isinstance(body.get("max_tokens"), int):
+                    self._error(400, "max_tokens: Field required")
                     return None
-                if reply.raw is not None:
-                    self._send(reply.status, reply.raw, reply.headers, reply.content_type, reply.gzip)
-                    with server._lock:
-                        server.completed += 1
-                    return None
-                if reply.status != 200:
-                    return self._error(reply.status, reply.error or "scripted failure", reply.headers)
-                prompt_chars = sum(len(str(m.get("content", ""))) for m in request.messages)
-                if self.api == "anthropic":
-                    self._send(
-                        200,
-                        {
-                            "id": f"msg_scripted_{len(server.requests)}",
-                            "type": "message",
-                            "role": "assistant",
-                            "model": request.model,
-                            "content": [{"type": "text", "text": reply.text}],
-                            "stop_reason": "end_turn",
-                            "stop_sequence": None,
-                            "usage": {
-                                "input_tokens": prompt_chars // 4,
-                                "output_tokens": len(reply.text) // 4,
-                            },
-                        },
-                        reply.headers,
-                    )
-                    with server._lock:
-                        server.completed += 1
-                    return None
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": reply.text},
-                    "finish_reason": "stop",
-                }
-                if request.body.get("logprobs") and reply.logprobs is not None:
-                    choice["logprobs"] = {
-                        "content": [
-                            {"token": f"t{i}", "logprob": lp, "bytes": None, "top_logprobs": []}
-                            for i, lp in enumerate(reply.logprobs)
-                        ]
-                    }
-                self._send(
-                    200,
-                    {
-                        "id": f"chatcmpl-scripted-{len(server.requests)}",
-                        "object": "chat.completion",
-                        "created": int(time.time()),
-                        "model": request.model,
-                        "choices": [choice],
-                        "usage": {
-                            "prompt_tokens": prompt_chars // 4,
-                            "completion_tokens": len(reply.text) // 4,
-                            "total_tokens": prompt_chars // 4 + len(reply.text) // 4,
-                            **({"cost": reply.cost} if reply.cost is not None else {}),
-                        },
-                    },
-                    reply.headers,
-                    compress=reply.gzip,
-                )
-                with server._lock:
-                    server.completed += 1
+            else:
+                request = ChatRequest(body["model"], list(body["messages"]), time.time(), body)
+        except (ValueError, KeyError, TypeError):
+            self._error(400, "malformed chat completion request")
+            return None
+        self.model_server.record(request)
+        return request
 
-        return Handler
+    def _refused(self, request: ChatRequest) -> bool:
+        """An unknown model, or a prompt past the model's window, answered as the API does."""
+        served = self.model_server
+        if served.models is not None and request.model not in served.models:
+            self._error(404, f"The model `{request.model}` does not exist")
+            return True
+        window = served.context_window_tokens
+        tokens = sum(len(str(m.get("content", ""))) for m in request.messages) // 4
+        if window is not None and tokens + int(request.body.get("max_tokens") or 0) > window:
+            self._error(
+                400,
+                f"This model's maximum context length is {window} tokens. However, your "
+                f"messages resulted in {tokens} tokens. Please reduce the length of the messages.",
+                code="context_length_exceeded",
+            )
+            return True
+        return False
+
+
+def anthropic_request(body: dict[str, Any], headers: dict[str, str]) -> ChatRequest:
+    """An Anthropic Messages request, seen as a chat request: the system prompt becomes the
+    first message and content blocks become text."""
+
+    def text(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        return "".join(b.get("text", "") for b in content if isinstance(b, dict))
+
+    messages = [{"role": m["role"], "content": text(m["content"])} for m in body["messages"]]
+    system = body.get("system")
+    if system:
+        messages.insert(0, {"role": "system", "content": text(system)})
+    return ChatRequest(body["model"], messages, time.time(), body, "anthropic", headers)
+
+
+def _prompt_chars(request: ChatRequest) -> int:
+    return sum(len(str(m.get("content", ""))) for m in request.messages)
+
+
+def anthropic_body(request: ChatRequest, reply: Reply, number: int) -> dict[str, Any]:
+    """A Messages API reply (tokens counted as characters / 4)."""
+    return {
+        "id": f"msg_scripted_{number}",
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": [{"type": "text", "text": reply.text}],
+        "stop_reason": "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": _prompt_chars(request) // 4, "output_tokens": len(reply.text) // 4},
+    }
+
+
+def openai_body(request: ChatRequest, reply: Reply, number: int) -> dict[str, Any]:
+    """A chat completion (tokens counted as characters / 4; logprobs when asked and scripted;
+    the provider-reported cost when scripted)."""
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": {"role": "assistant", "content": reply.text},
+        "finish_reason": "stop",
+    }
+    if request.body.get("logprobs") and reply.logprobs is not None:
+        choice["logprobs"] = {
+            "content": [
+                {"token": f"t{i}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                for i, lp in enumerate(reply.logprobs)
+            ]
+        }
+    prompt, completion = _prompt_chars(request) // 4, len(reply.text) // 4
+    return {
+        "id": f"chatcmpl-scripted-{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": request.model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            **({"cost": reply.cost} if reply.cost is not None else {}),
+        },
+    }

@@ -20,7 +20,7 @@ from pydantic import AliasChoices, Field, PrivateAttr, ValidationError, field_va
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.owned_dirs import owned_directory
+from durable_rlm.host.owned_dirs import owned_directory
 from durable_rlm.store.encryption import Keyring
 from durable_rlm.workflows import defaults
 
@@ -513,7 +513,7 @@ def safe_url(url: str) -> str:
 
 def private_dir(path: Path) -> Path:
     """`path` as a 0700 directory of this user's own: made now, or refused (UnsafeDirectory)
-    when another user made it, could swap it or could write in it (durable_rlm/owned_dirs.py)."""
+    when another user made it, could swap it or could write in it (durable_rlm/host/owned_dirs.py)."""
     owned_directory(path, 0o700)
     return path
 

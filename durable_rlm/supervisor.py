@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any
 
-from durable_rlm.activities.sandbox_reaper import start_time
 from durable_rlm.audit.projection import cache_closed_timelines
+from durable_rlm.host.processes import start_time
 from durable_rlm.server.connection import open_stores
 from durable_rlm.server.embedded import EmbeddedServer, ServerFiles, try_lock, ui_port
 from durable_rlm.settings import ConfigurationError, Settings

@@ -164,15 +164,15 @@ MECHANISMS = [
     ),
     Mechanism(
         "codec capability",
-        "durable_rlm/viewer/codec_server.py",
-        "                return hmac.compare_digest(first.encode(), server.path_secret.encode())",
-        "                return True",
+        "durable_rlm/viewer/codec_requests.py",
+        "        return hmac.compare_digest(first.encode(), self.codec.path_secret.encode())",
+        "        return True",
         "the codec server answers without its path secret",
     ),
     Mechanism(
         "codec host check",
-        "durable_rlm/viewer/codec_server.py",
-        'if host_of(self.headers.get("Host")) not in server.hosts:',
+        "durable_rlm/viewer/codec_requests.py",
+        'if host_of(self.headers.get("Host")) not in self.codec.hosts:',
         "if False:",
         "the page and codec server answer any Host header (a DNS-rebinding page's)",
     ),
@@ -192,8 +192,8 @@ MECHANISMS = [
     ),
     Mechanism(
         "codec owner uid",
-        "durable_rlm/viewer/codec_server.py",
-        "if server.owner_uid is not None and peer_uid(self.connection) != server.owner_uid:",
+        "durable_rlm/viewer/codec_requests.py",
+        "if self.codec.owner_uid is not None and peer_uid(self.connection) != self.codec.owner_uid:",
         "if False:",
         "the codec server answers every uid",
     ),
@@ -207,21 +207,21 @@ MECHANISMS = [
     # Issue 33, findings 1, 4, 7: the host trusts no path, size or count a sandbox chose.
     Mechanism(
         "sandbox file: no link followed",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK",
         "_READ = os.O_RDONLY | os.O_NONBLOCK",
         "the host opens a snapshot path through a link the sandbox planted",
     ),
     Mechanism(
         "sandbox file: regular files only",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "        if not stat.S_ISREG(info.st_mode):\n            raise",
         "        if False:\n            raise",
         "the host reads a FIFO or a device the sandbox left as its snapshot",
     ),
     Mechanism(
         "sandbox file: bounded read",
-        "activities/sandbox_files.py",
+        "durable_rlm/host/files.py",
         "            if len(data) > limit:",
         "            if False:",
         "the host reads a snapshot file for as long as it grows",
@@ -357,8 +357,8 @@ MECHANISMS = [
     Mechanism(
         "tool arguments bounded in values",
         "activities/tools.py",
-        '        values.check(request.arguments.encode("utf-8", "surrogatepass"))\n',
-        "",
+        'call = values.loads(request.arguments.encode("utf-8", "surrogatepass"))',
+        "call = json.loads(request.arguments)",
         "a tool call's arguments are parsed whatever they build",
     ),
     # Issue 45, item 1: no directory another user made, could swap or could write.

@@ -252,7 +252,7 @@ async def test_a_step_cancelled_while_it_evicts_leaves_the_evicted_episode_whole
     try:
         idle, evicting = Episode(repl, snapshots=rarely), Episode(repl, snapshots=rarely)
         await idle.run("x = 1")
-        box = repl._live[idle.episode_id]
+        box = repl.pool.live[idle.episode_id]
         send = box.send
         step: asyncio.Task | None = None
 

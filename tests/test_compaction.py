@@ -7,11 +7,11 @@ from __future__ import annotations
 import itertools
 import uuid
 
-from durable_rlm.activities.llm import resent_view, split_for_compaction
+from durable_rlm.activities.llm import split_for_compaction
 from durable_rlm.audit.timeline import episode_timeline, render
 from durable_rlm.scripted import COMPACTION_MARKER, SCRIPTED_SUMMARY, ChatRequest, Reply
 from durable_rlm.workflows import names
-from durable_rlm.workflows.compaction import estimated_request_tokens, needs_compaction
+from durable_rlm.workflows.compaction import estimated_request_tokens, needs_compaction, resent_view
 from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
 from tests.conftest import request_for, run_episode
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.activities.chains import SnapshotTaken, StoredSnapshot
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.repl_snapshots import Snapshots
 from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
+from durable_rlm.store.chains import SnapshotTaken, StoredSnapshot
 from durable_rlm.store.snapshot_pins import pin_snapshot, snapshot_pinned
 from durable_rlm.workflows.models import DurabilitySettings, EpisodeLimits, SnapshotPolicy
 from tests.conftest import Episode, request_for, run_episode
@@ -60,8 +60,8 @@ def disk_used(path: Path) -> int:
 
 @pytest.fixture(params=[True, False], ids=["hook-on", "hook-off"])
 async def health(request: pytest.FixtureRequest, worker, client, scripted) -> WorkerHealth:
-    worker.audit_hook = request.param  # the tmpfs holds without the sandbox's hook
-    worker.files_mb = 64  # read as each sandbox starts
+    worker.config.audit_hook = request.param  # the tmpfs holds without the sandbox's hook
+    worker.config.files_mb = 64  # read as each sandbox starts
     return await WorkerHealth.measure(client, worker, scripted)
 
 
@@ -108,7 +108,7 @@ async def test_the_tmpfs_counts_in_the_sandboxes_memory(host: ReplActivities) ->
         pytest.skip(f"no cgroup for sandboxes here: {cgroups.support().reason}")
     episode = Episode(host)
     await episode.run("x = 1")
-    box = host._live[episode.episode_id]
+    box = host.pool.live[episode.episode_id]
     memory = next(h for h in cgroups.support().hierarchies if "memory" in h.controllers)
     usage = "memory.current" if memory.version == 2 else "memory.usage_in_bytes"
     current = Path(memory.base) / cgroups.leaf_name(box.directory) / usage
@@ -195,7 +195,7 @@ async def main():
         layers = await host.probe()
         episode = Episode(host, snapshots=SnapshotPolicy(every_cells=1))
         first = await episode.run("x = 41")
-        await host._discard(host._live[episode.episode_id])
+        await host.pool.discard(host.pool.live[episode.episode_id])
         second = await episode.run("print(x + 1)")
         print(json.dumps({"view": layers.get("view"), "note": first.snapshot_note, "stdout": second.stdout}))
     finally:
@@ -241,7 +241,7 @@ async def test_host_files_are_read_only_to_the_sandbox_and_snapshots_cross_both_
     assert "Read-only file system" in (refused.error or "") or "not allowed" in (refused.error or "")
     taken = await episode.run("kept.append(4)")
     assert taken.snapshot is not None
-    await host._discard(host._live[episode.episode_id])
+    await host.pool.discard(host.pool.live[episode.episode_id])
     back = await episode.run("print(kept)")
     assert back.stdout == "[1, 2, 3, 4]\n" and back.rebuild is not None
     assert back.rebuild.from_snapshot == taken.snapshot.cell
@@ -270,7 +270,7 @@ async def test_an_episode_keeps_its_snapshot_quota_and_older_snapshots_go(
     """Six cells of 24 MB of variables each, every cell snapshotted, a quota of 64 MB: the
     store keeps the newest that fit (at most 64 MB), the older ones are gone. Without the
     quota the store would hold 6 x 24 MB."""
-    worker.audit_hook = hook
+    worker.config.audit_hook = hook
     health = await WorkerHealth.measure(client, worker, scripted)
     cells = ["import os\nv = os.urandom(24 << 20)"] + ["v = os.urandom(24 << 20)"] * 5
     server = scripted(script_of(cells, "FINAL(kept)"))

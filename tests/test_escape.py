@@ -111,7 +111,7 @@ async def test_the_root_holds_only_the_python_installation_and_its_own_directory
     host: ReplActivities,
 ) -> None:
     listing = await attack(host, "import os\nprint(sorted(os.listdir('/')))")
-    if not host.audit_hook:  # the hook refuses the listing itself
+    if not host.config.audit_hook:  # the hook refuses the listing itself
         shown = set(eval(listing))  # noqa: S307 - a list of names printed by our own cell
         # the first part of each bound path: the venv may live anywhere (/work here, /check in CI)
         installed = {Path(source).parts[1] for source in readonly_sources()}
@@ -193,7 +193,7 @@ async def test_no_socket_reaches_the_host(host: ReplActivities) -> None:
 async def test_an_episode_cannot_read_signal_limit_or_trace_another(host: ReplActivities) -> None:
     victim = Episode(host, context=f"the other episode's {CANARY}")
     await victim.run("kept = 'still here'")
-    box = host._live[victim.episode_id]
+    box = host.pool.live[victim.episode_id]
     pid, other_dir = box.process.pid, box.directory
     attacker = Episode(host)
     await attack(host, tried(other_dir / "context.txt"), attacker)
@@ -217,7 +217,7 @@ async def test_an_episode_cannot_read_signal_limit_or_trace_another(host: ReplAc
         attacker,
     )
     assert (await victim.run("print(kept)")).stdout == "still here\n"  # untouched, same process
-    assert host._live[victim.episode_id].process.pid == pid
+    assert host.pool.live[victim.episode_id].process.pid == pid
 
 
 async def test_the_kernel_refuses_what_the_repl_never_needs(host: ReplActivities) -> None:
@@ -246,7 +246,7 @@ async def test_a_fork_bomb_stops_at_the_process_limit(host: ReplActivities) -> N
         "    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
         "    made += 1\nelse:\n    print('ESCAPED')",
     )
-    if not host.audit_hook:
+    if not host.config.audit_hook:
         assert "stopped at" in text and int(text.split("stopped at")[1].split()[0]) < 64
 
 
@@ -259,10 +259,10 @@ async def test_nothing_a_sandbox_started_outlives_it(host: ReplActivities) -> No
             "    time.sleep(120)\n    os._exit(0)\nprint('child', pid)"
         )
     )
-    if host.audit_hook:
+    if host.config.audit_hook:
         assert "sandbox: os.fork is not allowed" in text
         return
-    child = _host_pid(host._live[episode.episode_id].process.pid, int(text.split("child")[1].split()[0]))
+    child = _host_pid(host.pool.live[episode.episode_id].process.pid, int(text.split("child")[1].split()[0]))
     await host.close_all()  # swept at the cell's end already when the sandbox has its own uid
     for _ in range(50):
         if not _alive(child):
@@ -315,10 +315,10 @@ async def test_a_process_a_cell_forked_does_not_outlive_the_cell(host: ReplActiv
             "if pid == 0:\n    time.sleep(120)\n    os._exit(0)\nprint('child', pid)"
         )
     )
-    if host.audit_hook:
+    if host.config.audit_hook:
         assert "sandbox: os.fork is not allowed" in text
         return
-    box = host._live[episode.episode_id]
+    box = host.pool.live[episode.episode_id]
     child = _host_pid(box.process.pid, int(text.split("child")[1].split()[0]))
     if ROOT_WORKER or box.layers.get("ipc_pid") == "ipc+pid":  # kill(-1) reaches only its own
         assert not _alive(child)  # killed and reaped before the cell's result was sent
@@ -369,7 +369,7 @@ async def test_shared_memory_goes_with_its_sandbox(host: ReplActivities) -> None
             "print('made', made)",
             episode,
         )
-        if not host.audit_hook:
+        if not host.config.audit_hook:
             assert "made 4" in text, text  # the attack ran: the kernel let it make them, inside
         await host.close_sandbox(CloseSandboxInput(episode_id=episode.episode_id))
         for _ in range(100):  # a namespace is freed by a kernel worker, soon after its end
@@ -432,8 +432,8 @@ async def test_memory_is_bounded_for_the_sandbox_as_a_whole(
     )
     filled = int(text.split("filled")[1].split()[0])
     alive = int(text.split("alive")[1].split()[0])
-    assert min(filled, alive) * 600 <= host.memory_mb, text  # 5 x 600 MB = 3000 MB without the bound
-    layer = host._live[episode.episode_id].layers["cgroup"]
+    assert min(filled, alive) * 600 <= host.config.memory_mb, text  # 5 x 600 MB = 3000 MB without the bound
+    layer = host.pool.live[episode.episode_id].layers["cgroup"]
     # Where the worker can make one, every sandbox has its cgroup, and then one process may
     # use most of the budget (600 MB of 1024 here); split rlimits allow 1024 / 8 MB each.
     assert layer.startswith("whole sandbox") == cgroups.support().available, layer
@@ -461,9 +461,9 @@ async def test_no_process_outside_its_sandbox_can_be_named(host: ReplActivities)
     signalled, traced or counted, whatever the uid (a worker not root shares its uid)."""
     other = Episode(host)
     await other.run("x = 1")
-    targets = [os.getpid(), host._live[other.episode_id].process.pid]
-    if host._template is not None:
-        targets.append(host._template.pid)
+    targets = [os.getpid(), host.pool.live[other.episode_id].process.pid]
+    if host.starter.template is not None:
+        targets.append(host.starter.template.pid)
     text = await attack(
         host,
         "import os\nfor pid in " + repr(targets) + ":\n"
@@ -472,5 +472,5 @@ async def test_no_process_outside_its_sandbox_can_be_named(host: ReplActivities)
         "    except PermissionError as e:\n"
         "        print('refused' if 'sandbox:' in str(e) else 'ESCAPED: it is there')",
     )
-    if not host.audit_hook:
+    if not host.config.audit_hook:
         assert text.split() == ["none"] * len(targets), text

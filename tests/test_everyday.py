@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.activities.sandbox_reaper import running
+from durable_rlm.host.processes import running
 from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, root_and_sub
 from durable_rlm.settings import Settings

@@ -25,7 +25,7 @@ from durable_rlm.activities import sandbox_processes
 from durable_rlm.activities.live_sandbox import LiveSandbox
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_processes import SandboxUids
-from durable_rlm.activities.sandbox_reaper import proc_stat
+from durable_rlm.host.processes import proc_stat
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows.models import SandboxRef
 from tests.conftest import ROOT, Episode
@@ -72,12 +72,12 @@ async def spawning(blob_store: BlobStore, sandboxes: Path) -> AsyncIterator[Repl
 
 
 def live(host: ReplActivities, episode: Episode) -> LiveSandbox:
-    return host._live[episode.episode_id]
+    return host.pool.live[episode.episode_id]
 
 
 def template_pid(host: ReplActivities) -> int:
-    assert host._template is not None and host._template.alive
-    return host._template.pid
+    assert host.starter.template is not None and host.starter.template.alive
+    return host.starter.template.pid
 
 
 def ppid(pid: int) -> int:
@@ -167,7 +167,7 @@ async def test_a_forked_sandbox_is_the_templates_child_and_a_spawned_one_the_wor
         assert proc_stat(pid).ppid == parent and os.getsid(pid) == pid  # and each leads its session
     assert live(forking, forked).process.kind == "fork"
     assert live(spawning, spawned).process.kind == "spawn"
-    assert spawning._template is None
+    assert spawning.starter.template is None
 
 
 async def test_every_sandbox_hashes_with_seed_0_whatever_its_episode_seed_or_start(
@@ -226,7 +226,7 @@ async def test_sandboxes_see_no_variable_of_the_worker(
     expected = [("HOME", home), ("LANG", "C.UTF-8"), ("PATH", "/usr/bin:/bin"), ("PYTHONHASHSEED", "0")]
     assert outcome.stdout == f"{expected}\n"
     # The environment the process was started with (a forked one: the template's) holds none.
-    pids = [box.process.pid] + ([template_pid(any_host)] if any_host.sandbox_start == "fork" else [])
+    pids = [box.process.pid] + ([template_pid(any_host)] if any_host.config.sandbox_start == "fork" else [])
     for pid in pids:
         initial = Path(f"/proc/{pid}/environ").read_bytes()
         assert b"sk-secret" not in initial and b"OPENAI" not in initial
@@ -320,7 +320,7 @@ async def test_rlimits_and_the_death_signal(any_bare: ReplActivities) -> None:
     )
     # The REPL's parent is its keeper, outside its PID namespace (so 0 to it); the keeper's
     # parent is the template or the worker, and its death kills the REPL (the signal above).
-    parent = template_pid(any_bare) if any_bare.sandbox_start == "fork" else os.getpid()
+    parent = template_pid(any_bare) if any_bare.config.sandbox_start == "fork" else os.getpid()
     assert outcome.stdout == f"{int(signal.SIGKILL)} 0\n"
     assert ppid(live(any_bare, episode).process.pid) == parent
 
@@ -391,10 +391,10 @@ async def test_a_sigkilled_worker_takes_its_template_and_busy_sandboxes_down(san
             host = ReplActivities(BlobStore(DirectoryBackend(root / "blobs")), "q", root / "s")
             ref = SandboxRef(episode_id="busy", context=None, seed=0, log_head=None,
                              cell_timeout_s=600, output_truncation=100)
-            box = await host._spawn(ref)
+            box = await host.starter.start(ref)
             await box.send({{"op": "exec", "code": "open('busy', 'w').close()\\nwhile True: pass",
                             "cell_name": "<cell 1>", "timeout": 600, "limit": 100}})
-            print(host._template.pid, box.process.pid, box.view, flush=True)
+            print(host.starter.template.pid, box.process.pid, box.view, flush=True)
             await asyncio.sleep(3600)
 
         asyncio.run(main())
@@ -456,11 +456,11 @@ async def test_over_budget_idle_sandboxes_go_least_recently_used_first_and_come_
     await b.run("kept = 'b'")
     await c.run("kept = 'c'")
     await a.run("print(kept)")  # least recently used now: b, then c, then a
-    forking.memory_budget_mb = 1
-    async with forking._lock(c.episode_id):  # c runs a step: it is never discarded
+    forking.config.memory_budget_mb = 1
+    async with forking.pool.lock(c.episode_id):  # c runs a step: it is never discarded
         assert await forking.enforce_memory_budget() == [b.episode_id, a.episode_id]
         assert forking.live_episodes() == [c.episode_id]
-    forking.memory_budget_mb = None
+    forking.config.memory_budget_mb = None
     for episode, name in ((a, "a"), (b, "b")):
         outcome = await episode.run("print(kept)")
         assert (outcome.stdout, outcome.rebuilt) == (f"{name}\n", True)
@@ -486,11 +486,11 @@ async def test_the_budget_is_checked_when_a_step_finishes(blob_store: BlobStore,
         await b.run(BALLAST)
         sizes = host.memory_report().sandboxes
         # Room for b as it is and some growth, not for a as well: a, idle, goes.
-        host.memory_budget_mb = math.ceil(sizes[b.episode_id] / 2**20) + 1
+        host.config.memory_budget_mb = math.ceil(sizes[b.episode_id] / 2**20) + 1
         assert sizes[a.episode_id] > 2**20 + 2**20  # so a does not fit in the slack
         await b.run("ballast2 = 1")
-        assert host._budget_task is not None
-        assert await host._budget_task == [a.episode_id]
+        assert host.pool.budget_task is not None
+        assert await host.pool.budget_task == [a.episode_id]
         assert host.live_episodes() == [b.episode_id]
         outcome = await a.run("print(kept)")
         assert (outcome.stdout, outcome.rebuilt) == ("a\n", True)

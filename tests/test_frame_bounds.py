@@ -67,7 +67,7 @@ def attack_script(cell: str):
 
 @pytest.fixture(params=[True, False], ids=["hook-on", "hook-off"])
 async def health(request: pytest.FixtureRequest, worker, client, scripted) -> WorkerHealth:
-    worker.audit_hook = request.param  # the host's bounds must hold without the sandbox's hook
+    worker.config.audit_hook = request.param  # the host's bounds must hold without the sandbox's hook
     return await WorkerHealth.measure(client, worker, scripted)
 
 

@@ -144,7 +144,7 @@ class Baseline:
 async def hostile_worker(request: pytest.FixtureRequest, worker, client, scripted):
     """The test's worker with the sandbox's audit hook on, then off (the other layers and
     the host's own checks must hold without it), warmed up by an honest episode."""
-    worker.audit_hook = request.param
+    worker.config.audit_hook = request.param
     await Baseline.honest_episode_answers(client, worker, scripted)
     worker.baseline = Baseline()
     yield worker

@@ -30,10 +30,11 @@ from durable_rlm.activities.sandbox_reaper import (
     OWNER_FILE,
     UID_CLAIMS,
     Owner,
-    proc_stat,
     reap_dead,
 )
 from durable_rlm.client.episodes import start_episode
+from durable_rlm.host import processes
+from durable_rlm.host.processes import proc_stat
 from durable_rlm.scripted import root_and_sub
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows.models import ContextRef, SandboxRef
@@ -280,12 +281,21 @@ def test_a_reaper_of_another_uid_reaps_its_own_dead_homes_and_leaves_root_owned_
     for path in [own, *own.rglob("*")]:
         os.chown(path, NOBODY, NOBODY, follow_symlinks=False)
     os.chown(root, NOBODY, NOBODY)  # the root of a worker running as that user
-    module = root / "reaper_copy.py"  # the reaper is standard library only
+    # The reaper is standard library only, and of the package it needs durable_rlm.host alone:
+    # both copied where that user can read them.
+    module = root / "reaper_copy.py"
     shutil.copy(sandbox_reaper.__file__, module)
-    module.chmod(0o644)
+    package = root / "alone" / "durable_rlm"
+    (package / "host").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "host" / "__init__.py").write_text("")
+    shutil.copy(processes.__file__, package / "host" / "processes.py")
+    for path in [module, root / "alone", *(root / "alone").rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
     script = textwrap.dedent(
         f"""
         import importlib.util, json, sys
+        sys.path.insert(0, {str(root / "alone")!r})
         spec = importlib.util.spec_from_file_location("reaper", {str(module)!r})
         reaper = sys.modules["reaper"] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(reaper)
@@ -304,7 +314,7 @@ def test_a_reaper_of_another_uid_reaps_its_own_dead_homes_and_leaves_root_owned_
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == [own.name], done.stderr
-    assert sorted(p.name for p in root.iterdir()) == sorted([theirs.name, module.name])
+    assert sorted(p.name for p in root.iterdir()) == sorted([theirs.name, module.name, "alone"])
 
 
 # --- the REPL host ----------------------------------------------------------------------------
@@ -317,12 +327,12 @@ async def test_a_host_keeps_its_sandboxes_in_a_home_of_its_own_and_removes_it_wh
     try:
         episode = Episode(host)
         await episode.run("x = 1")
-        box = host._live[episode.episode_id]
+        box = host.pool.live[episode.episode_id]
         assert box.directory.parent == host.home.path
         owner = Owner.parse((host.home.path / OWNER_FILE).read_bytes())
         assert owner == me()
         recorded = {json.loads(p.read_text())["role"]: p.stem for p in host.home.path.glob("*.proc")}
-        assert recorded == {"sandbox": str(box.process.pid), "template": str(host._template.pid)}  # type: ignore[union-attr]
+        assert recorded == {"sandbox": str(box.process.pid), "template": str(host.starter.template.pid)}  # type: ignore[union-attr]
         if ROOT_WORKER:
             assert (host.home.path.stat().st_uid, host.home.path.stat().st_mode & 0o777) == (0, 0o711)
 
@@ -330,9 +340,9 @@ async def test_a_host_keeps_its_sandboxes_in_a_home_of_its_own_and_removes_it_wh
         assert (await episode.run("print(x)")).stdout == "1\n"  # and left this one alone
         await other.close_all()
 
-        await host._discard(box)
+        await host.pool.discard(box)
         host.home.forget_ended()
-        assert [p.stem for p in host.home.path.glob("*.proc")] == [str(host._template.pid)]  # type: ignore[union-attr]
+        assert [p.stem for p in host.home.path.glob("*.proc")] == [str(host.starter.template.pid)]  # type: ignore[union-attr]
     finally:
         await host.close_all()
     assert list(root.iterdir()) == []
@@ -354,7 +364,7 @@ async def test_a_sandbox_that_fails_to_start_leaves_no_directory(blob_store: Blo
             output_truncation=100,
         )
         with pytest.raises(Exception):  # noqa: B017 - whatever the store raises for a missing blob
-            await host._spawn(ref)
+            await host.starter.start(ref)
         assert [p for p in host.home.path.iterdir() if p.is_dir()] == []
     finally:
         await host.close_all()
@@ -379,10 +389,10 @@ async def test_a_killed_workers_sandboxes_are_reaped_by_a_worker_sharing_the_roo
             host = ReplActivities(BlobStore(DirectoryBackend(Path(sys.argv[2]))), "q", Path(sys.argv[1]))
             ref = SandboxRef(episode_id="busy", context=None, seed=0, log_head=None,
                              cell_timeout_s=600, output_truncation=100)
-            box = await host._spawn(ref)
+            box = await host.starter.start(ref)
             await box.send({{"op": "exec", "code": "open('busy', 'w').close()\\nwhile True: pass",
                             "cell_name": "<cell 1>", "timeout": 600, "limit": 100}})
-            print(host._template.pid, box.process.pid, box.directory, box.view, flush=True)
+            print(host.starter.template.pid, box.process.pid, box.directory, box.view, flush=True)
             await asyncio.sleep(3600)
 
         asyncio.run(main())

@@ -50,8 +50,8 @@ def honest(request: ChatRequest) -> Reply | str:
 
 @pytest.fixture(params=[True, False], ids=["hook-on", "hook-off"])
 def hook(request: pytest.FixtureRequest, worker) -> bool:
-    worker.audit_hook = request.param  # read as each sandbox starts
-    worker.memory_mb = 1024  # the budget the whole sandbox stays in
+    worker.config.audit_hook = request.param  # read as each sandbox starts
+    worker.config.memory_mb = 1024  # the budget the whole sandbox stays in
     return request.param
 
 

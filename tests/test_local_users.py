@@ -281,7 +281,7 @@ def test_the_gate_works_for_an_unprivileged_owner(nobody_home: Path) -> None:
 
 
 def test_doctor_names_the_other_login_users_and_what_stays_open(tmp_path: Path) -> None:
-    from durable_rlm.activities.sandbox_reaper import start_time
+    from durable_rlm.host.processes import start_time
     from durable_rlm.server.embedded import local_exposure, other_login_users
 
     settings = Settings(data_dir=tmp_path / "data")

@@ -1,4 +1,4 @@
-"""Directories another local user could have made, swapped or written (durable_rlm/owned_dirs.py),
+"""Directories another local user could have made, swapped or written (durable_rlm/host/owned_dirs.py),
 and the reaper that judges only homes and records of its own user (activities/sandbox_reaper.py).
 
 The report: uid 65534 made `$TMPDIR/drlm-sandboxes` first; a root worker with that TMPDIR
@@ -29,7 +29,7 @@ from durable_rlm.activities import sandbox_reaper
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_reaper import OWNER_FILE, RECORD_SUFFIX, Owner, reap_dead
 from durable_rlm.audit.timeline import episode_timeline
-from durable_rlm.owned_dirs import UnsafeDirectory, check_owned, owned_directory
+from durable_rlm.host.owned_dirs import UnsafeDirectory, check_owned, owned_directory
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
@@ -201,7 +201,7 @@ async def private_worker(
     try:
         async with running_workers(Services(settings, store[0], store[1], client)) as repl:
             repl.task_queue = queue  # type: ignore[attr-defined]
-            repl.audit_hook = request.param
+            repl.config.audit_hook = request.param
             yield repl
     finally:
         sandbox_reaper.remove_tree(root)

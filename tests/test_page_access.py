@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.viewer.codec_server import host_of
+from durable_rlm.viewer.codec_requests import host_of
 from tests.test_codec_server import call, claim_checked, codec, in_json  # noqa: F401 - the fixture
 from tests.test_episode_page import page_base, session
 from tests.test_unattended import DRLM, environ

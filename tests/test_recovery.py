@@ -21,11 +21,11 @@ from temporalio.client import WorkflowHandle
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
-from durable_rlm.activities import chains
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.audit.timeline import episode_timeline
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.store import chains
 from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import CellOutcome, DurabilitySettings, EpisodeLimits, ExecuteCellInput
 from tests.conftest import Episode, request_for, run_episode

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities import chains
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_processes import SandboxUids
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore, SqlBackend
 from durable_rlm.store.sql import open_store
 from durable_rlm.workflows.models import (

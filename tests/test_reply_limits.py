@@ -220,7 +220,7 @@ async def workflow_tasks(client, episode_id: str) -> tuple[int, float]:
 async def health(request: pytest.FixtureRequest, client, worker, scripted) -> WorkerHealth:
     """The worker, warmed up, with the sandbox's audit hook on and off: a reply never reaches
     a sandbox, so the bound is the worker's own either way."""
-    worker.audit_hook = request.param
+    worker.config.audit_hook = request.param
     return await WorkerHealth.measure(client, worker, scripted)
 
 

@@ -217,7 +217,8 @@ def test_durable_rlm_takes_limits_as_keywords(tmp_path: Path) -> None:
     )
     assert (both.template.limits.max_iterations, both.template.limits.max_llm_calls) == (9, 4)
     with pytest.raises(
-        ConfigurationError, match="unknown argument\\(s\\) max_iteration; limits: max_iterations"
+        ConfigurationError,
+        match="unknown argument\\(s\\) max_iteration; options: model, provider.*; limits: max_iterations",
     ):
         DurableRLM("m", max_iteration=10, settings=Settings(data_dir=tmp_path))
 

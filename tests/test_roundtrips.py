@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from temporalio.api.common.v1 import Payload
 
-from durable_rlm.activities import chains
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
 from durable_rlm.store.codec import ENCODING, ClaimCheckCodec
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.activities import sandbox_files
-from durable_rlm.activities.sandbox_files import (
+from durable_rlm.host import files as sandbox_files
+from durable_rlm.host.files import (
     SandboxFileRefused,
     read_sandbox_file,
     remove_sandbox_tree,

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.activities import chains
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import root_and_sub
+from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.snapshot_key import lineage_mac
 from durable_rlm.workflows.models import EpisodeLimits, SnapshotPolicy
@@ -247,7 +247,7 @@ async def test_an_evicted_sandbox_comes_back_from_its_parked_snapshot(
         await episode.run("import time\nstamp = time.time()\nprint(stamp)")
         before = await episode.run("print(stamp)")
         assert before.snapshot is None
-        host.memory_budget_mb = 1  # now, so no step starts a pass of its own
+        host.config.memory_budget_mb = 1  # now, so no step starts a pass of its own
         assert await host.enforce_memory_budget() == [episode.episode_id]
         assert host.live_episodes() == []
         outcome = await episode.run("print(stamp)")

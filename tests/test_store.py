@@ -163,7 +163,7 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     assert held[0].config()["tuner"].workflow_slot_supplier.sandboxes is held_repl.slots
     # Heartbeats leave at most a second apart, not at 80% of the timeout.
     assert config["max_heartbeat_throttle_interval"] == timedelta(seconds=1)
-    assert (repl.memory_budget_mb, repl.sandbox_start) == (256, "spawn")
+    assert (repl.config.memory_budget_mb, repl.config.sandbox_start) == (256, "spawn")
 
 
 def _backends(engine: sa.Engine, tmp_path: Path) -> list[BlobStore]:

@@ -27,13 +27,13 @@ import pytest
 import sqlalchemy as sa
 from temporalio.client import Client
 
-from durable_rlm.activities.store_errors import store_problem
 from durable_rlm.audit.projection import rebuild_audit
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore, SqlBackend
 from durable_rlm.store.codec import data_converter
+from durable_rlm.store.outages import store_problem
 from durable_rlm.store.sql import create_engine, open_store
 from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers
 from durable_rlm.workflows import names
@@ -154,13 +154,13 @@ def test_no_negative_cell_duration_is_stored() -> None:
     """Steps of one cell written by two workers whose clocks disagree: unknown, not < 0."""
     from datetime import UTC, datetime
 
-    from durable_rlm.activities.audit import _merge_cell
+    from durable_rlm.store.audit_rows import merge_cell
 
     started = {"started_at": datetime(2026, 11, 25, 12, 0, 10, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
     ended = {"ended_at": datetime(2026, 11, 25, 12, 0, 0, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
-    assert _merge_cell(started, ended)["duration_s"] is None
+    assert merge_cell(started, ended)["duration_s"] is None
     later = {"ended_at": datetime(2026, 11, 25, 12, 0, 12, tzinfo=UTC), "sub_calls": 0, "rebuilt": False}
-    assert _merge_cell(started, later)["duration_s"] == 2.0
+    assert merge_cell(started, later)["duration_s"] == 2.0
 
 
 @pytest.mark.slow  # long end to end (issue 34: the default run near 13 min); CI runs it
@@ -360,7 +360,7 @@ def test_a_cell_run_again_after_its_worker_was_killed_keeps_the_later_run() -> N
     step that did not complete the cell never undoes one that did."""
     from datetime import UTC, datetime
 
-    from durable_rlm.activities.audit import _merge_cell
+    from durable_rlm.store.audit_rows import merge_cell
 
     def at(second: int) -> datetime:
         return datetime(2026, 11, 25, 12, 0, second, tzinfo=UTC)
@@ -383,10 +383,10 @@ def test_a_cell_run_again_after_its_worker_was_killed_keeps_the_later_run() -> N
         "rebuilt": True,
     }
     again |= {"started_at": at(10), "ended_at": at(12)}
-    merged = _merge_cell(first, again)
+    merged = merge_cell(first, again)
     assert (merged["stdout"], merged["ended_at"], merged["duration_s"]) == ("b", at(12), 2.0)
     running = {"status": "running", "sub_calls": 2, "rebuilt": False, "started_at": at(10)}
-    kept = _merge_cell(merged, running)
+    kept = merge_cell(merged, running)
     assert (kept["status"], kept["stdout"], kept["ended_at"], kept["sub_calls"]) == (
         "completed",
         "b",

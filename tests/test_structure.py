@@ -10,6 +10,7 @@ with no exception listed.
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -170,3 +171,53 @@ def test_every_safety_mechanism_of_the_matrix_is_found_where_it_says() -> None:
         if not (ROOT / m.file).is_file() or (ROOT / m.file).read_text().count(m.find) != 1
     ]
     assert stale == []
+
+
+ACTIVITY_USERS = {
+    "durable_rlm.worker.runtime": "registers the activities and their interceptors",
+    "durable_rlm.worker.main": "the worker's command line",
+    "durable_rlm.cli.doctor": "checks each sandbox layer by starting a real sandbox",
+    "durable_rlm.rlms.local_repl": "rlms's LocalREPL: a program drives a sandboxed REPL itself",
+    "durable_rlm.cli.run": "how large a context one sandbox of this host can hold",
+    "durable_rlm.client.context_input": "the same room, for a context read from files",
+    "durable_rlm.client.episodes": "an embedded worker's context cache, filled as the context is stored",
+}
+"""The modules outside activities/ that import it, and why. activities/ holds the activity
+definitions and what only they use; a helper that another room needs lives in that room or
+below it (durable_rlm/store: chains, audit rows, store outages; durable_rlm/host: processes,
+files, owned directories), so a new import of activities/ from elsewhere fails here until
+it is moved down, or listed with its reason."""
+
+
+def test_activities_are_imported_only_by_the_rooms_that_run_them() -> None:
+    found: set[str] = set()
+    package = ROOT / "durable_rlm"
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if relative.parts[0] in ("activities", "workflows", "migrations"):
+            continue  # the links to the top-level folders
+        module = ".".join(("durable_rlm", *relative.with_suffix("").parts)).removesuffix(".__init__")
+        if any(name.split(".")[:2] == ["durable_rlm", "activities"] for name in runtime_imports(path)):
+            found.add(module)
+    assert sorted(found) == sorted(ACTIVITY_USERS)
+
+
+def runtime_imports(path: Path) -> list[str]:
+    """The modules `path` imports when it runs: not those for annotations only
+    (`if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for node in ast.walk(block)
+    }
+    names = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names.extend(alias.name for alias in node.names)
+    return names

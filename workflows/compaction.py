@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from durable_rlm.workflows import defaults
 from durable_rlm.workflows.models import EpisodeCarry, EpisodeLimits, Message, ModelSettings
+from durable_rlm.workflows.parsing import shorten_middle
 
 
 def estimated_request_tokens(state: EpisodeCarry, pending: list[Message], resent_chars: int) -> int:
@@ -51,3 +52,16 @@ def summary_input_chars(limits: EpisodeLimits, model: ModelSettings, rlms: bool 
     share = 1.0 if rlms else limits.compact_at
     room = int(share * limits.context_window_tokens) - reply_reserve(model)
     return max(1_000, min(defaults.COMPACTION_INPUT_CHARS, room * defaults.CHARS_PER_TOKEN // 2))
+
+
+def resent_view(messages: list[Message], limit: int) -> list[Message]:
+    """What is sent: earlier replies and observations longer than `limit` are shortened
+    (head and tail kept). The system prompt, the task and the newest message go whole; the
+    stored conversation always keeps every message whole."""
+    last = len(messages) - 1
+    return [
+        m
+        if i < 2 or i == last or len(m.content) <= limit
+        else Message(role=m.role, content=shorten_middle(m.content, limit))
+        for i, m in enumerate(messages)
+    ]

@@ -84,7 +84,7 @@ def waits_for_credentials(err: BaseException) -> bool:
 
 
 def waits_for_store(err: BaseException) -> bool:
-    """A step the audit or blob store failed (activities/store_errors.py): the episode waits
+    """A step the audit or blob store failed (durable_rlm/store/outages.py): the episode waits
     for the store and asks again."""
     return error_type(err) == names.STORE_UNAVAILABLE
 

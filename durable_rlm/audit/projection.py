@@ -21,7 +21,6 @@ import sqlalchemy as sa
 from temporalio.client import Client, WorkflowExecution, WorkflowExecutionStatus
 from temporalio.service import RPCError
 
-from durable_rlm.activities.audit import Row, rows_of_step, upsert_episode, write_rows
 from durable_rlm.audit.history import Reset, completed_steps, episode_runs, resets
 from durable_rlm.audit.readonly import ENDED
 from durable_rlm.audit.timeline import episode_timeline
@@ -30,6 +29,7 @@ from durable_rlm.client.episodes import closing_error, execution_ending
 from durable_rlm.server.connection import open_stores
 from durable_rlm.settings import Settings
 from durable_rlm.store import schema
+from durable_rlm.store.audit_rows import Row, rows_of_step, upsert_episode, write_rows
 from durable_rlm.store.codec import data_converter
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import AuditEpisodeInput, EpisodeRequest, EpisodeResult

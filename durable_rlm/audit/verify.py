@@ -8,7 +8,7 @@ every reference to the blob store:
 - a claim-checked payload (durable_rlm/store/codec.py) anywhere in an event;
 - inside the payloads: a `ContextRef` (the episode's context, an rlm_query prompt), a root
   call's conversation head, a REPL cell-log head (`log_head`), a `SnapshotRef`;
-- along the hash chains those heads name (activities/chains.py): each node, a message's
+- along the hash chains those heads name (durable_rlm/store/chains.py): each node, a message's
   content, a cell's output, a recorded call's reply, a snapshot.
 
 Each blob is read once and checked against its digest (opened with the keyring when the
@@ -467,7 +467,7 @@ def _references(value: Any, where: str) -> Iterator[tuple[Kind, str, str]]:
 
 
 def _node_references(node: dict[str, Any], what: str) -> Iterator[tuple[Kind, str, str]]:
-    """The blobs a chain node names besides its predecessor (activities/chains.py)."""
+    """The blobs a chain node names besides its predecessor (durable_rlm/store/chains.py)."""
     if "role" in node and "content" in node:
         yield "conversation", node["content"], f"a {node['role']} message of {what}"
     if node.get("t") == "end" and node.get("output") is not None:

@@ -111,7 +111,7 @@ def _report(exc: Exception) -> int:
     if isinstance(exc, ServerUnavailable):
         stderr(f"drlm: {exc}")
         return EXIT_FAILED
-    from durable_rlm.activities.store_errors import store_problem  # start-up: SQLAlchemy (~0.2 s)
+    from durable_rlm.store.outages import store_problem  # start-up: SQLAlchemy (~0.2 s)
 
     problem = store_problem(exc)
     if problem is not None:  # one line, not a traceback: wait for the store, or free it

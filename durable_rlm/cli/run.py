@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from durable_rlm.workflows import defaults
 
 if TYPE_CHECKING:
     from durable_rlm.api import DurableRLM
+    from durable_rlm.request_template import RunOptions
 
 
 def _run_parser(sub: Subparsers) -> None:
@@ -212,56 +214,82 @@ def _require_model(args: argparse.Namespace) -> None:
 async def _run(settings: Settings, args: argparse.Namespace) -> int:
     _require_model(args)
     import_extensions(settings)
-    plan = _plan_context(args.context, settings, getattr(args, "context_view", "str"))
-    rlm = _rlm(args, settings)  # validate before starting anything
+    plan = _plan_context(args.context, settings, args.context_view)
+    rlm = _rlm(_run_options(args), settings, args.api_key)  # validate before starting anything
     rlm.request(None, args.task)
     rlm.check_credentials()
     context = None if plan is None else await asyncio.to_thread(_store_context, settings, plan)
-    return await _run_episode(settings, args, context)
+    following = Following(no_wait=args.no_wait, episode_id=args.id, json=args.json)
+    return await _run_episode(settings, rlm, args.task, context, following, args.accept_extracted)
 
 
-def _rlm(args: argparse.Namespace, settings: Settings) -> DurableRLM:
+@dataclass(frozen=True)
+class Following:
+    """How `drlm run` (or the demo) follows the episode it starts."""
+
+    no_wait: bool = False  # print the id and return
+    episode_id: str | None = None  # the id asked for (default: a new one)
+    json: bool = False  # one JSON object on stdout, no progress on stderr
+
+
+def _rlm(options: RunOptions, settings: Settings, api_key: str | None) -> DurableRLM:
     """The command line as a DurableRLM: the CLI and the Python API are one code path."""
     from durable_rlm.api import DurableRLM  # start-up: the API and pydantic's models (~0.2 s)
 
+    return DurableRLM(options.model, options=options, api_key=api_key, settings=settings)
+
+
+def _model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model flags `drlm run` and `drlm demo` share, as RunOptions' fields."""
+    return {
+        "model": args.model,
+        "provider": args.provider,
+        "base_url": args.base_url,
+        "sub_model": args.sub_model,
+        "sub_base_url": args.sub_base_url,
+        "other_models": tuple(args.other_model),
+        "sampling": args.sampling or None,
+        "sub_sampling": args.sub_sampling,
+        "request_timeout_s": args.request_timeout,
+        "max_attempts": args.max_attempts,
+    }
+
+
+def _run_options(args: argparse.Namespace) -> RunOptions:
+    """`drlm run`'s flags as the options of its episode."""
     limits = {
         "max_iterations": args.max_iterations,
         "max_llm_calls": args.max_llm_calls,
         "max_duration": timedelta(seconds=args.max_duration),
         "cell_timeout_s": args.cell_timeout,
         "output_truncation": args.output_truncation,
-        "context_window_tokens": getattr(args, "context_window", None),
-        "max_model_calls": getattr(args, "max_model_calls", None),
-        "max_tokens": getattr(args, "max_tokens", None),
-        "max_cost_usd": getattr(args, "max_cost_usd", None),
-        "max_children_per_batch": getattr(args, "max_children", defaults.MAX_CHILDREN_PER_BATCH),
+        "context_window_tokens": args.context_window,
+        "max_model_calls": args.max_model_calls,
+        "max_tokens": args.max_tokens,
+        "max_cost_usd": args.max_cost_usd,
+        "max_children_per_batch": args.max_children,
     }
-    return DurableRLM(
-        args.model,
-        provider=getattr(args, "provider", None),
-        base_url=args.base_url,
-        sub_model=args.sub_model,
-        sub_base_url=getattr(args, "sub_base_url", None),
-        other_models=getattr(args, "other_model", []),
-        max_depth=getattr(args, "max_depth", defaults.MAX_DEPTH),
+    return _options(
+        _model_options(args),
+        max_depth=args.max_depth,
         limits=limits,
-        policy=getattr(args, "policy", "final_pattern"),
-        policy_config=getattr(args, "policy_config", {}),
-        policy_scans_output=getattr(args, "policy_scans_output", False),
-        reward_function=getattr(args, "reward_function", "none"),
-        output_schema=_output_schema(getattr(args, "output_schema", None)),
-        tools=[] if getattr(args, "no_tools", False) else getattr(args, "tool", None),
-        sampling=getattr(args, "sampling", None) or None,
-        sub_sampling=getattr(args, "sub_sampling", None),
-        request_timeout_s=args.request_timeout,
-        max_attempts=args.max_attempts,
-        logprobs=getattr(args, "logprobs", False),
-        code_fences=args.fence or ["repl"],
-        fallback_extraction=not getattr(args, "no_extraction", False),
-        approve=getattr(args, "approve", "none"),
-        api_key=args.api_key,
-        settings=settings,
+        policy=args.policy,
+        policy_config=args.policy_config,
+        policy_scans_output=args.policy_scans_output,
+        reward_function=args.reward_function,
+        output_schema=_output_schema(args.output_schema),
+        tools=[] if args.no_tools else args.tool,
+        logprobs=args.logprobs,
+        code_fences=tuple(args.fence or ["repl"]),
+        fallback_extraction=not args.no_extraction,
+        approve=args.approve,
     )
+
+
+def _options(fields: dict[str, Any], **more: Any) -> RunOptions:
+    from durable_rlm.request_template import RunOptions  # start-up: the API's models (~0.2 s)
+
+    return RunOptions.of(fields.pop("model"), {**fields, **more})
 
 
 def _output_schema(path: Path | None) -> dict[str, Any] | None:
@@ -278,27 +306,33 @@ def _output_schema(path: Path | None) -> dict[str, Any] | None:
     return schema
 
 
-async def _run_episode(settings: Settings, args: argparse.Namespace, context: Any) -> int:
+async def _run_episode(
+    settings: Settings,
+    rlm: DurableRLM,
+    task: str,
+    context: Any,
+    following: Following,
+    accept_extracted: bool = False,
+) -> int:
     from durable_rlm.client.episodes import follow  # start-up: temporalio, the stores (~0.6 s)
 
-    rlm = _rlm(args, settings)
-    services = await rlm.open(work=not args.no_wait)
+    services = await rlm.open(work=not following.no_wait)
     try:
-        episode = await rlm.start(context, args.task, getattr(args, "id", None))
+        episode = await rlm.start(context, task, following.episode_id)
         handle = episode.handle
-        if args.no_wait:
+        if following.no_wait:
             print(handle.id)
             return EXIT_OK
         FOLLOWING.append(handle.id)
-        if not args.json:
+        if not following.json:
             stderr(f"episode {handle.id} started on task queue {services.settings.task_queue}")
             page = episode_page(settings, handle.id)
             if page:
                 stderr(f"its page: {page}")
             elif url := services.episode_url(handle.id, handle.first_execution_run_id):
                 stderr(f"its events in the Temporal UI: {url}")
-        end = await follow(handle, None if args.json else stderr)
-        return print_end(end, args.json, args.accept_extracted)
+        end = await follow(handle, None if following.json else stderr)
+        return print_end(end, following.json, accept_extracted)
     finally:
         await rlm.close()
 
@@ -336,27 +370,36 @@ def _plan_context(paths: list[Path] | None, settings: Settings, view: str = "str
 
 
 async def _demo(settings: Settings, args: argparse.Namespace) -> int:
+    """The demo episode, against a real model when a key or endpoint is given, else against
+    the scripted one; the same path as `drlm run` with the demo's task, log and limits."""
     from durable_rlm import demo  # start-up: the demo's script and scripted server (~0.1 s)
     from durable_rlm.scripted import ScriptedModelServer  # start-up: as the line above
 
     import_extensions(settings)
-    args.task, args.no_wait, args.id, args.accept_extracted = demo.TASK, False, None, False
-    args.max_iterations, args.max_llm_calls, args.max_duration = 10, 50, 600.0
-    args.cell_timeout, args.output_truncation, args.fence = 60.0, 20_000, None
-    args.context_window = None
-    if os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url:
+    following = Following(json=args.json)
+    real = (
+        os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL") or args.api_key or args.base_url
+    )
+    if real:
         _require_model(args)
         if not args.json:
             stderr(f"demo: using the real model {args.model!r}")
-        return await _run_episode(settings, args, demo.demo_log())
+        rlm = _rlm(_options(_model_options(args), limits=demo.LIMITS), settings, args.api_key)
+        return await _run_episode(settings, rlm, demo.TASK, demo.demo_log(), following)
     with ScriptedModelServer(demo.demo_script()) as server:
-        args.base_url, args.model, args.sub_model = server.base_url, SCRIPTED_MODEL, None
+        scripted = {
+            **_model_options(args),
+            "model": SCRIPTED_MODEL,
+            "sub_model": None,
+            "base_url": server.base_url,
+        }
         if not args.json:
             stderr(
                 f"demo: using a SCRIPTED model server at {server.base_url} (it plays a fixed RLM "
                 "transcript; set OPENAI_API_KEY to run the same demo against a real model)"
             )
-        code = await _run_episode(settings, args, demo.demo_log())
+        rlm = _rlm(_options(scripted, limits=demo.LIMITS), settings, args.api_key)
+        code = await _run_episode(settings, rlm, demo.TASK, demo.demo_log(), following)
         if not args.json:
             service, count = demo.expected_answer(demo.demo_log())
             stderr(f"demo: ground truth is {service} with {count} ERROR lines")

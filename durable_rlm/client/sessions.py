@@ -27,7 +27,6 @@ from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError,
 from temporalio.common import WorkflowIDReusePolicy
 from temporalio.exceptions import WorkflowAlreadyStartedError
 
-from durable_rlm.activities.chains import read_conversation
 from durable_rlm.client.episodes import (
     EpisodeEnd,
     describe_episode,
@@ -38,6 +37,7 @@ from durable_rlm.client.episodes import (
 )
 from durable_rlm.errors import ConfigurationError, DurableRLMError, EpisodeFailed, EpisodeIdInUse
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.chains import read_conversation
 from durable_rlm.workflows import metadata, names
 from durable_rlm.workflows.models import ContextRef, EpisodeRequest, EpisodeResult
 from durable_rlm.workflows.session_models import (

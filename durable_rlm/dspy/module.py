@@ -35,12 +35,12 @@ from typing import Any, TypeVar
 import dspy
 from dspy.primitives.python_interpreter import PythonInterpreter
 
-from durable_rlm.activities.chains import read_conversation
 from durable_rlm.api import DurableRLM
 from durable_rlm.dspy import lms, prediction, prompts
 from durable_rlm.dspy.outputs import output_fields
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.settings import Settings
+from durable_rlm.store.chains import read_conversation
 from durable_rlm.tools import registered_as
 from durable_rlm.workflows import dspy_program
 from durable_rlm.workflows.models import EpisodeResult, Message

@@ -38,7 +38,6 @@ from durable_rlm.rlms.limits import CancellationError, raise_for_limit, trail_of
 from durable_rlm.rlms.logger import Logged, replay_to_logger
 from durable_rlm.rlms.options import (
     ModelChoice,
-    prefixed,
     refuse_what_does_not_fit,
     run_metadata,
     translate,
@@ -138,7 +137,8 @@ class RLM(DurableRLM):
             orchestrator=orchestrator,
         )
         root, sub = translated.root, translated.sub
-        super().__init__(prefixed(root), **translated.arguments, settings=settings)
+        options = translated.options
+        super().__init__(options.model, options=options, api_key=translated.api_key, settings=settings)
         self._key_variables(root, sub)
         self.template = self.template.model_copy(update={"rlms": True})  # rlms's REPL and prompt
         self.backend, self.backend_kwargs = backend, backend_kwargs

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from durable_rlm.errors import ConfigurationError
+from durable_rlm.request_template import RunOptions
 from durable_rlm.rlms.prompts import composed_system_prompt
 from durable_rlm.rlms.windows import context_window
 from durable_rlm.workflows.rlms_limits import RLMS_LIMITS_POLICY
@@ -102,11 +103,13 @@ def prefixed(choice: ModelChoice) -> str:
 
 @dataclass(frozen=True)
 class Translation:
-    """rlms's constructor arguments as DurableRLM's keyword arguments, and the models chosen."""
+    """rlms's constructor arguments as DurableRLM's options, the root model's key, and the
+    models chosen."""
 
     root: ModelChoice
     sub: ModelChoice | None
-    arguments: dict[str, Any]
+    options: RunOptions
+    api_key: str | None
 
 
 def refuse_what_does_not_fit(environment: str, depth: int, user_prologue: str | None) -> None:
@@ -181,24 +184,26 @@ def translate(
         # Checked after each iteration, before the answer, as rlms checks them.
         policy = "composite"
         policy_config = {"policies": [{"name": RLMS_LIMITS_POLICY, "config": checked}, "final_pattern"]}
-    arguments = {
-        "base_url": root.base_url,
-        "sub_model": prefixed(sub) if sub else None,
-        "sub_base_url": sub.base_url if sub else None,
-        "max_depth": max_depth,
-        "limits": limits,
-        "policy": policy,
-        "policy_config": policy_config,
-        "tools": custom_tools or [],
-        "sub_tools": custom_sub_tools,
-        "system_prompt": system_prompt(custom_system_prompt, custom_tools, orchestrator),
-        "setup_code": setup_code,
-        "sampling": sampling or None,
-        "sub_sampling": sub_sampling,
-        "api_key": root.api_key,
-        "reports_cost": root.reports_cost or None,
-    }
-    return Translation(root, sub, arguments)
+    options = RunOptions.of(
+        prefixed(root),
+        {
+            "base_url": root.base_url,
+            "sub_model": prefixed(sub) if sub else None,
+            "sub_base_url": sub.base_url if sub else None,
+            "max_depth": max_depth,
+            "limits": limits,
+            "policy": policy,
+            "policy_config": policy_config,
+            "tools": custom_tools or [],
+            "sub_tools": custom_sub_tools,
+            "system_prompt": system_prompt(custom_system_prompt, custom_tools, orchestrator),
+            "setup_code": setup_code,
+            "sampling": sampling or None,
+            "sub_sampling": sub_sampling,
+            "reports_cost": root.reports_cost or None,
+        },
+    )
+    return Translation(root, sub, options, root.api_key)
 
 
 def system_prompt(

@@ -53,7 +53,7 @@ def open_stores(settings: Settings) -> tuple[BlobStore, sa.Engine]:
     agree_on_blob_store(engine, settings.blob_store_name)  # a stray local blob store strands episodes
     keyring = settings.keyring()  # DRLM_ENCRYPTION_KEYS: blobs sealed at rest
     if keyring is not None:
-        from durable_rlm.activities.audit import keep_text_out  # start-up: 0.13 s; unsealed stores skip it
+        from durable_rlm.store.audit_rows import keep_text_out  # start-up: 0.13 s; unsealed stores skip it
 
         keep_text_out(engine)  # and no clear text in the audit rows either
     return BlobStore(blob_backend(settings, engine), where=hint, keyring=keyring), engine

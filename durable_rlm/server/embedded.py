@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # A live process told from a reused pid (pid + start time): the sandbox reaper's one way.
-from durable_rlm.activities.sandbox_reaper import running, start_time
+from durable_rlm.host.processes import running, start_time
 from durable_rlm.ports import free_port
 from durable_rlm.server.private_net import NO_NAMESPACE
 from durable_rlm.settings import ConfigurationError, Settings, private_dir, private_file

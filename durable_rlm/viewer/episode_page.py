@@ -32,13 +32,13 @@ from urllib.parse import quote, unquote
 
 from temporalio.service import RPCError
 
-from durable_rlm.activities.sandbox_reaper import start_time
 from durable_rlm.audit import readonly
 from durable_rlm.audit.timeline import episode_timeline, unattended_line
 from durable_rlm.client import steering
 from durable_rlm.client.attendance import unattended_episodes
 from durable_rlm.client.episodes import cancel_episode
 from durable_rlm.client.steering import default_sender, progress_of
+from durable_rlm.host.processes import start_time
 from durable_rlm.server.connection import connect_client
 from durable_rlm.server.embedded import ServerFiles
 from durable_rlm.settings import private_file

@@ -18,14 +18,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from durable_rlm.activities.chains import read_conversation
-from durable_rlm.activities.llm import resent_view
 from durable_rlm.audit.timeline import CellView, ChildView, SubCall, Timeline, ending_text, episode_timeline
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.server.connection import connect
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.chains import read_conversation
 from durable_rlm.workflows import defaults
+from durable_rlm.workflows.compaction import resent_view
 from durable_rlm.workflows.models import EpisodeRequest, ForkOrigin, Message, TokenUsage, ending_words
 from durable_rlm.workflows.prompts import HISTORY_CELL
 

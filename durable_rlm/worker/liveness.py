@@ -56,9 +56,9 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from durable_rlm.activities.sandbox_files import read_sandbox_file
 from durable_rlm.client.attendance import LOCK_SUFFIX, liveness_folder, worker_identity
-from durable_rlm.owned_dirs import UnsafeDirectory, owned_directory
+from durable_rlm.host.files import read_sandbox_file
+from durable_rlm.host.owned_dirs import UnsafeDirectory, owned_directory
 from durable_rlm.worker.sticky import hand_back
 from durable_rlm.workflows import names
 
@@ -286,7 +286,7 @@ class _LedgerInbound(ActivityInboundInterceptor):
 def _private_folder(folder: Path) -> None:
     """Make the folder (0700) or check it: a real directory of this user's that only it can
     write, reached through none another user could change (who could plant records or swap
-    it: durable_rlm/owned_dirs.py)."""
+    it: durable_rlm/host/owned_dirs.py)."""
     try:
         owned_directory(folder, 0o700)
     except UnsafeDirectory as exc:

@@ -31,7 +31,7 @@ import sys
 from durable_rlm.activities.repl import ReplActivities
 from durable_rlm.activities.sandbox_slots import default_max_sandboxes
 from durable_rlm.errors import ServerUnavailable
-from durable_rlm.owned_dirs import UnsafeDirectory
+from durable_rlm.host.owned_dirs import UnsafeDirectory
 from durable_rlm.server.embedded import answers
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.log_path import close_log_path, install_log_path
