@@ -39,7 +39,7 @@ from durable_rlm.activities.reply_limits import (
 )
 from durable_rlm.store import chains
 from durable_rlm.store.blobs import BlobStore
-from durable_rlm.workflows import defaults, names
+from durable_rlm.workflows import defaults, dspy_program, names
 from durable_rlm.workflows.compaction import resent_view
 from durable_rlm.workflows.models import (
     CallFacts,
@@ -357,7 +357,13 @@ class ModelActivities:
 
     async def _root_completion(self, request: RootCompletionInput) -> RootCompletion:
         head, messages = await asyncio.to_thread(self._extend, request.conversation, request.append)
-        sent = resent_view(messages, request.resent_message_chars)
+        turn = request.dspy
+        if turn is not None:  # a DSPy program's: its history rendered into one user message
+            sent = dspy_program.action_messages(
+                messages, turn.prefix, turn.user, turn.iteration, turn.max_output_chars
+            )
+        else:
+            sent = resent_view(messages, request.resent_message_chars)
         done = await self.complete(request.model, sent, request.max_reply_chars)
         head = await asyncio.to_thread(
             chains.append_message, self.blobs, head, Message(role="assistant", content=done.text)

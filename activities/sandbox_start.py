@@ -133,6 +133,7 @@ class SandboxStarter:
             "audit_hook": config.audit_hook,
             "child_batch_cap": ref.child_batch_cap,
             "rlms": ref.rlms,
+            "dspy_outputs": ref.dspy_outputs,
             "tools": [spec.model_dump(mode="json") for spec in ref.tools],
             "cpu_s": defaults.SANDBOX_CPU_S,
             "processes": defaults.SANDBOX_PROCESSES,

@@ -60,6 +60,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["DRLM_DATA_DIR"] = tempfile.mkdtemp(prefix="drlm-tests-")
 os.environ["DRLM_SERVER_IDLE_S"] = "2"
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="drlm-tests-config-")  # no user drlm.toml
+# DSPy (tests/dspy_compat) fetches LiteLLM's model cost map from GitHub when it first prices a
+# call, unless told to use the copy it ships: tests stay offline, and so do their children.
+os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
 
 # The package's bytecode, as an installed wheel has it (pip compiles at install time): where
 # PYTHONDONTWRITEBYTECODE is set (as on this machine), a checkout's worker, CLI and sandbox

@@ -93,3 +93,43 @@ def test_the_repository_s_folders_are_imported_only_inside_the_package() -> None
     twins = [m for m in loaded if m.split(".")[0] in TOP_LEVEL_TWINS]
     assert twins == []
     assert "durable_rlm.workflows.episode" in loaded  # the probe saw the package's own
+
+
+def dspy_imports(source: str) -> list[int]:
+    """Lines that import dspy (or a module of it), anywhere in a module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "dspy" for a in node.names):
+            found.append(node.lineno)
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and (node.module or "").split(".")[0] == "dspy"
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_dspy_room_imports_dspy() -> None:
+    """DSPy is an optional extra (`durable-rlm[dspy]`): `durable_rlm.dspy` alone imports it."""
+    assert dspy_imports("import dspy\nfrom dspy.adapters import x\nfrom .dspy import y\n") == [1, 2]
+    room = ROOT / "durable_rlm" / "dspy"
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in SCANNED
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if room not in path.parents
+        for line in dspy_imports(path.read_text())
+    ]
+    assert offenders == []
+    assert dspy_imports((room / "module.py").read_text())  # the room itself does
+
+
+def test_the_runtime_loads_without_dspy() -> None:
+    code = (
+        "import durable_rlm, durable_rlm.worker.runtime, durable_rlm.api, durable_rlm.cli\n"
+        "import sys\nprint('dspy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "False"

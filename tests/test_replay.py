@@ -416,3 +416,12 @@ async def test_a_session_logic_change_fails_replay() -> None:
     )
     result = await replayer.replay_workflow(load(SESSIONS / "session.json"), raise_on_replay_failure=False)
     assert result.replay_failure is not None
+
+
+def test_a_dspy_program_s_episodes_are_stored() -> None:
+    # durable_rlm.dspy.RLM: one cell per reply, SUBMIT's answer or DSPy's extract at the limit.
+    submitted = _activity_types("dspy_submitted.json")
+    assert submitted.count(names.ROOT_COMPLETION) == 2 and names.SUB_QUERY in submitted
+    assert names.EXTRACT_FALLBACK not in submitted
+    extracted = _activity_types("dspy_extracted.json")
+    assert extracted.count(names.ROOT_COMPLETION) == 1 and names.EXTRACT_FALLBACK in extracted

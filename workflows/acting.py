@@ -13,10 +13,16 @@ from __future__ import annotations
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import defaults, prompts
+    from durable_rlm.workflows import defaults, dspy_program, prompts
     from durable_rlm.workflows.episode_context import EpisodeContext
     from durable_rlm.workflows.models import Message, RootCompletion
-    from durable_rlm.workflows.outcome import CellRecord, IterationOutcome, cell_answer, text_answer
+    from durable_rlm.workflows.outcome import (
+        CellRecord,
+        IterationOutcome,
+        cell_answer,
+        submitted_answer,
+        text_answer,
+    )
     from durable_rlm.workflows.parsing import parse_reply
     from durable_rlm.workflows.repl_steps import ReplSteps
     from durable_rlm.workflows.steering_gate import SteeringGate
@@ -45,6 +51,8 @@ class Acting:
 
     async def act(self, reply: RootCompletion) -> IterationOutcome:
         """Run the reply's cells and resolve its answer: what the model did this turn."""
+        if self.ctx.rules.dspy:
+            return await self.act_as_dspy(reply)
         request, s, repl, stop = self.ctx.request, self.ctx.state, self.repl, self.ctx.stop
         fields = request.output_fields or ANSWER_FIELDS
         outcome = IterationOutcome(s.iteration, reply.text, reply.mean_logprob)
@@ -55,24 +63,9 @@ class Acting:
         if parsed.more_blocks:
             outcome.notes.append(prompts.TOO_MANY_CELLS.format(limit=request.limits.max_cells_per_reply))
         for written in blocks:
-            stop.halt_if_stopping()
-            if await self.gate.checkpoint() is not None:
-                return outcome  # asked to answer now: the loop's next boundary ends it
-            s.cell_count += 1
-            code = written
-            if self.ctx.rules.approval:
-                approved = await self.gate.approved(outcome, written)
-                if approved is None:
-                    return outcome  # rejected (the model reads why), or asked to answer now
-                code = approved
-            self.ctx.display.set_phase(f"cell {s.cell_count}")
-            ran = await repl.run_cell(s.iteration, s.cell_count, code)
-            stop.halt_if_stopping()
-            cell = CellRecord.of(s.cell_count, code, ran)
-            outcome.cells.append(cell)
-            if ran.rebuild is not None:
-                outcome.notes.extend(ran.rebuild.notes)  # which names a rebuild re-created, and how
-            self.ctx.display.last_output = (cell.stdout + (cell.error or ""))[-defaults.PROGRESS_TEXT_CHARS :]
+            cell = await self.run(outcome, written)
+            if cell is None:
+                return outcome  # not run: rejected, or asked to answer now
             answer, notes, answered = cell_answer(cell, fields)
             outcome.notes.extend(notes)
             if answered:
@@ -96,3 +89,44 @@ class Acting:
         if note is not None:
             outcome.notes.append(note)
         return outcome
+
+    async def act_as_dspy(self, reply: RootCompletion) -> IterationOutcome:
+        """A DSPy program's step: the reply's `code` field is its one cell, SUBMIT its only
+        answer, and what the step shows is its output as DSPy's REPL history has it."""
+        fields = self.ctx.request.output_fields or ANSWER_FIELDS
+        outcome = IterationOutcome(self.ctx.state.iteration, reply.text, reply.mean_logprob)
+        action = dspy_program.action_of(reply.text)
+        if action.runs is None or not action.runs.strip():
+            # Nothing to run: DSPy's interpreter would print nothing for empty code.
+            outcome.output = action.error or dspy_program.NO_OUTPUT
+            return outcome
+        cell = await self.run(outcome, action.runs)
+        if cell is None:
+            outcome.output = ""  # not run: the notes say why
+            return outcome
+        outcome.answer, outcome.output = submitted_answer(cell, fields)
+        return outcome
+
+    async def run(self, outcome: IterationOutcome, written: str) -> CellRecord | None:
+        """One cell of the reply, through the step boundary and the approval gate; None when
+        it did not run (rejected, the model reads why; or asked to answer now)."""
+        s, stop = self.ctx.state, self.ctx.stop
+        stop.halt_if_stopping()
+        if await self.gate.checkpoint() is not None:
+            return None  # asked to answer now: the loop's next boundary ends it
+        s.cell_count += 1
+        code = written
+        if self.ctx.rules.approval:
+            approved = await self.gate.approved(outcome, written)
+            if approved is None:
+                return None
+            code = approved
+        self.ctx.display.set_phase(f"cell {s.cell_count}")
+        ran = await self.repl.run_cell(s.iteration, s.cell_count, code)
+        stop.halt_if_stopping()
+        cell = CellRecord.of(s.cell_count, code, ran)
+        outcome.cells.append(cell)
+        if ran.rebuild is not None:
+            outcome.notes.extend(ran.rebuild.notes)  # which names a rebuild re-created, and how
+        self.ctx.display.last_output = (cell.stdout + (cell.error or ""))[-defaults.PROGRESS_TEXT_CHARS :]
+        return cell

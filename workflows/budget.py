@@ -222,8 +222,11 @@ def limit_reached(request: EpisodeRequest, state: EpisodeCarry, elapsed: timedel
     """The limit that stops the loop before its next root call, or None: the loop's own
     check at each iteration, and `drlm fork`'s before a fork starts from `state`."""
     limits = request.limits
+    # DSPy's max_llm_calls refuses the call over it and the run goes on (the code sees why);
+    # the loop ends on it only here.
+    calls = state.sub_calls if request.dspy is None else 0
     trigger = FallbackTrigger(limits.max_iterations, limits.max_llm_calls, limits.max_duration)
     reason = trigger.should_trigger(
-        ExecutionState(iterations=state.iteration, llm_calls=state.sub_calls, elapsed=elapsed)
+        ExecutionState(iterations=state.iteration, llm_calls=calls, elapsed=elapsed)
     )
     return reason or root_call_limit(request, state)

@@ -15,7 +15,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from durable_rlm.workflows import names
+    from durable_rlm.workflows import dspy_program, names
     from durable_rlm.workflows.budget import extraction_refusal, extraction_reply_cap
     from durable_rlm.workflows.ending import (
         Ending,
@@ -26,6 +26,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows.episode_context import EpisodeContext
     from durable_rlm.workflows.fallback import FallbackReason, parse_extraction_response
     from durable_rlm.workflows.models import (
+        DspyExtraction,
         EpisodeResult,
         EpisodeStatus,
         ExtractionInput,
@@ -75,6 +76,8 @@ class Closing:
                         output_fields=fields,
                         reason=reason,
                         max_reply_chars=request.limits.max_reply_chars,
+                        dspy=self._dspy_extraction(),
+                        append=s.pending if request.dspy is not None else [],
                     ),
                     result_type=ExtractionReply,
                     summary=f"extraction after {reason.kind}",
@@ -87,12 +90,28 @@ class Closing:
                 reason, f"Extraction LLM call failed: {describe_failure(err)}", []
             )
         s.charge(reply.usage, reply.model_time_s)
+        if reply.conversation is not None:
+            s.conversation = reply.conversation  # now with the last step: the program's trajectory
         if reply.error is not None:
             return extraction_failed_ending(
                 reason, f"Extraction LLM call failed: {reply.error}", reply.history
             )
-        parsed = parse_extraction_response(reply.text, fields)
+        if request.dspy is not None:
+            parsed = dspy_program.extracted(reply.text, fields)
+        else:
+            parsed = parse_extraction_response(reply.text, fields)
         return extraction_ending(reason, parsed, reply.history, s.variables, fields)
+
+    def _dspy_extraction(self) -> DspyExtraction | None:
+        dspy = self.request.dspy
+        if dspy is None:
+            return None
+        return DspyExtraction(
+            prefix=len(dspy.action),
+            messages=dspy.extract,
+            user=dspy.extract_user,
+            max_output_chars=dspy.max_output_chars,
+        )
 
     def result(self, ending: Ending) -> EpisodeResult:
         s = self.state
@@ -127,7 +146,10 @@ class Closing:
         )
 
     def _session_fields(self) -> dict[str, Any]:
-        """A session's turn hands its REPL and conversation to the next (none for others)."""
+        """A session's turn hands its REPL and conversation to the next; a DSPy program
+        reads its trajectory from the conversation (none for others)."""
+        if self.request.dspy is not None:
+            return {"conversation": self.state.conversation}
         if self.request.session is None:
             return {}
         s = self.state

@@ -43,6 +43,9 @@ class EpisodeRules:
     rlms: bool
     """The episode runs an rlms program (`durable_rlm.RLM`): code blocks are found as rlms
     finds them (inline fences too), and a compaction hands the REPL rlms's `history`."""
+    dspy: bool
+    """The episode runs a DSPy program's RLM (`durable_rlm.dspy.RLM`): each reply's `code`
+    field is its one cell, SUBMIT its only answer (workflows/dspy_program.py)."""
 
     @classmethod
     def of(cls, request: EpisodeRequest) -> EpisodeRules:
@@ -52,6 +55,7 @@ class EpisodeRules:
             policy_sees_printed_output=request.termination.scan_printed_output,
             extraction=request.fallback_extraction,
             rlms=request.rlms,
+            dspy=request.dspy is not None,
         )
 
 
@@ -87,7 +91,7 @@ STATE_OWNERS: dict[str, frozenset[str]] = {
         "deadline": "steering_inbox",
         # The conversation: the loop queues turns; a root call sends them and keeps the reply.
         "pending": "episode root_calls",
-        "conversation": "root_calls",
+        "conversation": "root_calls closing",  # closing: a DSPy program's extraction adds its last step
         "last_prompt_tokens": "root_calls",
         "last_reply_tokens": "root_calls",
         "compactions": "root_calls",

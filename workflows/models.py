@@ -366,6 +366,12 @@ class EpisodeRequest(StrictModel):
         "back after each cell, `context_0` is bound, a custom system prompt is composed as "
         "rlms composes it",
     )
+    dspy: DspyPrompts | None = Field(
+        default=None,
+        description="a DSPy program's RLM (`durable_rlm.dspy.RLM` sets it): DSPy's prompts, one cell "
+        "per reply read from its `code` field, each step's output as DSPy's history shows it, "
+        "SUBMIT as DSPy's, extraction as DSPy's `extract`",
+    )
     private_text: bool = Field(
         default=False,
         description="payloads are encrypted (DRLM_ENCRYPTION_KEYS): search attributes, which the "
@@ -677,6 +683,59 @@ class CallFacts(StrictModel):
     )
 
 
+class PromptTemplate(StrictModel):
+    """A user message as DSPy's adapter rendered it, cut where its changing values go: the
+    text is parts[0] + the value of holes[0] + parts[1] + ... (`history`: the REPL history
+    as DSPy formats it; `iteration`: "3/20")."""
+
+    parts: list[str] = Field(min_length=1)
+    holes: list[Literal["history", "iteration"]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_part_around_each_hole(self) -> PromptTemplate:
+        if len(self.parts) != len(self.holes) + 1:
+            raise ValueError("a prompt template has one more part than holes")
+        return self
+
+
+class DspyPrompts(StrictModel):
+    """A DSPy program's RLM (`durable_rlm.dspy.RLM`): what its model is sent, as DSPy's own
+    adapter rendered it in the program's process (instructions, fields, the optimizer's
+    demos), cut into what stays and what changes each iteration. The episode's model sees
+    the prompts DSPy's RLM would send, and its replies are read as DSPy reads them
+    (workflows/dspy_program.py)."""
+
+    action: list[Message] = Field(min_length=1, description="the next action's system message and demos")
+    action_user: PromptTemplate
+    extract: list[Message] = Field(min_length=1, description="extraction's system message and demos")
+    extract_user: PromptTemplate
+    max_output_chars: int = Field(ge=0, description="each step's output in the history, head and tail")
+    inputs: list[str] = Field(
+        description="the input fields, bound in the REPL from the context's JSON object"
+    )
+
+
+class DspyTurn(StrictModel):
+    """A root call of a DSPy program's episode: its conversation begins with `prefix`
+    messages (system and demos) and the first user message; the user message sent is the
+    template filled with the steps since, as DSPy's REPL history shows them."""
+
+    prefix: int = Field(ge=1)
+    user: PromptTemplate
+    iteration: str
+    max_output_chars: int = Field(ge=0)
+
+
+class DspyExtraction(StrictModel):
+    """The extraction of a DSPy program's episode, sent as DSPy's `extract` predictor is:
+    its own system message and demos, then the history in its user message."""
+
+    prefix: int = Field(ge=1, description="messages before the conversation's first user message")
+    messages: list[Message] = Field(min_length=1)
+    user: PromptTemplate
+    max_output_chars: int = Field(ge=0)
+
+
 class RootCompletionInput(StrictModel):
     """One root-model turn. The conversation is a hash chain in the blob store: history
     carries its head digest and only this turn's new messages, never the whole transcript."""
@@ -688,6 +747,7 @@ class RootCompletionInput(StrictModel):
     append: list[Message]
     resent_message_chars: int = defaults.RESENT_MESSAGE_CHARS
     max_reply_chars: int = defaults.MAX_REPLY_CHARS
+    dspy: DspyTurn | None = Field(default=None, description="a DSPy program's turn: sent as DSPy renders it")
 
 
 class RootCompletion(CallFacts):
@@ -780,6 +840,12 @@ class SandboxRef(StrictModel):
     )
     tools: list[ToolSpec] = Field(default_factory=list, description="custom tools, as REPL functions")
     rlms: bool = Field(default=False, description="the REPL behaves as rlms 0.1.3's (EpisodeRequest.rlms)")
+    dspy_outputs: list[str] | None = Field(
+        default=None,
+        description="a DSPy program's REPL: the input fields bound from the context's JSON object "
+        "(again before each cell), and SUBMIT taking these output fields, positionally too, and "
+        "ending the cell",
+    )
     snapshots: SnapshotPolicy | None = Field(default=None, description="None: no snapshots are taken")
     lineage: list[str] = Field(
         default_factory=list,
@@ -912,6 +978,10 @@ class ExtractionInput(StrictModel):
     reason: FallbackReason
     max_history: int = defaults.EXTRACTION_HISTORY_ENTRIES
     max_reply_chars: int = defaults.MAX_REPLY_CHARS
+    dspy: DspyExtraction | None = Field(default=None, description="a DSPy program's: sent as its `extract`")
+    append: list[Message] = Field(
+        default_factory=list, description="a DSPy program's last step, added to the conversation first"
+    )
 
 
 class ExtractionReply(CallFacts):
@@ -921,6 +991,9 @@ class ExtractionReply(CallFacts):
     history: list[REPLHistoryEntry]
     prompt_chars: int
     error: str | None = None
+    conversation: str | None = Field(
+        default=None, description="a DSPy program's conversation with its last step (its trajectory)"
+    )
 
 
 # --- updates -----------------------------------------------------------------------------------

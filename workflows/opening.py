@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from durable_rlm.workflows import prompts
-from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, ReplState
+from durable_rlm.workflows import dspy_program, prompts
+from durable_rlm.workflows.models import EpisodeCarry, EpisodeRequest, Message, ReplState
 from durable_rlm.workflows.signals import uses_confidence
 
 
@@ -29,17 +29,25 @@ def first_state(request: EpisodeRequest, seed: int, started: datetime) -> Episod
         cell_count=repl.cell_count,
         snapshot=repl.snapshot,
         variables=dict(repl.variables),
-        pending=prompts.opening_messages(
-            request.task,
-            request.context,
-            request.code_fences[0],
-            ask_confidence=uses_confidence(request.termination.name, request.termination.config),
-            output_fields=request.output_fields,
-            child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
-            tools=request.tools,
-            system_prompt=request.system_prompt,
-            repl_values=request.repl_values,
-            composed=request.rlms,
-            history_note=request.rlms and request.limits.context_window_tokens is not None,
-        ),
+        pending=opening_messages(request),
+    )
+
+
+def opening_messages(request: EpisodeRequest) -> list[Message]:
+    """The first turn's messages: a DSPy program's as DSPy rendered them, else our own."""
+    if request.dspy is not None:
+        first = f"1/{request.limits.max_iterations}"
+        return [*request.dspy.action, dspy_program.first_message(request.dspy.action_user, first)]
+    return prompts.opening_messages(
+        request.task,
+        request.context,
+        request.code_fences[0],
+        ask_confidence=uses_confidence(request.termination.name, request.termination.config),
+        output_fields=request.output_fields,
+        child_batch_cap=request.limits.max_children_per_batch if request.spawns_children else None,
+        tools=request.tools,
+        system_prompt=request.system_prompt,
+        repl_values=request.repl_values,
+        composed=request.rlms,
+        history_note=request.rlms and request.limits.context_window_tokens is not None,
     )

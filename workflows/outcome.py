@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from durable_rlm.workflows import prompts
+from durable_rlm.workflows import dspy_program, prompts
 from durable_rlm.workflows.models import CellOutcome, EndReason, Message
 from durable_rlm.workflows.typed_outputs import FieldSpec, check_outputs
 
@@ -66,6 +66,8 @@ class IterationOutcome:
     cells: list[CellRecord] = field(default_factory=list)
     answer: ModelAnswer | None = None
     notes: list[str] = field(default_factory=list)
+    output: str | None = None
+    """A DSPy program's step: its output as DSPy's REPL history shows it (None otherwise)."""
 
 
 def answer_outputs(answer: str, fields: list[FieldSpec]) -> dict[str, Any] | None:
@@ -111,6 +113,17 @@ def cell_answer(cell: CellRecord, fields: list[FieldSpec]) -> tuple[ModelAnswer 
     return None, notes, False
 
 
+def submitted_answer(cell: CellRecord, fields: list[FieldSpec]) -> tuple[ModelAnswer | None, str]:
+    """A DSPy program's step: SUBMIT's answer, else the step's output (DSPy's RLM ends on
+    SUBMIT alone; a refused SUBMIT's reason is the step's output, what it printed is not)."""
+    if cell.submitted is not None and cell.error is None:
+        problems = check_outputs(cell.submitted, fields, allow_null=False)
+        if not problems:
+            return ModelAnswer(answer_text(cell.submitted, fields), "submitted", cell.submitted), ""
+        return None, dspy_program.submit_rejected(problems)
+    return None, dspy_program.cell_output(cell.stdout, cell.stderr, cell.error)
+
+
 def next_turn(
     outcome: IterationOutcome,
     fence: str,
@@ -118,6 +131,11 @@ def next_turn(
     answer_declined_by: str | None,
 ) -> list[Message]:
     """The user message that follows an iteration which did not end the episode."""
+    if outcome.output is not None:  # a DSPy program's step: its output, then what else to know
+        parts = [part for part in (outcome.output, *outcome.notes) if part]
+        if answer_declined_by is not None:
+            parts.append(prompts.ANSWER_NOT_ACCEPTED.format(policy=answer_declined_by))
+        return [Message(role="user", content="\n\n".join(parts) or dspy_program.NO_OUTPUT)]
     parts = [
         prompts.observation(c.index, c.code, c.stdout, c.stderr, c.error, output_truncation)
         for c in outcome.cells

@@ -42,6 +42,7 @@ from durable_rlm.workflows.retries import (
     raise_if_cancelled,
     waits_for_store,
 )
+from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 R = TypeVar("R", CellOutcome, VariableValue)  # a step's reply: it names the cell-log head
 
@@ -102,11 +103,18 @@ class ReplSteps:
             ),
             tools=self.request.tools,
             rlms=self.request.rlms,
+            dspy_outputs=self._dspy_outputs(),
             snapshots=self.request.durability.snapshots,
             # A fork starts from its source's latest snapshot: it may load that episode's.
             lineage=self.request.fork.lineage if self.request.fork is not None else [],
             lineage_mac=self.request.fork.lineage_mac if self.request.fork is not None else None,
         )
+
+    def _dspy_outputs(self) -> list[str] | None:
+        """A DSPy program's REPL: SUBMIT's fields, in the signature's order."""
+        if self.request.dspy is None:
+            return None
+        return [f.name for f in self.request.output_fields or ANSWER_FIELDS]
 
     async def run_cell(self, iteration: int, cell_index: int, code: str) -> CellOutcome:
         """Run a cell to completion, answering its calls; never raises for a lost step."""

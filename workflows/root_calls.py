@@ -23,6 +23,7 @@ with workflow.unsafe.imports_passed_through():
     from durable_rlm.workflows.models import (
         CompactionInput,
         CompactionReply,
+        DspyTurn,
         RootCompletion,
         RootCompletionInput,
     )
@@ -51,7 +52,8 @@ class RootCalls:
     async def ask(self) -> RootCompletion | Ending | LimitReached:
         """The root model's next reply. A context overflow compacts and retries once."""
         request, s = self.request, self.state
-        if needs_compaction(s, s.pending, request.limits, request.root_model, request.rlms):
+        compacts = request.dspy is None  # a DSPy program's turns are DSPy's, whole
+        if compacts and needs_compaction(s, s.pending, request.limits, request.root_model, request.rlms):
             over = root_call_limit(request, s, calls=2)
             if over is not None:
                 return LimitReached(over)
@@ -65,6 +67,9 @@ class RootCalls:
             raise_if_cancelled(err)
             if not is_context_overflow(err):
                 return model_error_ending(describe_failure(err), failure_cause(err))
+            if request.dspy is not None:
+                # DSPy's RLM resends its whole history and has no compaction: nothing to cut.
+                return LimitReached(FallbackReason(kind="context_overflow", value=s.compactions, limit=0))
         over = root_call_limit(request, s, calls=2)
         if over is not None:
             return LimitReached(over)
@@ -96,6 +101,7 @@ class RootCalls:
                     append=s.pending,
                     resent_message_chars=request.limits.resent_message_chars,
                     max_reply_chars=request.limits.max_reply_chars,
+                    dspy=self._dspy_turn(),
                 ),
                 result_type=RootCompletion,
                 summary=f"root call {s.iteration}{again}",
@@ -108,6 +114,18 @@ class RootCalls:
         s.last_reply_tokens = reply.usage.completion_tokens or len(reply.text) // defaults.CHARS_PER_TOKEN
         self.display.last_response = reply.text[-defaults.PROGRESS_TEXT_CHARS :]
         return reply
+
+    def _dspy_turn(self) -> DspyTurn | None:
+        """A DSPy program's turn: the request's template, this iteration as DSPy counts it."""
+        request = self.request
+        if request.dspy is None:
+            return None
+        return DspyTurn(
+            prefix=len(request.dspy.action),
+            user=request.dspy.action_user,
+            iteration=f"{self.state.iteration}/{request.limits.max_iterations}",
+            max_output_chars=request.dspy.max_output_chars,
+        )
 
     async def compact(self, why: str, keep: int = defaults.COMPACTION_KEEP_MESSAGES) -> Ending | None:
         """Replace older turns by a model-written summary: a step of its own in history."""

@@ -39,6 +39,10 @@ class CellTimeout(BaseException):
     """BaseException so `except Exception` in model code does not swallow it."""
 
 
+class Submitted(BaseException):
+    """A DSPy program's SUBMIT: the cell ends there (BaseException, as CellTimeout)."""
+
+
 class BoundedWriter(io.TextIOBase):
     """Keeps the first `limit` characters; counts the rest so memory stays bounded."""
 
@@ -98,6 +102,10 @@ class Session:
         self.defined_by: dict[str, int] = {}  # name -> the last cell that bound it
         self.sandbox_dir = "."
         self.rlms = False  # rlms 0.1.3's semantics (the host's init says so)
+        # A DSPy program's REPL (the host's init says so): SUBMIT's fields in order, and the
+        # input fields, bound again before each cell as DSPy's interpreter binds them.
+        self.dspy_outputs: list[str] | None = None
+        self.inputs: dict[str, Any] = {}
 
     @repl_helper("llm_query")
     def llm_query(self, prompt: str, model: str | None = None) -> str:
@@ -146,13 +154,20 @@ class Session:
         print("\n".join(names) if names else "(no variables yet)")
 
     @repl_helper("SUBMIT")
-    def submit(self, **fields: Any) -> None:
-        """Record typed outputs; the workflow validates them against the episode's fields."""
+    def submit(self, *values: Any, **fields: Any) -> None:
+        """Record typed outputs; the workflow validates them against the episode's fields.
+        A DSPy program's SUBMIT takes its fields by position too and ends the cell."""
+        if self.dspy_outputs is not None:
+            fields = dspy_submission(self.dspy_outputs, values, fields)
+        elif values:
+            raise TypeError("SUBMIT takes its fields by name: SUBMIT(field=value, ...)")
         try:
             json.dumps(fields)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"SUBMIT values must be JSON-serialisable: {exc}") from None
         self.submitted = fields
+        if self.dspy_outputs is not None:
+            raise Submitted
         print(f"SUBMIT received: {', '.join(sorted(fields)) or '(no fields)'}")
 
     @repl_helper("FINAL")
@@ -199,6 +214,14 @@ class Session:
         self.namespace["ToolError"] = ToolError
         for spec in message.get("tools") or []:
             self.namespace[spec["name"]] = self.calls.tool(spec)
+        outputs = message.get("dspy_outputs")
+        if outputs is not None:
+            # A DSPy program's inputs are variables of their own names, and `context` is
+            # one of them or nothing.
+            self.dspy_outputs = [str(name) for name in outputs]
+            self.inputs = context if isinstance(context, dict) else {}
+            del self.namespace["context"]
+            self.namespace.update(self.inputs)
         self.reserved = set(self.namespace)
         if self.rlms:
             self.namespace["context_0"] = context  # rlms binds it, and `context` as its alias
@@ -223,6 +246,7 @@ class Session:
         step's last cell is reported). Reports its own run time (calls to the host excluded:
         what a rebuild would spend on it) and whether it read the clock."""
         self.namespace.update(self.helpers)
+        self.namespace.update(self.inputs)  # a DSPy program's inputs, as each step is given them
         stdout, stderr = BoundedWriter(limit), BoundedWriter(limit)
         self.submitted, self.final = None, None
         error: str | None = None
@@ -249,6 +273,8 @@ class Session:
                     self._put_back_aliases()
         except CellTimeout as exc:
             status, error = "timeout", f"TimeoutError: {exc}"
+        except Submitted:
+            pass  # a DSPy program's SUBMIT: the outputs are recorded
         except SystemExit:
             status, error = "error", "SystemExit: exiting the REPL is not allowed"
         except BaseException as exc:  # noqa: BLE001 - everything a cell raises is an observation
@@ -341,6 +367,17 @@ class Session:
             return {"op": "var", "found": True, "value": clip(str(self.namespace[name]))}
         except Exception as exc:  # noqa: BLE001
             return {"op": "var", "found": True, "value": f"<str() failed: {exc!r}>"}
+
+
+def dspy_submission(names: list[str], values: tuple[Any, ...], fields: dict[str, Any]) -> dict[str, Any]:
+    """SUBMIT's arguments as DSPy's interpreter takes them: all by position, in the output
+    fields' order, or all by name, and exactly the output fields."""
+    if values and fields:
+        raise TypeError("SUBMIT accepts positional or keyword values, not both")
+    given = dict(zip(names, values, strict=False)) if values else dict(fields)
+    if set(given) != set(names) or len(values) > len(names):
+        raise TypeError(f"SUBMIT takes exactly these fields: {', '.join(names)}")
+    return given
 
 
 def text_of(value: Any) -> str:

@@ -40,17 +40,22 @@ from durable_rlm.workflows import names
 from durable_rlm.workflows.models import (
     CancelReceipt,
     CancelRequest,
+    DspyPrompts,
     EpisodeLimits,
     EpisodeRequest,
     EpisodeResult,
+    Message,
     ModelPrice,
     ModelSettings,
+    PromptTemplate,
     RewardSpec,
     RewardUpdate,
     TerminationSpec,
 )
+from durable_rlm.workflows.typed_outputs import FieldSpec
 
 HERE = Path(__file__).resolve().parent
+EXTRACT_INSTRUCTIONS = "Based on the REPL trajectory, extract the final outputs"
 
 
 def wanted(name: str, only: set[str]) -> bool:
@@ -412,6 +417,60 @@ async def record_rlms_compat(client: Client, only: set[str]) -> None:
             assert result.answer == "42", result
 
 
+async def record_dspy(client: Client, blobs: BlobStore, only: set[str]) -> None:
+    """A DSPy program's episodes (durable_rlm.dspy.RLM): its prompts, one cell per reply from
+    the `code` field, SUBMIT (dspy_submitted) and DSPy's extract at its limit (dspy_extracted)."""
+
+    def reply(reasoning: str, code: str) -> str:
+        fenced = f"```python\n{code}\n```"
+        return f"[[ ## reasoning ## ]]\n{reasoning}\n\n[[ ## code ## ]]\n{fenced}\n\n[[ ## completed ## ]]"
+
+    def template(*parts: str) -> PromptTemplate:
+        return PromptTemplate(parts=list(parts), holes=["history", "iteration"][: len(parts) - 1])
+
+    prompts = DspyPrompts(
+        action=[Message(role="system", content="Produce `total` from `numbers`; SUBMIT(total).")],
+        action_user=template("[[ ## repl_history ## ]]\n", "\n\n[[ ## iteration ## ]]\n", "\n"),
+        extract=[
+            Message(role="system", content="Based on the REPL trajectory, extract the final outputs now.")
+        ],
+        extract_user=template("[[ ## repl_history ## ]]\n", "\n"),
+        max_output_chars=100,
+        inputs=["numbers"],
+    )
+    steps = [
+        reply("Add them.", "total = sum(numbers)\nprint(llm_query(str(total)))"),
+        reply("Done.", "SUBMIT(total)"),
+    ]
+
+    def dspy_script(request: Any) -> str:
+        system = request.messages[0]["content"] if request.is_root else ""
+        if system.startswith(EXTRACT_INSTRUCTIONS):
+            return "[[ ## total ## ]]\n6\n\n[[ ## completed ## ]]"
+        if request.is_root:  # DSPy's prompt names the iteration: "[[ ## iteration ## ]]\n2/5"
+            return steps[0] if "\n1/" in request.last_user else steps[1]
+        return request.last_user.upper()
+
+    for name, limit in (("dspy_submitted", 5), ("dspy_extracted", 1)):
+        if not wanted(name, only):
+            continue
+        with ScriptedModelServer(dspy_script) as server:
+            request = EpisodeRequest(
+                task="DSPy RLM: numbers -> total",
+                context=store_context(blobs, {"numbers": [1, 2, 3]}),
+                root_model=ModelSettings(model="scripted", base_url=server.base_url),
+                limits=EpisodeLimits(max_iterations=limit, max_cells_per_reply=1),
+                output_fields=[FieldSpec(name="total", type="integer", json_schema={"type": "integer"})],
+                dspy=prompts,
+                seed=1,
+            )
+            result = await save_history(client, name, request)
+            assert result.execution is not None and result.execution.outputs() in (
+                {"total": 6},
+                {"total": "6"},
+            ), result
+
+
 async def record_audit_aside(client: Client, only: set[str]) -> None:
     """The opening audit written beside the loop, the closing one bounded (audit-aside)."""
     if not wanted("audit_aside", only):
@@ -745,6 +804,7 @@ async def record(only: set[str]) -> None:
             await record_snapshots(client, blobs, only)
             await record_budgets(client, only)
             await record_rlms_compat(client, only)
+            await record_dspy(client, blobs, only)
             await record_audit_aside(client, only)
             await record_steering(client, only)
             await record_fork(client, only)
