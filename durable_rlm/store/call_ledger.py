@@ -3,10 +3,11 @@
 A row is written (claimed) before its request is sent, naming the worker process that sends
 it (its holder, on its host) and a lease that process keeps renewing while the request is in
 flight; the reply is written into it once it came. A step that runs again for the same call
-(a retried attempt whose predecessor the server gave up) finds the row: a reply is taken as it is; a live holder's claim
-is waited for; a dead holder's claim (its lock free on this host, or its lease run out) is
-taken over, and only then is the model asked again. activities/call_ledger.py is the
-protocol; this module is its statements, each one short transaction.
+(a retried attempt whose predecessor the server gave up) finds the row: a reply is taken
+as it is; a live holder's claim is waited for; a dead holder's claim (its lock free on
+this host, or its lease run out) is taken over, and only then is the model asked again.
+activities/call_ledger.py is the protocol; this module is its statements, each one short
+transaction.
 
 The reply is sealed with the store's keys when DRLM_ENCRYPTION_KEYS is set (bound to its
 call), as blobs are: the SQL store never holds model text in the clear.

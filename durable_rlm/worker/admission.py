@@ -1,33 +1,41 @@
 """Admission by measured capacity: how many episodes one worker process holds at once.
 
-A worker process runs every workflow activation, model call, REPL step and audit write of
-its episodes on one event loop, one core (the GIL). Each episode it holds costs it work at
-every step until the episode ends. Past its capacity the work of the episodes it holds
-waits inside it while their clocks run: an activation answered late lets its workflow task
-time out (and its work be thrown away), a heartbeat sent late lets the server give up a live
-call. A task that waits on the server costs nothing: its clock starts when a worker takes
-it (no schedule-to-start timeout on the shared queue).
+A worker process runs every workflow task, activity, local REPL step and heartbeat of its
+episodes on one event loop, one core (the GIL), and its blob-store and REPL work on the
+loop's few executor threads. Each episode it holds costs it work every step until the
+episode ends. With nothing but fixed slots it takes every episode the server offers; past
+its capacity their clocks run while they wait inside it: a workflow task not completed in
+its timeout (10 s) is given again and its work thrown away, heartbeats leave late, live
+calls are presumed dead and paid again (400 episodes on one worker had 288 fail on heartbeat
+timeouts; docs/architecture/decisions.md, "Scale"). A task that waits on the server costs
+nothing: its clock starts when a worker takes it (no schedule-to-start timeout on the shared
+queue).
 
-So the worker holds a window of episodes and takes a task from the shared queue (a new
-episode, or one moving in) only while it holds fewer, and while it is not overloaded.
-Each second it measures:
-- how busy the process was: its CPU time over the second, against one core;
-- how late its event loop ran a timer, and how long a job waited for a thread of the loop's
-  executor: everything the worker does waits on one or the other.
-Over `busy_high` of a core or `lag_high_s` late, the worker is overloaded: it takes nothing
-new from the shared queue and its window becomes nine tenths of what it holds. Below
-`busy_low` and `lag_low_s`, with tasks waiting for room, the window grows toward what it
-could hold at `busy_target` if each episode held costs what those held cost now (at most a
-quarter more each second: the cost of an episode just admitted shows within a second or
-two, and a worker far below its capacity still reaches it in seconds). The episodes it already
-holds are served whatever the window: their tasks (sticky, from this worker's own queue)
-always find a slot up to the worker's cache size, so none waits past its sticky
-schedule-to-start timeout for want of one. Nothing here deadlocks: tasks of held episodes wait
-for no window, and the window comes back as held episodes end.
+So two limits follow what a worker measures each second:
+- how late its event loop runs a timer, and how long a job waits for a thread of the
+  loop's executor: everything the worker does waits on one or the other, so this is the
+  backlog its tasks, heartbeats and calls see;
+- how long the workflow tasks it took stayed in it (taken to completed, the 90th
+  percentile: the completion's round trip is in it, so a saturated server shows too),
+  against a target well below the task timeout (a task running a long local REPL step
+  stays long without overload; one of them does not move the percentile).
+The limits: workflow tasks at once (every kind), and a window of episodes held, which a
+reservation the SDK marks as not sticky (the shared queue: a new episode, or one moving
+in) must find room in, and which it never gets while the worker is over a target. Past
+either target both become two thirds (the window, of what is held); below half of both,
+each grows by a tenth when a reservation waited for it. Nothing here deadlocks: tasks of
+held episodes wait for no window, only for a slot, and slots come back as tasks complete.
 
-Remote activities (a model call when an episode runs them as activities, a tool) are
-shed the same way (`AdmittingActivitySlots`): an overloaded worker polls for none, and a
-call it would start late, with its heartbeat clock already running, waits on the server.
+Measured (bench/concurrency.py, N=400 on one worker): the tasks-at-once limit settles at
+5-16 and is what keeps task and heartbeat clocks short; the window does not bound the
+episodes held (180-250 of 400): far fewer reservations came marked not sticky than
+episodes came in (7 against 180 in one run), so the SDK's core apparently does not mark a
+reservation by the queue its task will come from (not checked in its source).
+
+Activity tasks follow the same judgment (`AdmittingActivitySlots`): an overloaded worker
+polls for none, so a model call it could not start in time waits on the server, where no
+clock runs. A call the server gives up anyway is not paid again: the call ledger
+(activities/call_ledger.py) answers its retry.
 """
 
 from __future__ import annotations
@@ -54,58 +62,68 @@ TICK_S = 1.0
 WAKE_CHECK_S = 0.2  # how often a waiting reservation looks again, whatever it was told
 
 
+class _Permit(SlotPermit):
+    def __init__(self) -> None:
+        self.taken_at: float | None = None  # when the slot got its task (mark_slot_used)
+
+
 @dataclass
 class Capacity:
     """How many episodes the worker holds at most (its window), and what set it."""
 
-    window: int = 32
+    window: int = 8
     floor: int = 2
-    ceiling: int = 1000  # the worker's cache: an episode held is an episode cached
-    busy_high: float = 0.9  # of one core: past it, overloaded
-    busy_target: float = 0.8
-    busy_low: float = 0.7
-    # Heartbeats leave every second against a 5 s timeout, workflow tasks have a few seconds:
-    # a loop this late is the first sign that they will not.
-    lag_high_s: float = 0.5
-    lag_low_s: float = 0.1
+    ceiling: int = 1000
+    # Workflow tasks at once, all kinds: the window bounds what comes in from the shared queue,
+    # this what the loop is asked to hold at once, whoever asks.
+    limit: int = 16
+    limit_floor: int = 4
+    limit_ceiling: int = 100
+    # Taken to completed includes the completion's round trip: a slow server shows here too.
+    task_target_s: float = 1.0  # a tenth of the default workflow-task timeout (10 s)
+    lag_target_s: float = 0.5  # heartbeats leave every second; a 5 s timeout must never see a late one
     # what the last tick measured
-    busy: float = 0.0
+    task_s: float = 0.0
     lag_s: float = 0.0
-    held: int = 0
     overloaded: bool = False
     cuts: int = 0
     held_back: int = 0  # reservations from the shared queue that waited to be admitted
     admitted: int = 0
 
-    def adjust(self, busy: float, lag_s: float, held: int, wanted_more: bool) -> None:
-        """One tick (see the module's docstring)."""
-        self.busy, self.lag_s, self.held = busy, lag_s, held
-        self.overloaded = busy > self.busy_high or lag_s > self.lag_high_s
+    live: int = 0
+
+    def adjust(
+        self, task_s: float, lag_s: float, live: int, wanted_more: bool, wanted_slots: bool = False
+    ) -> None:
+        """One tick: past a target, a window of two thirds of what is held (or of the window,
+        if less) and a limit of two thirds; below half of both, a tenth more of either when
+        more waited for it."""
+        self.task_s, self.lag_s, self.live = task_s, lag_s, live
+        self.overloaded = task_s > self.task_target_s or lag_s > self.lag_target_s
         if self.overloaded:
-            self.window = max(self.floor, min(self.window, held) * 9 // 10)
+            self.window = max(self.floor, min(self.window, live) * 2 // 3)
+            self.limit = max(self.limit_floor, self.limit * 2 // 3)
             self.cuts += 1
-        elif wanted_more and busy < self.busy_low and lag_s < self.lag_low_s:
-            # What it could hold at the target, if each episode held costs what they cost now.
-            room = int(held * self.busy_target / max(busy, 0.01)) if held else self.window
-            self.window = min(self.ceiling, max(self.window + 1, min(room, self.window * 5 // 4)))
+        elif task_s < self.task_target_s / 2 and lag_s < self.lag_target_s / 2:
+            if wanted_more:
+                self.window = min(self.ceiling, self.window + max(1, self.window // 10))
+            if wanted_slots:
+                self.limit = min(self.limit_ceiling, self.limit + max(1, self.limit // 10))
 
     def describe(self) -> str:
         return (
-            f"{self.held} episodes held, window {self.window} (cut {self.cuts} times; "
+            f"{self.live} episodes held, window {self.window}, {self.limit} tasks at once "
+            f"(cut {self.cuts} times; "
             f"{self.admitted} tasks admitted from the shared queue, {self.held_back} waited), "
-            f"busy {self.busy:.0%} of a core, lag {self.lag_s:.2f} s"
+            f"tasks {self.task_s:.2f} s, lag {self.lag_s:.2f} s"
         )
 
 
-class _Permit(SlotPermit):
-    pass
-
-
 class AdmittingWorkflowSlots(CustomSlotSupplier):
-    """Workflow-task slots: a reservation from this worker's own (sticky) queue is granted up
-    to `ceiling`; one from the shared queue also needs the worker to hold fewer episodes than
-    its window, and not to be overloaded (see the module's docstring). `live` counts the
-    episodes held; unset, those admitted since the last tick count.
+    """Workflow-task slots: up to `capacity.limit` at once; a reservation marked not sticky
+    also needs the worker to hold fewer episodes than its window, and to be below its
+    targets (see the module's docstring). `live` counts the episodes held; unset, those
+    admitted since the last tick count.
 
     The SDK may call `try_reserve_slot`, `mark_slot_used` and `release_slot` from its own
     threads: the counts are guarded by a thread lock, and waiters are woken through the event
@@ -113,21 +131,21 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
     window stays at its first value."""
 
     def __init__(self, ceiling: int, capacity: Capacity | None = None) -> None:
-        self.ceiling = ceiling
-        self.capacity = capacity or Capacity(ceiling=ceiling)
+        self.capacity = capacity or Capacity(limit_ceiling=ceiling)
         self.live: Callable[[], int] = lambda: 0  # episodes held (the worker's cache), once it runs
         self._guard = threading.Lock()
         self._used = 0
         self._held = 0  # episodes held at the last tick, plus those admitted since
+        self._durations: list[float] = []  # of tasks completed since the last tick
         self._waited = False  # a shared-queue reservation found no admission since the last tick
+        self._short = False  # a reservation found every slot taken since the last tick
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Future[None] | None = None
-        self._cpu = time.process_time()
-        self._at = time.monotonic()
 
     def _take(self, sticky: bool) -> bool:
         with self._guard:
-            if self._used >= self.ceiling:
+            if self._used >= self.capacity.limit:
+                self._short = True
                 return False
             if not sticky:
                 if self.capacity.overloaded or self._held >= self.capacity.window:
@@ -156,11 +174,15 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
         return _Permit() if self._take(ctx.is_sticky) else None
 
     def mark_slot_used(self, ctx: SlotMarkUsedContext) -> None:
-        pass
+        if isinstance(ctx.permit, _Permit):
+            ctx.permit.taken_at = time.monotonic()
 
     def release_slot(self, ctx: SlotReleaseContext) -> None:
+        taken_at = getattr(ctx.permit, "taken_at", None)
         with self._guard:
             self._used -= 1
+            if taken_at is not None:
+                self._durations.append(time.monotonic() - taken_at)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -171,21 +193,17 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
         if wake is not None and not wake.done():
             wake.set_result(None)
 
-    def busy(self) -> float:
-        """The process's CPU time since the last look, as a share of one core's."""
-        cpu, at = time.process_time(), time.monotonic()
-        share = (cpu - self._cpu) / max(at - self._at, 1e-3)
-        self._cpu, self._at = cpu, at
-        return share
-
-    def tick(self, lag_s: float, busy: float | None = None) -> None:
-        """Measure the last tick's load and the episodes held, and adjust the window."""
-        busy = self.busy() if busy is None else busy
+    def tick(self, lag_s: float) -> None:
+        """Measure the last tick's tasks and the episodes held, and adjust the window."""
         with self._guard:
+            durations, self._durations = self._durations, []
             wanted_more, self._waited = self._waited, False
+            wanted_slots, self._short = self._short, False
+        durations.sort()
+        p90 = durations[int(0.9 * (len(durations) - 1))] if durations else 0.0
         live = self.live()
         was = self.capacity.overloaded
-        self.capacity.adjust(busy, lag_s, live, wanted_more)
+        self.capacity.adjust(p90, lag_s, live, wanted_more, wanted_slots)
         with self._guard:
             self._held = live
         if self.capacity.overloaded and not was:
@@ -199,7 +217,6 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
         thread of the loop's default executor (every `asyncio.to_thread` of the blob store
         and the REPL host queues there); then `tick`."""
         loop = self._loop = asyncio.get_running_loop()
-        self.busy()
         while True:
             began = time.monotonic()
             await asyncio.sleep(TICK_S)
@@ -210,9 +227,10 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
 
 
 class AdmittingActivitySlots(CustomSlotSupplier):
-    """Activity-task slots (remote activities: model calls of episodes that run them as
-    activities, tools): up to `limit`, and none new while `overloaded()` says so. A task
-    taken by an overloaded worker would start its heartbeat clock in a queue of work."""
+    """Activity-task slots (model calls, audit writes, tools): up to `limit` at once, and none
+    new while `overloaded()` says so. A task taken by an overloaded worker would start its
+    heartbeat and start-to-close clocks in a queue of work; left on the server, no clock runs
+    (a model step has no schedule-to-start timeout)."""
 
     def __init__(self, limit: int, overloaded: Callable[[], bool]) -> None:
         self.limit = limit
@@ -230,10 +248,10 @@ class AdmittingActivitySlots(CustomSlotSupplier):
     async def reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit:
         while not self._take():
             await asyncio.sleep(WAKE_CHECK_S)
-        return _Permit()
+        return SlotPermit()
 
     def try_reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit | None:
-        return _Permit() if self._take() else None
+        return SlotPermit() if self._take() else None
 
     def mark_slot_used(self, ctx: SlotMarkUsedContext) -> None:
         pass

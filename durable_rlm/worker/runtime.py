@@ -169,7 +169,7 @@ def build_workers(
     models = ModelActivities(blobs, credentials, call_ledger(blobs, engine, liveness))
     audit = AuditActivities(engine, functools.partial(_settle_episode, client, engine) if engine else None)
     if admission is None:  # unmeasured, it admits at its first rate
-        admission = AdmittingWorkflowSlots(capacity)
+        admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     # Audit rows and telemetry of every step, written as each completes (activities/audit.py).
     interceptors = [AuditInterceptor(audit.writer), *worker_interceptors()]
     extraction = ExtractionActivities(models, blobs)
@@ -258,9 +258,7 @@ async def running_workers(
     `on_drained` told what was. A grace of 0 (in-process workers) cancels calls in flight
     at once: their episodes go on when a worker next runs."""
     settings = services.settings
-    # An episode held keeps a workflow task open while its local REPL step runs: the worker's
-    # cache size, not a number of tasks at once, bounds its slots.
-    admission = AdmittingWorkflowSlots(settings.capacity)
+    admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
     # Dead workers' calls on this machine are retried as this worker starts, not after
     # their heartbeat timeout (worker/liveness.py): the look runs while the workers are built.
     liveness = _liveness(settings, services.client)
