@@ -60,7 +60,8 @@ async def test_a_recorded_reply_answers_every_later_attempt(rows: LedgerRows) ->
 async def test_an_attempt_given_up_leaves_its_request_in_flight_for_the_next(rows: LedgerRows) -> None:
     ledger, model, name = CallLedger(rows, "w1"), Model(delay_s=0.3), key()
     first = asyncio.ensure_future(once(ledger, name, model))
-    await asyncio.sleep(0.1)
+    while model.sent == 0:  # claimed, and in flight
+        await asyncio.sleep(0.01)
     first.cancel()  # the server gave the attempt up: the SDK cancels it
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -70,10 +71,13 @@ async def test_an_attempt_given_up_leaves_its_request_in_flight_for_the_next(row
 
 
 async def test_a_live_holder_on_another_worker_is_waited_for(rows: LedgerRows) -> None:
-    model, name = Model(delay_s=0.5), key()
+    model, name = Model(delay_s=1.0), key()
     first = CallLedger(rows, "w1", host="h", alive=lambda holder: True)
     second = CallLedger(rows, "w2", host="h", alive=lambda holder: True)
-    replies = await asyncio.gather(once(first, name, model), once(second, name, model))
+    sending = asyncio.ensure_future(once(first, name, model))
+    while model.sent == 0:  # claimed, and in flight
+        await asyncio.sleep(0.01)
+    replies = await asyncio.gather(sending, once(second, name, model))
     assert replies == ["reply 1", "reply 1"] and model.sent == 1 and second.waited_for == 1
 
 
