@@ -55,6 +55,7 @@ from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots
+from durable_rlm.worker.build_id import code_build_id
 from durable_rlm.worker.heap import return_large_buffers
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.worker.sticky import hand_back
@@ -200,6 +201,9 @@ def build_workers(
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
         deployment_config=deployment,
+        # Without a deployment: the workflow code's own id, not the SDK's hash of every
+        # imported module (0.4 s of a script's start; durable_rlm/worker/build_id.py).
+        build_id=code_build_id(policy_modules) if deployment is None else None,
         # The poller names its liveness lock: `drlm watch` and the steering commands tell a
         # dead worker the server still lists from a busy one (durable_rlm/client/attendance.py).
         identity=liveness.identity if liveness is not None else None,
@@ -240,6 +244,7 @@ def build_workers(
         interceptors=interceptors,
         max_concurrent_activities=64,
         identity=liveness.identity if liveness is not None else None,
+        build_id=code_build_id(policy_modules),
         graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
     )
     return [shared, own], repl
