@@ -68,6 +68,7 @@ class CallLedger:
         self._renewing: threading.Thread | None = None
         self.taken_from_ledger = 0  # replies answered from the ledger: calls not paid twice
         self.waited_for = 0  # steps that waited for another attempt's call
+        self.unrecorded = 0  # claims or replies the store refused (it was down or full)
 
     def key_here(self, call: int) -> tuple[str, str] | None:
         """The ledger's name of this activity's `call`-th request, and its episode's id; None
@@ -99,7 +100,19 @@ class CallLedger:
             self.waited_for += 1
             done: T = await asyncio.shield(running)
             return done
-        found = await asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
+        try:
+            found = await asyncio.to_thread(
+                self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S
+            )
+        except Exception:  # noqa: BLE001 - the store down or full: see below
+            # The SQL store cannot be reached (or is full): the call goes out unrecorded, as
+            # before the ledger, rather than every episode waiting on the audit store. Only a
+            # step run again for this call during the outage would send it again.
+            self.unrecorded += 1
+            log.warning(
+                "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
+            )
+            return await call()
         waited = False
         while found is not None:
             if found.reply is not None:
@@ -142,7 +155,11 @@ class CallLedger:
             with contextlib.suppress(Exception):  # a store down: the lease runs out instead
                 await asyncio.to_thread(self.rows.release, key, self.holder)
             raise
-        await asyncio.to_thread(self.rows.record, key, encode(result))
+        try:
+            await asyncio.to_thread(self.rows.record, key, encode(result))
+        except Exception:  # noqa: BLE001 - the reply is paid for: the step gets it all the same
+            self.unrecorded += 1
+            log.warning("call ledger: the store refused the reply of call %s", key[:12], exc_info=True)
         return result
 
     def _ended(self, key: str, task: asyncio.Task[Any]) -> None:
