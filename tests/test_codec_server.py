@@ -230,6 +230,28 @@ def test_a_preflight_is_answered_for_the_ui_origins_and_refused_for_others(codec
     assert call(f"{cluster.url}/decode", {"payloads": []}, Origin=UI).status == 403
 
 
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://127.0.0.1:8233.evil.example",  # a name of the attacker's that begins like ours
+        "http://localhost:8233.evil.example",
+        "http://127.0.0.1:82330",  # another port
+        "http://127.0.0.1:8233/.evil.example",
+    ],
+)
+def test_an_origin_is_allowed_whole_never_by_its_beginning(codec, origin: str) -> None:
+    """An allowed origin is compared whole (a trailing slash aside): an origin that merely
+    starts with the UI's gets no CORS headers and a 403, so a page of its own cannot read
+    payloads with the browser's credentials."""
+    server = codec()
+    for method, body in (("OPTIONS", None), ("POST", {"payloads": []})):
+        answer = call(f"{server.url}/decode", body, method=method, Origin=origin)
+        assert answer.status == 403, (method, answer.status)
+        assert "Access-Control-Allow-Origin" not in answer.headers
+        assert "Access-Control-Allow-Credentials" not in answer.headers
+    assert call(f"{server.url}/decode", {"payloads": []}, Origin=f"{UI}/").status == 200
+
+
 def test_a_configured_token_is_required_on_every_post(codec, blobs) -> None:
     server = codec(token="s3cret")
     body = {"payloads": [in_json(claim_checked(blobs, {"text": "guarded " * 1000}))]}
