@@ -223,7 +223,7 @@ def test_a_login_link_works_once_and_an_unknown_one_never(serve) -> None:
     server = serve(path_secret=SECRET)
     link = ask(server, "POST", f"/{SECRET}/login-token", b"{}").json()["url"]
     path = link.removeprefix(f"http://127.0.0.1:{server.port}")
-    assert ask(server, "GET", path).status == 303
+    assert ask(server, "GET", f"{path}&then=a?b").status == 303  # the query is all after the first ?
     for used in (path, "/open?token=made-up", "/open", "/open/?token="):
         again = ask(server, "GET", used)
         assert again.status == 403, used
@@ -255,6 +255,17 @@ def test_a_session_cookie_is_the_ports_own() -> None:
     assert not logins.has_session(f"drlm_8235={session}", 8234)
     assert not logins.has_session(None, 8234) and not logins.has_session("", 8234)
     assert not logins.has_session('drlm_8234="unterminated', 8234)
+    # A header the cookie parser refuses (an illegal name) opens nothing, whatever it carries.
+    assert not logins.has_session("drlm_8234=forged; a(b=1", 8234)
+    assert not logins.has_session(f"a(b=1; drlm_8234={session}", 8234)
+
+
+def test_tokens_and_sessions_carry_32_random_bytes() -> None:
+    logins = Logins()
+    token = logins.mint("/episodes")
+    _, session = logins.redeem(token) or ("", "")
+    assert len(token) == len(session) == 43  # 32 bytes, URL-safe base64 without padding
+    assert token != session
 
 
 # --- the owner's sockets -----------------------------------------------------------------------
@@ -421,7 +432,9 @@ def test_the_pages_are_served_below_the_capability_with_their_security_headers(s
     assert ask(plain, "GET", f"/{SECRET}/episodes").status == 404
 
 
-def test_a_pages_action_needs_a_small_json_body_from_the_page_itself(serve) -> None:
+def test_a_pages_action_needs_a_small_json_body_from_the_page_itself(
+    serve, caplog: pytest.LogCaptureFixture
+) -> None:
     server = serve(path_secret=SECRET, pages=True)
     path = f"/{SECRET}/episodes/ep-1/act/hint"
     origin = f"http://127.0.0.1:{server.port}"
@@ -436,11 +449,18 @@ def test_a_pages_action_needs_a_small_json_body_from_the_page_itself(serve) -> N
         server, "POST", path, b"{}", Origin="http://elsewhere.example", Content_Type="application/json"
     )
     assert refused.status == 403 and "from the episode page itself" in refused.json()["error"]
-    # From the page: the action runs, and without a Temporal server it fails in one line.
-    failed = ask(server, "POST", path, b'{"text": "hi"}', Origin=origin, Content_Type="application/json")
-    assert failed.status == 500
-    assert failed.json() == {"error": "internal error: LookupError: the Temporal server is not up yet"}
-    assert failed.headers["Connection"] == "close"
+    # From the page: the action runs, and without a Temporal server it fails in one line
+    # (the traceback goes to the log). A body of exactly 64 KB is read.
+    caplog.set_level(logging.ERROR, logger="durable_rlm.viewer.codec_requests")
+    whole = b'{"text": "' + b"x" * (64 * 1024 - 12) + b'"}'
+    assert len(whole) == 64 * 1024
+    for body in (b'{"text": "hi"}', whole):
+        failed = ask(server, "POST", path, body, Origin=origin, Content_Type="application/json")
+        assert failed.status == 500
+        assert failed.json() == {"error": "internal error: LookupError: the Temporal server is not up yet"}
+        assert failed.headers["Connection"] == "close"
+    logged = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in logged] == ["episode page: /episodes/ep-1/act/hint failed"] * 2
 
 
 def test_the_login_link_opens_a_page_under_a_session_with_no_capability_in_its_links(serve) -> None:

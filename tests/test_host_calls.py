@@ -10,6 +10,7 @@ import base64
 import hashlib
 import inspect
 import json
+import os
 import pickle
 import signal
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from durable_rlm.activities.sandbox.host_calls import (
 from durable_rlm.activities.tools import pickled
 from durable_rlm.tools import spec_of
 from durable_rlm.workflows import defaults, names
-from tests.host_end import HostEnd
+from tests.host_end import HostEnd, upper
 
 CAP = defaults.MAX_PROMPTS_PER_CALL
 LIMITS = {"max_prompts": CAP, "max_call_bytes": defaults.MAX_CALL_BYTES}
@@ -152,6 +153,10 @@ def test_the_cells_timer_stops_while_the_host_answers_and_runs_again_after() -> 
             assert 0.2 <= host.calls.blocked_s < 5.0  # the wait is counted as the host's
             host.calls.call("llm_query", ["y"])
             assert 0.4 <= host.calls.blocked_s < 10.0  # added up over the cell's calls
+        signal.setitimer(signal.ITIMER_REAL, 0.9)
+        with HostEnd() as host:
+            host.calls.call("llm_query", ["x"])
+            assert 0.0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.9  # under a second left: still set
         signal.setitimer(signal.ITIMER_REAL, 0)
         with HostEnd() as host:
             host.calls.call("llm_query", ["x"])
@@ -174,9 +179,41 @@ def test_the_cells_timer_stops_while_the_host_answers_and_runs_again_after() -> 
 def test_an_answer_that_does_not_match_the_call_is_an_error_in_the_cell(reply: dict[str, Any]) -> None:
     with (
         HostEnd(lambda frame: reply) as host,
-        pytest.raises(RuntimeError, match="malformed answer from host"),
+        pytest.raises(RuntimeError, match="^sandbox: malformed answer from host$"),
     ):
         host.calls.call("llm_query", ["x"])
+
+
+def in_a_child(host_answers: bool) -> int:
+    """A call made in a forked child (the sandbox's process), its host this process: the
+    child's exit status, 7 when the call came back with the host's answer."""
+    to_sandbox, answers = os.pipe()
+    calls_read, from_sandbox = os.pipe()
+    child = os.fork()
+    if child == 0:  # the sandbox: whatever happens, it leaves by os._exit
+        code = 3
+        try:
+            os.close(answers)
+            os.close(calls_read)
+            calls = HostCalls(open(to_sandbox, "rb"), open(from_sandbox, "wb"))  # noqa: SIM115 - the child exits
+            code = 7 if calls.call("llm_query", ["x"]) == [{"ok": True, "text": "X"}] else 4
+        finally:
+            os._exit(code)
+    os.close(to_sandbox)
+    os.close(from_sandbox)
+    with open(calls_read, "rb") as frames, open(answers, "wb") as replies:
+        frame = framing.read_frame(frames)
+        assert frame is not None and frame["prompts"] == ["x"]
+        if host_answers:
+            framing.write_frame(replies, upper(frame))
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+
+
+def test_a_sandbox_whose_host_is_gone_exits_quietly_and_one_answered_goes_on() -> None:
+    """The call reads the host's answer and returns it; when the host closed the channel
+    instead, the sandbox's process ends at once with status 0 (nobody is left to tell)."""
+    assert in_a_child(host_answers=True) == 7
+    assert in_a_child(host_answers=False) == 0
 
 
 # --- a call while the REPL is rebuilt -------------------------------------------------------------
@@ -234,6 +271,9 @@ def test_a_tool_in_the_repl_has_the_registered_name_signature_and_docstring() ->
     with HostEnd() as host:
         bare = host.calls.tool({"name": "bare", "params": []})
     assert bare.__doc__ is None and str(inspect.signature(bare)) == "()"
+    with HostEnd() as host:
+        unlisted = host.calls.tool({"name": "unlisted"})  # no params given: none taken
+    assert str(inspect.signature(unlisted)) == "()"
 
 
 def test_a_tools_arguments_travel_as_wire_values_and_its_json_result_comes_back() -> None:
@@ -326,7 +366,7 @@ def test_a_batch_is_any_iterable_of_text_but_never_a_lone_string() -> None:
             str(refused.value)
             == f"llm_query_batched expects a list of str prompts, got {type(lone).__name__}"
         )
-    with pytest.raises(TypeError, match="expects str prompts, got int"):
+    with pytest.raises(TypeError, match="^llm_query_batched expects str prompts, got int$"):
         prompt_list("llm_query_batched", ["a", 1], None)
     with pytest.raises(TypeError, match="model must be"):
         prompt_list("llm_query_batched", ["a"], 1)
