@@ -228,6 +228,15 @@ def test_a_login_link_works_once_and_an_unknown_one_never(serve) -> None:
         again = ask(server, "GET", used)
         assert again.status == 403, used
         assert again.json() == {"error": "this link was used or has expired: run `drlm ui --open` again"}
+    assert ask(server, "GET", "/openX?token=made-up").status == 404  # not the login's path
+
+
+def test_a_refused_login_is_one_answer_and_the_connection_ends(serve) -> None:
+    server = serve(path_secret=SECRET)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        raw.sendall(b"GET /open?token=made-up HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = b"".join(iter(lambda: raw.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.1 403 ") and reply.count(b"HTTP/1.1 ") == 1, reply
 
 
 def test_logins_expire_and_are_bounded_in_number(monkeypatch: pytest.MonkeyPatch) -> None:
