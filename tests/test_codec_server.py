@@ -237,6 +237,7 @@ def test_a_preflight_is_answered_for_the_ui_origins_and_refused_for_others(codec
         "http://localhost:8233.evil.example",
         "http://127.0.0.1:82330",  # another port
         "http://127.0.0.1:8233/.evil.example",
+        "http://127.0.0.1:8233X",  # only a trailing slash is ignored
     ],
 )
 def test_an_origin_is_allowed_whole_never_by_its_beginning(codec, origin: str) -> None:
