@@ -313,6 +313,18 @@ def test_another_uids_connection_is_reset_unread(codec, blobs) -> None:
 # --- size, missing blobs, bad bodies -----------------------------------------------------------
 
 
+def test_a_server_shortens_at_its_own_limit(codec, blobs) -> None:
+    """A server given a display limit shortens there, not at the default's."""
+    stdout = "x" * (DISPLAY_LIMIT // 2)
+    payload = in_json(claim_checked(blobs, {"stdout": stdout}))
+    for limit, whole in ((None, True), (DISPLAY_LIMIT // 4, False)):
+        answer = call(f"{codec(limit=limit).url}/decode", {"payloads": [payload]}, Origin=UI)
+        (shown,) = answer.json()["payloads"]
+        value = json.loads(base64.b64decode(shown["data"]))
+        assert (value["stdout"] == stdout) is whole, limit
+        assert ("drlm_codec_note" in value) is not whole, limit
+
+
 def test_a_huge_payload_is_shortened_and_says_its_size_and_digest(codec, blobs) -> None:
     server = codec()
     stdout = "".join(f"row {i}\n" for i in range(400_000)) + "THE END"

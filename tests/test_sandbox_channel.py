@@ -172,6 +172,12 @@ def test_a_malformed_frame_is_broken_and_names_its_first_problem(body: bytes, er
     assert frame["error"].startswith(f"the sandbox sent a malformed frame: {error}"), frame["error"]
 
 
+def test_a_frame_with_one_problem_names_it_alone() -> None:
+    assert decode_frame(b'{"op": "call", "kind": "llm_query", "prompts": "ab"}') == broken(
+        "the sandbox sent a malformed frame: call.prompts: Input should be a valid array"
+    )
+
+
 def test_a_frame_past_the_hosts_bounds_is_refused_before_it_is_parsed() -> None:
     values = decode_frame(
         b'{"op": "done", "status": "ok", "submitted": [' + b"0," * defaults.SANDBOX_FRAME_VALUES + b"0]}"
