@@ -239,6 +239,18 @@ def test_a_refused_login_is_one_answer_and_the_connection_ends(serve) -> None:
     assert reply.startswith(b"HTTP/1.1 403 ") and reply.count(b"HTTP/1.1 ") == 1, reply
 
 
+def test_a_refused_origin_is_one_answer_and_the_connection_ends(serve) -> None:
+    server = serve()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        raw.sendall(
+            b"POST /decode HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://elsewhere.example\r\n"
+            + b"Content-Length: %d\r\n\r\n" % len(EMPTY)
+            + EMPTY
+        )
+        reply = b"".join(iter(lambda: raw.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.1 403 ") and reply.count(b"HTTP/1.1 ") == 1, reply
+
+
 def test_logins_expire_and_are_bounded_in_number(monkeypatch: pytest.MonkeyPatch) -> None:
     logins = Logins()
     token = logins.mint("/episodes/a")
@@ -403,17 +415,25 @@ def test_an_answer_is_json_with_its_length_and_keeps_the_connection(serve) -> No
         connection.close()
 
 
-def test_a_failure_inside_a_request_is_a_500_in_one_line(serve, tmp_path: Path) -> None:
-    broken = BlobStore(DirectoryBackend(tmp_path / "gone"))
-    shutil.rmtree(tmp_path / "gone")
-    (tmp_path / "gone").write_text("a file where the blob store's folder was")
+def test_a_failure_inside_a_request_is_a_500_in_one_line(
+    serve, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="durable_rlm.viewer.codec_requests")
+    deep = tmp_path / ("a" * 120) / ("b" * 120) / ("c" * 120)  # an error message past 300 characters
+    deep.mkdir(parents=True)
+    broken = BlobStore(DirectoryBackend(deep / "gone"))
+    shutil.rmtree(deep / "gone")
+    (deep / "gone").write_text("a file where the blob store's folder was")
     server = serve(blobs=broken, threshold=0)
     body = json.dumps({"payloads": [payload_json(b'"x"', encoding=b"json/plain")]}).encode()
     answer = ask(server, "POST", "/encode", body)
     assert answer.status == 500
     error = answer.json()["error"]
-    assert error.startswith("internal error: NotADirectoryError: ") and "\n" not in error
-    assert len(error) <= len("internal error: NotADirectoryError: ") + 300
+    head = "internal error: NotADirectoryError: [Errno 20] Not a directory: "
+    assert error.startswith(head) and "\n" not in error, error
+    assert len(error) == len("internal error: NotADirectoryError: ") + 300  # cut at 300
+    logged = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in logged] == ["codec server: /encode failed"]
 
 
 def test_requests_are_logged_at_debug_level(serve, caplog: pytest.LogCaptureFixture) -> None:
