@@ -490,6 +490,9 @@ def test_a_pages_action_needs_a_small_json_body_from_the_page_itself(
         assert failed.headers["Connection"] == "close"
     logged = [r for r in caplog.records if r.exc_info]
     assert [r.getMessage() for r in logged] == ["episode page: /episodes/ep-1/act/hint failed"] * 2
+    # The body read is the one the action gets: a list is no form.
+    listed = ask(server, "POST", path, b"[1]", Origin=origin, Content_Type="application/json")
+    assert (listed.status, listed.json()) == (400, {"error": "the body is a JSON object"})
 
 
 def test_the_login_link_opens_a_page_under_a_session_with_no_capability_in_its_links(serve) -> None:
