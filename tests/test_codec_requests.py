@@ -394,7 +394,7 @@ def test_a_post_needs_a_body_of_a_known_length_within_the_limit(serve) -> None:
         answer = ask(server, "POST", "/decode", None, **headers)
         assert (answer.status, answer.json()) == (status, {"error": error}), headers
         assert answer.headers["Connection"] == "close"
-    exact = json.dumps({"payloads": [payload_json(b"x" * 100)]}).encode()
+    exact = EMPTY + b" " * (MAX_BODY - len(EMPTY))  # exactly the limit: read
     assert ask(server, "POST", "/decode", exact).status == 200
 
 
