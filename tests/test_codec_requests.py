@@ -52,7 +52,8 @@ def serve(store: BlobStore, tmp_path: Path) -> Iterator[Any]:
     def start(pages: bool = False, **options: Any) -> CodecServer:
         if pages:
             settings = Settings(data_dir=tmp_path / "data")
-            options["pages"] = EpisodePages(settings, store, None, address=lambda: None, sender="tester")
+            address = options.pop("address", lambda: None)  # None: no Temporal server yet
+            options["pages"] = EpisodePages(settings, store, None, address=address, sender="tester")
         server = CodecServer(options.pop("blobs", store), **options).start()
         started.append(server)
         return server
@@ -493,6 +494,23 @@ def test_a_pages_action_needs_a_small_json_body_from_the_page_itself(
     # The body read is the one the action gets: a list is no form.
     listed = ask(server, "POST", path, b"[1]", Origin=origin, Content_Type="application/json")
     assert (listed.status, listed.json()) == (400, {"error": "the body is a JSON object"})
+
+
+@pytest.mark.parametrize(("message", "shown"), [("y" * 400 + "\nthe rest", "y" * 300), ("", "")])
+def test_a_pages_failure_is_shown_as_its_first_line_cut_at_300(serve, message: str, shown: str) -> None:
+    def address() -> str | None:
+        raise RuntimeError(message)
+
+    server = serve(path_secret=SECRET, pages=True, address=address)
+    failed = ask(
+        server,
+        "POST",
+        f"/{SECRET}/episodes/ep-1/act/hint",
+        b'{"text": "hi"}',
+        Origin=f"http://127.0.0.1:{server.port}",
+        Content_Type="application/json",
+    )
+    assert (failed.status, failed.json()) == (500, {"error": f"internal error: RuntimeError: {shown}"})
 
 
 def test_the_login_link_opens_a_page_under_a_session_with_no_capability_in_its_links(serve) -> None:
