@@ -162,8 +162,16 @@ def test_with_a_capability_the_path_starts_with_it_and_is_answered_below_it(serv
     assert server.url == f"http://127.0.0.1:{server.port}/{SECRET}"
     assert ask(server, "GET", f"/{SECRET}").json()["service"] == "drlm codec server"
     assert ask(server, "GET", f"/{SECRET}/?x=1").json()["service"] == "drlm codec server"
+    assert ask(server, "GET", f"/{SECRET}?x=a?b").json()["service"] == "drlm codec server"
     assert ask(server, "POST", f"/{SECRET}/default/encode", EMPTY).json() == {"payloads": []}
-    for path in ("/", "/decode", f"/{SECRET[:-1]}/decode", f"/x{SECRET}/decode", f"/decode/{SECRET}"):
+    for path in (
+        "/",
+        "/decode",
+        f"/{SECRET[:-1]}/decode",
+        f"/x{SECRET}/decode",
+        f"/X{SECRET}/decode",
+        f"/decode/{SECRET}",
+    ):
         answer = ask(server, "POST", path, EMPTY)
         assert (answer.status, answer.json()) == (404, {"error": "not found"}), path
 
