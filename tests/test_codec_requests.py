@@ -13,6 +13,7 @@ import json
 import logging
 import shutil
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -555,6 +556,8 @@ def test_a_server_used_as_a_context_serves_inside_and_stops_after(store: BlobSto
     with CodecServer(store) as server:
         assert ask(server, "POST", "/decode", EMPTY).status == 200
         port = server.port
+        # Its thread is named for a stack dump, and a daemon: it never holds the process open.
+        assert [t.daemon for t in threading.enumerate() if t.name == "codec-server"] == [True]
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
 

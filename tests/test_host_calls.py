@@ -229,6 +229,21 @@ def in_a_child(host_answers: bool) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
+def test_a_call_whose_host_is_gone_ends_the_process_with_status_0() -> None:
+    to_sandbox, answers = os.pipe()
+    calls_read, from_sandbox = os.pipe()
+    os.close(answers)  # the host went away before it answered
+    calls = HostCalls(open(to_sandbox, "rb"), open(from_sandbox, "wb"))  # noqa: SIM115 - closed below
+    try:
+        with pytest.raises(Exited) as exited:
+            calls.call("llm_query", ["x"])
+        assert exited.value.args == (0,)
+    finally:
+        calls.channel_in.close()
+        calls.channel_out.close()
+        os.close(calls_read)
+
+
 def test_a_sandbox_whose_host_is_gone_exits_quietly_and_one_answered_goes_on() -> None:
     """The call reads the host's answer and returns it; when the host closed the channel
     instead, the sandbox's process ends at once with status 0 (nobody is left to tell)."""
