@@ -179,7 +179,9 @@ def test_with_a_capability_the_path_starts_with_it_and_is_answered_below_it(serv
 
 @pytest.mark.parametrize("secret", ["", "a/b"])
 def test_a_capability_is_one_non_empty_path_segment(store: BlobStore, secret: str) -> None:
-    with pytest.raises(ConfigurationError, match="one non-empty path segment"):
+    with pytest.raises(
+        ConfigurationError, match="^a codec server's path secret is one non-empty path segment$"
+    ):
         CodecServer(store, path_secret=secret)
 
 
@@ -336,12 +338,14 @@ def test_a_preflight_names_what_the_ui_may_send_and_for_how_long(serve) -> None:
 
 
 def test_a_refused_origin_is_told_which_are_allowed(serve) -> None:
-    server = serve(origins=["http://b.example/", "http://a.example"])
-    assert server.origins == frozenset({"http://a.example", "http://b.example"})
+    server = serve(origins=["http://b.example/", "http://a.example", "http://BOX"])
+    assert server.origins == frozenset(
+        {"http://a.example", "http://b.example", "http://BOX"}
+    )  # one slash cut
     answer = ask(server, "POST", "/decode", EMPTY, Origin="http://c.example")
     assert answer.status == 403
     assert answer.json() == {
-        "error": "origin http://c.example is not allowed; allowed: http://a.example, http://b.example"
+        "error": "origin http://c.example is not allowed; allowed: http://BOX, http://a.example, http://b.example"
     }
     assert ask(server, "POST", "/decode", EMPTY, Origin="http://b.example").status == 200
 
