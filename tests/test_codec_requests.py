@@ -357,6 +357,58 @@ def test_any_origin_when_told_so(serve) -> None:
     assert answer.headers["Access-Control-Allow-Origin"] == "http://anywhere.example"
 
 
+def header_names(server: CodecServer, request: bytes) -> list[str]:
+    """The header names of the answer to a raw request, as they are on the wire."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        raw.sendall(request)
+        reply = b"".join(iter(lambda: raw.recv(4096), b""))
+    lines = reply.partition(b"\r\n\r\n")[0].decode().split("\r\n")[1:]
+    return [line.partition(":")[0] for line in lines]
+
+
+def test_answers_spell_their_header_names_as_http_does(serve) -> None:
+    """Header names are case-insensitive to a reader, but what this server writes is spelled
+    one way: the usual one, which a log or a capture of the wire shows."""
+    server = serve(path_secret=SECRET, pages=True, token="t0k")
+    host = b"Host: 127.0.0.1\r\nConnection: close\r\n"
+    preflight = header_names(
+        server,
+        b"OPTIONS /%s/decode HTTP/1.1\r\n%sOrigin: %s\r\n" % (SECRET.encode(), host, UI.encode())
+        + b"Access-Control-Request-Private-Network: true\r\n\r\n",
+    )
+    assert preflight == [
+        "Server",
+        "Date",
+        "Content-Length",
+        "Access-Control-Allow-Origin",
+        "Access-Control-Allow-Credentials",
+        "Vary",
+        "Access-Control-Allow-Methods",
+        "Access-Control-Allow-Headers",
+        "Access-Control-Max-Age",
+        "Access-Control-Allow-Private-Network",
+    ]
+    refused = header_names(
+        server, b"POST /%s/decode HTTP/1.1\r\n%sContent-Length: 2\r\n\r\n{}" % (SECRET.encode(), host)
+    )
+    assert refused == ["Server", "Date", "Content-Type", "Content-Length", "WWW-Authenticate", "Connection"]
+    link = ask(server, "POST", f"/{SECRET}/login-token", b"{}", Authorization="Bearer t0k").json()["url"]
+    path = link.removeprefix(f"http://127.0.0.1:{server.port}").encode()
+    login = header_names(server, b"GET %s HTTP/1.1\r\n%s\r\n" % (path, host))
+    assert login == [
+        "Server",
+        "Date",
+        "Location",
+        "Set-Cookie",
+        "Content-Length",
+        "Cache-Control",
+        "Referrer-Policy",
+    ]
+    page = header_names(server, b"GET /%s/episodes HTTP/1.1\r\n%s\r\n" % (SECRET.encode(), host))
+    assert page[:4] == ["Server", "Date", "Content-Type", "Content-Length"]
+    assert set(SECURITY_HEADERS) <= set(page)
+
+
 # --- the token ---------------------------------------------------------------------------------
 
 
