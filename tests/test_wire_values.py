@@ -283,15 +283,17 @@ def test_the_sender_counts_values_as_the_host_does_exactly_up_to_the_limit() -> 
 def test_a_value_past_the_count_is_refused_before_its_text_is_built() -> None:
     """The sender stops counting at the limit: a value of a million items costs it no text of
     a million items (the host's own check, run after, would refuse it too, but only then)."""
-    value = [{"a": [0] * 500} for _ in range(2_000)]  # a million values, 1,000 per dict
-    tracemalloc.start()
-    try:
-        with pytest.raises(ValueError, match="^more than 10,000 values in one document$"):
-            dumps(value, max_items=10_000)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < 1_000_000, peak
+    listed = [{"a": [0] * 500} for _ in range(2_000)]  # a million values, 1,000 per dict
+    keyed = {str(i): 0 for i in range(300_000)}  # its keys alone are past the limit
+    for value in (listed, keyed):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="^more than 10,000 values in one document$"):
+                dumps(value, max_items=10_000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1_000_000, peak
 
 
 def test_the_sender_refuses_nesting_past_its_depth_in_its_own_words() -> None:
