@@ -392,6 +392,8 @@ def test_answers_spell_their_header_names_as_http_does(serve) -> None:
         server, b"POST /%s/decode HTTP/1.1\r\n%sContent-Length: 2\r\n\r\n{}" % (SECRET.encode(), host)
     )
     assert refused == ["Server", "Date", "Content-Type", "Content-Length", "WWW-Authenticate", "Connection"]
+    wrong = header_names(server, b"GET /%s/decode HTTP/1.1\r\n%s\r\n" % (SECRET.encode(), host))
+    assert wrong == ["Server", "Date", "Content-Type", "Content-Length", "Allow", "Connection"]
     link = ask(server, "POST", f"/{SECRET}/login-token", b"{}", Authorization="Bearer t0k").json()["url"]
     path = link.removeprefix(f"http://127.0.0.1:{server.port}").encode()
     login = header_names(server, b"GET %s HTTP/1.1\r\n%s\r\n" % (path, host))
