@@ -105,6 +105,7 @@ class AttemptClock:
     def __init__(self) -> None:
         self.started = self.last_beat = time.monotonic()
         self.beats = 0
+        self.calls = 0  # model requests this attempt has made: each one's place in the call ledger
         PAUSES.watch()
 
     def in_doubt(self) -> str | None:
@@ -121,6 +122,12 @@ class AttemptClock:
         if longest >= PAUSE_FENCE_S:
             return f"the process stood still for {longest:.1f} s while it ran, or just before"
         return None
+
+    def next_call(self) -> int:
+        """The place of this attempt's next model request among its requests (0, 1, ...): the
+        same in every attempt and replay of the step, whose work is the same up to there."""
+        self.calls += 1
+        return self.calls - 1
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()

@@ -27,6 +27,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
+from durable_rlm.activities.call_ledger import CallLedger
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.activities.providers import client_library, error_types
 from durable_rlm.activities.reply_limits import (
@@ -105,6 +106,34 @@ class Completion:
     said: dict[str, Any] = dataclasses.field(default_factory=dict)  # response_* facts (CallFacts)
     whole: bool = True  # False: the body was cut inside the text (activities/reply_limits.py)
 
+    def to_json(self) -> bytes:
+        """As the call ledger keeps it (activities/call_ledger.py)."""
+        return json.dumps(
+            {
+                "text": self.text,
+                "usage": self.usage.model_dump(mode="json"),
+                "elapsed": self.elapsed,
+                "mean_logprob": self.mean_logprob,
+                "facts": self.facts.model_dump(mode="json"),
+                "said": self.said,
+                "whole": self.whole,
+            },
+            ensure_ascii=False,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Completion:
+        kept = json.loads(data)
+        return cls(
+            text=kept["text"],
+            usage=TokenUsage.model_validate(kept["usage"]),
+            elapsed=kept["elapsed"],
+            mean_logprob=kept["mean_logprob"],
+            facts=CallFacts.model_validate(kept["facts"]),
+            said=kept["said"],
+            whole=kept["whole"],
+        )
+
     def __post_init__(self) -> None:
         # A reply may carry a lone surrogate ("\ud800" in its JSON): no UTF-8 encodes it, so
         # it could not be recorded, sent to the sandbox or printed. It becomes U+FFFD.
@@ -161,9 +190,12 @@ def mean_logprob(choice: Any) -> float | None:
 class ModelActivities:
     """Holds the credentials (never in history) and one client per endpoint."""
 
-    def __init__(self, blobs: BlobStore, credentials: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, blobs: BlobStore, credentials: Mapping[str, str] | None = None, ledger: CallLedger | None = None
+    ) -> None:
         self.blobs = blobs
         self.credentials = dict(credentials or {})
+        self.ledger = ledger  # no call paid twice (activities/call_ledger.py); None: not kept
         self._clients: dict[tuple[str, str | None, str, float], Any] = {}
 
     def _env(self, name: str) -> str | None:
@@ -211,7 +243,24 @@ class ModelActivities:
         max_reply_chars: int = defaults.MAX_REPLY_CHARS,
     ) -> Completion:
         """One call; of its reply at most `max_reply_chars` characters are read, and a longer
-        reply is cut there and says so (activities/reply_limits.py)."""
+        reply is cut there and says so (activities/reply_limits.py). In a step, made at most
+        once however often the step runs (activities/call_ledger.py)."""
+        ledger = self.ledger
+        named = ledger.key_here(attempt_clock().next_call()) if ledger is not None else None
+        if ledger is None or named is None:
+            return await self._complete(settings, messages, max_reply_chars)
+        key, workflow_id = named
+        return await ledger.once(
+            key,
+            workflow_id,
+            lambda: self._complete(settings, messages, max_reply_chars),
+            Completion.to_json,
+            Completion.from_json,
+        )
+
+    async def _complete(
+        self, settings: ModelSettings, messages: list[Message], max_reply_chars: int
+    ) -> Completion:
         facts = call_facts(messages)
         began = time.monotonic()
         with reading_at_most(body_cap(max_reply_chars)):

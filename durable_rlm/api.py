@@ -24,7 +24,8 @@ import asyncio
 import atexit
 import contextlib
 import gc
-from collections.abc import AsyncIterator, Coroutine, Sequence
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -437,3 +438,24 @@ def run_blocking(work: Coroutine[Any, Any, T]) -> T:
 
     asyncio.run(main())
     return out[0]
+
+
+def on_own_thread(make: Callable[[], Coroutine[Any, Any, T]], name: str = "durable-rlm episode") -> T:
+    """Run a coroutine to its end on a new thread with an event loop of its own, blocking
+    the caller: a synchronous call (rlms's `completion()`, DSPy's `forward()`) made where an
+    event loop already runs (a notebook, an async app), which `asyncio.run` refuses."""
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = run_blocking(make())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
+            done["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    value: T = done["value"]
+    return value

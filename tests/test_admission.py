@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from durable_rlm.worker.admission import AdmittingWorkflowSlots, Capacity
+from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots, Capacity
 
 
 @dataclass
@@ -121,3 +121,16 @@ def test_tasks_at_once_follow_the_same_measurements() -> None:
     for _ in range(10):
         capacity.adjust(task_s=9.0, lag_s=0.0, live=10, wanted_more=False)
     assert capacity.limit == 4
+
+
+def test_an_overloaded_worker_starts_no_activity() -> None:
+    overloaded = [False]
+    slots = AdmittingActivitySlots(limit=2, overloaded=lambda: overloaded[0])
+    first = slots.try_reserve_slot(NEW)
+    assert first is not None
+    overloaded[0] = True
+    assert slots.try_reserve_slot(NEW) is None  # waits on the server, where no clock runs
+    overloaded[0] = False
+    assert slots.try_reserve_slot(NEW) is not None and slots.try_reserve_slot(NEW) is None  # its limit
+    slots.release_slot(Used(first))
+    assert slots.try_reserve_slot(NEW) is not None

@@ -32,7 +32,7 @@ import pytest
 
 from durable_rlm.api import DurableRLM
 from durable_rlm.audit.timeline import Timeline, describe_execution, episode_timeline, fork_line
-from durable_rlm.ports import free_port
+from durable_rlm.ports import free_port, wait_listening
 from durable_rlm.scripted import SCRIPTED_SUMMARY, ChatRequest, Reply
 from durable_rlm.server.embedded import ServerFiles
 from durable_rlm.settings import Settings
@@ -81,6 +81,7 @@ def page_base(settings: Settings) -> str:
     """The codec endpoint (with its capability) the supervisor wrote into state.json."""
     state = ServerFiles.of(settings).read_state()
     assert state is not None and state.get("codec"), state
+    assert wait_listening(str(state["codec"]), 30), "the supervisor's pages never listened"
     return str(state["codec"])
 
 

@@ -247,3 +247,21 @@ async def test_a_worker_s_folder_is_private_and_its_lock_is_never_seen_unheld(
     liveness.close()
     assert list(folder.iterdir()) == []
     assert os.path.isdir(folder)
+
+
+async def test_the_call_ledger_judges_a_holder_by_its_lock(tmp_path: Path, client: Client) -> None:
+    """Whether a claim's holder on this host lives (activities/call_ledger.py): its lock held,
+    however long it stood still; free or gone, it is dead and its call may be sent again."""
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    neighbour = WorkerLiveness(folder, client).start()
+    holder = dead_worker(folder, "4242-dead", {})
+    assert me.holder_alive(me.worker_id) and me.holder_alive(neighbour.worker_id)
+    assert me.holder_alive("4242-dead") is True  # its process holds the lock
+    holder.kill()
+    holder.wait()
+    assert me.holder_alive("4242-dead") is False
+    neighbour.close()  # a clean stop: its lock file went with it
+    assert me.holder_alive(neighbour.worker_id) is False
+    assert me.holder_alive("../elsewhere") is None and me.holder_alive("") is None
+    me.close()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.ports import free_port
+from durable_rlm.ports import free_port, wait_listening
 from durable_rlm.server.embedded import ServerFiles, acquire, running_state, shared_server, temporal_binary
 from durable_rlm.settings import Settings
 
@@ -58,6 +58,15 @@ for port in ports:
         got[f"{port}/{name}"] = len(received)
 print(json.dumps(got))
 """
+
+
+def listening_state(settings: Settings) -> dict:
+    """The shared server's state once its codec server (and pages) listen: they come up a
+    moment after the Temporal server answers (durable_rlm/supervisor.py)."""
+    state = running_state(settings)
+    assert state is not None and state.get("codec"), state
+    assert wait_listening(str(state["codec"]), 30), "the supervisor's codec server never listened"
+    return state
 
 
 def probe(ports: list[int], path: str, as_nobody: bool) -> dict[str, int]:
@@ -143,7 +152,7 @@ async def test_another_user_gets_nothing_from_any_port_of_the_shared_server(
 ) -> None:
     settings = Settings(data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2)
     async with shared_server(settings) as lease:
-        state = running_state(settings)
+        state = listening_state(settings)
         assert state is not None and state["private"] is True
         tree = process_tree(int(state["pid"]))
         inodes = set().union(*(socket_inodes(pid) for pid in tree))
@@ -185,7 +194,7 @@ async def test_the_web_ui_is_given_the_codec_capability(tmp_path: Path) -> None:
 
     settings = Settings(data_dir=tmp_path / "data", ui_port=free_port(), server_idle_s=2)
     async with shared_server(settings) as lease:
-        state = running_state(settings)
+        state = listening_state(settings)
         assert state is not None
         files = ServerFiles.of(settings)
         secret = files.codec_secret.read_text().strip()
@@ -346,7 +355,7 @@ async def test_an_encrypted_episodes_history_posted_by_another_user_decodes_to_n
         episode = await rlm.start("the ledger of accounts", "Which code opens the vault?", "sealed-1")
         assert (await episode.result()).answer == "the vault code is 4711"
         history = await services.client.get_workflow_handle("sealed-1").fetch_history()
-        state = running_state(settings)
+        state = listening_state(settings)
         assert state is not None
     finally:
         await rlm.close()

@@ -21,7 +21,7 @@ from durable_rlm.store.blobs import BlobNotFound, BlobStore, DirectoryBackend, S
 from durable_rlm.store.codec import ENCODING, ClaimCheckCodec
 from durable_rlm.store.schema import metadata
 from durable_rlm.store.sql import create_engine, downgrade, migrate, open_store
-from durable_rlm.worker.admission import AdmittingWorkflowSlots
+from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -154,9 +154,10 @@ async def test_capacity_settings_size_the_worker(sandboxes: Path, blobs: BlobSto
     config = workers[0].config()
     assert config["max_cached_workflows"] == 20
     tuner = config["tuner"]
-    assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.num_slots) == (20, 30)
-    # Workflow tasks: admission by measured capacity (durable_rlm/worker/admission.py).
+    assert (tuner.local_activity_slot_supplier.num_slots, tuner.activity_slot_supplier.limit) == (20, 30)
+    # Workflow tasks and activities: admission by measured capacity (durable_rlm/worker/admission.py).
     assert isinstance(tuner.workflow_slot_supplier, AdmittingWorkflowSlots) and repl.slots.limit == 12
+    assert isinstance(tuner.activity_slot_supplier, AdmittingActivitySlots)
     held, held_repl = build_workers(
         client, "q-held", blobs, None, sandbox_root=sandboxes, hold_new_episodes=True
     )

@@ -134,7 +134,14 @@ async def test_drlm_watch_on_a_terminal_draws_the_view_and_exits_with_the_runs_c
     screen = drawn.decode(errors="replace")
     assert watcher.returncode == 0, screen
     assert stdout.strip() == "forty-two"
-    for label in ("iterations", "model calls", "tokens", "cost", "last response", "ended: answered (final)"):
+    for label in (
+        "iterations",
+        "model calls",
+        "tokens",
+        "cost",
+        "last response",
+        "ended: answered (final_var)",
+    ):
         assert label in screen, label
 
 

@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 from durable_rlm.cli.handlers import Subparsers, bind
 from durable_rlm.cli.output import EXIT_FAILED, EXIT_OK, stderr
+from durable_rlm.ports import wait_listening
 from durable_rlm.settings import ConfigurationError, Settings
 
 
@@ -227,6 +228,7 @@ def _one_shot(page: str) -> str:
     import urllib.request  # start-up: http.client and email (~20 ms), only for --open
 
     base, _, rest = page.partition("/episodes")
+    wait_listening(base, LOGIN_TIMEOUT_S)  # just after a cold start, the page comes up a moment later
     request = urllib.request.Request(
         f"{base}/login-token",
         data=json.dumps({"next": "/episodes" + rest}).encode(),

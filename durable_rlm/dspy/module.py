@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 import dspy
 from dspy.primitives.python_interpreter import PythonInterpreter
 
-from durable_rlm.api import DurableRLM
+from durable_rlm.api import DurableRLM, on_own_thread, run_blocking
 from durable_rlm.dspy import lms, prediction, prompts
 from durable_rlm.dspy.outputs import output_fields
 from durable_rlm.errors import ConfigurationError
@@ -313,19 +313,5 @@ def _blocking(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(make())
-    done: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            done["value"] = asyncio.run(make())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
-            done["error"] = exc
-
-    thread = threading.Thread(target=run, name="durable-rlm dspy episode", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in done:
-        raise done["error"]
-    value: T = done["value"]
-    return value
+        return run_blocking(make())
+    return on_own_thread(make, "durable-rlm dspy episode")

@@ -3,35 +3,12 @@ the local REPL, sandboxed (the other environments need Docker or a cloud service
 
 from typing import Any
 
+from durable_rlm.environments.base_env import *  # noqa: F403 - rlms's names, one list (base_env)
+from durable_rlm.environments.base_env import __all__ as _base_names
 from durable_rlm.errors import ConfigurationError
-from durable_rlm.rlms.environments import (
-    RESERVED_TOOL_NAMES,
-    BaseEnv,
-    SupportsCustomTools,
-    SupportsPersistence,
-    ToolInfo,
-    extract_tool_value,
-    format_tools_for_prompt,
-    parse_custom_tools,
-    parse_tool_entry,
-    validate_custom_tools,
-)
 from durable_rlm.rlms.local_repl import LocalREPL
 
-__all__ = [
-    "RESERVED_TOOL_NAMES",
-    "BaseEnv",
-    "LocalREPL",
-    "SupportsCustomTools",
-    "SupportsPersistence",
-    "ToolInfo",
-    "extract_tool_value",
-    "format_tools_for_prompt",
-    "get_environment",
-    "parse_custom_tools",
-    "parse_tool_entry",
-    "validate_custom_tools",
-]
+__all__ = [*_base_names, "LocalREPL", "get_environment"]  # noqa: PLE0604 - names, as rlms exports
 
 
 def get_environment(environment: str, environment_kwargs: dict[str, Any]) -> LocalREPL:

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from durable_rlm.api import DurableRLM, run_blocking
+from durable_rlm.api import DurableRLM, on_own_thread, run_blocking
 from durable_rlm.errors import ConfigurationError, EpisodeFailed
 from durable_rlm.rlms.follow import Callbacks, follow, quietly, report_children, started_episode
 from durable_rlm.rlms.limits import CancellationError, raise_for_limit, trail_of
@@ -52,26 +51,6 @@ if TYPE_CHECKING:
 
 RLMS_VERSION = "0.1.3"
 T = TypeVar("T")
-
-
-def on_own_thread(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run a coroutine to its end on a new thread with an event loop of its own, blocking
-    the caller: a synchronous call made where an event loop already runs."""
-    done: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            done["value"] = asyncio.run(make())
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller as it is
-            done["error"] = exc
-
-    thread = threading.Thread(target=run, name="durable-rlm completion", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in done:
-        raise done["error"]
-    value: T = done["value"]
-    return value
 
 
 class RLM(DurableRLM):
@@ -213,7 +192,7 @@ class RLM(DurableRLM):
         if self._services is not None:
             # Opened with `async with rlm:`: its connection belongs to the running loop.
             raise ConfigurationError(f"{what} blocks; inside `async with rlm:`, await its async form")
-        return on_own_thread(make)
+        return on_own_thread(make, "durable-rlm completion")
 
     async def acompletion(self, prompt: Any, root_prompt: str | None = None) -> RLMChatCompletion:  # type: ignore[override]  # rlms's
         started = time.perf_counter()

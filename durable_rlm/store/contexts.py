@@ -22,7 +22,7 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.store.blobs import BlobStore
@@ -91,12 +91,24 @@ def _through(pieces: Iterator[bytes], through: Through | None) -> Iterator[bytes
 
 def store_text(blobs: BlobStore, text: str, through: Through | None = None) -> ContextRef:
     measure = TextMeasure()
-    stored = blobs.put_stream(_through(_encoded_text(text, measure), through))
+    return _stored(blobs, _encoded_text(text, measure), measure, through, kind="text", type_name="str")
+
+
+def _stored(
+    blobs: BlobStore,
+    pieces: Iterator[bytes],
+    measure: TextMeasure,
+    through: Through | None,
+    kind: Literal["text", "json"],
+    type_name: str,
+) -> ContextRef:
+    """The pieces streamed into the store; the reference says what they measured."""
+    stored = blobs.put_stream(_through(pieces, through))
     return ContextRef(
         digest=stored.digest,
-        kind="text",
+        kind=kind,
         size=measure.chars,
-        type_name="str",
+        type_name=type_name,
         stored_bytes=stored.size,
         char_width=measure.width,
     )
@@ -120,14 +132,8 @@ def _encoded_json(value: Any, measure: TextMeasure) -> Iterator[bytes]:
 
 def store_json(blobs: BlobStore, value: Any, through: Through | None = None) -> ContextRef:
     measure = TextMeasure()
-    stored = blobs.put_stream(_through(_encoded_json(value, measure), through))
-    return ContextRef(
-        digest=stored.digest,
-        kind="json",
-        size=measure.chars,
-        type_name=type(value).__name__,
-        stored_bytes=stored.size,
-        char_width=measure.width,
+    return _stored(
+        blobs, _encoded_json(value, measure), measure, through, kind="json", type_name=type(value).__name__
     )
 
 

@@ -152,4 +152,20 @@ store_facts = sa.Table(
     sa.Column("recorded_at", sa.DateTime(timezone=True), server_default=sa.func.now(), nullable=False),
 )
 
-SCHEMA_REVISION = "0009"  # alembic head; a test checks they agree
+# Since 0010: each model request an episode paid for, by the step and the call that made it,
+# claimed before it is sent and holding its reply once it came (durable_rlm/store/call_ledger.py).
+# Operational state, not a projection: a replay takes a recorded reply from here instead of
+# asking the model again. Rows go some minutes after their episode's audit row closed.
+call_ledger = sa.Table(
+    "call_ledger",
+    metadata,
+    sa.Column("call_key", sa.String(64), primary_key=True),
+    sa.Column("workflow_id", sa.String(200), nullable=False, index=True),
+    sa.Column("holder", sa.String(120), nullable=False),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("lease_until", sa.Float, nullable=False),
+    sa.Column("reply", sa.LargeBinary),
+    sa.Column("claimed_at", sa.Float, nullable=False),  # seconds since the epoch, as lease_until
+)
+
+SCHEMA_REVISION = "0010"  # alembic head; a test checks they agree

@@ -31,6 +31,11 @@ Measured (bench/concurrency.py, N=400 on one worker): the tasks-at-once limit se
 episodes held (180-250 of 400): far fewer reservations came marked not sticky than
 episodes came in (7 against 180 in one run), so the SDK's core apparently does not mark a
 reservation by the queue its task will come from (not checked in its source).
+
+Activity tasks follow the same judgment (`AdmittingActivitySlots`): an overloaded worker
+polls for none, so a model call it could not start in time waits on the server, where no
+clock runs. A call the server gives up anyway is not paid again: the call ledger
+(activities/call_ledger.py) answers its retry.
 """
 
 from __future__ import annotations
@@ -219,3 +224,38 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
             submitted = time.monotonic()
             started = await loop.run_in_executor(None, time.monotonic)
             self.tick(max(loop_lag, started - submitted))
+
+
+class AdmittingActivitySlots(CustomSlotSupplier):
+    """Activity-task slots (model calls, audit writes, tools): up to `limit` at once, and none
+    new while `overloaded()` says so. A task taken by an overloaded worker would start its
+    heartbeat and start-to-close clocks in a queue of work; left on the server, no clock runs
+    (a model step has no schedule-to-start timeout)."""
+
+    def __init__(self, limit: int, overloaded: Callable[[], bool]) -> None:
+        self.limit = limit
+        self.overloaded = overloaded
+        self._guard = threading.Lock()
+        self._used = 0
+
+    def _take(self) -> bool:
+        with self._guard:
+            if self._used >= self.limit or self.overloaded():
+                return False
+            self._used += 1
+            return True
+
+    async def reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit:
+        while not self._take():
+            await asyncio.sleep(WAKE_CHECK_S)
+        return SlotPermit()
+
+    def try_reserve_slot(self, ctx: SlotReserveContext) -> SlotPermit | None:
+        return SlotPermit() if self._take() else None
+
+    def mark_slot_used(self, ctx: SlotMarkUsedContext) -> None:
+        pass
+
+    def release_slot(self, ctx: SlotReleaseContext) -> None:
+        with self._guard:
+            self._used -= 1

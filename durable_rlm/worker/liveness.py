@@ -165,6 +165,35 @@ class WorkerLiveness:
     def interceptor(self) -> Interceptor:
         return _LedgerInterceptor(self)
 
+    def holder_alive(self, worker_id: str) -> bool | None:
+        """Whether the worker `worker_id` of this host lives (its lock is held), for the call
+        ledger's judgment of a claim (activities/call_ledger.py): True, False (its lock is
+        free, or gone with a clean stop), or None when this cannot tell (a name that is no
+        worker id, a lock that is not a regular file)."""
+        if worker_id == self.worker_id:
+            return True
+        if not worker_id or "/" in worker_id or worker_id.startswith("."):
+            return None
+        path = self.folder / f"{worker_id}{LOCK_SUFFIX}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return False  # stopped cleanly: its lock went with it
+        except OSError:
+            return None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True  # held: the worker lives
+            except OSError:
+                return None
+            return False  # free: the worker is dead (the reaper fails its attempts)
+        finally:
+            os.close(fd)
+
     # --- the ledger ---------------------------------------------------------------------------
 
     def record(self, info: activity.Info) -> Path | None:

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -23,6 +24,7 @@ from temporalio.worker import FixedSizeSlotSupplier, Worker, WorkerDeploymentCon
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from durable_rlm.activities.audit import UNSETTLED, AuditActivities, AuditInterceptor, take_unsettled
+from durable_rlm.activities.call_ledger import CallLedger
 from durable_rlm.activities.extraction import ExtractionActivities
 from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.repl import ReplActivities
@@ -48,10 +50,12 @@ from durable_rlm.server.embedded import (  # noqa: F401 - re-exported: tests and
 )
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.store.blobs import BlobStore
+from durable_rlm.store.call_ledger import LedgerRows
 from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
 from durable_rlm.tools import import_tool_modules
-from durable_rlm.worker.admission import AdmittingWorkflowSlots
+from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots
+from durable_rlm.worker.build_id import code_build_id
 from durable_rlm.worker.heap import return_large_buffers
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
 from durable_rlm.worker.sticky import hand_back
@@ -87,6 +91,19 @@ def workflow_runner(policy_modules: tuple[str, ...] = ()) -> SandboxedWorkflowRu
             *policy_modules,
         )
     )
+
+
+def call_ledger(
+    blobs: BlobStore, engine: sa.Engine | None, liveness: WorkerLiveness | None
+) -> CallLedger | None:
+    """This worker's side of the call ledger (activities/call_ledger.py), in the SQL store; it
+    names its claims by the worker's liveness lock, so that a worker on this host judges them
+    by it. None without a SQL store (no worker runs without one)."""
+    if engine is None:
+        return None
+    holder = liveness.worker_id if liveness is not None else f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    alive = liveness.holder_alive if liveness is not None else None
+    return CallLedger(LedgerRows(engine, blobs.keyring), holder, alive=alive)
 
 
 def import_policy_modules(modules: tuple[str, ...]) -> None:
@@ -150,7 +167,7 @@ def build_workers(
         files_mb=sandbox_files_mb,
     )
     observe_sandboxes(repl.slots, worker_queue)
-    models = ModelActivities(blobs, credentials)
+    models = ModelActivities(blobs, credentials, call_ledger(blobs, engine, liveness))
     audit = AuditActivities(engine, functools.partial(_settle_episode, client, engine) if engine else None)
     if admission is None:  # unmeasured, it admits at its first rate
         admission = AdmittingWorkflowSlots(defaults.WORKFLOW_TASK_SLOTS)
@@ -184,6 +201,9 @@ def build_workers(
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
         deployment_config=deployment,
+        # Without a deployment: the workflow code's own id, not the SDK's hash of every
+        # imported module (0.4 s of a script's start; durable_rlm/worker/build_id.py).
+        build_id=code_build_id(policy_modules) if deployment is None else None,
         # The poller names its liveness lock: `drlm watch` and the steering commands tell a
         # dead worker the server still lists from a busy one (durable_rlm/client/attendance.py).
         identity=liveness.identity if liveness is not None else None,
@@ -197,7 +217,7 @@ def build_workers(
             workflow_supplier=(
                 WorkflowSlots(defaults.WORKFLOW_TASK_SLOTS, repl.slots) if hold_new_episodes else admission
             ),
-            activity_supplier=FixedSizeSlotSupplier(activity_slots),
+            activity_supplier=AdmittingActivitySlots(activity_slots, lambda: admission.capacity.overloaded),
             local_activity_supplier=FixedSizeSlotSupplier(capacity),
             nexus_supplier=FixedSizeSlotSupplier(defaults.WORKFLOW_TASK_SLOTS),
         ),
@@ -224,6 +244,7 @@ def build_workers(
         interceptors=interceptors,
         max_concurrent_activities=64,
         identity=liveness.identity if liveness is not None else None,
+        build_id=code_build_id(policy_modules),
         graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
     )
     return [shared, own], repl
@@ -515,6 +536,19 @@ async def _settle(services: Services) -> None:
     UNSETTLED.update(again)
 
 
+LEDGER_KEPT_AFTER_END = timedelta(minutes=10)
+"""A call ledger row stays this long after its episode's audit row closed: by then its reply
+is in the episode's history (the closing write and the last calls go in one workflow task)."""
+LEDGER_KEPT_AT_MOST = timedelta(days=30)
+"""Any row goes after this, audit row or not (an episode that never wrote one)."""
+
+
+async def _forget_ledger_rows(engine: sa.Engine) -> None:
+    """The call ledger's rows no step can ask for again (durable_rlm/store/call_ledger.py)."""
+    rows = LedgerRows(engine)
+    await asyncio.to_thread(rows.forget_ended, LEDGER_KEPT_AFTER_END, LEDGER_KEPT_AT_MOST)
+
+
 async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
     """Audit rows of episodes that ended without running code (terminated, timed out)."""
     while services.engine is not None:
@@ -523,6 +557,7 @@ async def _reconcile_forever(services: Services, every_s: float = 60.0) -> None:
         passes = (
             functools.partial(reconcile_audit, services.client, services.engine),
             functools.partial(_settle, services),  # steps whose rows were fenced off or refused
+            functools.partial(_forget_ledger_rows, services.engine),
         )
         for chore in passes:
             try:
