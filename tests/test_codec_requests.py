@@ -1,9 +1,11 @@
 """The codec and page server's requests, one rule at a time (durable_rlm/viewer/codec_requests.py,
-codec_server.py, codec_wire.py): who may ask, what each path answers, the login links and
-sessions, the payloads' JSON. A real server on a loopback port over a real blob store; the
+codec_server.py): who may ask, what each path answers, the login links and sessions. A real
+server on a loopback port over a real blob store; the
 episode pages are the real ones without a Temporal server (the list reads no store, and an
 action that needs the server fails as it would). tests/test_codec_server.py decodes a real
-episode's history; tests/test_page_access.py attacks the login and the Host check."""
+episode's history; tests/test_page_access.py attacks the login and the Host check;
+tests/test_codec_logins.py and tests/test_codec_wire.py test the logins and the payloads'
+JSON without a server."""
 
 from __future__ import annotations
 
@@ -19,20 +21,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from temporalio.api.common.v1 import Payload
 
 from durable_rlm.errors import ConfigurationError
 from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore, DirectoryBackend
-from durable_rlm.viewer import codec_server
 from durable_rlm.viewer.codec_requests import host_of
-from durable_rlm.viewer.codec_server import CodecServer, Logins, ui_origins
+from durable_rlm.viewer.codec_server import CodecServer, ui_origins
 from durable_rlm.viewer.codec_wire import (
     ALLOWED_HEADERS,
     MAX_BODY,
-    BadRequest,
-    payloads_from_json,
-    payloads_to_json,
 )
 from durable_rlm.viewer.episode_page import SECURITY_HEADERS, EpisodePages
 
@@ -261,44 +258,6 @@ def test_a_refused_origin_is_one_answer_and_the_connection_ends(serve) -> None:
         )
         reply = b"".join(iter(lambda: raw.recv(4096), b""))
     assert reply.startswith(b"HTTP/1.1 403 ") and reply.count(b"HTTP/1.1 ") == 1, reply
-
-
-def test_logins_expire_and_are_bounded_in_number(monkeypatch: pytest.MonkeyPatch) -> None:
-    logins = Logins()
-    token = logins.mint("/episodes/a")
-    assert logins.redeem(token) is not None and logins.redeem(token) is None
-    assert logins.redeem("") is None
-    monkeypatch.setattr(codec_server, "LOGIN_TOKEN_S", -1.0)
-    expired = logins.mint("/episodes")
-    assert logins.redeem(expired) is None  # past its time: refused, and gone
-    monkeypatch.setattr(codec_server, "LOGIN_TOKEN_S", 60.0)
-    monkeypatch.setattr(codec_server, "MAX_LOGINS", 3)
-    tokens = [logins.mint("/episodes") for _ in range(5)]
-    assert [logins.redeem(t) is not None for t in tokens] == [False, False, True, True, True]
-    sessions = [s for _, s in filter(None, (logins.redeem(logins.mint("/episodes")) for _ in range(4)))]
-    assert [logins.has_session(f"drlm_9={s}", 9) for s in sessions] == [False, True, True, True]
-
-
-def test_a_session_cookie_is_the_ports_own() -> None:
-    logins = Logins()
-    target, session = logins.redeem(logins.mint("/episodes")) or ("", "")
-    assert target == "/episodes"
-    assert Logins.cookie(8234, session) == f"drlm_8234={session}; Path=/; HttpOnly; SameSite=Strict"
-    assert logins.has_session(f"other=1; drlm_8234={session}", 8234)
-    assert not logins.has_session(f"drlm_8235={session}", 8234)
-    assert not logins.has_session(None, 8234) and not logins.has_session("", 8234)
-    assert not logins.has_session('drlm_8234="unterminated', 8234)
-    # A header the cookie parser refuses (an illegal name) opens nothing, whatever it carries.
-    assert not logins.has_session("drlm_8234=forged; a(b=1", 8234)
-    assert not logins.has_session(f"a(b=1; drlm_8234={session}", 8234)
-
-
-def test_tokens_and_sessions_carry_32_random_bytes() -> None:
-    logins = Logins()
-    token = logins.mint("/episodes")
-    _, session = logins.redeem(token) or ("", "")
-    assert len(token) == len(session) == 43  # 32 bytes, URL-safe base64 without padding
-    assert token != session
 
 
 # --- the owner's sockets -----------------------------------------------------------------------
@@ -625,65 +584,3 @@ def test_a_server_stopped_before_it_served_stops_at_once(store: BlobStore) -> No
     server = CodecServer(store).start()
     server.stop()
     server.stop()  # twice is harmless
-
-
-# --- the payloads' JSON ----------------------------------------------------------------------
-
-
-def test_payloads_read_from_proto3_json_in_either_base64() -> None:
-    (payload,) = payloads_from_json(
-        json.dumps(
-            {"payloads": [{"metadata": {"encoding": "anNvbi9wbGFpbg", "k": "-_8"}, "data": "IjEi"}]}
-        ).encode()
-    )
-    assert payload.metadata["encoding"] == b"json/plain" and payload.metadata["k"] == b"\xfb\xff"
-    assert payload.data == b'"1"'
-    (empty,) = payloads_from_json(b'{"payloads": [{"metadata": null, "data": null}]}')
-    assert empty == Payload()
-    (spaced,) = payloads_from_json(b'{"payloads": [{"data": " IjEi "}]}')
-    assert spaced.data == b'"1"'
-
-
-@pytest.mark.parametrize(
-    ("body", "error"),
-    [
-        (
-            b"{",
-            "the body is not JSON: Expecting property name enclosed in double quotes: line 1 column 2",
-        ),
-        (
-            b'{"payloads": {}}',
-            'the body must be a JSON object {"payloads": [{"metadata": {...}, "data": "..."}]}',
-        ),
-        (b'{"payloads": [{}, 1]}', "payload 1 is not a JSON object"),
-        (b'{"payloads": [{"metadata": "x"}]}', "payload 0: metadata must be an object of base64 strings"),
-        (b'{"payloads": [{"data": 5}]}', "payload 0: data must be a base64 string, not int"),
-        (b'{"payloads": [{"data": "a"}]}', "payload 0: data is not base64"),
-        (
-            b'{"payloads": [{"metadata": {"k": []}}]}',
-            "payload 0: metadata 'k' must be a base64 string, not list",
-        ),
-        (
-            b'{"payloads": [{"metadata": {"encoding": "AAE="}}]}',
-            "payload 0: metadata 'encoding' is not base64 of a name: metadata values are base64 in proto3 "
-            "JSON (json/plain is anNvbi9wbGFpbg==)",
-        ),
-        (
-            b'{"payloads": [{"metadata": {"encoding": "w6k="}}]}',  # a name, but not ASCII
-            "payload 0: metadata 'encoding' is not base64 of a name",
-        ),
-    ],
-)
-def test_a_body_that_is_not_payloads_says_what_is_wrong(body: bytes, error: str) -> None:
-    with pytest.raises(BadRequest) as refused:
-        payloads_from_json(body)
-    assert str(refused.value).startswith(error)
-
-
-def test_payloads_written_to_json_always_have_metadata_and_data() -> None:
-    assert payloads_to_json([Payload(), Payload(metadata={"a": b"\xff"}, data=b"xy")]) == {
-        "payloads": [
-            {"metadata": {}, "data": ""},
-            {"metadata": {"a": "/w=="}, "data": "eHk="},
-        ]
-    }
