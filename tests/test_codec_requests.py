@@ -161,6 +161,7 @@ def test_with_a_capability_the_path_starts_with_it_and_is_answered_below_it(serv
     assert ask(server, "GET", f"/{SECRET}").json()["service"] == "drlm codec server"
     assert ask(server, "GET", f"/{SECRET}/?x=1").json()["service"] == "drlm codec server"
     assert ask(server, "GET", f"/{SECRET}?x=a?b").json()["service"] == "drlm codec server"
+    assert ask(server, "GET", f"/{SECRET}/?x=/a?b").json()["service"] == "drlm codec server"
     assert ask(server, "POST", f"/{SECRET}/default/encode", EMPTY).json() == {"payloads": []}
     for path in (
         "/",
@@ -246,6 +247,14 @@ def test_a_refused_login_is_one_answer_and_the_connection_ends(serve) -> None:
         raw.sendall(b"GET /open?token=made-up HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         reply = b"".join(iter(lambda: raw.recv(4096), b""))
     assert reply.startswith(b"HTTP/1.1 403 ") and reply.count(b"HTTP/1.1 ") == 1, reply
+
+
+def test_a_request_without_the_capability_is_one_404(serve) -> None:
+    server = serve(path_secret=SECRET)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as raw:
+        raw.sendall(b"GET /decode HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        reply = b"".join(iter(lambda: raw.recv(4096), b""))
+    assert reply.startswith(b"HTTP/1.1 404 ") and reply.count(b"HTTP/1.1 ") == 1, reply
 
 
 def test_a_refused_origin_is_one_answer_and_the_connection_ends(serve) -> None:
@@ -402,6 +411,7 @@ def test_get_answers_the_service_and_refuses_the_actions_and_other_paths(serve) 
         404,
         {"error": "no endpoint /decoder: use POST /decode or POST /encode"},
     )
+    assert ask(server, "POST", "/decodeX", EMPTY).status == 404  # the action is the whole last segment
     assert ask(server, "POST", "/x/y", EMPTY).json() == {
         "error": "no endpoint /x/y: use POST /decode or POST /encode"
     }
