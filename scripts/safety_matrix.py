@@ -177,6 +177,13 @@ MECHANISMS = [
         "the page and codec server answer any Host header (a DNS-rebinding page's)",
     ),
     Mechanism(
+        "CORS origin compared whole",
+        "durable_rlm/viewer/codec_server.py",
+        'return "*" in self.origins or origin.rstrip("/") in self.origins',
+        'return "*" in self.origins or any(origin.startswith(o) for o in self.origins)',
+        "an origin that begins like the UI's (http://127.0.0.1:8233.evil.example) gets credentials",
+    ),
+    Mechanism(
         "one-shot login",
         "durable_rlm/viewer/codec_server.py",
         "            found = self._tokens.pop(token, None) if token else None",
@@ -246,6 +253,13 @@ MECHANISMS = [
         "            frame = await asyncio.to_thread(decode_frame, item) if big else decode_frame(item)",
         "            frame = json.loads(item)",
         "a frame is taken as any JSON object",
+    ),
+    Mechanism(
+        "one frame within the in-flight budget",
+        "activities/sandbox_start.py",
+        "        max_frame = min(config.max_frame_bytes, defaults.SANDBOX_IN_FLIGHT_BYTES - FRAME_OVERHEAD)",
+        "        max_frame = config.max_frame_bytes",
+        "one frame of up to the format's 256 MiB is read into the worker (a frame alone always fits)",
     ),
     Mechanism(
         "calls capped in the cell",

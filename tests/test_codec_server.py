@@ -230,6 +230,29 @@ def test_a_preflight_is_answered_for_the_ui_origins_and_refused_for_others(codec
     assert call(f"{cluster.url}/decode", {"payloads": []}, Origin=UI).status == 403
 
 
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://127.0.0.1:8233.evil.example",  # a name of the attacker's that begins like ours
+        "http://localhost:8233.evil.example",
+        "http://127.0.0.1:82330",  # another port
+        "http://127.0.0.1:8233/.evil.example",
+        "http://127.0.0.1:8233X",  # only a trailing slash is ignored
+    ],
+)
+def test_an_origin_is_allowed_whole_never_by_its_beginning(codec, origin: str) -> None:
+    """An allowed origin is compared whole (a trailing slash aside): an origin that merely
+    starts with the UI's gets no CORS headers and a 403, so a page of its own cannot read
+    payloads with the browser's credentials."""
+    server = codec()
+    for method, body in (("OPTIONS", None), ("POST", {"payloads": []})):
+        answer = call(f"{server.url}/decode", body, method=method, Origin=origin)
+        assert answer.status == 403, (method, answer.status)
+        assert "Access-Control-Allow-Origin" not in answer.headers
+        assert "Access-Control-Allow-Credentials" not in answer.headers
+    assert call(f"{server.url}/decode", {"payloads": []}, Origin=f"{UI}/").status == 200
+
+
 def test_a_configured_token_is_required_on_every_post(codec, blobs) -> None:
     server = codec(token="s3cret")
     body = {"payloads": [in_json(claim_checked(blobs, {"text": "guarded " * 1000}))]}
@@ -288,6 +311,18 @@ def test_another_uids_connection_is_reset_unread(codec, blobs) -> None:
 
 
 # --- size, missing blobs, bad bodies -----------------------------------------------------------
+
+
+def test_a_server_shortens_at_its_own_limit(codec, blobs) -> None:
+    """A server given a display limit shortens there, not at the default's."""
+    stdout = "x" * (DISPLAY_LIMIT // 2)
+    payload = in_json(claim_checked(blobs, {"stdout": stdout}))
+    for limit, whole in ((None, True), (DISPLAY_LIMIT // 4, False)):
+        answer = call(f"{codec(limit=limit).url}/decode", {"payloads": [payload]}, Origin=UI)
+        (shown,) = answer.json()["payloads"]
+        value = json.loads(base64.b64decode(shown["data"]))
+        assert (value["stdout"] == stdout) is whole, limit
+        assert ("drlm_codec_note" in value) is not whole, limit
 
 
 def test_a_huge_payload_is_shortened_and_says_its_size_and_digest(codec, blobs) -> None:

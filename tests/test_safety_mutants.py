@@ -17,13 +17,14 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 
-from durable_rlm.activities.sandbox.framing import HEADER
-from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD, FrameInbox, read_frames
+from durable_rlm.activities.repl import ReplActivities
+from durable_rlm.activities.sandbox.framing import MAX_FRAME_BYTES
+from durable_rlm.activities.sandbox_protocol import FRAME_OVERHEAD
 from durable_rlm.scripted import ChatRequest, Reply
 from durable_rlm.store.codec import KEY_ID, EncryptionCodec, data_converter
 from durable_rlm.store.encryption import Keyring
 from durable_rlm.worker.runtime import EmbeddedServer
-from durable_rlm.workflows import names
+from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.budget import child_budgets
 from durable_rlm.workflows.models import (
     EpisodeCarry,
@@ -35,7 +36,8 @@ from durable_rlm.workflows.models import (
     ModelPrice,
     ModelSettings,
 )
-from tests.conftest import request_for, workers_for
+from tests.conftest import Episode, request_for, workers_for
+from tests.worker_health import RssPeak
 
 
 def key() -> str:
@@ -150,37 +152,51 @@ async def test_the_deadline_is_not_recounted_by_a_new_run(tmp_path: Path, store,
     assert abs((progress.started_at - first_start).total_seconds()) < 0.01, (progress.started_at, first_start)
 
 
-# --- the frame queue holds a sandbox's frames within its budget -----------------------------
+# --- one frame is bounded by the worker's in-flight budget, not only the format's limit --------
 
 
-async def test_the_frame_queue_reads_no_further_than_its_budget() -> None:
-    """A sandbox that writes frames faster than its host takes them: the reader stops at the
-    budget (the bytes wait in the pipe, in the sandbox's memory), and goes on as frames are
-    taken. With the bound removed, all of them would sit in the worker's memory."""
-    frame = b"x" * 4_000
-    size = len(frame) + FRAME_OVERHEAD
-    stream = asyncio.StreamReader()
-    for _ in range(10):
-        stream.feed_data(HEADER.pack(len(frame)) + frame)
-    stream.feed_eof()
-    inbox = FrameInbox(budget=3 * size)
-    reader = asyncio.create_task(read_frames(stream, inbox, max_frame=1 << 20))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert inbox.held == 3 * size and not reader.done()  # three frames in, seven wait
-    taken = [await inbox.get() for _ in range(10)]
-    assert taken == [frame] * 10 and inbox.held <= 3 * size
-    assert await inbox.get() is None  # and the end is told
-    await reader
+async def test_one_frame_past_the_in_flight_budget_is_refused_from_its_header(host: ReplActivities) -> None:
+    """The format allows frames of MAX_FRAME_BYTES (256 MiB); a worker holds at most
+    SANDBOX_IN_FLIGHT_BYTES of one sandbox. A frame that announces the format's maximum is
+    refused from its header and its body is never read: with the bound on one frame gone,
+    the worker would buffer all 256 MiB of it (a frame alone always fits the inbox)."""
+    episode = Episode(host, cell_timeout_s=30)
+    await episode.run("kept = 1")
+    cell = (
+        "import struct\n"
+        "out = llm_query.__self__.calls.channel_out\n"
+        f"out.write(struct.pack('>I', {MAX_FRAME_BYTES}))\n"
+        "chunk = b' ' * (1 << 20)\n"
+        f"for _ in range({MAX_FRAME_BYTES >> 20}):\n"
+        "    out.write(chunk)\n"
+        "out.flush()"
+    )
+    async with RssPeak() as memory:
+        outcome = await episode.run(cell)
+    limit = defaults.SANDBOX_IN_FLIGHT_BYTES - FRAME_OVERHEAD
+    assert f"the sandbox sent a {MAX_FRAME_BYTES:,}-byte frame, over the {limit:,}-byte limit" in (
+        outcome.error or ""
+    ), outcome
+    assert memory.growth < 64, memory.growth  # nothing of the body was read (~0 MB here)
+    assert (await episode.run("print(kept)")).stdout == "1\n"  # rebuilt for the next cell
 
 
-async def test_one_frame_larger_than_the_budget_still_passes_alone() -> None:
-    """The budget never deadlocks a frame within the frame limit: alone, it always fits."""
-    inbox = FrameInbox(budget=10)
-    await asyncio.wait_for(inbox.reserve(1_000), 1)
-    inbox.put(b"big", 1_000)
-    second = asyncio.create_task(inbox.reserve(5))
-    await asyncio.sleep(0)
-    assert not second.done()  # waits while the big one is held
-    assert await inbox.get() == b"big"
-    await asyncio.wait_for(second, 1)
+# --- a batch of exactly the cap goes out; one more is refused in the cell ----------------------
+
+CAP = defaults.MAX_PROMPTS_PER_CALL
+
+
+async def test_a_cell_sends_a_batch_of_the_cap_and_reads_why_one_more_is_refused(
+    host: ReplActivities,
+) -> None:
+    """A cell's batch of exactly the cap is answered; one more is refused in the cell with the
+    documented ValueError, not as a protocol error of its sandbox (the host's schema would
+    refuse it too: off by one, the cell's error was a malformed frame). In process, against
+    the host's decoder: tests/test_host_calls.py."""
+    episode = Episode(host)
+    sent = await episode.run(f"r = llm_query_batched(['p'] * {CAP})\nprint(len(r), r[0])")
+    assert sent.error is None and sent.stdout == f"{CAP} P\n", sent
+    refused = await episode.run(f"llm_query_batched(['p'] * {CAP + 1})")
+    assert "ValueError" in (refused.error or "") and (
+        f"llm_query_batched got {CAP + 1:,} prompts; at most {CAP:,} go in one call" in refused.error
+    ), refused

@@ -259,3 +259,99 @@ def test_the_module_is_the_one_the_sandbox_loads() -> None:
         "uuid",
         "typing",
     }, imported
+
+
+# --- the sender's own bounds, at their edges ---------------------------------------------------
+
+
+def nest(depth: int, inner: object = 0, kind: type = list) -> object:
+    for _ in range(depth):
+        inner = kind([inner])
+    return inner
+
+
+def test_the_sender_counts_values_as_the_host_does_exactly_up_to_the_limit() -> None:
+    assert loads(dumps([0] * 999, max_items=1_000)) == [0] * 999  # the list and its 999 items
+    with pytest.raises(ValueError) as refused:
+        dumps([0] * 1_000, max_items=1_000)
+    assert str(refused.value) == "more than 1,000 values in one document"
+    assert loads(dumps({"a": 0}, max_items=3)) == {"a": 0}  # the dict, its key, its value
+    with pytest.raises(ValueError, match="^more than 4 values in one document$"):
+        dumps({"a": 0, "b": 1}, max_items=4)
+
+
+def test_a_value_past_the_count_is_refused_before_its_text_is_built() -> None:
+    """The sender stops counting at the limit: a value of a million items costs it no text of
+    a million items (the host's own check, run after, would refuse it too, but only then)."""
+    listed = [{"a": [0] * 500} for _ in range(2_000)]  # a million values, 1,000 per dict
+    keyed = {str(i): 0 for i in range(300_000)}  # its keys alone are past the limit
+    for value in (listed, keyed):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError, match="^more than 10,000 values in one document$"):
+                dumps(value, max_items=10_000)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 1_000_000, peak
+
+
+def test_the_sender_refuses_nesting_past_its_depth_in_its_own_words() -> None:
+    assert loads(dumps(nest(99))) == nest(99)  # 99 lists, and the innermost holds 0
+    assert loads(dumps(nest(100))) == nest(100)  # exactly the depth
+    with pytest.raises(ValueError) as refused:
+        dumps(nest(101))
+    assert str(refused.value) == "nested deeper than the wire allows"
+    loop: list = []
+    loop.append(loop)
+    with pytest.raises(ValueError) as looped:
+        dumps(loop)
+    assert str(looped.value) == "a value that contains itself cannot be sent"
+
+
+def test_a_tagged_value_is_two_levels_deep_on_the_wire_and_the_host_counts_them() -> None:
+    """A tuple is {"$": "tuple", "v": [...]}: within the sender's depth of containers, it can
+    be past the host's depth of brackets; the sender checks its text with the host's bounds."""
+    assert loads(dumps(nest(5, kind=tuple), max_depth=10)) == nest(5, kind=tuple)
+    with pytest.raises(ValueError) as refused:
+        dumps(nest(6, kind=tuple), max_depth=10)
+    assert str(refused.value) == "nested more than 10 deep"
+
+
+def test_an_integer_of_more_than_max_digits_is_refused_in_the_senders_words() -> None:
+    largest = 10**values.MAX_DIGITS - 1
+    assert loads(dumps([largest, -largest])) == [largest, -largest]
+    for past in (largest + 1, -(largest + 1), 2**17_199, 2**17_201, 2**100_000):
+        with pytest.raises(ValueError) as refused:
+            dumps(past)
+        assert str(refused.value) == "an integer of more than 4,300 digits", past.bit_length()
+
+
+def test_the_text_is_utf8_as_written_and_a_lone_surrogate_passes() -> None:
+    assert dumps(["é", "\u2603"]) == '["é", "☃"]'  # no \\u escapes: the text is the bytes sent
+    assert loads(dumps("a\udcffb")) == "a\udcffb"  # str.encode(surrogatepass), as the host reads it
+
+
+def test_sets_are_written_sorted_and_keep_their_kind() -> None:
+    assert list({33, 1}) == [33, 1]  # this set's own order is not sorted
+    assert dumps({33, 1}) == '{"$": "set", "v": [1, 33]}'
+    assert dumps(frozenset({33, 1})) == '{"$": "frozenset", "v": [1, 33]}'
+    assert type(loads(dumps(frozenset({1})))) is frozenset
+    assert type(loads(dumps({1}))) is set
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('{"$": "dict", "v": [[1, 2, 3]]}', "not a dict: a tagged dict holds [key, value] pairs"),
+        ('{"$": "timedelta", "v": [1, 2]}', "not a timedelta: a timedelta is [days, seconds, microseconds]"),
+        (
+            '{"$": "timedelta", "v": [1, 2, 3.5]}',
+            "not a timedelta: a timedelta is [days, seconds, microseconds]",
+        ),
+    ],
+)
+def test_a_malformed_tagged_value_says_what_it_should_be(text: str, error: str) -> None:
+    with pytest.raises(ValueRefused) as refused:
+        loads(text)
+    assert str(refused.value) == error

@@ -42,6 +42,10 @@ MAX_DEPTH = 100
 MAX_DIGITS = 4_300
 """Digits of one integer: Python's own limit for int() from text (its cost is quadratic)."""
 
+_PAST_DIGITS = 10**MAX_DIGITS
+"""The smallest integer of more than MAX_DIGITS digits: counted by comparison, since str() of
+one past Python's limit raises its own error instead of ours."""
+
 TAG = "$"
 
 SUPPORTED = (
@@ -76,7 +80,7 @@ def _encode(value: Any, count: list[int], max_items: int, depth: int, path: set[
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
-        if value.bit_length() > 4 * MAX_DIGITS or len(str(abs(int(value)))) > MAX_DIGITS:
+        if value.bit_length() > 4 * MAX_DIGITS or abs(int(value)) >= _PAST_DIGITS:
             raise ValueError(f"an integer of more than {MAX_DIGITS:,} digits")
         return int(value)
     if isinstance(value, float):
