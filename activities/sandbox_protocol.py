@@ -130,7 +130,7 @@ def decode_frame(body: bytes) -> dict[str, Any]:
         frame = _FRAMES.validate_json(body)
     except ValidationError as exc:
         errors = exc.errors(include_input=False)
-        first = errors[0] if errors else {"loc": (), "msg": "invalid"}
+        first = errors[0]  # a ValidationError holds one error at least
         where = ".".join(str(part) for part in first["loc"]) or "the frame"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return broken(f"the sandbox sent a malformed frame: {where}: {first['msg']}{more}")

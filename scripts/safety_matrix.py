@@ -463,7 +463,20 @@ def run_suite(tree: Path) -> tuple[bool, str, float]:
     env["PYTHONPATH"] = str(tree)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", *FIRST, *rest],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-rfE",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "",
+            *FIRST,
+            *rest,
+        ],
         cwd=tree,
         env=env,
         capture_output=True,
