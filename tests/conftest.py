@@ -7,6 +7,7 @@ import compileall
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +64,11 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="drlm-tests-config-")  #
 # DSPy (tests/dspy_compat) fetches LiteLLM's model cost map from GitHub when it first prices a
 # call, unless told to use the copy it ships: tests stay offline, and so do their children.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+# A test run started in the background by a shell without job control (`pytest &`, `nohup`)
+# ignores SIGINT, and every process it starts inherits that: the tests that press Ctrl-C on
+# `drlm run` would see it ignored. Python's own handler here gives children the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The package's bytecode, as an installed wheel has it (pip compiles at install time): where
 # PYTHONDONTWRITEBYTECODE is set (as on this machine), a checkout's worker, CLI and sandbox
