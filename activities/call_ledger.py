@@ -46,6 +46,10 @@ another host, before a dead worker's call is sent again."""
 RENEW_EVERY_S = 5.0
 POLL_S = 0.2
 """How often a step waiting for another worker's call looks at the ledger again."""
+STORE_PATIENCE_S = 0.5
+"""How long a call waits for the store to take its claim, or its reply, before it goes on
+unrecorded: no heartbeat leaves meanwhile, and a model call's heartbeat timeout may be 3 s
+(the attempt must still have its margin when it sends; activities/attempts.py)."""
 
 
 class CallLedger:
@@ -101,13 +105,14 @@ class CallLedger:
             done: T = await asyncio.shield(running)
             return done
         try:
-            found = await asyncio.to_thread(
-                self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S
-            )
-        except Exception:  # noqa: BLE001 - the store down or full: see below
-            # The SQL store cannot be reached (or is full): the call goes out unrecorded, as
-            # before the ledger, rather than every episode waiting on the audit store. Only a
-            # step run again for this call during the outage would send it again.
+            claiming = asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
+            found = await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(claiming)), STORE_PATIENCE_S)
+        except Exception:  # noqa: BLE001 - the store down, full or locked: see below
+            # The SQL store cannot be reached (or is full, or a lock holds it past the audit
+            # writes' patience): the call goes out unrecorded, as before the ledger, rather
+            # than every episode waiting on the audit store. Only a step run again for this
+            # call during the outage would send it again (a claim that lands late is this
+            # worker's, not in flight: the next asker takes it over).
             self.unrecorded += 1
             log.warning(
                 "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
@@ -156,7 +161,8 @@ class CallLedger:
                 await asyncio.to_thread(self.rows.release, key, self.holder)
             raise
         try:
-            await asyncio.to_thread(self.rows.record, key, encode(result))
+            recording = asyncio.to_thread(self.rows.record, key, encode(result))
+            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(recording)), STORE_PATIENCE_S)
         except Exception:  # noqa: BLE001 - the reply is paid for: the step gets it all the same
             self.unrecorded += 1
             log.warning("call ledger: the store refused the reply of call %s", key[:12], exc_info=True)
