@@ -232,8 +232,11 @@ async def answered_histories(env: benchlib.BenchEnv, handles: list, results: lis
     )
 
 
-async def one_size(env: benchlib.BenchEnv, n: int, latency: float, processes: int = 1) -> dict:
-    """N episodes at once on one `worker.py` (of `processes` worker processes: bench/processes.py)."""
+async def one_size(
+    env: benchlib.BenchEnv, n: int, latency: float, processes: int = 1, local_model_calls: bool = False
+) -> dict:
+    """N episodes at once on one `worker.py` (of `processes` worker processes: bench/processes.py);
+    `local_model_calls`: the model calls as local activities (DurabilitySettings)."""
     queue = f"bench-conc-{n}-{uuid.uuid4().hex[:6]}"
     with ScriptedModelServer(
         root_and_sub(turns(latency), lambda p: Reply("answer to " + p, delay_s=latency))
@@ -248,7 +251,9 @@ async def one_size(env: benchlib.BenchEnv, n: int, latency: float, processes: in
         worker = await env.worker_process(queue, DRLM_WORKER_PROCESSES=str(processes)).ready()
         try:
             request = EpisodeRequest(
-                task="count", root_model=ModelSettings(model="scripted", base_url=server.base_url)
+                task="count",
+                root_model=ModelSettings(model="scripted", base_url=server.base_url),
+                durability=DurabilitySettings(local_model_calls=local_model_calls),
             )
             cpu_before = benchlib.tree_cpu_seconds(worker.pid)
             with Sampler(worker.pid) as sampler:

@@ -43,6 +43,7 @@ from durable_rlm.worker.runtime import EmbeddedServer, Services, running_workers
 from durable_rlm.workflows import prompts  # noqa: E402
 from durable_rlm.workflows.models import (  # noqa: E402
     CallAnswer,
+    DurabilitySettings,
     EpisodeLimits,
     EpisodeRequest,
     ExecuteCellInput,
@@ -66,11 +67,18 @@ def sub_answer(delay_s: float = 0.0):  # noqa: ANN201 - a scripted sub-model
     return lambda prompt: Reply(text="answer to " + prompt, delay_s=delay_s)
 
 
-async def durable(client: Client, task_queue: str, server: ScriptedModelServer, iterations: int) -> tuple:
+async def durable(
+    client: Client,
+    task_queue: str,
+    server: ScriptedModelServer,
+    iterations: int,
+    local_model_calls: bool = False,
+) -> tuple:
     request = EpisodeRequest(
         task="benchmark",
         root_model=ModelSettings(model="scripted", base_url=server.base_url),
         limits=EpisodeLimits(max_iterations=iterations + 1, max_llm_calls=iterations + 1),
+        durability=DurabilitySettings(local_model_calls=local_model_calls),
     )
     episode_id = f"bench-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()

@@ -5,7 +5,9 @@
 The episode of bench/engine_overhead.py (each iteration one root call + one cell making one
 `llm_query`), at 0 and 250 ms of model latency, on the embedded dev server as shipped with
 this process's workers. The baseline is the same activities called in a plain loop (no
-Temporal). Overhead per iteration = (wall time - model time) / iterations.
+Temporal). Overhead per iteration = (wall time - model time) / iterations. At 0 ms, the same
+episode with its model calls as local activities (`DurabilitySettings.local_model_calls`) is
+measured beside it, in the same rounds: the lever of fewer round trips per call.
 """
 
 from __future__ import annotations
@@ -37,11 +39,15 @@ async def body(ctx: Context, section: Section) -> None:
                     say("overhead: warm-up episode")
                     await durable(env.client, "bench-overhead", server, iterations)
                     await direct(env.blobs, sandboxes, server, iterations)
-                durable_rows, direct_rows = [], []
+                durable_rows, direct_rows, local_rows = [], [], []
                 for r in range(ctx.repeats):
                     say(f"overhead: {latency} ms latency, run {r + 1}/{ctx.repeats}")
                     durable_rows.append(await durable(env.client, "bench-overhead", server, iterations))
                     direct_rows.append(await direct(env.blobs, sandboxes, server, iterations))
+                    if latency == 0:
+                        local_rows.append(
+                            await durable(env.client, "bench-overhead", server, iterations, True)
+                        )
 
             def per_iteration(rows: list[tuple]) -> list[float]:
                 return [(wall - model) / its * 1000 for wall, model, its, *_ in rows]
@@ -64,6 +70,18 @@ async def body(ctx: Context, section: Section) -> None:
                 ratio_label="durable / direct",
                 target=Target("<=", TARGET_MS, text=f"<= {TARGET_MS:g} ms") if latency == 0 else None,
             )
+            if local_rows:
+                l_over = per_iteration(local_rows)
+                section.add(
+                    f"overhead_local_calls_{latency}ms",
+                    f"durable overhead/iteration, {latency} ms model, model calls as local activities",
+                    "ms",
+                    l_over,
+                    ratio=ratio(median(l_over), median(b_over)),
+                    ratio_label="durable / direct",
+                    note=f"{median([row[4] for row in local_rows]):.0f} events per episode "
+                    f"(model calls as activities: {median([row[4] for row in durable_rows]):.0f})",
+                )
             section.add(
                 f"engine_added_{latency}ms",
                 f"added by the engine (durable - direct), {latency} ms model",

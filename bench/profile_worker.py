@@ -2,7 +2,7 @@
 samples the worker while it serves bench/concurrency.py's episodes (N at once, 11 model
 calls each).
 
-    python bench/profile_worker.py [--n 50] [--latency 0.5] [--rate 250]
+    python bench/profile_worker.py [--n 50] [--latency 0.5] [--rate 250] [--local-model-calls]
 
 Writes `bench/results/worker-profile.svg` (a flame graph) and `worker-profile.txt` (the
 collapsed stacks), and prints the worker's CPU per episode and the functions with the most
@@ -81,7 +81,7 @@ def summarise(collapsed: Path, top: int) -> None:
         say(f"  {100 * count / total:5.1f}%  {frame}")
 
 
-async def main(n: int, latency: float, rate: int, top: int) -> None:
+async def main(n: int, latency: float, rate: int, top: int, local_model_calls: bool = False) -> None:
     if not PY_SPY.exists():
         raise SystemExit(f"py-spy is not installed ({PY_SPY}): pip install -e '.[bench]'")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ async def main(n: int, latency: float, rate: int, top: int) -> None:
                 return worker
 
             env.worker_process = profiled  # type: ignore[method-assign]
-            row = await one_size(env, n, latency)
+            row = await one_size(env, n, latency, local_model_calls=local_model_calls)
     finally:
         for spy in spies:
             spy.wait(timeout=60)  # py-spy writes its output when the worker exits
@@ -133,7 +133,10 @@ if __name__ == "__main__":
     parser.add_argument("--latency", type=float, default=0.5)
     parser.add_argument("--rate", type=int, default=250, help="samples per second")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--local-model-calls", action="store_true", help="the model calls as local activities"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.n, args.latency, args.rate, args.top))
+    asyncio.run(main(args.n, args.latency, args.rate, args.top, args.local_model_calls))
     sys.stdout.flush()
     os._exit(0)  # temporalio can crash at interpreter exit (sdk-python#300)

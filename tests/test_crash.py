@@ -44,9 +44,14 @@ async def undisturbed(client, scripted, turns, worker_processes) -> EpisodeResul
         worker.stop()
 
 
+@pytest.mark.parametrize(
+    "local_model_calls", [False, pytest.param(True, marks=pytest.mark.slow, id="local-model-calls")]
+)
 async def test_killed_during_a_model_call_finishes_with_the_same_answer(
-    client, scripted, worker_processes
+    client, scripted, worker_processes, local_model_calls
 ) -> None:
+    """With the model calls as local activities too: a new worker runs the killed one's
+    workflow task again, and the call ledger answers the calls it had made."""
     turns = [
         "```repl\nparts = llm_query_batched(['p1', 'p2'])\nprint(parts)\n```",
         Reply(text="```repl\nresult = '+'.join(parts)\n```", delay_s=4),
@@ -58,8 +63,10 @@ async def test_killed_during_a_model_call_finishes_with_the_same_answer(
 
     server = scripted(root_and_sub(turns, sub))
     first = worker_processes()
+    request = request_for(server)
+    request.durability.local_model_calls = local_model_calls
     handle = await start_episode(
-        client, request_for(server), worker_processes.queue, f"crash-model-{uuid.uuid4().hex[:6]}"
+        client, request, worker_processes.queue, f"crash-model-{uuid.uuid4().hex[:6]}"
     )
     await wait_until(lambda: any(r.turn == 1 for r in server.root_requests()))
     first.kill()  # mid-flight: the model is still "thinking" about turn 1

@@ -46,7 +46,7 @@ from durable_rlm.workflows.retries import (
     describe_failure,
     ending_of,
     is_timeout,
-    model_step_options,
+    model_step,
     model_step_outage,
     raise_if_cancelled,
     waits_for_credentials,
@@ -96,7 +96,7 @@ async def sub_model_call(
     outages = 0
     while True:
         try:
-            reply = await workflow.execute_activity(
+            reply = await model_step(
                 names.SUB_QUERY,
                 SubQueryInput(
                     episode_id=workflow.info().workflow_id,
@@ -111,7 +111,8 @@ async def sub_model_call(
                 summary=metadata.call_summary(
                     call.kind, site.cell_index, call.call_index, call.prompt, call.model
                 ),
-                **model_step_options(model, site.request.durability),
+                model=model,
+                durability=site.request.durability,
             )
         except ActivityError as err:
             raise_if_cancelled(err)

@@ -35,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ending_words,
     )
     from durable_rlm.workflows.repl_steps import ReplSteps
-    from durable_rlm.workflows.retries import describe_failure, model_step_options, raise_if_cancelled
+    from durable_rlm.workflows.retries import describe_failure, model_step, raise_if_cancelled
     from durable_rlm.workflows.typed_outputs import ANSWER_FIELDS
 
 
@@ -65,7 +65,7 @@ class Closing:
         self.ctx.display.set_phase(f"extracting ({reason})")
         try:
             reply = await self.ctx.waits.through_store_outages(
-                lambda: workflow.execute_activity(
+                lambda: model_step(
                     names.EXTRACT_FALLBACK,
                     ExtractionInput(
                         episode_id=workflow.info().workflow_id,
@@ -81,7 +81,8 @@ class Closing:
                     ),
                     result_type=ExtractionReply,
                     summary=f"extraction after {reason.kind}",
-                    **model_step_options(model, request.durability),
+                    model=model,
+                    durability=request.durability,
                 )
             )
         except ActivityError as err:

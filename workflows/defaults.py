@@ -136,6 +136,10 @@ REPL_ATTEMPTS_SHARED = 3
 """A REPL step gets two tries on its worker, then three on any worker (rebuilding); after
 that the cell is recorded as lost and the episode goes on without it."""
 
+LOCAL_RETRY_THRESHOLD_S = 10.0
+"""A local model step whose next retry is further away than this waits on a durable timer
+(the SDK schedules the retry from a new workflow task) instead of in the worker's memory."""
+
 REPL_ATTEMPTS_LOCAL = 3
 """A REPL step run as a local activity (on the worker that runs the episode's workflow task)
 gets three tries, counted across workers by a ledger in the blob store; after that the cell

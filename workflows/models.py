@@ -223,6 +223,12 @@ class DurabilitySettings(StrictModel):
         description="run REPL steps as local activities on the worker that runs the episode "
         "(half the round trips per iteration); False routes them to the sandbox's worker queue",
     )
+    local_model_calls: bool = Field(
+        default=False,
+        description="run model calls as local activities of the worker that runs the episode "
+        "(fewer events and round trips per call; a lost worker is noticed by the workflow "
+        "task timeout, not a heartbeat)",
+    )
     snapshots: SnapshotPolicy | None = Field(
         default_factory=SnapshotPolicy,
         description="REPL snapshots; None: a rebuild re-runs every cell since the start",

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import (
     ActivityError,
@@ -44,6 +45,56 @@ def model_step_options(model: ModelSettings, durability: DurabilitySettings) -> 
         "heartbeat_timeout": timedelta(seconds=durability.heartbeat_timeout_s),
         "retry_policy": model_retry_policy(model.max_attempts),
     }
+
+
+R = TypeVar("R")
+
+
+async def model_step(
+    activity: str,
+    arg: Any,
+    *,
+    result_type: type[R],
+    summary: str,
+    model: ModelSettings,
+    durability: DurabilitySettings,
+) -> R:
+    """Run one model-calling step, as an activity or, with `durability.local_model_calls`, as
+    a local activity of the worker that runs the episode's workflow task.
+
+    A local step saves the activity's round trips through the server (its schedule, start
+    and completion events, a poll and a workflow task) at the cost of its liveness: no
+    heartbeat, so a lost worker is noticed by the workflow task's timeout. The call ledger
+    keeps a retried local step from paying for a call its earlier attempt made (its
+    activity id is the step's place in the episode). Its failure is handed to the caller
+    as an activity's would be (an ActivityError with the cause inside), so every caller
+    handles both kinds alike."""
+    if not durability.local_model_calls:
+        return await workflow.execute_activity(  # type: ignore[no-any-return]  # result_type decides
+            activity, arg, result_type=result_type, summary=summary, **model_step_options(model, durability)
+        )
+    try:
+        return await workflow.execute_local_activity(  # type: ignore[no-any-return]  # result_type decides
+            activity,
+            arg,
+            result_type=result_type,
+            summary=summary,
+            start_to_close_timeout=timedelta(seconds=model.request_timeout_s + defaults.ACTIVITY_SLACK_S),
+            retry_policy=model_retry_policy(model.max_attempts),
+            local_retry_threshold=timedelta(seconds=defaults.LOCAL_RETRY_THRESHOLD_S),
+        )
+    except ActivityError:
+        raise
+    except (ApplicationError, TimeoutError, CancelledError) as err:
+        raise ActivityError(
+            f"local activity {activity} failed",
+            scheduled_event_id=0,
+            started_event_id=0,
+            identity="",
+            activity_type=activity,
+            activity_id="",
+            retry_state=None,
+        ) from err
 
 
 def raise_if_cancelled(err: FailureError) -> None:

@@ -31,7 +31,7 @@ with workflow.unsafe.imports_passed_through():
         describe_failure,
         failure_cause,
         is_context_overflow,
-        model_step_options,
+        model_step,
         raise_if_cancelled,
     )
 
@@ -91,7 +91,7 @@ class RootCalls:
         model = request.root_model
         self.display.set_phase("waiting for the root model")
         reply: RootCompletion = await self.waits.with_credentials(
-            lambda: workflow.execute_activity(
+            lambda: model_step(
                 names.ROOT_COMPLETION,
                 RootCompletionInput(
                     episode_id=workflow.info().workflow_id,
@@ -105,7 +105,8 @@ class RootCalls:
                 ),
                 result_type=RootCompletion,
                 summary=f"root call {s.iteration}{again}",
-                **model_step_options(model, request.durability),
+                model=model,
+                durability=request.durability,
             )
         )
         s.conversation, s.pending = reply.conversation, []
@@ -134,7 +135,7 @@ class RootCalls:
         self.display.set_phase(f"compacting the conversation ({why})")
         try:
             reply = await self.waits.with_credentials(
-                lambda: workflow.execute_activity(
+                lambda: model_step(
                     names.COMPACT_CONVERSATION,
                     CompactionInput(
                         episode_id=workflow.info().workflow_id,
@@ -149,7 +150,8 @@ class RootCalls:
                     ),
                     result_type=CompactionReply,
                     summary=f"compaction: {why}",
-                    **model_step_options(model, request.durability),
+                    model=model,
+                    durability=request.durability,
                 )
             )
         except ActivityError as err:
