@@ -29,6 +29,7 @@ from temporalio.exceptions import ApplicationError
 from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
 from durable_rlm.activities.call_ledger import CallLedger
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
+from durable_rlm.activities.openai_chat import ChatClient, ChatError
 from durable_rlm.activities.providers import client_library, error_types
 from durable_rlm.activities.reply_limits import (
     body_cap,
@@ -187,6 +188,12 @@ def mean_logprob(choice: Any) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def client_errors() -> tuple[type[BaseException], ...]:
+    """What a model client raises for a failed request: ours for OpenAI-compatible endpoints,
+    anthropic's where that library was imported."""
+    return (ChatError, *error_types("AnthropicError"))
+
+
 class ModelActivities:
     """Holds the credentials (never in history) and one client per endpoint."""
 
@@ -221,18 +228,17 @@ class ModelActivities:
         client = self._clients.get(cache_key)
         if client is None:
             if settings.provider == "anthropic":
-                kind = client_library("anthropic").AsyncAnthropic
-            else:
-                kind = client_library("openai").AsyncOpenAI
-            library = client_library(settings.provider)
-            client = kind(
-                api_key=key,
-                base_url=base_url,
-                max_retries=0,
-                timeout=settings.request_timeout_s,
-                # The library's own client, plus a hook that reads the body within its cap.
-                http_client=library.DefaultAsyncHttpxClient(event_hooks={"response": [read_capped_body]}),
-            )
+                library = client_library("anthropic")
+                client = library.AsyncAnthropic(
+                    api_key=key,
+                    base_url=base_url,
+                    max_retries=0,
+                    timeout=settings.request_timeout_s,
+                    # The library's own client, plus a hook that reads the body within its cap.
+                    http_client=library.DefaultAsyncHttpxClient(event_hooks={"response": [read_capped_body]}),
+                )
+            else:  # plain HTTP, not the openai library: activities/openai_chat.py says why
+                client = ChatClient(key, base_url, settings.request_timeout_s)
             self._clients[cache_key] = client
         return client
 
@@ -276,31 +282,23 @@ class ModelActivities:
         return dataclasses.replace(done, text=text, facts=facts.model_copy(update=said))
 
     async def _complete_openai(self, settings: ModelSettings, messages: list[Message]) -> Completion:
-        client = self._client(settings)
-        base_url = str(client.base_url)
-        kwargs: dict[str, Any] = {}
+        client: ChatClient = self._client(settings)
+        base_url = client.base_url
+        body: dict[str, Any] = {"model": settings.model, "messages": [m.model_dump() for m in messages]}
         if settings.temperature is not None:
-            kwargs["temperature"] = settings.temperature
+            body["temperature"] = settings.temperature
         if settings.max_tokens is not None:
-            kwargs["max_tokens"] = settings.max_tokens
+            body["max_tokens"] = settings.max_tokens
         if settings.top_p is not None:
-            kwargs["top_p"] = settings.top_p
+            body["top_p"] = settings.top_p
         if settings.stop:
-            kwargs["stop"] = settings.stop
-        if settings.extra_body:
-            kwargs["extra_body"] = settings.extra_body
+            body["stop"] = settings.stop
         if settings.logprobs:
-            kwargs["logprobs"] = True
+            body["logprobs"] = True
+        if settings.extra_body:
+            body.update(settings.extra_body)  # merged last, as the openai library merges it
         started = time.monotonic()
-        response, raw = await self._send(
-            settings,
-            base_url,
-            client.chat.completions.with_raw_response.create(
-                model=settings.model,
-                messages=[m.model_dump() for m in messages],
-                **kwargs,
-            ),
-        )
+        response, raw = await self._send(settings, base_url, client.create(body))
         elapsed = time.monotonic() - started
         if isinstance(response, str):  # a content type other than JSON: the client hands back text
             raise bad_reply(settings, base_url, "a body that is not JSON", response)
@@ -332,7 +330,7 @@ class ModelActivities:
                 raise
         try:
             raw = await with_heartbeats(request)
-        except error_types("OpenAIError", "AnthropicError") as exc:
+        except client_errors() as exc:
             raise classify(exc, settings, base_url) from None
         if was_cut(getattr(raw, "http_response", None)):
             raise BodyCut(raw.http_response.content, settings.provider)
@@ -340,7 +338,7 @@ class ModelActivities:
             parsed = raw.parse()
             if inspect.isawaitable(parsed):  # anthropic's async raw responses parse asynchronously
                 parsed = await parsed
-        except error_types("OpenAIError", "AnthropicError") as exc:
+        except client_errors() as exc:
             raise classify(exc, settings, base_url) from None
         except ValueError:  # JSONDecodeError: declared JSON, but it is not
             raise bad_reply(settings, base_url, "a body that is not JSON", body_text(raw)) from None

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from temporalio.exceptions import ApplicationError, FailureError
 
+from durable_rlm.activities.openai_chat import ConnectionFailed, RequestTimeout, StatusError
 from durable_rlm.activities.providers import error_types
 from durable_rlm.store.outages import store_problem, store_unavailable
 from durable_rlm.workflows import names
@@ -145,8 +146,8 @@ def classify(exc: BaseException, settings: ModelSettings, base_url: str) -> Appl
     """Turn a client exception into the error Temporal should (or should not) retry, its
     message cause first and bounded. Raise it `from None`: the chain would not fit."""
     where = f"model {settings.model!r} at {base_url}"
-    if isinstance(exc, error_types("APIStatusError")):
-        failed: Any = exc  # openai's or anthropic's, found by name: both have these fields
+    if isinstance(exc, (StatusError, *error_types("APIStatusError"))):
+        failed: Any = exc  # ours (openai_chat.py) or anthropic's: both have these fields
         status = failed.status_code
         detail = clip(_provider_message(exc), DETAIL_CHARS)
         if is_context_overflow(exc):
@@ -175,12 +176,12 @@ def classify(exc: BaseException, settings: ModelSettings, base_url: str) -> Appl
             type=names.MODEL_UNAVAILABLE,
             next_retry_delay=retry_after(failed.response.headers if failed.response else None),
         )
-    if isinstance(exc, error_types("APITimeoutError")):
+    if isinstance(exc, (RequestTimeout, *error_types("APITimeoutError"))):
         return ApplicationError(
             f"{where} timed out after {settings.request_timeout_s:g} s (request_timeout_s)",
             type=names.MODEL_UNAVAILABLE,
         )
-    if isinstance(exc, error_types("APIConnectionError")):
+    if isinstance(exc, (ConnectionFailed, *error_types("APIConnectionError"))):
         return ApplicationError(
             f"cannot reach {where}: {connection_cause(exc)}", type=names.MODEL_UNAVAILABLE
         )

@@ -37,16 +37,36 @@ def test_no_provider_library_is_imported_before_it_is_used(code: str) -> None:
     assert imported_after(code) == set()
 
 
-def test_a_provider_s_client_imports_its_library_alone() -> None:
+@pytest.mark.parametrize(("provider", "imported"), [("openai", set()), ("anthropic", {"anthropic"})])
+def test_a_provider_s_client_imports_its_library_alone(provider: str, imported: set[str]) -> None:
+    """An OpenAI-compatible endpoint is called over plain HTTP: no library at all
+    (docs/architecture/decisions.md#a-workers-model-calls-are-plain-http)."""
     code = (
         "from durable_rlm.activities.llm import ModelActivities\n"
         "from durable_rlm.store.blobs import BlobStore, DirectoryBackend\n"
         "from durable_rlm.workflows.models import ModelSettings\n"
         "import tempfile\n"
-        "models = ModelActivities(BlobStore(DirectoryBackend(tempfile.mkdtemp())), {'OPENAI_API_KEY': 'k'})\n"
-        "models._client(ModelSettings(model='gpt-x', base_url='http://127.0.0.1:9/v1'))"
+        "keys = {'OPENAI_API_KEY': 'k', 'ANTHROPIC_API_KEY': 'k'}\n"
+        "models = ModelActivities(BlobStore(DirectoryBackend(tempfile.mkdtemp())), keys)\n"
+        f"models._client(ModelSettings(model='m', provider={provider!r}, base_url='http://127.0.0.1:9/v1'))"
     )
-    assert imported_after(code) == {"openai"}
+    assert imported_after(code) == imported
+
+
+def test_a_call_to_an_openai_compatible_model_imports_no_provider_library() -> None:
+    code = (
+        "import asyncio, tempfile\n"
+        "from durable_rlm.activities.llm import ModelActivities\n"
+        "from durable_rlm.scripted import ScriptedModelServer\n"
+        "from durable_rlm.store.blobs import BlobStore, DirectoryBackend\n"
+        "from durable_rlm.workflows.models import Message, ModelSettings\n"
+        "models = ModelActivities(BlobStore(DirectoryBackend(tempfile.mkdtemp())), {'OPENAI_API_KEY': 'k'})\n"
+        "with ScriptedModelServer(lambda request: 'pong') as server:\n"
+        "    settings = ModelSettings(model='m', base_url=server.base_url)\n"
+        "    done = asyncio.run(models.complete(settings, [Message(role='user', content='ping')]))\n"
+        "assert done.text == 'pong', done\n"
+    )
+    assert imported_after(code) == set()
 
 
 @pytest.mark.parametrize("code", ["import durable_rlm", "from durable_rlm import RLM, DurableRLM"])
