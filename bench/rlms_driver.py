@@ -5,13 +5,16 @@ against the scripted server, printing one JSON line per run. Standard library + 
         --context-file FILE --root-prompt TEXT
 
 The first `--warmup` runs (default 1) are warm-ups (imports, connections), reported with
-"warmup": true.
+"warmup": true. Each line also has "cpu_s": the CPU time (user + system, all threads, and any
+child process it waited for) this process spent on that run, from building the `RLM` to
+closing it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 
@@ -31,6 +34,7 @@ def main() -> None:
 
     context = open(args.context_file, encoding="utf-8").read()
     for run in range(args.warmup + args.runs):
+        cpu_before = cpu_seconds()
         rlm = RLM(
             backend="openai",
             backend_kwargs={"model_name": args.model, "base_url": args.base_url, "api_key": "EMPTY"},
@@ -41,10 +45,19 @@ def main() -> None:
         result = rlm.completion(context, root_prompt=args.root_prompt)
         wall = time.perf_counter() - started
         rlm.close()
+        cpu = cpu_seconds() - cpu_before
         print(
-            json.dumps({"warmup": run < args.warmup, "wall_s": wall, "answer": str(result.response)}),
+            json.dumps(
+                {"warmup": run < args.warmup, "wall_s": wall, "cpu_s": cpu, "answer": str(result.response)}
+            ),
             flush=True,
         )
+
+
+def cpu_seconds() -> float:
+    """User + system time of this process (all its threads) and of its waited-for children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 if __name__ == "__main__":

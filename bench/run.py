@@ -44,6 +44,7 @@ SECTIONS = {
     "overhead": "overhead",
     "rlms": "rlms_compare",
     "concurrency": "concurrency",
+    "cpu_per_episode": "cpu_per_episode",
     "processes": "processes",
     "partitions": "partitions",
     "history": "history",

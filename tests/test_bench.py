@@ -101,6 +101,14 @@ def test_every_section_of_the_suite_runs_quick(tmp_path: Path) -> None:
     assert {"overhead.png", "concurrency.png"} <= set(results["plots"])
 
 
+@pytest.mark.slow
+def test_the_cpu_benchmark_sets_ours_beside_rlms_on_the_same_episode() -> None:
+    out = run_bench("cpu_per_episode.py", "--quick", timeout=600)
+    assert "rlms 0.1.3: CPU per episode" in out and "ours / rlms" in out and "<= 110 ms" in out, out
+    # Each side's server saw the episode's 11 calls (the bench fails first if not).
+    assert re.search(r"rlms: model calls per episode[^\n]*\s11\s", out), out
+
+
 @pytest.mark.slow  # long end to end (the default run stays near 13 minutes); CI runs it
 def test_the_risk_benchmark_prints_its_ratio_to_parsing() -> None:
     out = run_bench("risk.py", timeout=300)
