@@ -256,6 +256,10 @@ async def one_size(
                 durability=DurabilitySettings(local_model_calls=local_model_calls),
             )
             cpu_before = benchlib.tree_cpu_seconds(worker.pid)
+            # Beside the worker's: the Temporal server's and this process's (the model server
+            # and the client starting and awaiting the episodes), on the same 2 cores.
+            server_before = benchlib.tree_cpu_seconds(env.server_pid) if env.server_pid else 0.0
+            bench_before = time.process_time()
             with Sampler(worker.pid) as sampler:
                 started = time.monotonic()
                 handles = await asyncio.gather(
@@ -264,6 +268,8 @@ async def one_size(
                 results = await asyncio.gather(*(h.result() for h in handles))
                 wall = time.monotonic() - started
             cpu = benchlib.tree_cpu_seconds(worker.pid) - cpu_before
+            server_cpu = benchlib.tree_cpu_seconds(env.server_pid) - server_before if env.server_pid else None
+            bench_cpu = time.process_time() - bench_before
             model_requests = len(server.requests)
             worker_hwm_kb = benchlib.status_kb(worker.pid, "VmHWM")
         finally:
@@ -326,6 +332,8 @@ async def one_size(
         "extra_model_requests": model_requests - n * MODEL_CALLS,
         "abandoned_requests": abandoned[0],
         "cpu_s": cpu,
+        "server_cpu_s": server_cpu,
+        "bench_cpu_s": bench_cpu,
         "output_bytes": output_bytes,
         "held_back": held_back,
         "admission": admission_said(worker.tail(10**7)),

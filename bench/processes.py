@@ -33,6 +33,9 @@ async def body(ctx: Context, section: Section) -> None:
         for processes in (1, 2):
             say(f"processes: N={n} episodes on {processes} worker process(es)")
             rows[processes] = await one_size(env, n, latency, processes=processes)
+        # The lever measured beside them: the same, model calls as local activities.
+        say(f"processes: N={n} episodes on 2 worker processes, model calls as local activities")
+        local = await one_size(env, n, latency, processes=2, local_model_calls=True)
     section.series["processes"] = {
         str(p): {k: v for k, v in r.items() if k != "uss_mb"} for p, r in rows.items()
     }
@@ -82,9 +85,28 @@ async def body(ctx: Context, section: Section) -> None:
             "count",
             r["events_per_episode"],
         )
+    for processes, r in rows.items():
+        if r["server_cpu_s"] is not None:
+            section.add(
+                f"server_cpu_per_episode_{processes}",
+                f"N={n} on {processes} process(es): Temporal server CPU per episode",
+                "ms",
+                1000 * r["server_cpu_s"] / n,
+                note=f"the bench process (model server, client) {1000 * r['bench_cpu_s'] / n:.0f} ms",
+            )
+    section.add(
+        "bound_share_2_local",
+        f"N={n} on 2 processes, model calls as local activities: rate / best bound",
+        "%",
+        100 * max(ideal, local["noop_wall_s"]) / local["wall_s"],
+        note=f"wall {local['wall_s']:.1f} s (its own no-op baseline: {local['noop_wall_s']:.1f} s); "
+        f"workflow-task timeouts {local['wft_timeouts']}; worker CPU {1000 * local['cpu_s'] / n:.0f} ms "
+        f"per episode; {local['events_per_episode']:.0f} events per episode; model requests beyond "
+        f"{MODEL_CALLS} per episode: {local['extra_model_requests']}",
+    )
     section.notes.append(
         "one run per process count, in the same run against the same server; the no-op baseline is "
-        "the faster of its two measurements"
+        "the faster of its measurements"
     )
 
 
