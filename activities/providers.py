@@ -1,11 +1,13 @@
 """The model providers' client libraries, imported when a provider is first used.
 
 Together they cost more than the rest of a process's start (measured on this machine:
-`import anthropic` 2.0 s idle, 3.2 s under load; `import openai` 1.0-1.9 s; see
-docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses), and
-a process uses one provider or none: a `drlm show`, a script whose model is OpenAI's, a
-worker that only serves Anthropic models. An exception can only come from a library that
-was imported, so error checks look at the imported ones alone (`error_types`).
+`import anthropic` 2.0 s idle, 3.2 s under load; `import openai` 0.9-1.9 s; see
+docs/architecture/decisions.md#start-up-pays-only-for-what-it-uses), and a process uses one
+or none: a worker calls OpenAI-compatible models without a library at all
+(activities/openai_chat.py), so `anthropic` is imported by a worker that serves Anthropic
+models, and `openai` only by rlms's client classes (durable_rlm.clients). An exception can
+only come from a library that was imported, so error checks look at the imported ones alone
+(`error_types`).
 """
 
 from __future__ import annotations
