@@ -48,7 +48,7 @@ from rlms_compare import rlms_python
 
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub
-from durable_rlm.workflows.models import EpisodeRequest, EpisodeResult, ModelSettings
+from durable_rlm.workflows.models import DurabilitySettings, EpisodeRequest, EpisodeResult, ModelSettings
 
 EPISODES = 20
 QUICK_EPISODES = 3
@@ -185,13 +185,20 @@ async def ours_side(env: benchlib.BenchEnv, episodes: int) -> dict:
             request = EpisodeRequest(
                 task=TASK, root_model=ModelSettings(model="scripted", base_url=server.base_url)
             )
+            # The lever measured beside it: the model calls as local activities.
+            local = request.model_copy(
+                update={"durability": DurabilitySettings(local_model_calls=True)}, deep=True
+            )
 
-            async def episode(name: str) -> EpisodeResult:
-                handle = await start_episode(env.client, request, queue, f"{queue}-{name}")
+            async def episode(name: str, asked: EpisodeRequest = request) -> EpisodeResult:
+                handle = await start_episode(env.client, asked, queue, f"{queue}-{name}")
                 return await handle.result()
 
             async def at_once() -> list:
                 return await asyncio.gather(*(episode(f"c{i}") for i in range(episodes)))
+
+            async def local_at_once() -> list:
+                return await asyncio.gather(*(episode(f"l{i}", local) for i in range(episodes)))
 
             async def in_turn() -> list:
                 return [await episode(f"s{i}") for i in range(episodes)]
@@ -200,9 +207,10 @@ async def ours_side(env: benchlib.BenchEnv, episodes: int) -> dict:
             warmup = await meter.window(1, asyncio.gather(episode("warmup")))
             concurrent = await meter.window(episodes, at_once())
             sequential = await meter.window(episodes, in_turn())
+            local_calls = await meter.window(episodes, local_at_once())
         finally:
             worker.stop()
-    return {"warmup": warmup, "at_once": concurrent, "in_turn": sequential}
+    return {"warmup": warmup, "at_once": concurrent, "in_turn": sequential, "local_at_once": local_calls}
 
 
 async def body(ctx: Context, section: Section) -> None:
@@ -269,6 +277,12 @@ async def body(ctx: Context, section: Section) -> None:
     for way, values, label, judged in (
         ("at_once", at_once_ms, f"{episodes} at once", True),
         ("in_turn", in_turn_ms, f"{episodes} in turn, as rlms", False),
+        (
+            "local_at_once",
+            ms(ours, "local_at_once", "cpu_per_episode_s"),
+            f"{episodes} at once, model calls as local activities",
+            False,
+        ),
     ):
         rows = [o[way] for o in ours]
         section.add(
@@ -303,8 +317,8 @@ async def body(ctx: Context, section: Section) -> None:
         "ours_calls_per_episode",
         "ours: model calls per episode (seen by the server)",
         "count",
-        [o[way]["calls_per_episode"] for o in ours for way in ("at_once", "in_turn")],
-        note="both ways; each episode's own count agrees",
+        [o[way]["calls_per_episode"] for o in ours for way in ("at_once", "in_turn", "local_at_once")],
+        note="all three ways; each episode's own count agrees",
     )
     section.notes.append(
         f"episodes: {CELLS} x (root call + cell with one llm_query) + an ending reply, {MODEL_CALLS} "
@@ -319,7 +333,7 @@ async def body(ctx: Context, section: Section) -> None:
 
 
 async def run(ctx: Context) -> Section:
-    return await run_section("cpu_per_episode", "3c. CPU per episode against rlms", body, ctx)
+    return await run_section("cpu_per_episode", "3d. CPU per episode against rlms", body, ctx)
 
 
 if __name__ == "__main__":
