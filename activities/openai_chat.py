@@ -150,7 +150,7 @@ class ChatClient:
             response = await self._http.post(self._endpoint, json=body)
         except httpx2.TimeoutException as exc:
             raise RequestTimeout("Request timed out.") from exc
-        except httpx2.HTTPError as exc:
+        except (httpx2.HTTPError, OSError) as exc:  # OSError: ssl.SSLError and any socket error unwrapped
             raise ConnectionFailed("Connection error.") from exc
         if not response.is_success:
             raise StatusError(response)
