@@ -192,8 +192,11 @@ def test_the_frame_bound_admits_the_largest_submit_the_sandbox_sends() -> None:
 # --- a tool's arguments, as the host reads them ------------------------------------------------
 
 
+# Async: run on the event loop, not in the tool threads. mutmut runs each mutant's tests in a
+# child forked from a process that already ran them, where the pool made at import has no
+# threads left and a sync tool's call would wait for ever (a harness hang, not a kill).
 @tool(name="wire_values_echo")
-def _echo(items: list) -> int:
+async def _echo(items: list) -> int:
     return len(items)
 
 
