@@ -115,6 +115,8 @@ def test_what_the_sender_allows_the_host_reads() -> None:
     [
         ('{"$": "pickle", "v": "gASVAAAA"}', "no type the wire carries"),
         ('{"$": "tuple", "v": [1], "extra": 2}', "no type the wire carries"),
+        ('{"$": "tuple", "w": [1]}', "no type the wire carries"),  # a tag without its "v"
+        ('{"$": [1], "v": [1]}', "no type the wire carries"),  # a tag that is no string
         ('{"$": "set", "v": [[1]]}', "unhashable"),
         ('{"$": "dict", "v": [[[1], 2]]}', "unhashable"),
         ('{"$": "dict", "v": [[1, 2, 3]]}', "pairs"),
