@@ -47,3 +47,14 @@ def test_tokens_and_sessions_carry_32_random_bytes() -> None:
     _, session = logins.redeem(token) or ("", "")
     assert len(token) == len(session) == 43  # 32 bytes, URL-safe base64 without padding
     assert token != session
+
+
+def test_a_token_works_until_its_deadline_and_not_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1_000.0]
+    monkeypatch.setattr(codec_server.time, "monotonic", lambda: now[0])
+    logins = Logins()
+    at_the_deadline, after_it = logins.mint("/episodes"), logins.mint("/episodes")
+    now[0] += codec_server.LOGIN_TOKEN_S
+    assert logins.redeem(at_the_deadline) is not None  # its last instant is still within
+    now[0] += 0.001
+    assert logins.redeem(after_it) is None

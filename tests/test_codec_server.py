@@ -310,6 +310,26 @@ def test_another_uids_connection_is_reset_unread(codec, blobs) -> None:
     assert answer.status == 200 and data_of(answer.json()["payloads"][0]) == {"text": "owned " * 1000}
 
 
+def test_another_uids_connection_is_reset_not_closed(codec) -> None:
+    """Reset (SO_LINGER 0: an RST after the server's FIN), not an orderly close: a client
+    that sends nothing still sees its connection torn down, never left half-open."""
+    import os
+    import socket
+
+    server = codec(owner_uid=os.getuid() + 1)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+        try:
+            client.recv(1)  # the server's FIN (b""), or the reset itself
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        deadline = time.monotonic() + 5
+        state = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+        while state != 7 and time.monotonic() < deadline:  # TCP_CLOSE: the peer reset it
+            time.sleep(0.01)
+            state = client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+    assert state == 7  # an orderly close leaves it in CLOSE_WAIT (8)
+
+
 # --- size, missing blobs, bad bodies -----------------------------------------------------------
 
 
@@ -454,3 +474,25 @@ def test_serve_forever_blocks_until_stopped(blobs) -> None:
         server.stop()
         thread.join(5)
     assert not thread.is_alive()
+
+
+def test_a_stop_before_the_serving_thread_runs_still_ends_its_loop(blobs) -> None:
+    """The window between `start()` and the serving thread's first line, held open here: a
+    `stop()` in it must still shut down the loop the thread is about to enter (or it would
+    wait out its join and leave the thread serving)."""
+    door = threading.Event()
+
+    class HeldAtTheDoor(CodecServer):
+        def serve_forever(self) -> None:
+            door.wait(10)
+            super().serve_forever()
+
+    server = HeldAtTheDoor(blobs, port=0).start()
+    opener = threading.Timer(0.2, door.set)
+    opener.start()
+    began = time.monotonic()
+    try:
+        server.stop()
+        assert time.monotonic() - began < 3
+    finally:
+        opener.cancel()

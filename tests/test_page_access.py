@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import uuid
@@ -47,6 +48,7 @@ def raw_get(port: int, path: str, host: str | None, method: str = "GET", body: b
         ("localhost", "localhost"),
         ("[::1]:80", "::1"),
         ("EVIL.example:1", "evil.example"),
+        ("[::1]x]:80", "::1"),  # an address in brackets ends at the first "]"
     ],
 )
 def test_a_host_header_is_read_without_its_port(header: str, host: str) -> None:
@@ -67,6 +69,40 @@ def test_a_request_for_another_host_gets_421_and_nothing_else(codec, blobs) -> N
             assert raw_get(server.port, path, host, method, data) == 421, (path, method, host)
     for host in ("127.0.0.1", f"localhost:{server.port}", "drlm.internal"):
         assert raw_get(server.port, f"/{secret}/decode", host, "POST", body) == 200, host
+
+
+@pytest.mark.parametrize("secret", ["X" * 43, "x", "-_Xx9"])
+def test_a_capability_is_answered_below_it_whatever_its_letters(codec, secret: str) -> None:  # noqa: F811
+    server = codec(path_secret=secret)
+    assert call(f"{server.url}/", method="GET").json()["service"] == "drlm codec server"
+    assert call(f"{server.url}/decode", {"payloads": []}).json() == {"payloads": []}
+
+
+def whole_reply(port: int, request: bytes) -> bytes:
+    """Everything the server sends back to one raw request, until it closes the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        raw.sendall(request)
+        return b"".join(iter(lambda: raw.recv(4096), b""))
+
+
+def test_a_refused_host_is_answered_once_and_nothing_is_served_after(codec) -> None:  # noqa: F811
+    server = codec()
+    reply = whole_reply(server.port, b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 421 ") and reply.count(b"HTTP/1.1 ") == 1
+    assert b"drlm codec server" not in reply.partition(b"\r\n\r\n")[2]  # no service answer
+
+
+def test_a_malformed_request_is_answered_by_http_server_alone(
+    codec,  # noqa: F811
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A request line http.server refuses (its own 400 or 505) runs no handler of ours: one
+    answer, and no handler's traceback in the server's output."""
+    server = codec()
+    for request in (b"NONSENSE\r\n\r\n", b"GET / HTTP/2.0\r\nHost: 127.0.0.1\r\n\r\n"):
+        reply = whole_reply(server.port, request)
+        assert reply.count(b"Error code explanation") == 1 and b"421" not in reply, reply
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_a_one_shot_login_opens_the_page_once_and_its_cookie_serves_it(codec, blobs) -> None:  # noqa: F811

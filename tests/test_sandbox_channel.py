@@ -195,6 +195,19 @@ def test_a_frame_past_the_hosts_bounds_is_refused_before_it_is_parsed() -> None:
     )
 
 
+def test_a_frames_depth_bound_is_the_sandboxs_setting_not_the_wires_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host reads its own setting each time, whatever the wire module's default is."""
+    monkeypatch.setattr(defaults, "SANDBOX_FRAME_DEPTH", 10)
+    within = b'{"op": "done", "status": "ok", "submitted": ' + b"[" * 9 + b"]" * 9 + b"}"
+    assert decode_frame(within)["op"] == "done"
+    past = b'{"op": "done", "status": "ok", "submitted": ' + b"[" * 10 + b"]" * 10 + b"}"
+    assert decode_frame(past) == broken(
+        "the sandbox sent a frame past the host's bounds: nested more than 10 deep"
+    )
+
+
 def test_a_call_frame_is_at_most_max_call_bytes_whatever_the_sandbox_checked() -> None:
     def call(size: int) -> bytes:
         head = b'{"op": "call", "kind": "llm_query", "prompts": ["'

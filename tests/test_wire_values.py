@@ -115,6 +115,8 @@ def test_what_the_sender_allows_the_host_reads() -> None:
     [
         ('{"$": "pickle", "v": "gASVAAAA"}', "no type the wire carries"),
         ('{"$": "tuple", "v": [1], "extra": 2}', "no type the wire carries"),
+        ('{"$": "tuple", "w": [1]}', "no type the wire carries"),  # a tag without its "v"
+        ('{"$": [1], "v": [1]}', "no type the wire carries"),  # a tag that is no string
         ('{"$": "set", "v": [[1]]}', "unhashable"),
         ('{"$": "dict", "v": [[[1], 2]]}', "unhashable"),
         ('{"$": "dict", "v": [[1, 2, 3]]}', "pairs"),
@@ -192,8 +194,11 @@ def test_the_frame_bound_admits_the_largest_submit_the_sandbox_sends() -> None:
 # --- a tool's arguments, as the host reads them ------------------------------------------------
 
 
+# Async: run on the event loop, not in the tool threads. mutmut runs each mutant's tests in a
+# child forked from a process that already ran them, where the pool made at import has no
+# threads left and a sync tool's call would wait for ever (a harness hang, not a kill).
 @tool(name="wire_values_echo")
-def _echo(items: list) -> int:
+async def _echo(items: list) -> int:
     return len(items)
 
 
@@ -355,3 +360,48 @@ def test_a_malformed_tagged_value_says_what_it_should_be(text: str, error: str) 
     with pytest.raises(ValueRefused) as refused:
         loads(text)
     assert str(refused.value) == error
+
+
+# --- the bounds at their edges ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("document", "count"),
+    [(b"0", 1), (b"{}", 2), (b"[1, 2]", 3), (b'{"a": 1}', 3), (b"[[], {}]", 5)],
+)
+def test_the_host_counts_a_documents_values_exactly(document: bytes, count: int) -> None:
+    """One for each opening bracket, comma and colon, and one more: a bound on the values."""
+    check(document, max_items=count)
+    with pytest.raises(ValueRefused, match=f"more than {count - 1:,} values in one document"):
+        check(document, max_items=count - 1)
+
+
+def test_past_the_count_in_strings_alone_is_refused_in_the_same_words() -> None:
+    with pytest.raises(ValueRefused, match="^more than 10 values in one document$"):
+        check(json.dumps(["a, b"] * 20).encode(), max_items=10)
+
+
+def test_depth_is_counted_down_one_level_per_closing_bracket() -> None:
+    check(b"[[], [[]]]", max_depth=3)
+    with pytest.raises(ValueRefused, match="nested more than 2 deep"):
+        check(b"[[], [[]]]", max_depth=2)
+    assert loads("[[]]", max_depth=2) == [[]]
+    with pytest.raises(ValueRefused, match="nested more than 2 deep"):
+        loads("[[[]]]", max_depth=2)
+
+
+def test_a_long_integer_is_refused_by_the_count_itself_however_small_the_document() -> None:
+    """`check` alone bounds integers (the frame schema parses after it): also in a document
+    small enough that strings need not be skipped; digits inside a string are text."""
+    for document in (b"1" * 5_000, b"[-" + b"1" * (values.MAX_DIGITS + 1) + b"]"):
+        with pytest.raises(ValueRefused, match="^an integer of more than 4,300 digits$"):
+            check(document)
+    check(b"[" + b"9" * values.MAX_DIGITS + b"]")
+    check(json.dumps("1" * 5_000).encode())
+    assert loads(b"-" + b"9" * values.MAX_DIGITS) == -int("9" * values.MAX_DIGITS)
+
+
+def test_a_document_of_exactly_its_byte_bound_is_read() -> None:
+    assert loads('"' + "x" * 8 + '"', max_bytes=10) == "x" * 8
+    with pytest.raises(ValueRefused, match="11 bytes, over the 10 allowed"):
+        loads('"' + "x" * 9 + '"', max_bytes=10)

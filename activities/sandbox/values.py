@@ -145,7 +145,11 @@ def check(data: bytes, max_items: int = MAX_ITEMS, max_depth: int = MAX_DEPTH) -
     nested at most `max_depth` deep, and no integer past MAX_DIGITS. Linear, at C speed but
     for one step per string and per bracket, each at most `max_items` (every string is a
     value); what it builds is one copy of the bytes at most, never an object per value."""
-    if _counted(data, max_items) and data.count(b"[") + data.count(b"{") <= max_depth:
+    if (
+        _counted(data, max_items)
+        and data.count(b"[") + data.count(b"{") <= max_depth
+        and not _LONG_NUMBER.search(data)
+    ):
         return  # counting strings' characters too, still within: no need to skip them
     bare = bytearray()  # the document with each string emptied: its structure alone
     view, position = memoryview(data), 0
@@ -186,7 +190,7 @@ def loads(
         raise ValueRefused(f"{len(raw):,} bytes, over the {max_bytes:,} allowed")
     check(raw, max_items, max_depth)
     try:
-        return json.loads(raw, object_hook=_untag, parse_constant=_no_constant, parse_int=_integer)
+        return json.loads(raw, object_hook=_untag, parse_constant=_no_constant)  # its integers: checked
     except ValueRefused:
         raise
     except (ValueError, TypeError, OverflowError, RecursionError) as exc:
@@ -195,12 +199,6 @@ def loads(
 
 def _no_constant(name: str) -> Any:
     raise ValueRefused(f"{name} is not JSON (a float that is not finite is sent tagged)")
-
-
-def _integer(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_DIGITS:
-        raise ValueRefused(f"an integer of more than {MAX_DIGITS:,} digits")
-    return int(text)
 
 
 def _hashable(items: list[Any]) -> list[Any]:
