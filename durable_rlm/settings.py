@@ -193,7 +193,7 @@ class Settings(BaseSettings):
         gt=0,
         le=3600,
         description="how long a steering command (cancel, hint, approve, ...) waits for a busy "
-        "worker's answer before it returns, saying the request waits at the server",
+        "worker's answer before it returns, saying the request is not confirmed",
     )
     ui: bool = _env("ui", "DRLM_UI", True, description="serve the Temporal Web UI from the embedded server")
     ui_port: int = _env(

@@ -69,12 +69,14 @@ async def model_step(
     activity id is the step's place in the episode). Its failure is handed to the caller
     as an activity's would be (an ActivityError with the cause inside), so every caller
     handles both kinds alike."""
+    result: R
     if not durability.local_model_calls:
-        return await workflow.execute_activity(  # type: ignore[no-any-return]  # result_type decides
+        result = await workflow.execute_activity(
             activity, arg, result_type=result_type, summary=summary, **model_step_options(model, durability)
         )
+        return result
     try:
-        return await workflow.execute_local_activity(  # type: ignore[no-any-return]  # result_type decides
+        result = await workflow.execute_local_activity(
             activity,
             arg,
             result_type=result_type,
@@ -95,6 +97,7 @@ async def model_step(
             activity_id="",
             retry_state=None,
         ) from err
+    return result
 
 
 def raise_if_cancelled(err: FailureError) -> None:

@@ -235,8 +235,9 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
                 if not await attendant.wait(request, settings.steer_wait_s):
                     stderr(
                         f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
-                        f"{settings.steer_wait_s:g} s; the cancel waits at the server for it: "
-                        f"`drlm watch {episode_id}` shows when it ends"
+                        f"{settings.steer_wait_s:g} s; the cancel is not confirmed: the server keeps it "
+                        f"for good only once a worker takes it, and may drop it before: `drlm watch "
+                        f"{episode_id}` shows whether it ends (if not, send it again)"
                     )
                     return EXIT_FAILED
             finally:

@@ -249,8 +249,9 @@ async def _attended(
             if not await attendant.wait(task, settings.steer_wait_s):
                 stderr(
                     f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
-                    f"{settings.steer_wait_s:g} s; the {command} waits at the server for it: `drlm watch "
-                    f"{episode_id}` shows when it takes effect"
+                    f"{settings.steer_wait_s:g} s; the {command} is not confirmed: the server keeps it "
+                    f"for good only once a worker takes it, and may drop it before: `drlm watch "
+                    f"{episode_id}` shows whether it takes effect (if not, send it again)"
                 )
                 return EXIT_FAILED
         finally:
