@@ -44,7 +44,7 @@ from pathlib import Path
 import benchlib
 from benchlib import BENCH, Context, Section, Target, median, ratio, run_section, say, section_main
 from concurrency import CELLS, MODEL_CALLS, turns
-from rlms_compare import rlms_python
+from rlms_compare import rlms_python, rlms_version
 
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub
@@ -216,11 +216,7 @@ async def ours_side(env: benchlib.BenchEnv, episodes: int) -> dict:
 async def body(ctx: Context, section: Section) -> None:
     episodes = QUICK_EPISODES if ctx.quick else EPISODES
     python = await asyncio.to_thread(rlms_python)
-    version = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('rlms'))"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    version = rlms_version(python)
     loads = [os.getloadavg()[0]]
     theirs, ours = [], []
     async with benchlib.bench_env(ctx.scratch("cpu-per-episode")) as env:

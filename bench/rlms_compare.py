@@ -78,6 +78,15 @@ def rlms_python() -> Path:
     return python
 
 
+def rlms_version(python: Path) -> str:
+    """The rlms version installed for `python` (rlms's own virtualenv)."""
+    return subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('rlms'))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
 def cell(i: int) -> str:
     return f"v{i} = llm_query('question {i}')\nprint(len(v{i}))"
 
@@ -171,11 +180,7 @@ async def body(ctx: Context, section: Section) -> None:
     iterations = 3 if ctx.quick else 10
     latencies = (0,) if ctx.quick else LATENCIES_MS
     python = await asyncio.to_thread(rlms_python)
-    version = subprocess.run(
-        [str(python), "-c", "import importlib.metadata as m; print(m.version('rlms'))"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    version = rlms_version(python)
     env_dir = ctx.scratch("rlms")
     context_text = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i in range(2_000))
     context_file = env_dir / "context.txt"
