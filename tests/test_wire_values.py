@@ -401,6 +401,14 @@ def test_a_long_integer_is_refused_by_the_count_itself_however_small_the_documen
     assert loads(b"-" + b"9" * values.MAX_DIGITS) == -int("9" * values.MAX_DIGITS)
 
 
+def test_many_short_integers_are_not_one_long_one() -> None:
+    """More digits in all than one integer may have, none of them long: read, not refused
+    (the digits are counted before the long-number search, which runs only past the count)."""
+    many = json.dumps([10**9] * 1_000).encode()  # 10,000 digits in 1,000 integers
+    check(many)
+    assert loads(many) == [10**9] * 1_000
+
+
 def test_a_document_of_exactly_its_byte_bound_is_read() -> None:
     assert loads('"' + "x" * 8 + '"', max_bytes=10) == "x" * 8
     with pytest.raises(ValueRefused, match="11 bytes, over the 10 allowed"):
