@@ -29,7 +29,7 @@ from temporalio.exceptions import ApplicationError
 from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
 from durable_rlm.activities.call_ledger import CallLedger
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
-from durable_rlm.activities.openai_chat import ChatClient, ChatError
+from durable_rlm.activities.openai_chat import ChatClient, ChatError, prepare_tls
 from durable_rlm.activities.providers import client_library, error_types
 from durable_rlm.activities.reply_limits import (
     body_cap,
@@ -204,6 +204,7 @@ class ModelActivities:
         self.credentials = dict(credentials or {})
         self.ledger = ledger  # no call paid twice (activities/call_ledger.py); None: not kept
         self._clients: dict[tuple[str, str | None, str, float], Any] = {}
+        prepare_tls()  # ready by the first call (activities/openai_chat.py says why)
 
     def _env(self, name: str) -> str | None:
         return self.credentials.get(name) or os.environ.get(name)

@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +39,45 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 HEADERS_FROM_ENVIRONMENT = (("OpenAI-Organization", "OPENAI_ORG_ID"), ("OpenAI-Project", "OPENAI_PROJECT_ID"))
 POOL = httpx2.Limits(max_connections=1000, max_keepalive_connections=100)
 """The library's own pool: a worker may have hundreds of calls in flight to one endpoint."""
+
+_tls_lock = threading.Lock()
+_tls: Future[ssl.SSLContext] | None = None
+
+
+def prepare_tls() -> None:
+    """Start building the process's TLS context (the trusted certificates) on a thread of its
+    own, once. Loading the certificates costs ~0.15 s, on the first call's path when a client
+    builds it there; OpenSSL loads them without holding the GIL, so started with the worker it
+    is ready before the first call, for free. Every client of the process shares it, as
+    OpenSSL allows (a context is only read once made)."""
+    global _tls
+    with _tls_lock:
+        if _tls is None:
+            _tls = Future()
+            threading.Thread(target=_build_tls, args=(_tls,), name="drlm-tls-context", daemon=True).start()
+
+
+def _build_tls(future: Future[ssl.SSLContext]) -> None:
+    try:
+        future.set_result(httpx2.create_ssl_context())  # the trust store httpx2 would pick itself
+    except BaseException as exc:  # noqa: BLE001 - handed to the client that waits for it
+        future.set_exception(exc)
+
+
+def tls_context() -> ssl.SSLContext:
+    """The shared TLS context (waiting for it if its thread still runs). One that failed to
+    build raises, and is built again by the next client: SSL_CERT_FILE may have been fixed."""
+    global _tls
+    prepare_tls()
+    future = _tls
+    assert future is not None
+    try:
+        return future.result()
+    except BaseException:
+        with _tls_lock:
+            if _tls is future:
+                _tls = None
+        raise
 
 
 class ChatError(Exception):
@@ -140,6 +182,7 @@ class ChatClient:
             headers=headers,
             follow_redirects=True,
             limits=POOL,
+            verify=tls_context(),
             event_hooks={"response": [read_capped_body]},
         )
 

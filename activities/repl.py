@@ -307,6 +307,10 @@ class ReplActivities:
         """Discard idle sandboxes, least recently used first, down to `memory_budget_mb`."""
         return await self.pool.enforce_memory_budget()
 
+    async def warm(self) -> None:
+        """Start the fork template ahead of the first step (activities/sandbox_start.py)."""
+        await self.starter.warm()
+
     async def probe(self) -> dict[str, str]:
         """The isolation layers of a sandbox started now (`drlm doctor`)."""
         return await self.starter.probe()

@@ -225,6 +225,13 @@ class SandboxStarter:
                 self._fork_failed(str(exc))
             return self.template
 
+    async def warm(self) -> None:
+        """Start the template now, before any step needs it: its interpreter and imports
+        (~0.2 s) then run in a process of their own beside the worker's start and the
+        episode's first model call, not on its first step's path. Spawn mode has none."""
+        if self.config.sandbox_start == "fork":
+            await self.running_template()
+
     def _fork_failed(self, problem: str) -> None:
         if not self.fork_warned:
             self.fork_warned = True

@@ -25,7 +25,6 @@ set by the REPL's setup cell, so a rebuilt REPL has them too.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
@@ -259,13 +258,3 @@ def tool_specs(names: list[str] | None = None) -> list[ToolSpec]:
         known = ", ".join(sorted(_REGISTRY)) or "none (set DRLM_TOOL_MODULES)"
         raise ConfigurationError(f"unknown tool(s) {', '.join(missing)}; registered: {known}")
     return [_REGISTRY[n].spec for n in names]
-
-
-def import_tool_modules(modules: tuple[str, ...]) -> None:
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigurationError(f"DRLM_TOOL_MODULES: cannot import {module!r}: {exc}") from exc
-        except ToolRegistrationError as exc:
-            raise ConfigurationError(f"DRLM_TOOL_MODULES: {module!r}: {exc}") from exc

@@ -16,10 +16,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from temporalio.client import Client
 
 from durable_rlm.activities import sandbox_processes
 from durable_rlm.activities.live_sandbox import LiveSandbox
@@ -28,7 +31,7 @@ from durable_rlm.activities.sandbox_processes import SandboxUids
 from durable_rlm.host.processes import proc_stat
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.workflows.models import SandboxRef
-from tests.conftest import ROOT, Episode
+from tests.conftest import ROOT, Episode, workers_for
 
 MODES = ["fork", "spawn"]
 ROOT_WORKER = os.geteuid() == 0
@@ -509,3 +512,19 @@ def test_the_sandbox_start_benchmark_prints_its_figures() -> None:
     assert out.returncode == 0, out.stderr
     assert "layers identical in both modes: yes" in out.stdout
     assert re.search(r"ratio spawn/fork \(medians\): [0-9.]+x", out.stdout), out.stdout
+
+
+async def test_a_worker_starts_its_template_before_any_step(
+    client: Client, store: tuple[BlobStore, sa.Engine], session_dir: Path
+) -> None:
+    """The template's interpreter and imports run beside the worker's start and the first
+    model call, not on the first step's path (activities/sandbox_start.py `warm`)."""
+    async with workers_for(client, store, session_dir, f"warm-{uuid.uuid4().hex[:8]}") as repl:
+        assert isinstance(repl, ReplActivities) and not repl.live_episodes()
+        await until(lambda: repl.starter.template is not None and repl.starter.template.alive, "the template")
+        assert ppid(template_pid(repl)) == os.getpid()
+
+
+async def test_a_spawning_worker_starts_no_template(spawning: ReplActivities) -> None:
+    await spawning.warm()
+    assert spawning.starter.template is None

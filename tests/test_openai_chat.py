@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +22,10 @@ import openai
 import pytest
 from temporalio.exceptions import ApplicationError
 
+from durable_rlm.activities import openai_chat
 from durable_rlm.activities.llm import ModelActivities
 from durable_rlm.activities.model_errors import classify
+from durable_rlm.activities.openai_chat import ChatClient
 from durable_rlm.activities.reply_limits import read_capped_body
 from durable_rlm.ports import free_port
 from durable_rlm.scripted import Reply, ScriptedModelServer, ScriptedRequests
@@ -278,3 +281,29 @@ class PathRecorder(ScriptedRequests):
     def _request(self) -> Any:
         self.paths_seen.append(self.path)
         return super()._request()
+
+
+def test_one_tls_context_is_built_ahead_and_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trusted certificates are loaded once, on a thread started with the worker's model
+    activities (not on the first call's path), and every client of the process uses them."""
+    monkeypatch.setattr(openai_chat, "_tls", None)
+    ModelActivities(BlobStore(DirectoryBackend(tmp_path)), {})
+    assert openai_chat._tls is not None  # under way before any client is made
+    one = ChatClient("k", "http://127.0.0.1:9/v1", 5)
+    two = ChatClient("k", "https://api.example.invalid/v1", 5)
+    shared = openai_chat.tls_context()
+    assert one._http._transport._pool._ssl_context is shared  # type: ignore[attr-defined]
+    assert two._http._transport._pool._ssl_context is shared  # type: ignore[attr-defined]
+    assert shared.verify_mode == ssl.CERT_REQUIRED and shared.check_hostname
+
+
+def test_a_tls_context_that_failed_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken trust store (SSL_CERT_FILE naming no file) fails the client being made, in
+    the ssl module's words; once fixed, the next client builds the context anew."""
+    monkeypatch.setattr(openai_chat, "_tls", None)
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.pem"))
+    with pytest.raises(FileNotFoundError):
+        ChatClient("k", "http://127.0.0.1:9/v1", 5)
+    monkeypatch.delenv("SSL_CERT_FILE")
+    client = ChatClient("k", "http://127.0.0.1:9/v1", 5)
+    assert client._http._transport._pool._ssl_context is openai_chat.tls_context()  # type: ignore[attr-defined]

@@ -30,7 +30,7 @@ from temporalio.converter import DataConverter
 from temporalio.service import RPCError
 from temporalio.worker import Replayer
 
-from durable_rlm.client.episodes import store_context
+from durable_rlm.client.episodes import ask_search_attributes, has_search_attributes, store_context
 from durable_rlm.scripted import ChatRequest, Reply, ScriptedModelServer
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.codec import data_converter
@@ -413,3 +413,12 @@ async def record() -> None:
 if __name__ == "__main__":
     asyncio.run(record())
     sys.exit(0)
+
+
+async def test_a_client_asks_for_the_attributes_once(client: Client) -> None:
+    """A session asks as it connects (durable_rlm/worker/runtime.py `session`); the first
+    episode's start then awaits that same question instead of putting its own."""
+    asked = ask_search_attributes(client)
+    assert ask_search_attributes(client) is asked  # pending or answered: the same question
+    assert await has_search_attributes(client) is False  # the tests' server registers none
+    assert ask_search_attributes(client) is asked and asked.result() is False

@@ -49,8 +49,10 @@ async def _run(command: Command, args: argparse.Namespace, sdk_runtime: bool) ->
 def import_extensions(settings: Settings) -> None:
     """Custom policies and tools must be known here too: `run` validates the request
     before starting anything, and a fork or re-run names a source's."""
-    from durable_rlm.tools import import_tool_modules  # start-up: the workflow models (~0.1 s)
-    from durable_rlm.worker.runtime import import_policy_modules  # start-up: temporalio, the stores (~0.6 s)
+    from durable_rlm.plugins import (  # start-up: the workflow models (~0.1 s)
+        import_policy_modules,
+        import_tool_modules,
+    )
 
     import_policy_modules(settings.policy_module_names)
     import_tool_modules(settings.tool_module_names)

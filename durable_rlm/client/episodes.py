@@ -78,23 +78,45 @@ def load_context_file(blobs: BlobStore, path: Path) -> ContextRef:
 
 
 # client -> whether its namespace has our attributes (asked once per client)
-_REGISTERED: weakref.WeakKeyDictionary[Client, bool] = weakref.WeakKeyDictionary()
+_REGISTERED: weakref.WeakKeyDictionary[Client, asyncio.Future[bool]] = weakref.WeakKeyDictionary()
 
 
 async def has_search_attributes(client: Client) -> bool:
     """Whether the namespace registered the episode list's search attributes (the embedded
-    server does; a cluster may not): an episode started with unknown ones is refused."""
-    known = _REGISTERED.get(client)
-    if known is None:
-        try:
-            listed = await client.operator_service.list_search_attributes(
-                ListSearchAttributesRequest(namespace=client.namespace)
-            )
-            known = all(name in listed.custom_attributes for name, _ in metadata.SEARCH_ATTRIBUTES)
-        except RPCError:
-            known = False  # not allowed to ask: start without them
-        _REGISTERED[client] = known
-    return known
+    server does; a cluster may not): an episode started with unknown ones is refused. Asked
+    once per client: a session asks as it connects (`ask_search_attributes`), so that the
+    first episode's start does not wait for the answer (~40-60 ms here)."""
+    return await asyncio.shield(ask_search_attributes(client))
+
+
+def ask_search_attributes(client: Client) -> asyncio.Future[bool]:
+    """The question put to the server now, or the one already put: its answer, in time. An
+    answer is kept; a question that failed or was cancelled, or is pending on another event
+    loop (a client used from several), is put again."""
+    asked = _REGISTERED.get(client)
+    reusable = asked is not None and (
+        (asked.done() and not asked.cancelled() and asked.exception() is None)
+        or (not asked.done() and asked.get_loop() is asyncio.get_running_loop())
+    )
+    if asked is None or not reusable:
+        asked = _REGISTERED[client] = asyncio.ensure_future(_registered(client))
+        asked.add_done_callback(_retrieved)  # a failure is the awaiting start's, never logged
+    return asked
+
+
+def _retrieved(asked: asyncio.Future[bool]) -> None:
+    if not asked.cancelled():
+        asked.exception()
+
+
+async def _registered(client: Client) -> bool:
+    try:
+        listed = await client.operator_service.list_search_attributes(
+            ListSearchAttributesRequest(namespace=client.namespace)
+        )
+    except RPCError:
+        return False  # not allowed to ask: start without them
+    return all(name in listed.custom_attributes for name, _ in metadata.SEARCH_ATTRIBUTES)
 
 
 def encrypting(client: Client) -> bool:

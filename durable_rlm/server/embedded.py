@@ -41,9 +41,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -439,7 +441,77 @@ async def shared_server(settings: Settings) -> AsyncIterator[Lease]:
         lease.release()
 
 
+EARLY_CLAIM_S = 60.0
+"""How long a lease taken early (`acquire_early`) waits for its session before it is let go."""
+
+_early_lock = threading.Lock()
+_early: dict[Path, tuple[Future[Lease], threading.Event]] = {}
+
+
+def acquire_early(settings: Settings) -> None:
+    """Begin taking the data directory's lease on a thread of its own, starting the server if
+    it is down; the process's next `acquire` of that directory takes the lease when ready.
+
+    Why: a one-off script's first episode imports the worker side (~1 s of CPU, the GIL held)
+    and then needs the server, whose start (~1.3 s: the supervisor's interpreter, the Temporal
+    binary, its database) runs in processes of their own. Begun before those imports, the two
+    overlap on a machine's two cores instead of following each other. A lease no session
+    claims within EARLY_CLAIM_S is let go, so asking early keeps no server up for long."""
+    key = settings.data_dir.resolve()
+    with _early_lock:
+        if key in _early:
+            return
+        taken: Future[Lease] = Future()
+        claimed = threading.Event()
+        _early[key] = (taken, claimed)
+    threading.Thread(
+        target=_take_early, args=(settings, key, taken, claimed), name="drlm-server-lease", daemon=True
+    ).start()
+
+
+def _take_early(settings: Settings, key: Path, taken: Future[Lease], claimed: threading.Event) -> None:
+    try:
+        lease = asyncio.run(_acquire(settings))
+    except BaseException as exc:  # noqa: BLE001 - the claiming `acquire` tries again itself
+        taken.set_exception(exc)
+        with _early_lock:
+            if _early.get(key, (None,))[0] is taken:
+                del _early[key]
+        return
+    taken.set_result(lease)
+    if claimed.wait(EARLY_CLAIM_S):
+        return
+    with _early_lock:
+        unclaimed = _early.get(key, (None,))[0] is taken
+        if unclaimed:
+            del _early[key]
+    if unclaimed:
+        lease.release()
+
+
+async def _claim_early(settings: Settings) -> Lease | None:
+    """The lease `acquire_early` took (waiting for it), or None: none was asked for, or
+    taking it failed (the caller's own attempt then says why, in its words)."""
+    with _early_lock:
+        entry = _early.pop(settings.data_dir.resolve(), None)
+    if entry is None:
+        return None
+    taken, claimed = entry
+    claimed.set()
+    try:
+        return await asyncio.wrap_future(taken)
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
+
+
 async def acquire(settings: Settings) -> Lease:
+    """A lease on the data directory's server, started if needed: the one taken early
+    (`acquire_early`) if there is one."""
+    early = await _claim_early(settings)
+    return early if early is not None else await _acquire(settings)
+
+
+async def _acquire(settings: Settings) -> Lease:
     files = ServerFiles.of(settings)
     private_file(files.lock)
     with open(files.lock, "r+") as handle:

@@ -6,7 +6,6 @@ import asyncio
 import collections
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import time
@@ -33,6 +32,8 @@ from durable_rlm.activities.sandbox_start import default_sandbox_root
 from durable_rlm.activities.tools import run_tool
 from durable_rlm.audit.gc import RetentionActivities
 from durable_rlm.audit.projection import rebuild_episode, reconcile_audit, settle_at_close
+from durable_rlm.client.episodes import ask_search_attributes
+from durable_rlm.plugins import import_policy_modules, import_tool_modules
 from durable_rlm.server.connection import (  # noqa: F401 - re-exported: one import for the worker side
     Services,
     connect,
@@ -48,12 +49,11 @@ from durable_rlm.server.embedded import (  # noqa: F401 - re-exported: tests and
     temporal_binary,
     time_skipping_server_binary,
 )
-from durable_rlm.settings import ConfigurationError, Settings
+from durable_rlm.settings import Settings
 from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.call_ledger import LedgerRows
 from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
-from durable_rlm.tools import import_tool_modules
 from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots
 from durable_rlm.worker.build_id import code_build_id
 from durable_rlm.worker.heap import return_large_buffers
@@ -104,15 +104,6 @@ def call_ledger(
     holder = liveness.worker_id if liveness is not None else f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     alive = liveness.holder_alive if liveness is not None else None
     return CallLedger(LedgerRows(engine, blobs.keyring), holder, alive=alive)
-
-
-def import_policy_modules(modules: tuple[str, ...]) -> None:
-    """Import the modules that register custom termination policies (deterministic code)."""
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigurationError(f"DRLM_POLICY_MODULES: cannot import {module!r}: {exc}") from exc
 
 
 def build_workers(
@@ -278,6 +269,7 @@ async def running_workers(
         raise
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
+    chores.append(asyncio.create_task(repl.warm()))  # the first step forks, not waits for a template
     chores.extend(watching)
     chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
     if settings.deployment_name is not None and settings.build_id is not None:
@@ -481,6 +473,7 @@ async def session(
     """Connected to Temporal and the stores; with `work` in embedded mode, with this
     process's worker running too (the CLI and the Python API open sessions this one way)."""
     async with connect(settings) as services:
+        ask_search_attributes(services.client)  # answered while the worker starts: start_episode needs it
         if work and settings.embedded:
             async with running_workers(services, credentials):
                 yield services
