@@ -24,9 +24,11 @@ from typing import Any
 from durable_rlm.host.processes import start_time
 from durable_rlm.server.embedded import EmbeddedServer, ServerFiles, try_lock, ui_port
 from durable_rlm.settings import ConfigurationError, Settings
-from durable_rlm.workflows.metadata import SEARCH_ATTRIBUTES
+from durable_rlm.workflows.names import SEARCH_ATTRIBUTES  # without temporalio: see there
 
 log = logging.getLogger(__name__)
+
+AFTER_START_NICENESS = 10
 
 
 async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
@@ -53,6 +55,11 @@ async def supervise(settings: Settings, poll_s: float = 0.5) -> int:
     try:
         address = await server.start()
         _publish(settings, files, server, address)
+        # From here the supervisor serves the UI's codec endpoint and watches leases: nothing
+        # a client waits for. Its niceness lets the clients and the server (started above at
+        # the normal priority) go first on a busy machine; the codec server's own start
+        # (~0.6 s of CPU) otherwise competed with the very client that started the server.
+        os.nice(AFTER_START_NICENESS)
         if ui is not None and held is not None:
             codec = _codec_server(settings, ui, secret, held)
         return await _serve(settings, files, server, address, poll_s)

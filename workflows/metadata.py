@@ -29,6 +29,8 @@ from temporalio.common import (
     TypedSearchAttributes,
 )
 
+from durable_rlm.workflows import names
+
 SUMMARY_CHARS = 60  # a step's text in a timeline row: one line, readable at a glance
 TASK_CHARS = 200  # the task's start in the memo and the Text attribute (far below 2 KB)
 NAME_CHARS = 80  # model and variable names: free text from requests and models
@@ -72,13 +74,9 @@ _CLI_TYPES = {
     SearchAttributeIndexedValueType.KEYWORD_LIST: "KeywordList",
 }
 
-SEARCH_ATTRIBUTES: tuple[tuple[str, str], ...] = tuple(
-    (key.name, _CLI_TYPES[key.indexed_value_type]) for key in KEYS
-)
-"""(name, type) of each attribute, as `temporal server start-dev --search-attribute NAME=TYPE`
-takes them. SQL visibility (the dev server; SQLite, MySQL and PostgreSQL clusters) holds 3
-Int, 3 Text and 10 Keyword custom attributes per namespace (the dev server refuses a fourth
-Int at start): these take 2, 1 and 4, and leave room for the operator's own."""
+SEARCH_ATTRIBUTES = names.SEARCH_ATTRIBUTES
+if SEARCH_ATTRIBUTES != tuple((key.name, _CLI_TYPES[key.indexed_value_type]) for key in KEYS):
+    raise RuntimeError("workflows/names.py SEARCH_ATTRIBUTES and metadata.KEYS disagree")  # pragma: no cover
 
 
 def start_search_attributes(task: str, model: str) -> TypedSearchAttributes:

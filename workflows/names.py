@@ -93,3 +93,22 @@ def turn_episode_id(session_id: str, turn: int) -> str:
 GC_WORKFLOW = "DrlmBlobRetention"
 COLLECT_GARBAGE = "drlm.collect_garbage"
 GC_SCHEDULE_ID = "drlm-blob-retention"
+
+# --- the episode list's search attributes --------------------------------------------------
+
+SEARCH_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("DrlmTask", "Text"),
+    ("DrlmModel", "Keyword"),
+    ("DrlmStatus", "Keyword"),
+    ("DrlmEndedBy", "Keyword"),
+    ("DrlmAnswerSource", "Keyword"),
+    ("DrlmIterations", "Int"),
+    ("DrlmTokens", "Int"),
+)
+"""(name, type) of each search attribute (workflows/metadata.py `KEYS`, which must match: it
+checks as it is imported), as `temporal server start-dev --search-attribute NAME=TYPE` takes
+them. Here, without temporalio, because the shared server's supervisor names them before it
+starts the server, and importing the SDK first (~0.2 s) would delay that start. SQL
+visibility (the dev server; SQLite, MySQL and PostgreSQL clusters) holds 3 Int, 3 Text and
+10 Keyword custom attributes per namespace (the dev server refuses a fourth Int at start):
+these take 2, 1 and 4, and leave room for the operator's own."""
