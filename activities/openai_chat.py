@@ -74,10 +74,20 @@ def tls_context() -> ssl.SSLContext:
     try:
         return future.result()
     except BaseException:
-        with _tls_lock:
-            if _tls is future:
-                _tls = None
+        if future.done() and future.exception() is not None:  # not an interrupt of the wait
+            with _tls_lock:
+                if _tls is future:
+                    _tls = None
         raise
+
+
+def _forget_tls_in_child() -> None:
+    """A forked child has no thread building its parent's context: it builds its own."""
+    global _tls, _tls_lock
+    _tls, _tls_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_tls_in_child)
 
 
 class ChatError(Exception):

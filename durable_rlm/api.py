@@ -33,7 +33,7 @@ from durable_rlm.endpoints import missing_key
 from durable_rlm.errors import EpisodeFailed
 from durable_rlm.plugins import import_policy_modules, import_tool_modules
 from durable_rlm.request_template import RunOptions, episode_request, request_template
-from durable_rlm.server.embedded import acquire_early
+from durable_rlm.server.embedded import abandon_early, acquire_early
 from durable_rlm.settings import ConfigurationError, Settings
 from durable_rlm.telemetry.sdk_logs import quiet_sdk_failures
 from durable_rlm.workflows.models import (
@@ -151,20 +151,24 @@ class DurableRLM:
             # The shared server starts (if down) in processes of its own while the worker
             # side is imported just below: durable_rlm/server/embedded.py `acquire_early`.
             acquire_early(self.settings)
-        with _collector_paused():
-            from durable_rlm.client.episodes import own_task_queue  # start-up: temporalio, the stores (0.3 s)
-            from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: the SDK's Runtime
-            from durable_rlm.worker.runtime import session  # start-up: the worker side, needed only here
+        try:
+            with _collector_paused():
+                from durable_rlm.client.episodes import own_task_queue  # start-up: temporalio, the stores
+                from durable_rlm.telemetry.log_path import forward_core_logs  # start-up: the SDK's Runtime
+                from durable_rlm.worker.runtime import session  # start-up: the worker side, needed only here
 
-        quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
-        forward_core_logs()  # the script's stdout is its own
-        settings = self.settings
-        if task_queue is not None:  # a persistent session's own queue, whichever call serves it
-            settings = settings.model_copy(update={"task_queue": task_queue})
-        elif work and settings.embedded:
-            # This session's episodes, and only they, are its worker's work (own_task_queue).
-            settings = settings.model_copy(update={"task_queue": own_task_queue(settings.task_queue)})
-        return await stack.enter_async_context(session(settings, self.credentials, work))
+            quiet_sdk_failures()  # a failed attempt is in the result, not 30 lines of traceback
+            forward_core_logs()  # the script's stdout is its own
+            settings = self.settings
+            if task_queue is not None:  # a persistent session's own queue, whichever call serves it
+                settings = settings.model_copy(update={"task_queue": task_queue})
+            elif work and settings.embedded:
+                # This session's episodes, and only they, are its worker's work (own_task_queue).
+                settings = settings.model_copy(update={"task_queue": own_task_queue(settings.task_queue)})
+            return await stack.enter_async_context(session(settings, self.credentials, work))
+        except BaseException:
+            abandon_early(self.settings)  # failed before its session took the lease: let it go
+            raise
 
     async def close(self) -> None:
         stack, self._stack, self._services = self._stack, None, None

@@ -8,6 +8,7 @@ objects imports no worker side (there would be nothing left to overlap)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -91,3 +92,83 @@ def test_constructing_the_api_objects_imports_no_worker_side() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == []
+
+
+def slow_leases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[Path]:
+    """`_acquire` without a server: a lease file, made after `delay_s` (a server starting)."""
+    made: list[Path] = []
+
+    async def slow(settings: Settings) -> embedded.Lease:
+        await asyncio.sleep(delay_s)
+        path = tmp_path / f"lease-{len(made)}"
+        path.touch()
+        made.append(path)
+        return embedded.Lease(path, "127.0.0.1:1")
+
+    monkeypatch.setattr(embedded, "_acquire", slow)
+    return made
+
+
+async def until_gone(paths: list[Path], expected: int) -> None:
+    deadline = time.monotonic() + 30
+    while len(paths) < expected or any(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"leases kept: {[p.name for p in paths if p.exists()]}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_claim_cancelled_while_the_server_starts_lets_the_lease_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout around the episode (or Ctrl-C) cancels the wait; the lease, taken after,
+    is released, and the thread that took it ends without an error."""
+    made = slow_leases(tmp_path, monkeypatch, 0.5)
+    settings = Settings(data_dir=tmp_path / "data")
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    acquire_early(settings)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(acquire(settings), 0.1)
+    await until_gone(made, 1)
+    assert errors == []
+
+
+async def test_a_session_that_fails_before_it_connects_lets_the_early_lease_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DurableRLM asks for the server before its imports; a failure after that and before its
+    session took the lease (here: the stores refused) releases it at once, not in 60 s."""
+    from durable_rlm import DurableRLM
+    from durable_rlm.server import connection
+
+    made = slow_leases(tmp_path, monkeypatch, 0.2)
+
+    def refused(settings: Settings) -> None:
+        raise RuntimeError("the store refused")
+
+    monkeypatch.setattr(connection, "open_stores", refused)
+    settings = Settings(data_dir=tmp_path / "data")
+    rlm = DurableRLM("gpt-x", base_url="http://127.0.0.1:9/v1", api_key="k", settings=settings)
+    with pytest.raises(RuntimeError, match="the store refused"):
+        await rlm.open()
+    await until_gone(made, 1)
+    assert not embedded._early
+
+
+def test_a_forked_child_asks_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork while the lease is being taken: the child has no thread to finish it and does
+    not share the parent's; it takes its own."""
+    made = slow_leases(tmp_path, monkeypatch, 0.5)
+    settings = Settings(data_dir=tmp_path / "data")
+    acquire_early(settings)
+    pid = os.fork()
+    if pid == 0:  # the child: its own lease, in time
+        code = 1
+        try:
+            lease = asyncio.run(asyncio.wait_for(acquire(settings), 5))
+            code = 0 if lease.path.exists() else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    lease = asyncio.run(acquire(settings))  # the parent's own early lease
+    assert lease.path.exists()

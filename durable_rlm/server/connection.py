@@ -78,7 +78,8 @@ async def connect(settings: Settings) -> AsyncIterator[Services]:
     (started if needed, kept while this block runs: durable_rlm/server/embedded.py)."""
     blobs, engine = open_stores(settings)
     converter = data_converter(blobs, settings.claim_check_threshold, settings.keyring())
-    # Also serves DRLM_METRICS_ADDRESS: a bad one fails here, before a server starts.
+    # Also serves DRLM_METRICS_ADDRESS: a bad one fails here, before this process connects
+    # (a server asked for early is let go: durable_rlm/api.py `_enter`).
     interceptors = client_interceptors(settings.tracing, metrics_address=settings.metrics_address)
     if settings.temporal_address:
         client = await connect_client(settings.temporal_address, settings, converter, interceptors)

@@ -269,7 +269,8 @@ async def running_workers(
         raise
     runs = [asyncio.create_task(w.run()) for w in workers]
     chores = [asyncio.create_task(_reap_forever(repl)), asyncio.create_task(_reconcile_forever(services))]
-    chores.append(asyncio.create_task(repl.warm()))  # the first step forks, not waits for a template
+    if takes != "activities":  # the workflow worker runs the REPL steps (local activities)
+        chores.append(asyncio.create_task(repl.warm()))  # the first step forks, not waits for a template
     chores.extend(watching)
     chores.append(asyncio.create_task(admission.run()))  # measures, and sets the window
     if settings.deployment_name is not None and settings.build_id is not None:
