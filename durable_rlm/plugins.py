@@ -15,19 +15,21 @@ from durable_rlm.tools import ToolRegistrationError
 
 def import_policy_modules(modules: tuple[str, ...]) -> None:
     """Import the modules that register custom termination policies (deterministic code)."""
-    for module in modules:
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigurationError(f"DRLM_POLICY_MODULES: cannot import {module!r}: {exc}") from exc
+    _import_all(modules, "DRLM_POLICY_MODULES")
 
 
 def import_tool_modules(modules: tuple[str, ...]) -> None:
     """Import the modules that register tools (durable_rlm/tools.py)."""
+    _import_all(modules, "DRLM_TOOL_MODULES", refused=(ToolRegistrationError,))
+
+
+def _import_all(modules: tuple[str, ...], setting: str, refused: tuple[type[Exception], ...] = ()) -> None:
+    """Each module imported in turn; the first that cannot be (or that a registration in it
+    refuses) is a ConfigurationError naming the setting and the module."""
     for module in modules:
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise ConfigurationError(f"DRLM_TOOL_MODULES: cannot import {module!r}: {exc}") from exc
-        except ToolRegistrationError as exc:
-            raise ConfigurationError(f"DRLM_TOOL_MODULES: {module!r}: {exc}") from exc
+            raise ConfigurationError(f"{setting}: cannot import {module!r}: {exc}") from exc
+        except refused as exc:
+            raise ConfigurationError(f"{setting}: {module!r}: {exc}") from exc

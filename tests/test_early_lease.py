@@ -2,15 +2,14 @@
 Python API begins taking the lease, starting the server if it is down, before it imports the
 worker side, so the two overlap; the session then takes that very lease. Pinned here: the
 session gets the early lease (one supervisor, one lease file), a lease nobody claims is let
-go, a failed early attempt leaves the error to the session's own, and constructing the API
-objects imports no worker side (there would be nothing left to overlap)."""
+go, a failed early attempt leaves the error to the session's own, a cancelled claim and a
+failed session let it go, and a forked child asks anew. That constructing the API objects
+imports no worker side (there would be nothing left to overlap) is tests/test_startup.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -73,25 +72,6 @@ async def test_a_failed_early_attempt_leaves_the_error_to_the_session(
     assert attempts == ["drlm-server-lease", "MainThread"]
     with pytest.raises(ConfigurationError, match="attempt 3"):  # nothing early is left over
         await acquire(settings)
-
-
-def test_constructing_the_api_objects_imports_no_worker_side() -> None:
-    """`RLM(...)` and `DurableRLM(...)` check everything, and leave the worker side (the
-    stores, temporalio's worker) to the first episode, which imports it while the server
-    starts beside it."""
-    code = (
-        "import sys\n"
-        "from durable_rlm import RLM, DurableRLM\n"
-        "DurableRLM('gpt-x', base_url='http://127.0.0.1:9/v1', max_iterations=3)\n"
-        "kwargs = {'model_name': 'gpt-x', 'base_url': 'http://127.0.0.1:9/v1', 'api_key': 'k'}\n"
-        "RLM(backend='openai', backend_kwargs=kwargs, max_iterations=3)\n"
-        "watched = ('sqlalchemy', 'temporalio.worker', 'durable_rlm.worker.runtime',"
-        " 'durable_rlm.activities.llm')\n"
-        "print(' '.join(m for m in watched if m in sys.modules))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == []
 
 
 def slow_leases(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[Path]:

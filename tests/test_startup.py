@@ -74,15 +74,20 @@ def test_importing_the_api_imports_neither_the_runtime_nor_a_provider(code: str)
     assert imported_after(code, RUNTIME + PROVIDERS) == set()
 
 
+WORKER_SIDE = ("sqlalchemy", "temporalio.worker", "durable_rlm.worker.runtime", "durable_rlm.activities.llm")
+
+
 def test_api_objects_are_made_in_a_fresh_process_without_a_provider_library() -> None:
-    """What the API imports late is there when an object is made (no name left unbound)."""
+    """What the API imports late is there when an object is made (no name left unbound); and
+    making one checks the request without the worker side, which the first episode imports
+    while the shared server starts beside it (durable_rlm/server/embedded.py `acquire_early`)."""
     code = (
         "from durable_rlm import RLM, DurableRLM\n"
         "DurableRLM('gpt-x', base_url='http://127.0.0.1:9/v1', max_iterations=3)\n"
         "kwargs = {'model_name': 'gpt-x', 'base_url': 'http://127.0.0.1:9/v1', 'api_key': 'k'}\n"
         "RLM(backend='openai', backend_kwargs=kwargs, max_iterations=3)"
     )
-    assert imported_after(code) == set()
+    assert imported_after(code, PROVIDERS + WORKER_SIDE) == set()
 
 
 def test_drlm_list_reads_the_store_without_temporalio(tmp_path: Path) -> None:
