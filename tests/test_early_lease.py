@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from durable_rlm.server import embedded
+from durable_rlm.server import early_lease, embedded
 from durable_rlm.server.embedded import ServerFiles, acquire, acquire_early
 from durable_rlm.settings import ConfigurationError, Settings
 
@@ -39,7 +39,7 @@ async def test_the_session_takes_the_lease_asked_for_early(tmp_path: Path) -> No
 
 
 async def test_an_unclaimed_early_lease_is_let_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(embedded, "EARLY_CLAIM_S", 0.5)
+    monkeypatch.setattr(early_lease, "EARLY_CLAIM_S", 0.5)
     settings = Settings(data_dir=tmp_path / "data", server_idle_s=1, ui=False)
     files = ServerFiles.of(settings)
     acquire_early(settings)
@@ -131,7 +131,7 @@ async def test_a_session_that_fails_before_it_connects_lets_the_early_lease_go(
     with pytest.raises(RuntimeError, match="the store refused"):
         await rlm.open()
     await until_gone(made, 1)
-    assert not embedded._early
+    assert not early_lease._early
 
 
 def test_a_forked_child_asks_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,17 +41,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 # A live process told from a reused pid (pid + start time): the sandbox reaper's one way.
 from durable_rlm.host.processes import running, start_time
 from durable_rlm.ports import free_port
+from durable_rlm.server import early_lease
 from durable_rlm.server.private_net import NO_NAMESPACE
 from durable_rlm.settings import ConfigurationError, Settings, private_dir, private_file
 
@@ -441,140 +440,22 @@ async def shared_server(settings: Settings) -> AsyncIterator[Lease]:
         lease.release()
 
 
-EARLY_CLAIM_S = 60.0
-"""How long a lease taken early (`acquire_early`) waits for its session before it is let go."""
-
-_early_lock = threading.Lock()
-_early: dict[Path, tuple[Future[Lease], threading.Event]] = {}
-
-
-def _forget_early_in_child() -> None:
-    """A forked child has none of its parent's threads: a lease still being taken there would
-    never arrive here, and one taken is the parent's to release. The child asks anew."""
-    global _early_lock
-    _early_lock = threading.Lock()
-    _early.clear()
-
-
-os.register_at_fork(after_in_child=_forget_early_in_child)
-
-
 def acquire_early(settings: Settings) -> None:
     """Begin taking the data directory's lease on a thread of its own, starting the server if
-    it is down; the process's next `acquire` of that directory takes the lease when ready.
-
-    Why: a one-off script's first episode imports the worker side (~1 s of CPU, the GIL held)
-    and then needs the server, whose start (~1.3 s: the supervisor's interpreter, the Temporal
-    binary, its database) runs in processes of their own. Begun before those imports, the two
-    overlap on a machine's two cores instead of following each other. A lease no session
-    claims within EARLY_CLAIM_S is let go, and `abandon_early` lets it go at once (the caller
-    failed before it connected), so asking early keeps no server up for long."""
-    key = settings.data_dir.resolve()
-    with _early_lock:
-        if key in _early:
-            return
-        taken: Future[Lease] = Future()
-        claimed = threading.Event()
-        _early[key] = (taken, claimed)
-    threading.Thread(
-        target=_take_early, args=(settings, key, taken, claimed), name="drlm-server-lease", daemon=True
-    ).start()
-
-
-def _take_early(settings: Settings, key: Path, taken: Future[Lease], claimed: threading.Event) -> None:
-    try:
-        lease = asyncio.run(_acquire(settings))
-    except BaseException as exc:  # noqa: BLE001 - the claiming `acquire` tries again itself
-        taken.set_exception(exc)
-        with _early_lock:
-            if _early.get(key, (None,))[0] is taken:
-                del _early[key]
-        return
-    taken.set_result(lease)
-    if claimed.wait(EARLY_CLAIM_S):
-        return
-    _let_go(key, taken)
-
-
-def _let_go(key: Path, taken: Future[Lease]) -> None:
-    """Release the early lease of `key` unless a session claimed it meanwhile."""
-    with _early_lock:
-        unclaimed = _early.get(key, (None,))[0] is taken
-        if unclaimed:
-            del _early[key]
-    if unclaimed:
-        _release_when_taken(taken)
-
-
-def _release_when_taken(taken: Future[Lease]) -> None:
-    """The lease, released as soon as it is taken (at once if it already is)."""
-
-    def release(done: Future[Lease]) -> None:
-        if done.exception() is None:
-            done.result().release()
-
-    taken.add_done_callback(release)
+    it is down; the process's next `acquire` of that directory takes the lease when ready
+    (durable_rlm/server/early_lease.py says why and how it is let go)."""
+    early_lease.begin(settings.data_dir.resolve(), lambda: _acquire(settings))
 
 
 def abandon_early(settings: Settings) -> None:
-    """Let the lease asked for early go now: the caller failed before its session claimed it
-    (a bad setting, a failed import, Ctrl-C), and the server stops after its idle time as if
-    it had never been asked for."""
-    key = settings.data_dir.resolve()
-    with _early_lock:
-        entry = _early.get(key)
-    if entry is not None:
-        _let_go(key, entry[0])
-        entry[1].set()  # its thread need not wait out EARLY_CLAIM_S
-
-
-async def _claim_early(settings: Settings) -> Lease | None:
-    """The lease `acquire_early` took (waiting for it), or None: none was asked for, or
-    taking it failed (the caller's own attempt then says why, in its words). A claim
-    cancelled while it waits (a timeout around the episode, Ctrl-C) lets the lease go once
-    it is taken: nobody else will."""
-    with _early_lock:
-        entry = _early.pop(settings.data_dir.resolve(), None)
-    if entry is None:
-        return None
-    taken, claimed = entry
-    claimed.set()
-    try:
-        return await _arrival(taken)
-    except asyncio.CancelledError:
-        _release_when_taken(taken)
-        raise
-    except Exception:  # noqa: BLE001 - see the docstring
-        return None
-
-
-def _arrival(taken: Future[Lease]) -> asyncio.Future[Lease]:
-    """`taken`'s outcome on this event loop. Unlike `asyncio.wrap_future`, cancelling the
-    wait leaves `taken` to its thread, and a loop closed before it arrives is no error."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[Lease] = loop.create_future()
-
-    def settle(done: Future[Lease]) -> None:
-        if waiter.done():
-            return
-        problem = done.exception()
-        if problem is None:
-            waiter.set_result(done.result())
-        else:
-            waiter.set_exception(problem)
-
-    def arrived(done: Future[Lease]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, done)
-
-    taken.add_done_callback(arrived)
-    return waiter
+    """Let the lease asked for early go now: the caller failed before its session claimed it."""
+    early_lease.abandon(settings.data_dir.resolve())
 
 
 async def acquire(settings: Settings) -> Lease:
     """A lease on the data directory's server, started if needed: the one taken early
     (`acquire_early`) if there is one."""
-    early = await _claim_early(settings)
+    early = await early_lease.claim(settings.data_dir.resolve())
     return early if early is not None else await _acquire(settings)
 
 
