@@ -183,6 +183,20 @@ class AttemptClock:
             )
 
 
+def beat_every_s() -> float:
+    """How often this activity heartbeats: a quarter of its heartbeat timeout, never more often
+    than once a second (defaults.BEATS_PER_HEARTBEAT_TIMEOUT). A beat each second against a
+    10 s timeout would be a server write each second per call for nothing; one per timeout
+    would leave no room for a late one. Outside an activity, or with no heartbeat timeout,
+    the shortest period."""
+    if not activity.in_activity():
+        return defaults.HEARTBEAT_EVERY_S
+    timeout = activity.info().heartbeat_timeout
+    if timeout is None:
+        return defaults.HEARTBEAT_EVERY_S
+    return max(defaults.HEARTBEAT_EVERY_S, timeout.total_seconds() / defaults.BEATS_PER_HEARTBEAT_TIMEOUT)
+
+
 def handed_out_s(info: activity.Info) -> float:
     """How long ago the server handed this attempt out (its start time, by the server's clock),
     by this machine's clock: its heartbeat and start-to-close timeouts have run since."""

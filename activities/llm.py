@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities.attempts import attempt_clock, start_attempt_clock
+from durable_rlm.activities.attempts import attempt_clock, beat_every_s, start_attempt_clock
 from durable_rlm.activities.call_ledger import CallLedger
 from durable_rlm.activities.model_errors import bad_reply, classify, compact_failures
 from durable_rlm.activities.openai_chat import ChatClient, ChatError, prepare_tls
@@ -60,10 +60,12 @@ from durable_rlm.workflows.parsing import shorten_middle
 T = TypeVar("T")
 
 
-async def with_heartbeats(work: Awaitable[T], every_s: float = 1.0) -> T:
-    """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives. The
-    first beat goes at once when the server's heartbeat timeout, running since it handed the
-    task out (perhaps to a poll this process answered only after a pause), is near."""
+async def with_heartbeats(work: Awaitable[T], every_s: float | None = None) -> T:
+    """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives, every
+    `every_s` (by default a quarter of the heartbeat timeout: `beat_every_s`). The first beat
+    goes at once when the server's heartbeat timeout, running since it handed the task out
+    (perhaps to a poll this process answered only after a pause), is near."""
+    every_s = beat_every_s() if every_s is None else every_s
     task = asyncio.ensure_future(work)
     clock = attempt_clock() if activity.in_activity() else None
     if clock is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from durable_rlm.activities.attempts import count_local_start, echoed
+from durable_rlm.activities.attempts import beat_every_s, count_local_start, echoed
 from durable_rlm.activities.live_sandbox import LiveSandbox, exec_message
 from durable_rlm.activities.model_errors import compact_failures
 from durable_rlm.activities.repl_cells import CellDriver
@@ -59,18 +59,21 @@ __all__ = ["LiveSandbox", "ReplActivities"]  # LiveSandbox: benchmarks import it
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(every_s: float = defaults.HEARTBEAT_EVERY_S) -> AsyncIterator[None]:
-    """Heartbeat for as long as the block runs, whatever it is waiting on."""
-
-    async def beat() -> None:
-        while True:
-            activity.heartbeat()
-            await asyncio.sleep(every_s)
+async def heartbeating(every_s: float | None = None) -> AsyncIterator[None]:
+    """Heartbeat for as long as the block runs, whatever it is waiting on: at once, then every
+    `every_s` (by default a quarter of the heartbeat timeout: `beat_every_s`)."""
 
     # A local activity has no heartbeat: its workflow task keeps the worker's lease.
     if not activity.in_activity() or activity.info().is_local:
         yield
         return
+    period = beat_every_s() if every_s is None else every_s
+
+    async def beat() -> None:
+        while True:
+            activity.heartbeat()
+            await asyncio.sleep(period)
+
     task = asyncio.create_task(beat())
     try:
         yield

@@ -15,7 +15,8 @@ killed worker's lock free (durable_rlm/worker/liveness.py: the new worker looks 
 starts): its attempt is failed as `WorkerLost` and retried at once. Without that signal (the
 new worker on another machine: here, another data directory) the server notices only when
 the call's heartbeat timeout expires (a call this short never heartbeats, so the timeout runs
-from its start): `DurabilitySettings.heartbeat_timeout_s`, 5 s as shipped. Both are measured
+from its start): `DurabilitySettings.heartbeat_timeout_s`, 10 s as shipped (5 s before
+2026-11-29). Both are measured
 in the same run; the target is the first's.
 """
 

@@ -114,10 +114,14 @@ and tail kept); the stored conversation keeps it whole."""
 
 # --- durability ----------------------------------------------------------------------------
 
-HEARTBEAT_TIMEOUT_S = 5.0
-"""A worker that stops heartbeating for this long is presumed dead and the step retried.
-With 200 episodes on one saturated worker (bench/concurrency.py), 3 s presumed 86 live
-model calls dead (each then paid twice), 5 s none: an overloaded event loop is late."""
+HEARTBEAT_TIMEOUT_S = 10.0
+"""A worker that stops heartbeating for this long is presumed dead and the step retried, when
+no worker on its machine can tell (the liveness signal, durable_rlm/worker/liveness.py, tells
+in ~3 s on one machine). With 200 episodes on one saturated worker (bench/concurrency.py), 3 s
+presumed 86 live model calls dead, 5 s none; at 1,000 every heartbeat the server records is a
+write to its one SQLite file, and 5 s with a beat each second had ~1,300 heartbeat timeouts
+and 2,098 tasks past their timeout, where 10 s with a beat every 2.5 s had 376 and 570
+(BENCHMARKS.md, "Overload on 2026-11-29")."""
 
 STICKY_SCHEDULE_TO_START_S = 5.0
 """How long a REPL step waits for the worker that holds its sandbox before another worker
@@ -129,7 +133,13 @@ task times out (the SDK extends the task every 80% of this while a step runs lon
 gave 17 task timeouts with 200 episodes on one CPU-bound worker; Temporal's 10 s, none."""
 
 HEARTBEAT_EVERY_S = 1.0
-"""Heartbeat period of long activities; the SDK throttles what reaches the server."""
+"""The shortest heartbeat period of long activities (the worker's SDK throttle is the same)."""
+
+BEATS_PER_HEARTBEAT_TIMEOUT = 4
+"""A long activity beats this many times per heartbeat timeout (`beat_every_s` in
+activities/attempts.py): every 2.5 s against the default 10 s, so a beat may be 7.5 s late
+before a live call is presumed dead; never more often than HEARTBEAT_EVERY_S (a test's 3 s
+timeout keeps a beat a second). Fewer beats are fewer writes for the server, which records each."""
 
 REPL_ATTEMPTS_STICKY = 2
 REPL_ATTEMPTS_SHARED = 3
