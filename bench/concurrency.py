@@ -42,6 +42,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, ScriptedModelServer, root_and_sub
+from durable_rlm.workflows import names
 from durable_rlm.workflows.models import DurabilitySettings, EpisodeRequest, ModelSettings
 
 CELLS = 5
@@ -153,6 +154,39 @@ def failure_kind(failure: Failure) -> str:
     if failure.HasField("application_failure_info"):
         return failure.application_failure_info.type or "application error"
     return (failure.message or "unknown")[:40]
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The value below which a fraction `q` of `values` lies (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def model_call_overheads(all_events: list[list], latency: float) -> list[float]:
+    """Per model-call attempt that completed: from the server handing it out (its
+    ActivityTaskStarted event's time) to the server recording its completion, less the model's
+    scripted latency. The heartbeat and start-to-close clocks run from the hand-out, so this is
+    what a call's timeouts see beyond the model. (Measured 2026-11-29, N=200: model-call tasks
+    reached the worker's Python code a median 1.1-1.9 s after the hand-out while a start from
+    another process took the same server 18 ms: BENCHMARKS.md, "Overload on 2026-11-29".)"""
+    model = {names.ROOT_COMPLETION, names.SUB_QUERY}
+    overheads: list[float] = []
+    for events in all_events:
+        scheduled: set[int] = set()
+        started: dict[int, float] = {}
+        for e in events:
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                if e.activity_task_scheduled_event_attributes.activity_type.name in model:
+                    scheduled.add(e.event_id)
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                attrs = e.activity_task_started_event_attributes
+                if attrs.scheduled_event_id in scheduled:
+                    started[attrs.scheduled_event_id] = e.event_time.ToDatetime().timestamp()
+            elif e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED:
+                done = e.activity_task_completed_event_attributes.scheduled_event_id
+                if done in started:
+                    overheads.append(e.event_time.ToDatetime().timestamp() - started[done] - latency)
+    return overheads
 
 
 # --- sampling the worker --------------------------------------------------------------------------
@@ -312,6 +346,7 @@ async def one_size(
                     retries += attrs.attempt - 1
                     causes[failure_kind(attrs.last_failure)] += 1
     events = [len(ev) for ev in all_events]
+    overheads = model_call_overheads(all_events, latency)
     plan = plan_of(all_events[0])
     say(f"concurrency: N={n} episodes {wall:.1f} s; now {n} no-op workflows ({len(plan)} steps each)")
     noop, noop_events = await noop_wall(env, plan, n)
@@ -329,6 +364,14 @@ async def one_size(
         "activity_timeouts": act_timeouts,
         "activity_retries": retries,
         "retry_causes": dict(causes),
+        "call_overhead_s": {
+            "median": statistics.median(overheads),
+            "p90": quantile(overheads, 0.9),
+            "p99": quantile(overheads, 0.99),
+            "max": max(overheads),
+        }
+        if overheads
+        else None,
         "extra_model_requests": model_requests - n * MODEL_CALLS,
         "abandoned_requests": abandoned[0],
         "cpu_s": cpu,
@@ -447,6 +490,16 @@ async def body(ctx: Context, section: Section) -> None:
                 else ""
             ),
         )
+        if r.get("call_overhead_s"):
+            o = r["call_overhead_s"]
+            section.add(
+                f"call_overhead_{n}",
+                f"N={n}: a model call's attempt, handed out to completed, beyond the model (median)",
+                "s",
+                o["median"],
+                note=f"p90 {o['p90']:.2f} s, p99 {o['p99']:.2f} s, max {o['max']:.2f} s: what the "
+                "call's heartbeat and start-to-close clocks see beyond the model's own time",
+            )
         section.add(f"cpu_{n}", f"N={n}: worker CPU time (process + sandboxes)", "s", r["cpu_s"])
         section.add(
             f"output_{n}",
