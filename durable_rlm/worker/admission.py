@@ -19,6 +19,10 @@ So two limits follow what a worker measures each second:
   percentile: the completion's round trip is in it, so a saturated server shows too),
   against a target well below the task timeout (a task running a long local REPL step
   stays long without overload; one of them does not move the percentile).
+Beside them it reports (its log lines, `Capacity.describe`) how long the activity tasks it
+received had waited since the server handed them out (the 90th percentile, `HandoffWatch`):
+a task's heartbeat clock runs from the hand-out, and at N=200 on one worker that wait reached
+7.5 s while the loop itself ran on time (BENCHMARKS.md, "Overload on 2026-11-29").
 The limits: workflow tasks at once (every kind), and a window of episodes held, which a
 reservation the SDK marks as not sticky (the shared queue: a new episode, or one moving
 in) must find room in, and which it never gets while the worker is over a target. Past
@@ -41,15 +45,22 @@ clock runs. A call the server gives up anyway is not paid again: the call ledger
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
 
+from temporalio import activity
 from temporalio.worker import (
+    ActivityInboundInterceptor,
     CustomSlotSupplier,
+    ExecuteActivityInput,
+    Interceptor,
     SlotMarkUsedContext,
     SlotPermit,
     SlotReleaseContext,
@@ -59,6 +70,7 @@ from temporalio.worker import (
 log = logging.getLogger(__name__)
 
 TICK_S = 1.0
+MAX_HANDOFFS = 10_000  # activity tasks measured per tick at most
 WAKE_CHECK_S = 0.2  # how often a waiting reservation looks again, whatever it was told
 
 
@@ -82,9 +94,14 @@ class Capacity:
     # Taken to completed includes the completion's round trip: a slow server shows here too.
     task_target_s: float = 1.0  # a tenth of the default workflow-task timeout (10 s)
     lag_target_s: float = 0.5  # heartbeats leave every second; a 5 s timeout must never see a late one
+    # How long the activity tasks the worker received had waited since the server handed them
+    # out (their heartbeat clocks run from then). Reported, not a limit: shedding new episodes
+    # on it past a quarter of the heartbeat timeout made N=200 slower (168-176 s against
+    # 143-166 s) and did not bring it down (BENCHMARKS.md, "Overload on 2026-11-29").
     # what the last tick measured
     task_s: float = 0.0
     lag_s: float = 0.0
+    handoff_s: float = 0.0
     overloaded: bool = False
     cuts: int = 0
     held_back: int = 0  # reservations from the shared queue that waited to be admitted
@@ -93,12 +110,18 @@ class Capacity:
     live: int = 0
 
     def adjust(
-        self, task_s: float, lag_s: float, live: int, wanted_more: bool, wanted_slots: bool = False
+        self,
+        task_s: float,
+        lag_s: float,
+        live: int,
+        wanted_more: bool,
+        wanted_slots: bool = False,
+        handoff_s: float = 0.0,
     ) -> None:
         """One tick: past a target, a window of two thirds of what is held (or of the window,
         if less) and a limit of two thirds; below half of both, a tenth more of either when
-        more waited for it."""
-        self.task_s, self.lag_s, self.live = task_s, lag_s, live
+        more waited for it. The activity hand-off is recorded for `describe`."""
+        self.task_s, self.lag_s, self.live, self.handoff_s = task_s, lag_s, live, handoff_s
         self.overloaded = task_s > self.task_target_s or lag_s > self.lag_target_s
         if self.overloaded:
             self.window = max(self.floor, min(self.window, live) * 2 // 3)
@@ -115,7 +138,7 @@ class Capacity:
             f"{self.live} episodes held, window {self.window}, {self.limit} tasks at once "
             f"(cut {self.cuts} times; "
             f"{self.admitted} tasks admitted from the shared queue, {self.held_back} waited), "
-            f"tasks {self.task_s:.2f} s, lag {self.lag_s:.2f} s"
+            f"tasks {self.task_s:.2f} s, lag {self.lag_s:.2f} s, activity hand-off {self.handoff_s:.2f} s"
         )
 
 
@@ -137,6 +160,9 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
         self._used = 0
         self._held = 0  # episodes held at the last tick, plus those admitted since
         self._durations: list[float] = []  # of tasks completed since the last tick
+        # How long activity tasks received since the last tick had waited; bounded, in case
+        # nothing ticks (a worker built without `run`).
+        self._handoffs: collections.deque[float] = collections.deque(maxlen=MAX_HANDOFFS)
         self._waited = False  # a shared-queue reservation found no admission since the last tick
         self._short = False  # a reservation found every slot taken since the last tick
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -193,17 +219,26 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
         if wake is not None and not wake.done():
             wake.set_result(None)
 
+    def saw_handoff(self, waited_s: float) -> None:
+        """An activity task reached this worker's code `waited_s` after the server handed it
+        out (`HandoffWatch`)."""
+        with self._guard:
+            self._handoffs.append(waited_s)
+
     def tick(self, lag_s: float) -> None:
         """Measure the last tick's tasks and the episodes held, and adjust the window."""
         with self._guard:
             durations, self._durations = self._durations, []
+            handoffs = sorted(self._handoffs)
+            self._handoffs.clear()
             wanted_more, self._waited = self._waited, False
             wanted_slots, self._short = self._short, False
         durations.sort()
         p90 = durations[int(0.9 * (len(durations) - 1))] if durations else 0.0
+        handoff_p90 = handoffs[int(0.9 * (len(handoffs) - 1))] if handoffs else 0.0
         live = self.live()
         was = self.capacity.overloaded
-        self.capacity.adjust(p90, lag_s, live, wanted_more, wanted_slots)
+        self.capacity.adjust(p90, lag_s, live, wanted_more, wanted_slots, handoff_p90)
         with self._guard:
             self._held = live
         if self.capacity.overloaded and not was:
@@ -259,3 +294,30 @@ class AdmittingActivitySlots(CustomSlotSupplier):
     def release_slot(self, ctx: SlotReleaseContext) -> None:
         with self._guard:
             self._used -= 1
+
+
+class HandoffWatch(Interceptor):
+    """Tells admission how long each activity task waited between the server handing it out
+    and this worker's code receiving it: its heartbeat and start-to-close clocks ran all that
+    time. At N=200 on one worker that wait was a median 1-2 s and up to 7.5 s while the
+    worker's own loop ran on time (BENCHMARKS.md, "Overload on 2026-11-29"), so the loop's lag
+    alone did not see it. By this machine's clock against the server's: on another machine a
+    clock ahead of the server's reads as a longer wait (NTP keeps it to milliseconds)."""
+
+    def __init__(self, slots: AdmittingWorkflowSlots) -> None:
+        self.slots = slots
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        return _HandoffInbound(next, self.slots)
+
+
+class _HandoffInbound(ActivityInboundInterceptor):
+    def __init__(self, next: ActivityInboundInterceptor, slots: AdmittingWorkflowSlots) -> None:
+        super().__init__(next)
+        self.slots = slots
+
+    async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+        info = activity.info()
+        if not info.is_local:  # a local activity's clock is its workflow task's
+            self.slots.saw_handoff(max(0.0, (datetime.now(UTC) - info.started_time).total_seconds()))
+        return await super().execute_activity(input)

@@ -54,7 +54,7 @@ from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.call_ledger import LedgerRows
 from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
-from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots
+from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots, HandoffWatch
 from durable_rlm.worker.build_id import code_build_id
 from durable_rlm.worker.heap import return_large_buffers
 from durable_rlm.worker.liveness import LivenessUnavailable, WorkerLiveness
@@ -187,7 +187,12 @@ def build_workers(
         ],
         workflow_runner=workflow_runner(policy_modules),
         # The liveness ledger outermost: it holds an attempt's token for all of the attempt.
-        interceptors=[liveness.interceptor(), *interceptors] if liveness is not None else interceptors,
+        # Admission hears how long each activity task waited before reaching this worker.
+        interceptors=[
+            *([liveness.interceptor()] if liveness is not None else []),
+            HandoffWatch(admission),
+            *interceptors,
+        ],
         # With a Worker Deployment, the server routes each episode to the deployment's
         # current build (or keeps it on its own, pinned). The per-process REPL queue below
         # stays unversioned: only this process polls it.
