@@ -60,12 +60,12 @@ from durable_rlm.workflows.parsing import shorten_middle
 T = TypeVar("T")
 
 
-async def with_heartbeats(work: Awaitable[T], every_s: float | None = None) -> T:
+async def with_heartbeats(work: Awaitable[T]) -> T:
     """Await `work`, heartbeating so a dead worker is noticed and cancellation arrives, every
-    `every_s` (by default a quarter of the heartbeat timeout: `beat_every_s`). The first beat
-    goes at once when the server's heartbeat timeout, running since it handed the task out
-    (perhaps to a poll this process answered only after a pause), is near."""
-    every_s = beat_every_s() if every_s is None else every_s
+    quarter of the heartbeat timeout (`beat_every_s`). The first beat goes at once when the
+    server's heartbeat timeout, running since it handed the task out (perhaps to a poll this
+    process answered only after a pause), is near."""
+    every_s = beat_every_s()
     task = asyncio.ensure_future(work)
     clock = attempt_clock() if activity.in_activity() else None
     if clock is not None:

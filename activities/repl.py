@@ -59,15 +59,15 @@ __all__ = ["LiveSandbox", "ReplActivities"]  # LiveSandbox: benchmarks import it
 
 
 @contextlib.asynccontextmanager
-async def heartbeating(every_s: float | None = None) -> AsyncIterator[None]:
+async def heartbeating() -> AsyncIterator[None]:
     """Heartbeat for as long as the block runs, whatever it is waiting on: at once, then every
-    `every_s` (by default a quarter of the heartbeat timeout: `beat_every_s`)."""
+    quarter of the heartbeat timeout (`beat_every_s`)."""
 
     # A local activity has no heartbeat: its workflow task keeps the worker's lease.
     if not activity.in_activity() or activity.info().is_local:
         yield
         return
-    period = beat_every_s() if every_s is None else every_s
+    period = beat_every_s()
 
     async def beat() -> None:
         while True:

@@ -234,11 +234,9 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
             wanted_more, self._waited = self._waited, False
             wanted_slots, self._short = self._short, False
         durations.sort()
-        p90 = durations[int(0.9 * (len(durations) - 1))] if durations else 0.0
-        handoff_p90 = handoffs[int(0.9 * (len(handoffs) - 1))] if handoffs else 0.0
         live = self.live()
         was = self.capacity.overloaded
-        self.capacity.adjust(p90, lag_s, live, wanted_more, wanted_slots, handoff_p90)
+        self.capacity.adjust(_p90(durations), lag_s, live, wanted_more, wanted_slots, _p90(handoffs))
         with self._guard:
             self._held = live
         if self.capacity.overloaded and not was:
@@ -259,6 +257,11 @@ class AdmittingWorkflowSlots(CustomSlotSupplier):
             submitted = time.monotonic()
             started = await loop.run_in_executor(None, time.monotonic)
             self.tick(max(loop_lag, started - submitted))
+
+
+def _p90(ordered: list[float]) -> float:
+    """The 90th percentile of sorted values (0 for none)."""
+    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else 0.0
 
 
 class AdmittingActivitySlots(CustomSlotSupplier):
