@@ -50,6 +50,9 @@ STORE_PATIENCE_S = 0.5
 """How long a call waits for the store to take its claim, or its reply, before it goes on
 unrecorded: no heartbeat leaves meanwhile, and a model call's heartbeat timeout may be 3 s
 (the attempt must still have its margin when it sends; activities/attempts.py)."""
+PATIENCE_SLICE_S = 0.1
+"""The patience is counted in slices of this length, none counting for more than two: a
+stall of the event loop is not time the store took (_within_patience)."""
 
 
 class CallLedger:
@@ -104,20 +107,22 @@ class CallLedger:
             self.waited_for += 1
             done: T = await asyncio.shield(running)
             return done
+        claiming = asyncio.ensure_future(
+            asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
+        )
         try:
-            claiming = asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
-            found = await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(claiming)), STORE_PATIENCE_S)
+            found = await _within_patience(claiming)
         except Exception:  # noqa: BLE001 - the store down, full or locked: see below
             # The SQL store cannot be reached (or is full, or a lock holds it past the audit
             # writes' patience): the call goes out unrecorded, as before the ledger, rather
-            # than every episode waiting on the audit store. Only a step run again for this
-            # call during the outage would send it again (a claim that lands late is this
-            # worker's, not in flight: the next asker takes it over).
+            # than every episode waiting on the audit store. It still goes out as this
+            # process's call in flight, so a step run again here meanwhile waits for it; and
+            # its reply is recorded after the claim, should the claim land late.
             self.unrecorded += 1
             log.warning(
                 "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
             )
-            return await call()
+            return await self._send(key, call, encode, claiming)
         waited = False
         while found is not None:
             if found.reply is not None:
@@ -140,19 +145,31 @@ class CallLedger:
                 )
         return await self._send(key, call, encode)
 
-    async def _send(self, key: str, call: Callable[[], Awaitable[T]], encode: Callable[[T], bytes]) -> T:
+    async def _send(
+        self,
+        key: str,
+        call: Callable[[], Awaitable[T]],
+        encode: Callable[[T], bytes],
+        claiming: asyncio.Future[Claim | None] | None = None,
+    ) -> T:
         """Send the claimed call in a task of its own, which records its reply (or releases
         the claim) whether or not the step that started it still waits: a step given up
         meanwhile leaves the request to go on, and whoever asks next finds it in flight here
-        until its reply is in the ledger."""
-        task: asyncio.Task[T] = asyncio.ensure_future(self._call_and_keep(key, call, encode))
+        until its reply is in the ledger. `claiming` is a claim still on its way to the store
+        (it took longer than the store's patience): the reply waits for it before it is
+        recorded, so that a claim landing late does not stand without its reply."""
+        task: asyncio.Task[T] = asyncio.ensure_future(self._call_and_keep(key, call, encode, claiming))
         self._in_flight[key] = task
         task.add_done_callback(functools.partial(self._ended, key))
         self._renew_while_in_flight()
         return await asyncio.shield(task)
 
     async def _call_and_keep(
-        self, key: str, call: Callable[[], Awaitable[T]], encode: Callable[[T], bytes]
+        self,
+        key: str,
+        call: Callable[[], Awaitable[T]],
+        encode: Callable[[T], bytes],
+        claiming: asyncio.Future[Claim | None] | None = None,
     ) -> T:
         try:
             result = await call()
@@ -161,8 +178,10 @@ class CallLedger:
                 await asyncio.to_thread(self.rows.release, key, self.holder)
             raise
         try:
+            if claiming is not None:  # the claim first, or the reply would find no row
+                await asyncio.wait({claiming}, timeout=STORE_PATIENCE_S)
             recording = asyncio.to_thread(self.rows.record, key, encode(result))
-            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(recording)), STORE_PATIENCE_S)
+            await _within_patience(asyncio.ensure_future(recording))
         except Exception:  # noqa: BLE001 - the reply is paid for: the step gets it all the same
             self.unrecorded += 1
             log.warning("call ledger: the store refused the reply of call %s", key[:12], exc_info=True)
@@ -197,3 +216,27 @@ class CallLedger:
             if self._in_flight:
                 with contextlib.suppress(Exception):  # a store down: the next renewal tries again
                     self.rows.renew(self.holder, LEASE_S)
+
+
+async def _within_patience(work: asyncio.Future[T]) -> T:
+    """`work`'s result, or TimeoutError after STORE_PATIENCE_S of waiting for the store. The
+    work goes on either way (a write that lands late still lands). The patience counts the
+    time this process's event loop ran, in short slices: a loop that stood still meanwhile (a
+    step holding it, a paused process) did not let the store's answer in, and that is not
+    the store's slowness. Without it a claim the store took at once was sent unrecorded after
+    a stall, and a retry paid for it again."""
+    waited = 0.0
+    while True:
+        began = time.monotonic()
+        await asyncio.wait({work}, timeout=PATIENCE_SLICE_S)
+        if work.done():
+            return work.result()
+        waited += min(time.monotonic() - began, 2 * PATIENCE_SLICE_S)
+        if waited >= STORE_PATIENCE_S:
+            work.add_done_callback(_retrieved)  # its failure, if it fails late, is no one's news
+            raise TimeoutError(f"the store took longer than {STORE_PATIENCE_S} s")
+
+
+def _retrieved(work: asyncio.Future[Any]) -> None:
+    if not work.cancelled() and work.exception() is not None:
+        log.debug("call ledger: a store write that came late failed: %r", work.exception())

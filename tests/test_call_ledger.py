@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from durable_rlm.activities.call_ledger import CallLedger
+from durable_rlm.activities.call_ledger import STORE_PATIENCE_S, CallLedger
 from durable_rlm.store import schema
-from durable_rlm.store.call_ledger import LedgerRows, call_key
+from durable_rlm.store.call_ledger import Claim, LedgerRows, call_key
 from durable_rlm.store.encryption import Keyring
 from durable_rlm.store.sql import open_store
 
@@ -103,6 +103,50 @@ async def test_a_failed_request_is_released_and_asked_again(rows: LedgerRows) ->
         await ledger.once(name, "episode", refused, str.encode, bytes.decode)
     assert rows.read(name) is None
     assert await once(ledger, name, model) == "reply 1"
+
+
+async def test_a_claim_the_store_took_while_the_loop_stood_still_counts(rows: LedgerRows) -> None:
+    # The process's event loop held still longer than the store's patience (a step holding
+    # it, a paused process) while the store took the claim at once: the call is recorded,
+    # not sent unrecorded (which let a retry send it again: CI, stop 54).
+    ledger, model, name = CallLedger(rows, "w1"), Model(), key()
+    sending = asyncio.ensure_future(once(ledger, name, model))
+    await asyncio.sleep(0)  # the claim is on its way to the store's thread
+    time.sleep(STORE_PATIENCE_S + 0.7)  # noqa: ASYNC251 - the point: the event loop stands still
+    assert await sending == "reply 1"
+    assert ledger.unrecorded == 0 and rows.read(name).reply == b"reply 1"  # type: ignore[union-attr]
+
+
+class SlowClaims(LedgerRows):
+    """A store that takes each claim, but only after `delay_s`: longer than the patience."""
+
+    def __init__(self, rows: LedgerRows, delay_s: float) -> None:
+        super().__init__(rows.engine)
+        self.delay_s = delay_s
+
+    def claim(self, key: str, workflow_id: str, holder: str, host: str, lease_s: float) -> Claim | None:
+        time.sleep(self.delay_s)
+        return super().claim(key, workflow_id, holder, host, lease_s)
+
+
+async def test_a_call_sent_unrecorded_is_still_paid_once(rows: LedgerRows) -> None:
+    # The store took the claim too late: the call went out unrecorded. A step run again here
+    # meanwhile waits for that call, and the late claim gets its reply, so no later asker
+    # (here or on another worker) sends it again.
+    slow = SlowClaims(rows, delay_s=STORE_PATIENCE_S + 0.5)
+    ledger, model, name = CallLedger(slow, "w1"), Model(delay_s=0.3), key()
+    first = asyncio.ensure_future(once(ledger, name, model))
+    while model.sent == 0:
+        await asyncio.sleep(0.01)
+    assert ledger.unrecorded == 1
+    first.cancel()  # the server gave the attempt up
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await once(ledger, name, model) == "reply 1"  # waited for, not sent again
+    while rows.read(name) is None or rows.read(name).reply is None:  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)  # the late claim lands, then the reply after it
+    assert await once(CallLedger(rows, "w2"), name, model) == "reply 1"
+    assert model.sent == 1
 
 
 async def test_leases_are_renewed_for_calls_in_flight_only(rows: LedgerRows) -> None:
