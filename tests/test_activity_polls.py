@@ -1,6 +1,7 @@
-"""Several activity polls waiting on the SDK's core at once (durable_rlm/worker/activity_polls.py):
+"""Activity tasks polled from a thread of their own (durable_rlm/worker/activity_polls.py):
 every task still runs exactly once, cancellations still reach their activity, a worker
-without activities keeps the SDK's loop, and the worker shuts down as before. On the real
+without activities keeps the SDK's loop, and the worker shuts down as before, its thread
+with it. On the real
 dev server, with the SDK installed: the module reaches into its private activity worker, and
 these tests are where a release that moved it shows."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import uuid
 from datetime import timedelta
 
@@ -17,7 +19,7 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
-from durable_rlm.worker.activity_polls import POLLERS, poll_concurrently
+from durable_rlm.worker.activity_polls import poll_on_a_thread
 
 RAN: collections.Counter[str] = collections.Counter()
 CANCELLED: set[str] = set()
@@ -80,7 +82,7 @@ def worker_for(client: Client, queue: str) -> Worker:
     worker = Worker(
         client, task_queue=queue, workflows=[Many, CancelOne], activities=[note, wait_until_cancelled]
     )
-    assert poll_concurrently(worker), "the installed temporalio's activity worker is not the one known"
+    assert poll_on_a_thread(worker), "the installed temporalio's activity worker is not the one known"
     return worker
 
 
@@ -105,16 +107,26 @@ async def test_a_cancellation_reaches_its_activity(client: Client) -> None:
     assert name in CANCELLED
 
 
-async def test_the_worker_shuts_down_with_its_polls_waiting(client: Client) -> None:
+def pollers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "drlm-activity-polls"]
+
+
+async def test_the_worker_shuts_down_with_its_poll_waiting(client: Client) -> None:
     queue = f"polls-{uuid.uuid4().hex[:8]}"
+    before = len(pollers())
     worker = worker_for(client, queue)
     running = asyncio.create_task(worker.run())
-    await asyncio.sleep(1.0)  # every poll waiting on the core
+    await asyncio.sleep(1.0)  # the thread's poll waiting on the core
+    assert len(pollers()) == before + 1
     await worker.shutdown()
-    await asyncio.wait_for(running, 30)  # the run ends: no poll left waiting forever
+    await asyncio.wait_for(running, 30)  # the run ends: the poll was answered, not left waiting
+    for _ in range(50):
+        if len(pollers()) == before:
+            break
+        await asyncio.sleep(0.1)
+    assert len(pollers()) == before, "the poller thread outlived its worker"
 
 
 def test_a_worker_without_activities_keeps_the_sdks_loop(client: Client) -> None:
     worker = Worker(client, task_queue="polls-none", workflows=[Many])
-    assert not poll_concurrently(worker)
-    assert POLLERS > 1
+    assert not poll_on_a_thread(worker)
