@@ -22,7 +22,8 @@ So two limits follow what a worker measures each second:
 Beside them it reports (its log lines, `Capacity.describe`) how long the activity tasks it
 received had waited since the server handed them out (the 90th percentile, `HandoffWatch`):
 a task's heartbeat clock runs from the hand-out, and at N=200 on one worker that wait reached
-7.5 s while the loop itself ran on time (BENCHMARKS.md, "Overload on 2026-11-29").
+7.5 s while the loop itself ran on time (BENCHMARKS.md, "Overload on 2026-11-29"), until the
+polls moved to a thread of their own (activity_polls.py: 0.23 s at most since).
 The limits: workflow tasks at once (every kind), and a window of episodes held, which a
 reservation the SDK marks as not sticky (the shared queue: a new episode, or one moving
 in) must find room in, and which it never gets while the worker is over a target. Past
@@ -304,7 +305,8 @@ class HandoffWatch(Interceptor):
     and this worker's code receiving it: its heartbeat and start-to-close clocks ran all that
     time. At N=200 on one worker that wait was a median 1-2 s and up to 7.5 s while the
     worker's own loop ran on time (BENCHMARKS.md, "Overload on 2026-11-29"), so the loop's lag
-    alone did not see it. By this machine's clock against the server's: on another machine a
+    alone did not see it; the SDK's poll on the busy loop was the cause (activity_polls.py),
+    and this is how a return of it would show. By this machine's clock against the server's: on another machine a
     clock ahead of the server's reads as a longer wait (NTP keeps it to milliseconds)."""
 
     def __init__(self, slots: AdmittingWorkflowSlots) -> None:
