@@ -306,8 +306,9 @@ class HandoffWatch(Interceptor):
     time. At N=200 on one worker that wait was a median 1-2 s and up to 7.5 s while the
     worker's own loop ran on time (BENCHMARKS.md, "Overload on 2026-11-29"), so the loop's lag
     alone did not see it; the SDK's poll on the busy loop was the cause (activity_polls.py),
-    and this is how a return of it would show. By this machine's clock against the server's: on another machine a
-    clock ahead of the server's reads as a longer wait (NTP keeps it to milliseconds)."""
+    and this is how a return of it would show. By this machine's clock against the server's:
+    on another machine a clock ahead of the server's reads as a longer wait (NTP keeps it to
+    milliseconds)."""
 
     def __init__(self, slots: AdmittingWorkflowSlots) -> None:
         self.slots = slots
