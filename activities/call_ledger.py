@@ -71,7 +71,7 @@ class CallLedger:
         self.holder = holder
         self.host = host or socket.gethostname()
         self.alive = alive
-        self._in_flight: dict[str, asyncio.Task[Any]] = {}
+        self._in_flight: dict[str, asyncio.Future[Any]] = {}  # each key's answer, while a task keeps it
         self._renewing: threading.Thread | None = None
         self.taken_from_ledger = 0  # replies answered from the ledger: calls not paid twice
         self.waited_for = 0  # steps that waited for another attempt's call
@@ -101,12 +101,30 @@ class CallLedger:
         decode: Callable[[bytes], T],
     ) -> T:
         """`call()` made at most once for `key` across every attempt and replay, whatever
-        timed out: see the module's docstring."""
+        timed out: see the module's docstring. In this process one task answers a key, from
+        its claim to its reply's record, whether or not the step that asked still waits; a
+        step run again meanwhile waits for that task's answer."""
         running = self._in_flight.get(key)
-        if running is not None:  # this call is in flight here already: a step run again
+        if running is not None:  # this call is asked here already: a step run again
             self.waited_for += 1
             done: T = await asyncio.shield(running)
             return done
+        answer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(_read)  # a step given up leaves no one to read it
+        self._in_flight[key] = answer
+        keeping = asyncio.ensure_future(self._answer(key, workflow_id, call, encode, decode, answer))
+        keeping.add_done_callback(functools.partial(self._ended, key, answer))
+        return await asyncio.shield(answer)
+
+    async def _answer(
+        self,
+        key: str,
+        workflow_id: str,
+        call: Callable[[], Awaitable[T]],
+        encode: Callable[[T], bytes],
+        decode: Callable[[bytes], T],
+        answer: asyncio.Future[T],
+    ) -> None:
         claiming = asyncio.ensure_future(
             asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
         )
@@ -115,19 +133,21 @@ class CallLedger:
         except Exception:  # noqa: BLE001 - the store down, full or locked: see below
             # The SQL store cannot be reached (or is full, or a lock holds it past the audit
             # writes' patience): the call goes out unrecorded, as before the ledger, rather
-            # than every episode waiting on the audit store. It still goes out as this
-            # process's call in flight, so a step run again here meanwhile waits for it; and
-            # its reply is recorded after the claim, should the claim land late.
+            # than every episode waiting on the audit store. It is still this process's call
+            # (a step run again here waits for it), and its reply or release waits for the
+            # claim, however late it lands, so that no claim of ours stands without either.
             self.unrecorded += 1
             log.warning(
                 "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
             )
-            return await self._send(key, call, encode, claiming)
+            await self._send(key, call, encode, answer, claiming)
+            return
         waited = False
         while found is not None:
             if found.reply is not None:
                 self.taken_from_ledger += 1
-                return decode(found.reply)
+                answer.set_result(decode(found.reply))
+                return
             if self._dead(found):
                 if await asyncio.to_thread(
                     self.rows.take_over, key, found.holder, self.holder, self.host, LEASE_S
@@ -143,54 +163,50 @@ class CallLedger:
                 found = await asyncio.to_thread(
                     self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S
                 )
-        return await self._send(key, call, encode)
+        await self._send(key, call, encode, answer)
 
     async def _send(
         self,
         key: str,
         call: Callable[[], Awaitable[T]],
         encode: Callable[[T], bytes],
+        answer: asyncio.Future[T],
         claiming: asyncio.Future[Claim | None] | None = None,
-    ) -> T:
-        """Send the claimed call in a task of its own, which records its reply (or releases
-        the claim) whether or not the step that started it still waits: a step given up
-        meanwhile leaves the request to go on, and whoever asks next finds it in flight here
-        until its reply is in the ledger. `claiming` is a claim still on its way to the store
-        (it took longer than the store's patience): the reply waits for it before it is
-        recorded, so that a claim landing late does not stand without its reply."""
-        task: asyncio.Task[T] = asyncio.ensure_future(self._call_and_keep(key, call, encode, claiming))
-        self._in_flight[key] = task
-        task.add_done_callback(functools.partial(self._ended, key))
+    ) -> None:
+        """Send the claimed call and record its reply (or release the claim). `claiming` is a
+        claim still on its way to the store (it took longer than the store's patience): the
+        step gets its reply at once, and the record or the release waits for the claim."""
         self._renew_while_in_flight()
-        return await asyncio.shield(task)
-
-    async def _call_and_keep(
-        self,
-        key: str,
-        call: Callable[[], Awaitable[T]],
-        encode: Callable[[T], bytes],
-        claiming: asyncio.Future[Claim | None] | None = None,
-    ) -> T:
         try:
             result = await call()
-        except BaseException:
+        except BaseException as error:
+            if claiming is not None:  # the claim first, or the release would find no row
+                _settle(answer, error)
+                await asyncio.wait({claiming})
             with contextlib.suppress(Exception):  # a store down: the lease runs out instead
-                await asyncio.to_thread(self.rows.release, key, self.holder)
-            raise
+                await _within_patience(
+                    asyncio.ensure_future(asyncio.to_thread(self.rows.release, key, self.holder))
+                )
+            raise  # the steps waiting get it once the claim is released (_ended): one asked again claims anew
+        if claiming is not None:
+            answer.set_result(result)
+            await asyncio.wait({claiming})  # however late: the store's own timeout bounds it
         try:
-            if claiming is not None:  # the claim first, or the reply would find no row
-                await asyncio.wait({claiming}, timeout=STORE_PATIENCE_S)
             recording = asyncio.to_thread(self.rows.record, key, encode(result))
             await _within_patience(asyncio.ensure_future(recording))
         except Exception:  # noqa: BLE001 - the reply is paid for: the step gets it all the same
             self.unrecorded += 1
             log.warning("call ledger: the store refused the reply of call %s", key[:12], exc_info=True)
-        return result
+        if not answer.done():
+            answer.set_result(result)
 
-    def _ended(self, key: str, task: asyncio.Task[Any]) -> None:
-        if self._in_flight.get(key) is task:
+    def _ended(self, key: str, answer: asyncio.Future[Any], task: asyncio.Task[None]) -> None:
+        if self._in_flight.get(key) is answer:
             del self._in_flight[key]
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled():
+            _settle(answer, asyncio.CancelledError())
+        elif task.exception() is not None:
+            _settle(answer, task.exception())  # type: ignore[arg-type]
             log.debug("call ledger: call %s failed: %r", key[:12], task.exception())
 
     def _dead(self, found: Claim) -> bool:
@@ -235,6 +251,21 @@ async def _within_patience(work: asyncio.Future[T]) -> T:
         if waited >= STORE_PATIENCE_S:
             work.add_done_callback(_retrieved)  # its failure, if it fails late, is no one's news
             raise TimeoutError(f"the store took longer than {STORE_PATIENCE_S} s")
+
+
+def _settle(answer: asyncio.Future[Any], error: BaseException) -> None:
+    """Give the waiting steps `error`, unless they have their answer already."""
+    if answer.done():
+        return
+    if isinstance(error, asyncio.CancelledError):
+        answer.cancel()
+    else:
+        answer.set_exception(error)
+
+
+def _read(answer: asyncio.Future[Any]) -> None:
+    if not answer.cancelled():
+        answer.exception()
 
 
 def _retrieved(work: asyncio.Future[Any]) -> None:

@@ -105,20 +105,8 @@ async def test_a_failed_request_is_released_and_asked_again(rows: LedgerRows) ->
     assert await once(ledger, name, model) == "reply 1"
 
 
-async def test_a_claim_the_store_took_while_the_loop_stood_still_counts(rows: LedgerRows) -> None:
-    # The process's event loop held still longer than the store's patience (a step holding
-    # it, a paused process) while the store took the claim at once: the call is recorded,
-    # not sent unrecorded (which let a retry send it again: CI, stop 54).
-    ledger, model, name = CallLedger(rows, "w1"), Model(), key()
-    sending = asyncio.ensure_future(once(ledger, name, model))
-    await asyncio.sleep(0)  # the claim is on its way to the store's thread
-    time.sleep(STORE_PATIENCE_S + 0.7)  # noqa: ASYNC251 - the point: the event loop stands still
-    assert await sending == "reply 1"
-    assert ledger.unrecorded == 0 and rows.read(name).reply == b"reply 1"  # type: ignore[union-attr]
-
-
 class SlowClaims(LedgerRows):
-    """A store that takes each claim, but only after `delay_s`: longer than the patience."""
+    """A store that takes each claim, but only after `delay_s`."""
 
     def __init__(self, rows: LedgerRows, delay_s: float) -> None:
         super().__init__(rows.engine)
@@ -127,6 +115,29 @@ class SlowClaims(LedgerRows):
     def claim(self, key: str, workflow_id: str, holder: str, host: str, lease_s: float) -> Claim | None:
         time.sleep(self.delay_s)
         return super().claim(key, workflow_id, holder, host, lease_s)
+
+
+async def until_recorded(rows: LedgerRows, name: str) -> bytes:
+    """The reply the ledger holds for `name`, once it holds one (10 s at most)."""
+    for _ in range(200):
+        found = rows.read(name)
+        if found is not None and found.reply is not None:
+            return found.reply
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no reply recorded: {rows.read(name)}")
+
+
+async def test_a_claim_the_store_took_while_the_loop_stood_still_counts(rows: LedgerRows) -> None:
+    # The store takes the claim in 0.3 s, within its patience, but the process's event loop
+    # stands still for longer than the patience meanwhile (a step holding it, a paused
+    # process): the call is recorded, not sent unrecorded (which let a retry send it again:
+    # CI, stop 54).
+    ledger, model, name = CallLedger(SlowClaims(rows, 0.3), "w1"), Model(), key()
+    sending = asyncio.ensure_future(once(ledger, name, model))
+    await asyncio.sleep(0.05)  # the claim is in the store's thread, the patience counting
+    time.sleep(STORE_PATIENCE_S + 0.7)  # noqa: ASYNC251 - the point: the event loop stands still
+    assert await sending == "reply 1"
+    assert ledger.unrecorded == 0 and rows.read(name).reply == b"reply 1"  # type: ignore[union-attr]
 
 
 async def test_a_call_sent_unrecorded_is_still_paid_once(rows: LedgerRows) -> None:
@@ -143,10 +154,28 @@ async def test_a_call_sent_unrecorded_is_still_paid_once(rows: LedgerRows) -> No
     with pytest.raises(asyncio.CancelledError):
         await first
     assert await once(ledger, name, model) == "reply 1"  # waited for, not sent again
-    while rows.read(name) is None or rows.read(name).reply is None:  # type: ignore[union-attr]
-        await asyncio.sleep(0.05)  # the late claim lands, then the reply after it
+    assert await until_recorded(rows, name) == b"reply 1"  # the late claim, then its reply
     assert await once(CallLedger(rows, "w2"), name, model) == "reply 1"
     assert model.sent == 1
+
+
+async def test_a_claim_landing_after_the_reply_still_gets_it(rows: LedgerRows) -> None:
+    # The model answered before the store took the claim (2 s late): the reply waits for the
+    # claim however late, so the ledger never holds this worker's claim without its reply
+    # (which a retry here would take for a dead call and send again).
+    ledger, model, name = CallLedger(SlowClaims(rows, 2.0), "w1"), Model(), key()
+    assert await once(ledger, name, model) == "reply 1"  # the step gets it at once
+    assert await until_recorded(rows, name) == b"reply 1"
+    assert await once(CallLedger(rows, "w1b"), name, model) == "reply 1"
+    assert model.sent == 1
+
+
+async def test_a_step_run_again_while_the_claim_is_on_its_way_waits_for_it(rows: LedgerRows) -> None:
+    # Two steps for one call in this process at once, the claim still with the store: one
+    # request, one reply for both.
+    ledger, model, name = CallLedger(SlowClaims(rows, 0.3), "w1"), Model(delay_s=0.1), key()
+    replies = await asyncio.gather(once(ledger, name, model), once(ledger, name, model))
+    assert replies == ["reply 1", "reply 1"] and model.sent == 1 and ledger.waited_for == 1
 
 
 async def test_leases_are_renewed_for_calls_in_flight_only(rows: LedgerRows) -> None:

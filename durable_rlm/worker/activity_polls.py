@@ -13,8 +13,8 @@ the same server got its tasks in 8 ms (BENCHMARKS.md, "Overload on 2026-11-29").
 So the polls run on a thread of their own, with an event loop that does nothing else: as soon
 as a poll returns the next one is asked, and the task goes to the worker's loop, where it is
 dispatched exactly as the SDK dispatches it. Still one poll at a time, as the core asks of its
-callers ("Do not call poll concurrently"): the thread only keeps that one poll from waiting on
-the worker's busy loop.
+callers ("Do not call poll concurrently"), also while a failed worker drains: the thread only
+keeps that one poll from waiting on the worker's busy loop.
 
 This reaches into the SDK's private activity worker: `poll_on_a_thread` checks that what it
 uses is there and, if an SDK release moved it, leaves the SDK's own loop in place and says so
@@ -24,11 +24,13 @@ uses is there and, if an SDK release moved it, leaves the SDK's own loop in plac
 from __future__ import annotations
 
 import asyncio
-import functools
+import concurrent.futures
+import contextlib
 import logging
 import threading
 from typing import Any, NoReturn
 
+from temporalio.bridge.proto import ActivityTaskCompletion
 from temporalio.bridge.worker import PollShutdownError
 from temporalio.worker import Worker
 
@@ -66,70 +68,120 @@ def poll_on_a_thread(worker: Worker) -> bool:
             " kept, and activity tasks may wait in its core while the worker is busy"
         )
         return False
-    activities.run = functools.partial(_run, activities, running)
+    poller = _Poller(activities, running)
+    activities.run = poller.run
+    activities.drain_poll_queue = poller.drain
     return True
 
 
-async def _run(activities: Any, running: type) -> None:
-    """The SDK's `_ActivityWorker.run`, its polls on a thread: returns once the core has shut
-    down, and fails as the SDK's does when the worker fails."""
-    loop = asyncio.get_running_loop()
-    ended: asyncio.Future[None] = loop.create_future()
+class _Poller:
+    """The SDK's `_ActivityWorker.run` and `drain_poll_queue`, the polls on a thread.
 
-    def dispatch(task: Any) -> None:  # on the worker's loop, as the SDK's loop does it
-        if task.HasField("start"):
-            activity = running()
-            activity.task = asyncio.create_task(
-                activities._handle_start_activity_task(task.task_token, task.start, activity)
-            )
-            activities._running_activities[task.task_token] = activity
-        elif task.HasField("cancel"):
-            activities._handle_cancel_activity_task(task.task_token, task.cancel)
-        elif not ended.done():
-            ended.set_exception(RuntimeError(f"Unrecognized activity task: {task}"))
+    `run` returns once the core has shut down (its poll answered "shut down") and fails as
+    the SDK's does when the worker fails; then the SDK calls `drain`, and the thread, still
+    the one poller, fails every task it gets from then on ("Worker shutting down", as the
+    SDK's drain does) until the core has shut down: never two polls at once."""
 
-    def end(error: BaseException | None) -> None:
-        if ended.done():
+    def __init__(self, activities: Any, running: type) -> None:
+        self.activities = activities
+        self.running = running
+        self.draining = False  # set on the worker's loop, read by the thread
+        self.thread_ended: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ended: asyncio.Future[None] | None = None
+
+    async def run(self) -> None:
+        self.loop = loop = asyncio.get_running_loop()
+        self.ended = ended = loop.create_future()
+        threading.Thread(target=self._poll_forever, name="drlm-activity-polls", daemon=True).start()
+
+        async def failure() -> NoReturn:
+            raise await self.activities._fail_worker_exception_queue.get()
+
+        failing = asyncio.create_task(failure())
+        try:
+            either: list[asyncio.Future[Any]] = [failing, ended]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if failing.done():
+                self.draining = True  # the SDK drains next (`drain`)
+                error = failing.exception()
+                raise RuntimeError("Activity worker failed") from error
+            await ended
+        except BaseException:
+            self.draining = True
+            raise
+        finally:
+            failing.cancel()
+
+    async def drain(self) -> None:
+        """What the SDK calls after `run` failed: the thread fails the tasks still coming,
+        until the core has shut down."""
+        self.draining = True
+        await asyncio.wrap_future(self.thread_ended)
+
+    def _poll_forever(self) -> None:
+        try:
+            asyncio.run(self._polls())
+        finally:
+            self.thread_ended.set_result(None)
+
+    async def _polls(self) -> None:
+        bridge = self.activities._bridge_worker()
+        while True:
+            try:
+                task = await bridge.poll_activity_task()
+            except PollShutdownError:
+                self._tell(self._end, None)
+                return
+            except BaseException as error:  # noqa: BLE001 - the worker's loop raises it
+                self._tell(self._end, error)
+                return
+            if self.draining:
+                completion = ActivityTaskCompletion(task_token=task.task_token)
+                completion.result.failed.failure.message = "Worker shutting down"
+                with contextlib.suppress(Exception):  # a core gone: nothing left to tell
+                    await bridge.complete_activity_task(completion)
+            elif not self._tell(self._dispatch, task):
+                return  # the worker's loop closed: nothing left to hand it to
+
+    def _tell(self, callback: Any, argument: Any) -> bool:
+        """Run `callback(argument)` on the worker's loop; False if that loop has closed."""
+        assert self.loop is not None
+        try:
+            self.loop.call_soon_threadsafe(callback, argument)
+        except RuntimeError:
+            return False
+        return True
+
+    def _dispatch(self, task: Any) -> None:
+        """On the worker's loop, as the SDK's loop does it. A cancellation goes in behind the
+        start task's first step: the thread may hand over a start and its cancellation in one
+        turn of the loop, where the SDK's loop polled between them, and a task cancelled
+        before its first step would never report its completion to the core."""
+        try:
+            if task.HasField("start"):
+                activity = self.running()
+                activity.task = asyncio.create_task(
+                    self.activities._handle_start_activity_task(task.task_token, task.start, activity)
+                )
+                self.activities._running_activities[task.task_token] = activity
+            elif task.HasField("cancel"):
+                assert self.loop is not None
+                self.loop.call_soon(
+                    self.activities._handle_cancel_activity_task, task.task_token, task.cancel
+                )
+            else:
+                raise RuntimeError(f"Unrecognized activity task: {task}")
+        except BaseException as error:  # noqa: BLE001 - fails the worker, as the SDK's loop would
+            self._end(error)
+
+    def _end(self, error: BaseException | None) -> None:
+        assert self.ended is not None
+        if self.ended.done():
             return
         if error is None:
-            ended.set_result(None)
+            self.ended.set_result(None)
         else:
             failed = RuntimeError("Activity worker failed")
             failed.__cause__ = error
-            ended.set_exception(failed)
-
-    async def poll_forever() -> None:
-        while True:
-            try:
-                task = await activities._bridge_worker().poll_activity_task()
-            except PollShutdownError:
-                loop.call_soon_threadsafe(end, None)
-                return
-            except BaseException as error:  # noqa: BLE001 - the worker's loop raises it
-                loop.call_soon_threadsafe(end, error)
-                return
-            try:
-                loop.call_soon_threadsafe(dispatch, task)
-            except RuntimeError:  # the worker's loop closed: nothing left to hand it to
-                return
-
-    poller = threading.Thread(
-        target=asyncio.run, args=(poll_forever(),), name="drlm-activity-polls", daemon=True
-    )
-    poller.start()
-
-    async def failure() -> NoReturn:
-        raise await activities._fail_worker_exception_queue.get()
-
-    # Should the worker fail, the SDK then drains the core's tasks with polls of its own, and
-    # the thread's last poll may still be waiting beside them: the one case of two at once,
-    # on a worker going down.
-    failing = asyncio.create_task(failure())
-    try:
-        either: list[asyncio.Future[Any]] = [failing, ended]
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if failing.done():
-            await failing  # raises the worker's failure, as the SDK's loop does
-        await ended
-    finally:
-        failing.cancel()
+            self.ended.set_exception(failed)
