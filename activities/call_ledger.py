@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import socket
@@ -71,7 +72,7 @@ class CallLedger:
         self.holder = holder
         self.host = host or socket.gethostname()
         self.alive = alive
-        self._in_flight: dict[str, asyncio.Future[Any]] = {}  # each key's answer, while a task keeps it
+        self._in_flight: dict[str, _Asked] = {}  # each call asked here, while its task keeps it
         self._renewing: threading.Thread | None = None
         self.taken_from_ledger = 0  # replies answered from the ledger: calls not paid twice
         self.waited_for = 0  # steps that waited for another attempt's call
@@ -102,19 +103,25 @@ class CallLedger:
     ) -> T:
         """`call()` made at most once for `key` across every attempt and replay, whatever
         timed out: see the module's docstring. In this process one task answers a key, from
-        its claim to its reply's record, whether or not the step that asked still waits; a
-        step run again meanwhile waits for that task's answer."""
-        running = self._in_flight.get(key)
-        if running is not None:  # this call is asked here already: a step run again
+        its claim to its reply's record; a step run again meanwhile waits for its answer.
+        Once the request is sent, the task goes on whether or not a step still waits; before
+        that, when the last step waiting gives up, it stops and lets its claim go."""
+        asked = self._in_flight.get(key)
+        if asked is None:
+            asked = _Asked(asyncio.get_running_loop().create_future())
+            self._in_flight[key] = asked
+            asked.keeping = asyncio.ensure_future(self._answer(key, workflow_id, call, encode, decode, asked))
+            asked.keeping.add_done_callback(functools.partial(self._ended, key, asked))
+        else:  # this call is asked here already: a step run again
             self.waited_for += 1
-            done: T = await asyncio.shield(running)
+        asked.waiting += 1
+        try:
+            done: T = await asyncio.shield(asked.answer)
             return done
-        answer: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        answer.add_done_callback(_read)  # a step given up leaves no one to read it
-        self._in_flight[key] = answer
-        keeping = asyncio.ensure_future(self._answer(key, workflow_id, call, encode, decode, answer))
-        keeping.add_done_callback(functools.partial(self._ended, key, answer))
-        return await asyncio.shield(answer)
+        finally:
+            asked.waiting -= 1
+            if asked.waiting == 0 and not asked.sending and not asked.answer.done() and asked.keeping:
+                asked.keeping.cancel()
 
     async def _answer(
         self,
@@ -123,73 +130,80 @@ class CallLedger:
         call: Callable[[], Awaitable[T]],
         encode: Callable[[T], bytes],
         decode: Callable[[bytes], T],
-        answer: asyncio.Future[T],
+        asked: _Asked,
     ) -> None:
         claiming = asyncio.ensure_future(
             asyncio.to_thread(self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S)
         )
         try:
-            found = await _within_patience(claiming)
-        except Exception:  # noqa: BLE001 - the store down, full or locked: see below
-            # The SQL store cannot be reached (or is full, or a lock holds it past the audit
-            # writes' patience): the call goes out unrecorded, as before the ledger, rather
-            # than every episode waiting on the audit store. It is still this process's call
-            # (a step run again here waits for it), and its reply or release waits for the
-            # claim, however late it lands, so that no claim of ours stands without either.
-            self.unrecorded += 1
-            log.warning(
-                "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
-            )
-            await self._send(key, call, encode, answer, claiming)
-            return
-        waited = False
-        while found is not None:
-            if found.reply is not None:
-                self.taken_from_ledger += 1
-                answer.set_result(decode(found.reply))
-                return
-            if self._dead(found):
-                if await asyncio.to_thread(
-                    self.rows.take_over, key, found.holder, self.holder, self.host, LEASE_S
-                ):
-                    break
-            else:
-                if not waited:
-                    waited = True
-                    self.waited_for += 1
-                await asyncio.sleep(POLL_S)
-            found = await asyncio.to_thread(self.rows.read, key)
-            if found is None:  # released meanwhile (no reply came): claim it again
-                found = await asyncio.to_thread(
-                    self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S
+            try:
+                found = await _within_patience(claiming)
+            except Exception:  # noqa: BLE001 - the store down, full or locked: see below
+                # The SQL store cannot be reached (or is full, or a lock holds it past the
+                # audit writes' patience): the call goes out unrecorded, as before the ledger,
+                # rather than every episode waiting on the audit store. It is still this
+                # process's call (a step run again here waits for it), and its reply or its
+                # release waits for the claim, however late it lands, so that no claim of ours
+                # stands without either.
+                self.unrecorded += 1
+                log.warning(
+                    "call ledger: the store refused a claim; call %s sent unrecorded", key[:12], exc_info=True
                 )
-        await self._send(key, call, encode, answer)
+                await self._send(key, call, encode, asked, claiming)
+                return
+            waited = False
+            while found is not None:
+                if found.reply is not None:
+                    self.taken_from_ledger += 1
+                    asked.answer.set_result(decode(found.reply))
+                    return
+                if self._dead(found):
+                    if await asyncio.to_thread(
+                        self.rows.take_over, key, found.holder, self.holder, self.host, LEASE_S
+                    ):
+                        break
+                else:
+                    if not waited:
+                        waited = True
+                        self.waited_for += 1
+                    await asyncio.sleep(POLL_S)
+                found = await asyncio.to_thread(self.rows.read, key)
+                if found is None:  # released meanwhile (no reply came): claim it again
+                    found = await asyncio.to_thread(
+                        self.rows.claim, key, workflow_id, self.holder, self.host, LEASE_S
+                    )
+        except asyncio.CancelledError:
+            # Every step asking gave up before the request went out: nothing was sent, and a
+            # claim of ours (now or when the store takes it) is let go for the next asker.
+            claiming.add_done_callback(functools.partial(self._let_go, key))
+            await asyncio.shield(asyncio.to_thread(self._release_quietly, key))
+            raise
+        await self._send(key, call, encode, asked)
 
     async def _send(
         self,
         key: str,
         call: Callable[[], Awaitable[T]],
         encode: Callable[[T], bytes],
-        answer: asyncio.Future[T],
+        asked: _Asked,
         claiming: asyncio.Future[Claim | None] | None = None,
     ) -> None:
         """Send the claimed call and record its reply (or release the claim). `claiming` is a
         claim still on its way to the store (it took longer than the store's patience): the
-        step gets its reply at once, and the record or the release waits for the claim."""
+        step gets its reply at once, and the record or the release waits for the claim. A
+        failed call's steps get its error once the claim is let go (`_ended`), so one asked
+        again claims anew."""
+        asked.sending = True
         self._renew_while_in_flight()
         try:
             result = await call()
-        except BaseException as error:
+        except BaseException:
             if claiming is not None:  # the claim first, or the release would find no row
-                _settle(answer, error)
                 await asyncio.wait({claiming})
-            with contextlib.suppress(Exception):  # a store down: the lease runs out instead
-                await _within_patience(
-                    asyncio.ensure_future(asyncio.to_thread(self.rows.release, key, self.holder))
-                )
-            raise  # the steps waiting get it once the claim is released (_ended): one asked again claims anew
+            await asyncio.to_thread(self._release_quietly, key)
+            raise
         if claiming is not None:
-            answer.set_result(result)
+            asked.answer.set_result(result)
             await asyncio.wait({claiming})  # however late: the store's own timeout bounds it
         try:
             recording = asyncio.to_thread(self.rows.record, key, encode(result))
@@ -197,16 +211,25 @@ class CallLedger:
         except Exception:  # noqa: BLE001 - the reply is paid for: the step gets it all the same
             self.unrecorded += 1
             log.warning("call ledger: the store refused the reply of call %s", key[:12], exc_info=True)
-        if not answer.done():
-            answer.set_result(result)
+        if not asked.answer.done():
+            asked.answer.set_result(result)
 
-    def _ended(self, key: str, answer: asyncio.Future[Any], task: asyncio.Task[None]) -> None:
-        if self._in_flight.get(key) is answer:
+    def _release_quietly(self, key: str) -> None:
+        with contextlib.suppress(Exception):  # a store down: the lease runs out instead
+            self.rows.release(key, self.holder)
+
+    def _let_go(self, key: str, claiming: asyncio.Future[Claim | None]) -> None:
+        """A claim that landed after every step asking had given up: released, if ours."""
+        if not claiming.cancelled() and claiming.exception() is None and claiming.result() is None:
+            threading.Thread(target=self._release_quietly, args=(key,), daemon=True).start()
+
+    def _ended(self, key: str, asked: _Asked, task: asyncio.Task[None]) -> None:
+        if self._in_flight.get(key) is asked:
             del self._in_flight[key]
         if task.cancelled():
-            _settle(answer, asyncio.CancelledError())
+            _settle(asked.answer, asyncio.CancelledError())
         elif task.exception() is not None:
-            _settle(answer, task.exception())  # type: ignore[arg-type]
+            _settle(asked.answer, task.exception())  # type: ignore[arg-type]
             log.debug("call ledger: call %s failed: %r", key[:12], task.exception())
 
     def _dead(self, found: Claim) -> bool:
@@ -251,6 +274,20 @@ async def _within_patience(work: asyncio.Future[T]) -> T:
         if waited >= STORE_PATIENCE_S:
             work.add_done_callback(_retrieved)  # its failure, if it fails late, is no one's news
             raise TimeoutError(f"the store took longer than {STORE_PATIENCE_S} s")
+
+
+@dataclasses.dataclass
+class _Asked:
+    """A call asked in this process: the answer its steps wait for, the task that keeps it,
+    how many steps wait, and whether its request has gone out."""
+
+    answer: asyncio.Future[Any]
+    keeping: asyncio.Task[None] | None = None
+    waiting: int = 0
+    sending: bool = False
+
+    def __post_init__(self) -> None:
+        self.answer.add_done_callback(_read)  # a step given up leaves no one to read it
 
 
 def _settle(answer: asyncio.Future[Any], error: BaseException) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from durable_rlm.activities.call_ledger import STORE_PATIENCE_S, CallLedger
+from durable_rlm.activities.call_ledger import POLL_S, STORE_PATIENCE_S, CallLedger
 from durable_rlm.store import schema
 from durable_rlm.store.call_ledger import Claim, LedgerRows, call_key
 from durable_rlm.store.encryption import Keyring
@@ -176,6 +176,38 @@ async def test_a_step_run_again_while_the_claim_is_on_its_way_waits_for_it(rows:
     ledger, model, name = CallLedger(SlowClaims(rows, 0.3), "w1"), Model(delay_s=0.1), key()
     replies = await asyncio.gather(once(ledger, name, model), once(ledger, name, model))
     assert replies == ["reply 1", "reply 1"] and model.sent == 1 and ledger.waited_for == 1
+
+
+async def test_a_failed_call_whose_claim_came_late_is_asked_anew(rows: LedgerRows) -> None:
+    # The claim took 1 s (past the patience), the request failed at once: its step gets the
+    # error only once the claim has landed and been let go, so a step asked again right
+    # after sends the request anew instead of getting the old error.
+    ledger, model, name = CallLedger(SlowClaims(rows, 1.0), "w1"), Model(), key()
+
+    async def refused() -> str:
+        raise ConnectionError("refused")
+
+    with pytest.raises(ConnectionError):
+        await ledger.once(name, "episode", refused, str.encode, bytes.decode)
+    assert rows.read(name) is None  # let go
+    assert await once(ledger, name, model) == "reply 1" and model.sent == 1
+
+
+async def test_a_step_given_up_before_its_request_went_out_sends_nothing(rows: LedgerRows) -> None:
+    # The step waits for another worker's call; it is given up (its episode cancelled); the
+    # other worker then dies: nobody asks any more, so nothing is sent on its behalf.
+    name, model, holder_alive = key(), Model(), [True]
+    assert rows.claim(name, "episode", "w0", "h", lease_s=60) is None
+    ledger = CallLedger(rows, "w1", host="h", alive=lambda holder: holder_alive[0])
+    waiting = asyncio.ensure_future(once(ledger, name, model))
+    while ledger.waited_for == 0:
+        await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    holder_alive[0] = False
+    await asyncio.sleep(3 * POLL_S)
+    assert model.sent == 0 and name not in ledger._in_flight
 
 
 async def test_leases_are_renewed_for_calls_in_flight_only(rows: LedgerRows) -> None:

@@ -126,9 +126,9 @@ class _Poller:
             self.thread_ended.set_result(None)
 
     async def _polls(self) -> None:
-        bridge = self.activities._bridge_worker()
         while True:
             try:
+                bridge = self.activities._bridge_worker()
                 task = await bridge.poll_activity_task()
             except PollShutdownError:
                 self._tell(self._end, None)
@@ -167,11 +167,15 @@ class _Poller:
                 self.activities._running_activities[task.task_token] = activity
             elif task.HasField("cancel"):
                 assert self.loop is not None
-                self.loop.call_soon(
-                    self.activities._handle_cancel_activity_task, task.task_token, task.cancel
-                )
+                self.loop.call_soon(self._cancel, task)
             else:
                 raise RuntimeError(f"Unrecognized activity task: {task}")
+        except BaseException as error:  # noqa: BLE001 - fails the worker, as the SDK's loop would
+            self._end(error)
+
+    def _cancel(self, task: Any) -> None:
+        try:
+            self.activities._handle_cancel_activity_task(task.task_token, task.cancel)
         except BaseException as error:  # noqa: BLE001 - fails the worker, as the SDK's loop would
             self._end(error)
 
