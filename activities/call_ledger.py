@@ -228,9 +228,11 @@ class CallLedger:
             del self._in_flight[key]
         if task.cancelled():
             _settle(asked.answer, asyncio.CancelledError())
-        elif task.exception() is not None:
-            _settle(asked.answer, task.exception())  # type: ignore[arg-type]
-            log.debug("call ledger: call %s failed: %r", key[:12], task.exception())
+            return
+        error = task.exception()
+        if error is not None:
+            _settle(asked.answer, error)
+            log.debug("call ledger: call %s failed: %r", key[:12], error)
 
     def _dead(self, found: Claim) -> bool:
         """Whether the holder of a claim without a reply can no longer send or record it."""
