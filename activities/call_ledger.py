@@ -274,7 +274,7 @@ async def _within_patience(work: asyncio.Future[T]) -> T:
             return work.result()
         waited += min(time.monotonic() - began, 2 * PATIENCE_SLICE_S)
         if waited >= STORE_PATIENCE_S:
-            work.add_done_callback(_retrieved)  # its failure, if it fails late, is no one's news
+            work.add_done_callback(_read)  # its failure, if it fails late, is no one's news
             raise TimeoutError(f"the store took longer than {STORE_PATIENCE_S} s")
 
 
@@ -305,8 +305,3 @@ def _settle(answer: asyncio.Future[Any], error: BaseException) -> None:
 def _read(answer: asyncio.Future[Any]) -> None:
     if not answer.cancelled():
         answer.exception()
-
-
-def _retrieved(work: asyncio.Future[Any]) -> None:
-    if not work.cancelled() and work.exception() is not None:
-        log.debug("call ledger: a store write that came late failed: %r", work.exception())

@@ -130,8 +130,7 @@ async def until_recorded(rows: LedgerRows, name: str) -> bytes:
 async def test_a_claim_the_store_took_while_the_loop_stood_still_counts(rows: LedgerRows) -> None:
     # The store takes the claim in 0.3 s, within its patience, but the process's event loop
     # stands still for longer than the patience meanwhile (a step holding it, a paused
-    # process): the call is recorded, not sent unrecorded (which let a retry send it again:
-    # CI, stop 54).
+    # process): the call is recorded, not sent unrecorded (which let a retry send it again).
     ledger, model, name = CallLedger(SlowClaims(rows, 0.3), "w1"), Model(), key()
     sending = asyncio.ensure_future(once(ledger, name, model))
     await asyncio.sleep(0.05)  # the claim is in the store's thread, the patience counting
