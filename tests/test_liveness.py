@@ -21,9 +21,18 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
+from durable_rlm.client.attendance import lock_held, poller_alive, this_host
 from durable_rlm.client.episodes import start_episode
 from durable_rlm.scripted import Reply, root_and_sub
-from durable_rlm.worker.liveness import LOCK_SUFFIX, PENDING_STALE_S, LivenessUnavailable, WorkerLiveness
+from durable_rlm.worker.liveness import (
+    LOCK_SUFFIX,
+    PENDING_STALE_S,
+    REAPING_SUFFIX,
+    LivenessUnavailable,
+    WorkerLiveness,
+    _find_dead,
+    _finish,
+)
 from durable_rlm.workflows import names
 from durable_rlm.workflows.models import DurabilitySettings
 from tests.conftest import request_for
@@ -160,7 +169,39 @@ async def test_a_look_reaps_only_dead_workers_and_drops_what_it_cannot_act_on(
     assert neighbour.ledger.is_dir() and (await neighbour.reap()).dead_workers == ["4242-dead"]
     neighbour.close()
     me.close()
-    assert sorted(p.name for p in folder.iterdir()) == ["4242-dead", f"4242-dead{LOCK_SUFFIX}"]
+    # Kept for the next look: the record, the lock, and the reaping file a reaper takes.
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f".4242-dead{REAPING_SUFFIX}",
+        "4242-dead",
+        f"4242-dead{LOCK_SUFFIX}",
+    ]
+
+
+async def test_a_reaper_at_work_never_makes_a_dead_worker_read_as_alive(
+    tmp_path: Path, client: Client
+) -> None:
+    """While a look handles a dead worker (its calls to the server take seconds on a loaded
+    machine), the dead worker's lock stays free: the commands and pages asking who runs an
+    episode, and the call ledger, read it dead; a second reaper keeps off until it is done.
+    (A reaper that held the lock itself made a killed worker's episode page say it still
+    ran, and its cancel wait for it: tests/test_unattended.py.)"""
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    holder = dead_worker(folder, "4242-dead", {"torn.json": '{"token": "abc'})
+    holder.kill()
+    holder.wait()
+    taken = await asyncio.to_thread(_find_dead, folder, me.worker_id)  # a look's first step
+    assert [worker.worker_id for worker in taken] == ["4242-dead"]
+    assert lock_held(folder, "4242-dead") is False
+    assert not poller_alive(f"{holder.pid}@{this_host()} drlm-worker 4242-dead", folder)
+    assert me.holder_alive("4242-dead") is False
+    other = WorkerLiveness(folder, client).start()
+    assert (await other.reap()).dead_workers == []  # the first reaper has it
+    taken[0].done.extend(path for path, _ in taken[0].records)
+    await asyncio.to_thread(_finish, taken)
+    assert not [p.name for p in folder.iterdir() if "4242" in p.name]
+    other.close()
+    me.close()
 
 
 async def test_planted_files_neither_block_a_look_nor_steer_what_it_removes(

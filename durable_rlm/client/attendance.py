@@ -71,8 +71,9 @@ def describe_identity(identity: str) -> str:
 
 def lock_held(folder: Path, worker_id: str) -> bool | None:
     """True: the worker's lock is held (it lives); False: free (it died); None: no such
-    lock here. A shared lock is tried, never kept: a dead worker's lock is free for the
-    reapers again at once."""
+    lock here. A shared lock is tried, never kept; only its worker ever holds the lock
+    (reapers hold a file of their own: durable_rlm/worker/liveness.py), so a held lock is a
+    live worker."""
     path = folder / f"{worker_id}{LOCK_SUFFIX}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)

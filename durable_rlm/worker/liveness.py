@@ -10,8 +10,14 @@ kernel drops it when the process dies, however it dies), and keeps a record of e
 activity attempt it runs (its task token) in a folder beside that file.
 
 Any worker on the machine, a new one as it starts and every live one each `SCAN_EVERY_S`,
-takes the lock of each other worker it can: a lock it can take is a dead worker's. It
-fails that worker's attempts by their task tokens (`WorkerLost`, retried at once, each
+tries the lock of each other worker (shared, and let go at once): a lock it can take is a
+dead worker's. Only its worker ever holds a lock, so "held" means "alive" to every reader
+(the reapers, `drlm` commands and pages asking who runs an episode, the call ledger): a
+reaper at work holds the dead worker's reaping file (`.<worker id>.reaping`), one reaper
+at a time, never its lock. (It held the lock once, and for the seconds its look took on a
+loaded machine every reader took the dead worker for a live one: an episode page said a
+killed worker still ran its episode, and a cancel waited for it.) The reaper fails that
+worker's attempts by their task tokens (`WorkerLost`, retried at once, each
 retry of the step counted as the heartbeat timeout's would be), and gives the sticky queues
 of those attempts' episodes back, so that their next workflow tasks do not wait for the
 dead worker either (an episode of the dead worker with no attempt in flight, waiting on a
@@ -56,7 +62,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
-from durable_rlm.client.attendance import LOCK_SUFFIX, liveness_folder, worker_identity
+from durable_rlm.client.attendance import LOCK_SUFFIX, liveness_folder, lock_held, worker_identity
 from durable_rlm.host.files import read_sandbox_file
 from durable_rlm.host.owned_dirs import UnsafeDirectory, owned_directory
 from durable_rlm.worker.sticky import hand_back
@@ -69,6 +75,8 @@ SCAN_EVERY_S = 1.0
 RETRY_AFTER = timedelta(milliseconds=10)
 """The failed attempt's retry delay: at once (zero would read as unset, the policy's 1 s)."""
 PENDING_SUFFIX = ".new"
+REAPING_SUFFIX = ".reaping"
+"""`.<worker id>.reaping`: held by the one reaper handling that dead worker."""
 PENDING_STALE_S = 60.0
 """A lock file not yet named (a worker that died as it started) is removed after this: a
 younger one may be a worker starting right now, between making its file and locking it."""
@@ -97,10 +105,12 @@ class ReapReport:
 
 @dataclass
 class _DeadWorker:
-    """A dead worker's lock, taken (held until `_finish`), and its ledger's records."""
+    """A dead worker: its reaping file, taken (held until `_finish`), its lock's path, and
+    its ledger's records."""
 
     worker_id: str
-    lock_fd: int
+    reaping_fd: int
+    reaping_path: Path
     lock_path: Path
     ledger: Path
     records: list[tuple[Path, dict[str, Any] | None]]
@@ -325,8 +335,8 @@ def _private_folder(folder: Path) -> None:
 
 
 def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
-    """The workers whose locks this process could take, each lock held, their records read.
-    Runs in a thread: nothing here may hold up the event loop."""
+    """The workers whose locks are free, each with its reaping file held by this process,
+    their records read. Runs in a thread: nothing here may hold up the event loop."""
     dead: list[_DeadWorker] = []
     budget = MAX_RECORDS_PER_LOOK
     try:
@@ -349,19 +359,23 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
         worker_id = name.removesuffix(LOCK_SUFFIX)
         if worker_id == own_id or budget <= 0:
             continue
-        fd = _take(path)
+        if lock_held(folder, worker_id) is not False:
+            continue  # alive (its lock is held), gone meanwhile, or not a lock file
+        reaping = folder / f".{worker_id}{REAPING_SUFFIX}"
+        fd = _take(reaping, create=True)
         if fd is None:
-            continue  # alive (its lock is held), or not a lock file
+            continue  # another reaper handles it now
         ledger = folder / worker_id
         records = _records(ledger, budget)
         budget -= len(records)
-        dead.append(_DeadWorker(worker_id, fd, path, ledger, records))
+        dead.append(_DeadWorker(worker_id, fd, reaping, path, ledger, records))
     return dead
 
 
 def _finish(dead: list[_DeadWorker]) -> None:
-    """Remove what was handled; a dead worker with nothing left goes, lock last (held while
-    it is removed: a second reaper that took it after finds nothing); every lock let go."""
+    """Remove what was handled; a dead worker with nothing left goes, its reaping file
+    before its lock (held while both are removed: a reaper that takes either after finds
+    nothing left to do); every reaping file let go."""
     for worker in dead:
         try:
             for path in worker.done:
@@ -372,17 +386,20 @@ def _finish(dead: list[_DeadWorker]) -> None:
                 if stat.S_ISDIR(info.st_mode) and not os.listdir(worker.ledger):
                     worker.ledger.rmdir()
             if not os.path.lexists(worker.ledger):
-                with contextlib.suppress(OSError):
-                    worker.lock_path.unlink()
+                for path in (worker.reaping_path, worker.lock_path):
+                    with contextlib.suppress(OSError):
+                        path.unlink()
         finally:
-            os.close(worker.lock_fd)
+            os.close(worker.reaping_fd)
 
 
-def _take(path: Path) -> int | None:
-    """The lock of a regular file, taken (its descriptor), or None: held by a live process,
-    or not a regular file (a link, a FIFO, a directory are never opened as locks)."""
+def _take(path: Path, create: bool = False) -> int | None:
+    """The lock of a regular file (made now with `create`), taken (its descriptor), or None:
+    held by another process, or not a regular file (a link, a FIFO, a directory are never
+    opened as locks)."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, flags, 0o600)
     except OSError:
         return None
     try:
