@@ -401,6 +401,48 @@ async def test_the_page_says_no_worker_runs_an_episode_and_its_cancel_ends_it(
     assert len(server.requests) == 1  # the call the killed worker left was not made again
 
 
+async def test_a_page_action_a_stopped_worker_does_not_answer_says_so_in_time(
+    tmp_path: Path, scripted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that lives but does not run (SIGSTOP): the page does not take it for dead,
+    and an action it does not answer is refused after DRLM_STEER_WAIT_S, in the words
+    `drlm` uses, not as the page's own call timing out."""
+    from durable_rlm.client.episodes import start_episode
+    from tests.conftest import request_for
+    from tests.test_episode_page import fetch, page_base, session
+
+    monkeypatch.setenv("DRLM_STEER_WAIT_S", "4")
+    server = scripted(lambda request: Reply(text="thinking", delay_s=CHILD_CALL_S))
+    async with session(tmp_path, server.base_url) as (rlm, services, settings):
+        episode_id = f"stopped-{uuid.uuid4().hex[:6]}"
+        worker = subprocess.Popen(
+            [DRLM, "worker"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=environ(tmp_path, DRLM_TASK_QUEUE=f"stopped-{episode_id}"),
+        )  # fmt: skip
+        try:
+            await start_episode(services.client, request_for(server), f"stopped-{episode_id}", episode_id)
+            await asyncio.to_thread(wait_for, lambda: len(server.requests) == 1, 60, "the root model call")
+            worker.send_signal(signal.SIGSTOP)
+            base = page_base(settings)
+            port = base.split(":")[2].split("/")[0]
+            headers = {"Content-Type": "application/json", "Origin": f"http://127.0.0.1:{port}"}
+            body = json.dumps({"text": "look"}).encode()
+            began = time.monotonic()
+            status, answer = await asyncio.to_thread(
+                fetch, f"{base}/episodes/{episode_id}/act/hint", body, headers
+            )
+            took = time.monotonic() - began
+        finally:
+            worker.send_signal(signal.SIGCONT)
+            worker.kill()
+            worker.wait()
+    assert status == 200, answer
+    hinted = json.loads(answer)
+    assert not hinted["accepted"], hinted
+    assert "its worker has not answered in 4 s; the hint is not confirmed" in hinted["message"], hinted
+    assert took < RETURNS_WITHIN_S, took
+
+
 def test_a_poller_is_called_dead_only_when_this_machine_knows_it_died(tmp_path: Path) -> None:
     """The judgement behind "no worker runs this episode": a worker of this machine by its
     liveness lock; anything it cannot judge counts as alive."""

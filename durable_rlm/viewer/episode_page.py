@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
+from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
 from durable_rlm.audit import readonly
@@ -379,6 +380,35 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
     reason = str(form.get("reason") or "")[:500]
     if episode_id in await unattended_episodes(client, [episode_id], pages.settings.data_dir):
         return await _act_unattended(pages, episode_id, action, sender, reason, form)
+    wait_s = pages.settings.steer_wait_s
+    sent = asyncio.ensure_future(_steer(client, episode_id, action, sender, reason, form))
+    await asyncio.wait({sent}, timeout=wait_s)
+    if not sent.done() or _unanswered(sent):
+        # A live worker that does not answer (stopped, or its loop held up): said as `drlm`
+        # says it, well before the page's own call gives up (CALL_TIMEOUT_S). The SDK ends
+        # a cancelled update wait with an error of its own, taken here.
+        sent.cancel()
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
+        message = (
+            f"episode {episode_id}: its worker has not answered in {wait_s:g} s; the {action} is not "
+            "confirmed: the server keeps it for good only once a worker takes it, and may drop it "
+            f"before: `drlm watch {episode_id}` shows whether it takes effect (if not, send it again)"
+        )
+        return {"accepted": False, "message": message}
+    outcome = sent.result()
+    return {"accepted": outcome.accepted, "message": outcome.message}
+
+
+def _unanswered(sent: asyncio.Future[Any]) -> bool:
+    """Whether a finished send ended because the server stopped waiting for the worker."""
+    return not sent.cancelled() and isinstance(sent.exception(), WorkflowUpdateRPCTimeoutOrCancelledError)
+
+
+async def _steer(
+    client: Client, episode_id: str, action: str, sender: str, reason: str, form: dict[str, Any]
+) -> Any:
+    """The action sent to the worker that runs the episode: its outcome (`accepted`,
+    `message`)."""
     if action in ("approve", "edit", "reject"):
         cell = form.get("cell")
         approval = f"{episode_id}#{int(cell)}" if cell is not None else episode_id
@@ -417,12 +447,13 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
         )
     else:
         raise ValueError(f"no action {action!r}")
-    return {"accepted": outcome.accepted, "message": outcome.message}
+    return outcome
 
 
-UNATTENDED_CANCEL_S = 60.0
+UNATTENDED_CANCEL_S = 45.0
 """How long the page waits for `drlm cancel` of an episode no worker runs (seconds, as the
-command takes: it runs the episode until the cancel has ended it)."""
+command takes: it runs the episode until the cancel has ended it); under the page's own
+CALL_TIMEOUT_S, so that the page says what did not end in time."""
 
 
 async def _act_unattended(
