@@ -234,6 +234,31 @@ async def test_planted_files_neither_block_a_look_nor_steer_what_it_removes(
     me.close()
 
 
+async def test_a_look_cancelled_while_it_reads_lets_its_dead_workers_go(
+    tmp_path: Path, client: Client
+) -> None:
+    """A worker stopping cancels its look while the look's thread reads a dead worker's
+    ledger (thousands of records on a loaded machine): what the thread took is let go, and
+    the next look, here or in another worker, handles that dead worker."""
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    records = {f"{i:05}.json": {"token": "x", "started": 0.0} for i in range(4_000)}
+    holder = dead_worker(folder, "4242-dead", records)
+    holder.kill()
+    holder.wait()
+    look = asyncio.ensure_future(me.reap())
+    await asyncio.sleep(0.005)  # its thread is reading the records
+    look.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await look
+    await asyncio.sleep(2)  # the thread finishes on its own
+    assert len(list((folder / "4242-dead").iterdir())) == 4_000  # nothing was handled
+    other = WorkerLiveness(folder, client).start()
+    assert (await other.reap()).dead_workers == ["4242-dead"]  # not held by the cancelled look
+    other.close()
+    me.close()
+
+
 async def test_a_folder_others_can_write_turns_the_signal_off(tmp_path: Path, client: Client) -> None:
     folder = tmp_path / "shared" / "workers"
     folder.mkdir(parents=True)

@@ -243,7 +243,14 @@ class WorkerLiveness:
     async def reap(self) -> ReapReport:
         """Fail the attempts of every dead worker on this machine (see the module's doc)."""
         report = ReapReport()
-        dead = await asyncio.to_thread(_find_dead, self.folder, self.worker_id)
+        finding = asyncio.ensure_future(asyncio.to_thread(_find_dead, self.folder, self.worker_id))
+        try:
+            dead = await asyncio.shield(finding)
+        except asyncio.CancelledError:
+            # The thread goes on: what it takes is let go when it is done, or each dead
+            # worker it found would read as another reaper's until this process exits.
+            finding.add_done_callback(_let_go_found)
+            raise
         try:
             for worker in dead:
                 report.dead_workers.append(worker.worker_id)
@@ -365,6 +372,11 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
         fd = _take(reaping, create=True)
         if fd is None:
             continue  # another reaper handles it now
+        if lock_held(folder, worker_id) is None:  # a reaper just finished it: nothing to leave
+            with contextlib.suppress(OSError):
+                reaping.unlink()
+            os.close(fd)
+            continue
         ledger = folder / worker_id
         records = _records(ledger, budget)
         budget -= len(records)
@@ -374,8 +386,8 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
 
 def _finish(dead: list[_DeadWorker]) -> None:
     """Remove what was handled; a dead worker with nothing left goes, its reaping file
-    before its lock (held while both are removed: a reaper that takes either after finds
-    nothing left to do); every reaping file let go."""
+    before its lock (the reaping file held while both are removed: a reaper that takes it
+    after finds the lock gone, and nothing to do); every reaping file let go."""
     for worker in dead:
         try:
             for path in worker.done:
@@ -391,6 +403,15 @@ def _finish(dead: list[_DeadWorker]) -> None:
                         path.unlink()
         finally:
             os.close(worker.reaping_fd)
+
+
+def _let_go_found(finding: asyncio.Future[list[_DeadWorker]]) -> None:
+    """A look cancelled while its thread read the folder: the reaping files it took, let go
+    as they are (the next look handles those workers)."""
+    if finding.cancelled() or finding.exception() is not None:
+        return
+    for worker in finding.result():
+        os.close(worker.reaping_fd)
 
 
 def _take(path: Path, create: bool = False) -> int | None:
