@@ -69,6 +69,9 @@ STATIC = ("page.js", "page.css")
 LIST_LIMIT = 500  # audit rows searched by the list page
 LIVE_QUERIES = 20  # running episodes the list asks whether they are paused or waiting
 CALL_TIMEOUT_S = 60.0
+ACTION_WAIT_S = 40.0
+"""The longest an action waits for a live worker's answer (DRLM_STEER_WAIT_S, at most this):
+under CALL_TIMEOUT_S with the look at who runs the episode before it."""
 QUERY_TIMEOUT_S = 5.0  # a busy worker's answer to the progress query: the page shows without it
 PAGE_LEASE_S = 60.0  # an open page keeps the shared server this long after its last poll
 
@@ -131,6 +134,7 @@ class EpisodePages:
         self._lock = threading.Lock()
         self._last_seen = 0.0
         self._lease: Path | None = None
+        self.cancels_running: set[asyncio.Future[Any]] = set()  # `drlm cancel`s still at work
 
     # -- plumbing
 
@@ -380,13 +384,13 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
     reason = str(form.get("reason") or "")[:500]
     if episode_id in await unattended_episodes(client, [episode_id], pages.settings.data_dir):
         return await _act_unattended(pages, episode_id, action, sender, reason, form)
-    wait_s = pages.settings.steer_wait_s
+    wait_s = min(pages.settings.steer_wait_s, ACTION_WAIT_S)
     sent = asyncio.ensure_future(_steer(client, episode_id, action, sender, reason, form))
     await asyncio.wait({sent}, timeout=wait_s)
     if not sent.done() or _unanswered(sent):
         # A live worker that does not answer (stopped, or its loop held up): said as `drlm`
-        # says it, well before the page's own call gives up (CALL_TIMEOUT_S). The SDK ends
-        # a cancelled update wait with an error of its own, taken here.
+        # says it, before the page's own call gives up (CALL_TIMEOUT_S). The SDK ends a
+        # cancelled update wait with an error of its own, taken here.
         sent.cancel()
         sent.add_done_callback(lambda done: done.cancelled() or done.exception())
         message = (
@@ -451,9 +455,9 @@ async def _steer(
 
 
 UNATTENDED_CANCEL_S = 45.0
-"""How long the page waits for `drlm cancel` of an episode no worker runs (seconds, as the
-command takes: it runs the episode until the cancel has ended it); under the page's own
-CALL_TIMEOUT_S, so that the page says what did not end in time."""
+"""How long the page waits for `drlm cancel` of an episode no worker runs (seconds): under
+the page's own CALL_TIMEOUT_S. The command may take longer (it runs the episode until the
+cancel has ended it, each of its waits bounded): it goes on, and the page says so."""
 
 
 async def _act_unattended(
@@ -473,11 +477,18 @@ async def _act_unattended(
         sys.executable, "-m", "durable_rlm.cli", "cancel", episode_id, "--reason", why[:200],
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
-    try:
-        _, said = await asyncio.wait_for(process.communicate(), UNATTENDED_CANCEL_S)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        return {"accepted": False, "message": f"drlm cancel {episode_id} did not end in time"}
+    finishing = asyncio.ensure_future(process.communicate())
+    await asyncio.wait({finishing}, timeout=UNATTENDED_CANCEL_S)
+    if not finishing.done():
+        # Killed now, it would leave the episode unattended again, its cancel perhaps taken:
+        # it goes on, read to its end (a pipe nobody reads would stop it).
+        pages.cancels_running.add(finishing)
+        finishing.add_done_callback(pages.cancels_running.discard)
+        return {
+            "accepted": False,
+            "message": f"drlm cancel {episode_id} (process {process.pid}) is still running the episode "
+            f"to its end: `drlm watch {episode_id}` shows whether it ends",
+        }
+    _, said = finishing.result()
     lines = said.decode(errors="replace").strip().splitlines()
     return {"accepted": process.returncode == 0, "message": " ".join(lines[:3])[:500]}
