@@ -16,9 +16,11 @@ dispatched exactly as the SDK dispatches it. Still one poll at a time, as the co
 callers ("Do not call poll concurrently"), also while a failed worker drains: the thread only
 keeps that one poll from waiting on the worker's busy loop.
 
-Not enabled yet: no worker calls `poll_on_a_thread` (docs/not-finished.md). With it, one test
-(tests/test_unattended.py, a killed worker's episode page) did not see the episode
-unattended, and the cause was not found in the time; until it is, the measured gain waits.
+Every worker polls this way (`build_workers` in runtime.py). It was held back one stop: with
+it, a test of a killed worker's episode page (tests/test_unattended.py) failed now and then.
+The cause was elsewhere: a reaper held the dead worker's lock while it failed that worker's
+calls, and every reader took the dead worker for a live one (durable_rlm/worker/liveness.py
+no longer does that); the quicker hand-off only changed when the reaper ran.
 
 This reaches into the SDK's private activity worker: `poll_on_a_thread` checks that what it
 uses is there and, if an SDK release moved it, leaves the SDK's own loop in place and says so

@@ -23,7 +23,7 @@ Beside them it reports (its log lines, `Capacity.describe`) how long the activit
 received had waited since the server handed them out (the 90th percentile, `HandoffWatch`):
 a task's heartbeat clock runs from the hand-out, and at N=200 on one worker that wait reached
 7.5 s while the loop itself ran on time (BENCHMARKS.md, "Overload on 2026-11-29"); polled
-from a thread of their own (activity_polls.py, measured, not enabled yet) 0.23 s at most.
+from a thread of their own (activity_polls.py, as every worker now does) 0.23 s at most.
 The limits: workflow tasks at once (every kind), and a window of episodes held, which a
 reservation the SDK marks as not sticky (the shared queue: a new episode, or one moving
 in) must find room in, and which it never gets while the worker is over a target. Past

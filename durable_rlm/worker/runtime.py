@@ -54,6 +54,7 @@ from durable_rlm.store.blobs import BlobStore
 from durable_rlm.store.call_ledger import LedgerRows
 from durable_rlm.store.snapshot_key import snapshot_key as load_snapshot_key
 from durable_rlm.telemetry.otel import forget_sandboxes, observe_sandboxes, worker_interceptors
+from durable_rlm.worker.activity_polls import poll_on_a_thread
 from durable_rlm.worker.admission import AdmittingActivitySlots, AdmittingWorkflowSlots, HandoffWatch
 from durable_rlm.worker.build_id import code_build_id
 from durable_rlm.worker.heap import return_large_buffers
@@ -230,6 +231,10 @@ def build_workers(
         default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     admission.live = lambda: _cached_episodes(shared)
+    # Activity tasks are polled from a thread of their own: from the worker's busy loop,
+    # handed-out model calls waited seconds in the core under load
+    # (durable_rlm/worker/activity_polls.py).
+    poll_on_a_thread(shared)
     if takes != "all":
         return [shared], repl
     # REPL steps of episodes from before local steps come back here, to their sandbox.
@@ -243,6 +248,7 @@ def build_workers(
         build_id=code_build_id(policy_modules),
         graceful_shutdown_timeout=timedelta(seconds=drain_grace_s),
     )
+    poll_on_a_thread(own)
     return [shared, own], repl
 
 
