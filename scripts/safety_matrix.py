@@ -300,8 +300,8 @@ MECHANISMS = [
     Mechanism(
         "liveness: dead workers reaped",
         "durable_rlm/worker/liveness.py",
-        "        dead = await asyncio.to_thread(_find_dead, self.folder, self.worker_id)\n",
-        "        dead: list[_DeadWorker] = []\n",
+        "            dead = await asyncio.shield(finding)\n",
+        "            dead: list[_DeadWorker] = []\n",
         "a worker never fails a dead worker's attempts (they wait for the heartbeat timeout)",
     ),
     Mechanism(

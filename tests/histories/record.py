@@ -673,7 +673,9 @@ async def cancel_beside_a_reply(
         cancel = asyncio.create_task(
             handle.execute_update("cancel", CancelRequest(reason="enough"), result_type=CancelReceipt)
         )
-        await asyncio.sleep(1.5)  # the update reaches the server and waits with the reply
+        # The update reaches the server and waits with the reply (1.5 s was once too short
+        # in the full suite on 2 cores: a worker took the reply alone, the update after).
+        await asyncio.sleep(3.0)
         async with workers():
             receipt = await asyncio.wait_for(cancel, 60)
             result = await asyncio.wait_for(handle.result(), 60)
