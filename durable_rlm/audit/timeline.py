@@ -479,6 +479,18 @@ def unattended_line(episode_id: str) -> str:
     return f"no worker runs this episode: `drlm resume {episode_id}`"
 
 
+def unanswered_line(episode_id: str, what: str, wait_s: float, who: str = "", ends: bool = False) -> str:
+    """The sentence every command and the page say when the live worker running an episode
+    has not answered `what` (a hint, a cancel...) in `wait_s` seconds; `who` names it."""
+    worker = f"its worker ({who})" if who else "its worker"
+    effect = "ends" if ends else "takes effect"
+    return (
+        f"episode {episode_id}: {worker} has not answered in {wait_s:g} s; the {what} is not confirmed: "
+        f"the server keeps it for good only once a worker takes it, and may drop it before: "
+        f"`drlm watch {episode_id}` shows whether it {effect} (if not, send it again)"
+    )
+
+
 def render(timeline: Timeline, width: int = 2_000) -> str:
     """The timeline as text for a person: each iteration's response, code, output, calls."""
 

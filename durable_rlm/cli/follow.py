@@ -198,7 +198,8 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     children. Back within seconds either way (durable_rlm/cli/attend.py)."""
     from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
-    from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
+    from durable_rlm.audit.timeline import unanswered_line  # start-up: the timeline's models (~0.1 s)
+    from durable_rlm.cli.attend import Attendant, let_go  # start-up: temporalio (~0.2 s)
     from durable_rlm.client.cancelling import CLOSING_STEPS, calls_settled  # start-up: temporalio (~0.2 s)
     from durable_rlm.client.episodes import cancel_episode, describe_episode  # start-up: temporalio (~0.6 s)
     from durable_rlm.server.connection import connect  # start-up: temporalio, the stores (~0.4 s)
@@ -233,12 +234,8 @@ async def _cancel(settings: Settings, args: argparse.Namespace) -> int:
             )
             try:
                 if not await attendant.wait(request, settings.steer_wait_s):
-                    stderr(
-                        f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
-                        f"{settings.steer_wait_s:g} s; the cancel is not confirmed: the server keeps it "
-                        f"for good only once a worker takes it, and may drop it before: `drlm watch "
-                        f"{episode_id}` shows whether it ends (if not, send it again)"
-                    )
+                    wait_s, who = settings.steer_wait_s, attendant.who()
+                    stderr(f"drlm: {unanswered_line(episode_id, 'cancel', wait_s, who, ends=True)}")
                     return EXIT_FAILED
             finally:
                 let_go(request)  # a no-op once done

@@ -220,7 +220,8 @@ async def _attended(
     runs the episode (durable_rlm/cli/attend.py)."""
     from temporalio.client import WorkflowExecutionStatus  # start-up: temporalio (~0.2 s)
 
-    from durable_rlm.cli.attend import Attendant, let_go  # start-up: as the line above
+    from durable_rlm.audit.timeline import unanswered_line  # start-up: the timeline's models (~0.1 s)
+    from durable_rlm.cli.attend import Attendant, let_go  # start-up: temporalio (~0.2 s)
     from durable_rlm.client.episodes import describe_episode, ended_refusal  # start-up: temporalio (~0.6 s)
 
     description = await describe_episode(services.client.get_workflow_handle(episode_id))
@@ -247,12 +248,8 @@ async def _attended(
         task = asyncio.ensure_future(work())
         try:
             if not await attendant.wait(task, settings.steer_wait_s):
-                stderr(
-                    f"drlm: episode {episode_id}: its worker ({attendant.who()}) has not answered in "
-                    f"{settings.steer_wait_s:g} s; the {command} is not confirmed: the server keeps it "
-                    f"for good only once a worker takes it, and may drop it before: `drlm watch "
-                    f"{episode_id}` shows whether it takes effect (if not, send it again)"
-                )
+                unanswered = unanswered_line(episode_id, command, settings.steer_wait_s, attendant.who())
+                stderr(f"drlm: {unanswered}")
                 return EXIT_FAILED
         finally:
             let_go(task)  # a no-op once done

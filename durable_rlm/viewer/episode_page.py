@@ -34,7 +34,7 @@ from temporalio.client import WorkflowUpdateRPCTimeoutOrCancelledError
 from temporalio.service import RPCError
 
 from durable_rlm.audit import readonly
-from durable_rlm.audit.timeline import episode_timeline, unattended_line
+from durable_rlm.audit.timeline import episode_timeline, unanswered_line, unattended_line
 from durable_rlm.client import steering
 from durable_rlm.client.attendance import unattended_episodes
 from durable_rlm.client.episodes import cancel_episode
@@ -393,12 +393,7 @@ async def act(pages: EpisodePages, episode_id: str, action: str, form: dict[str,
         # cancelled update wait with an error of its own, taken here.
         sent.cancel()
         sent.add_done_callback(lambda done: done.cancelled() or done.exception())
-        message = (
-            f"episode {episode_id}: its worker has not answered in {wait_s:g} s; the {action} is not "
-            "confirmed: the server keeps it for good only once a worker takes it, and may drop it "
-            f"before: `drlm watch {episode_id}` shows whether it takes effect (if not, send it again)"
-        )
-        return {"accepted": False, "message": message}
+        return {"accepted": False, "message": unanswered_line(episode_id, action, wait_s)}
     outcome = sent.result()
     return {"accepted": outcome.accepted, "message": outcome.message}
 
