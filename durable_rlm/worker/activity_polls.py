@@ -16,7 +16,7 @@ dispatched exactly as the SDK dispatches it. Still one poll at a time, as the co
 callers ("Do not call poll concurrently"), also while a failed worker drains: the thread only
 keeps that one poll from waiting on the worker's busy loop.
 
-Every worker polls this way (`build_workers` in runtime.py). It was held back one stop: with
+Every worker polls this way (`build_workers` in runtime.py). It was held back at first: with
 it, a test of a killed worker's episode page (tests/test_unattended.py) failed now and then.
 The cause was elsewhere: a reaper held the dead worker's lock while it failed that worker's
 calls, and every reader took the dead worker for a live one (durable_rlm/worker/liveness.py
