@@ -21,10 +21,13 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client
 
-from durable_rlm.client.attendance import lock_held, poller_alive, this_host
+from durable_rlm.client.attendance import liveness_folder, lock_held, poller_alive, this_host
 from durable_rlm.client.episodes import start_episode
+from durable_rlm.client.steering import decide_cell
 from durable_rlm.scripted import Reply, root_and_sub
+from durable_rlm.settings import Settings
 from durable_rlm.worker.liveness import (
+    HELD_NAME,
     LOCK_SUFFIX,
     PENDING_STALE_S,
     REAPING_SUFFIX,
@@ -33,10 +36,11 @@ from durable_rlm.worker.liveness import (
     _find_dead,
     _finish,
 )
-from durable_rlm.workflows import names
+from durable_rlm.workflows import defaults, names
 from durable_rlm.workflows.models import DurabilitySettings
 from tests.conftest import request_for
 from tests.test_crash import wait_until
+from tests.test_steering import until, waiting
 
 pytestmark = pytest.mark.chaos
 
@@ -110,6 +114,91 @@ async def test_a_stopped_but_living_worker_keeps_its_call(client, scripted, work
     assert result.answer == "kept"
     assert [r.turn for r in server.root_requests()] == [0, 1]  # no call paid twice
     assert all(failure != names.WORKER_LOST for _, failure in await root_call_attempts(client, episode_id))
+
+
+async def test_a_killed_worker_s_idle_episode_moves_at_once_not_after_its_sticky_timeout(
+    client, scripted, worker_processes
+) -> None:
+    """An episode waiting for a person (a cell to approve) has no call in flight: only the
+    dead worker's record of the episodes it held tells a new worker to give it back. Its
+    next workflow task then goes straight to the live worker; without the record it waited
+    on the dead worker's sticky queue for the schedule-to-start timeout."""
+    server = scripted(root_and_sub(["```repl\nx = 6 * 7\n```", "FINAL_VAR(x)"], lambda p: p))
+    first = worker_processes()
+    episode_id = f"idle-{uuid.uuid4().hex[:6]}"
+    handle = await start_episode(
+        client,
+        request_for(server, approve="all", durability=SLOW_HEARTBEAT),
+        worker_processes.queue,
+        episode_id,
+    )
+    await until(client, episode_id, waiting(1))
+    folder = liveness_folder(Settings().data_dir)
+    ledgers = [p for p in folder.iterdir() if p.name.startswith(f"{first.process.pid}-") and p.is_dir()]
+    assert len(ledgers) == 1, ledgers
+    record = ledgers[0] / HELD_NAME  # written down within a second
+    await wait_until(lambda: record.exists() and episode_id in record.read_text())
+    first.kill()
+    worker_processes()  # looks at the machine's workers as it starts
+    await wait_until(lambda: not ledgers[0].exists())  # reaped: its record handled and removed
+    approved = time.monotonic()
+    decided = await decide_cell(client, f"{episode_id}#1", True, "bob")
+    assert decided.accepted, decided.message
+    result = await asyncio.wait_for(handle.result(), 40)
+    assert result.answer == "42"
+    assert time.monotonic() - approved < defaults.STICKY_TIMEOUT_S
+    timed_out = [
+        event.workflow_task_timed_out_event_attributes.timeout_type
+        async for event in handle.fetch_history_events()
+        if event.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT
+    ]
+    assert timed_out == []  # no task waited on the dead worker's sticky queue
+
+
+async def test_a_dead_worker_s_held_episodes_are_given_back_and_its_record_removed(
+    tmp_path: Path, client: Client
+) -> None:
+    """The record of held episodes, as a reaper reads it: the episodes it names are given
+    back (an unknown one costs nothing), what is not a pair of ids is passed over, and it is
+    removed with the ledger; another server's worker's record is kept for that server."""
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    target = str(client.service_client.config.target_host)
+    episodes = [["w-1", "r-1"], ["w-2", "r-2"], ["w-1", "r-1"], ["w-3"], [1, 2], "w-4", ["", "r"]]
+    held = {"target": target, "namespace": client.namespace, "episodes": episodes}
+    ours = dead_worker(folder, "1-ours", {HELD_NAME: held, f".{HELD_NAME}.new": "torn"})
+    elsewhere = dead_worker(folder, "2-elsewhere", {HELD_NAME: {**held, "target": "10.0.0.9:7233"}})
+    for holder in (ours, elsewhere):
+        holder.kill()
+        holder.wait()
+    report = await me.reap()
+    assert sorted(report.dead_workers) == ["1-ours", "2-elsewhere"]
+    assert report.handed_back == 2 and report.kept == 1
+    assert not (folder / "1-ours").exists() and not (folder / f"1-ours{LOCK_SUFFIX}").exists()
+    assert [p.name for p in (folder / "2-elsewhere").iterdir()] == [HELD_NAME]
+    me.close()
+
+
+async def test_a_worker_writes_down_the_episodes_it_holds_whole_and_only_when_they_change(
+    tmp_path: Path, client: Client
+) -> None:
+    folder = tmp_path / "workers"
+    me = WorkerLiveness(folder, client).start()
+    held = [("w-1", "r-1")]
+    me.held = lambda: held
+    await me.write_held()
+    record = me.ledger / HELD_NAME
+    assert json.loads(record.read_text())["episodes"] == [["w-1", "r-1"]]
+    written = record.stat().st_mtime_ns
+    await me.write_held()
+    assert record.stat().st_mtime_ns == written  # unchanged: not written again
+    held = [(f"w-{i:06}-{'x' * 200}", f"r-{i}") for i in range(30_000)]  # past MAX_HELD_BYTES
+    await me.write_held()
+    kept = json.loads(record.read_text())["episodes"]
+    assert 0 < len(kept) < 30_000 and record.stat().st_size <= 4 * 1024 * 1024  # as many as fit
+    assert sorted(p.name for p in me.ledger.iterdir()) == [HELD_NAME]  # no half-written file left
+    me.close()
+    assert not me.ledger.exists()
 
 
 HOLDER = """

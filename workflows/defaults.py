@@ -341,6 +341,15 @@ WORKER_CAPACITY = 500
 from the cache replays its whole history on its next step (~0.5 s per iteration) and, its
 REPL steps being local, rebuilds its sandbox on whichever worker picks it up."""
 
+STICKY_TIMEOUT_S = 10.0
+"""How long a workflow task of an episode a worker holds waits for that worker (its sticky
+queue) before the server gives it to the shared queue. It was 1 s, to move a dead worker's
+episodes fast; on a busy worker, hundreds of tasks a minute then left for the shared queue,
+where they waited minutes behind new episodes its admission held back (median 84 s, up to
+13 minutes at N=1,000; BENCHMARKS.md). A dead worker on the machine has its episodes given
+back at once by the liveness signal (durable_rlm/worker/liveness.py); one on another
+machine moves them after this, as its calls wait for their heartbeat timeout (also 10 s)."""
+
 ACTIVITY_SLOTS = 512
 """Model calls and tool calls in flight on one worker. A model call is async: waiting on the
 provider holds a slot, not a thread."""

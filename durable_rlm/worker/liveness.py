@@ -18,10 +18,12 @@ at a time, never its lock. (It held the lock once, and for the seconds its look 
 loaded machine every reader took the dead worker for a live one: an episode page said a
 killed worker still ran its episode, and a cancel waited for it.) The reaper fails that
 worker's attempts by their task tokens (`WorkerLost`, retried at once, each
-retry of the step counted as the heartbeat timeout's would be), and gives the sticky queues
-of those attempts' episodes back, so that their next workflow tasks do not wait for the
-dead worker either (an episode of the dead worker with no attempt in flight, waiting on a
-timer or a person, still waits out its sticky schedule-to-start timeout). A live worker
+retry of the step counted as the heartbeat timeout's would be), and gives back the sticky
+queues of those attempts' episodes and of every episode the worker held (its cache, written
+down each `SCAN_EVERY_S` in `<worker id>/held`: an episode waiting on a timer or a person
+has no attempt in flight), so that their next workflow tasks go to a live worker at once
+instead of waiting out their sticky schedule-to-start timeout (10 s: a busy live worker's
+tasks must not leave it, docs/architecture/decisions.md). A live worker
 keeps its lock however loaded it is: its calls are never failed for it. A token the server
 no longer knows (the attempt completed, or timed out first) is simply dropped.
 
@@ -51,6 +53,7 @@ import os
 import stat
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -84,6 +87,11 @@ STALE_RECORD_S = 3600.0
 """A record is dropped this long after its attempt started, whatever its server says (or
 if it says nothing): every timeout of the attempt has run out by then."""
 MAX_RECORD_BYTES = 64 * 1024
+MAX_HELD_BYTES = 4 * 1024 * 1024
+"""The held episodes' record at most (~30,000 episodes of usual ids); past it, those left
+out wait out their sticky schedule-to-start timeout if the worker dies."""
+HELD_NAME = "held"
+"""The held episodes' record in a worker's ledger (no `.json`: not an attempt's record)."""
 MAX_RECORDS_PER_LOOK = 5_000
 """A look reads at most this many records (of all dead workers); the rest wait for the next."""
 
@@ -99,6 +107,7 @@ class ReapReport:
     dead_workers: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # "workflow_id/activity_type#attempt"
     gone: int = 0  # tokens the server no longer knew (the attempt had ended already)
+    handed_back: int = 0  # episodes whose sticky queue was given back
     dropped: int = 0  # records that could not be acted on: torn, not a file, too old, bad token
     kept: int = 0  # records kept for the next look (another server's, or the server did not answer)
 
@@ -114,6 +123,7 @@ class _DeadWorker:
     lock_path: Path
     ledger: Path
     records: list[tuple[Path, dict[str, Any] | None]]
+    held: dict[str, Any] | None = None  # the episodes it held, as it last wrote them down
     done: list[Path] = field(default_factory=list)  # records to remove
 
 
@@ -128,6 +138,10 @@ class WorkerLiveness:
         self.ledger = folder / self.worker_id
         self._lock_fd: int | None = None
         self._target = _target_of(client)
+        # The episodes this worker holds (its workflow cache), as (workflow id, run id): set
+        # by the worker that runs with this signal; written down for a reaper by `watch`.
+        self.held: Callable[[], Iterable[tuple[str, str]]] = lambda: ()
+        self._held_written: frozenset[tuple[str, str]] = frozenset()
 
     @classmethod
     def in_data_dir(cls, data_dir: Path, client: Client) -> WorkerLiveness:
@@ -296,16 +310,49 @@ class WorkerLiveness:
                 report.failed.append(what)
                 executions.add((str(entry.get("workflow_id")), str(entry.get("run_id"))))
             worker.done.append(path)
+        held, ours = worker.held, (self._target, self.client.namespace)
+        if held is not None and (held.get("target"), held.get("namespace")) != ours:
+            report.kept += 1  # another server's worker: that server's workers give them back
+        else:
+            executions.update(_episodes(held))
+            worker.done.extend(worker.ledger / name for name in (HELD_NAME, f".{HELD_NAME}{PENDING_SUFFIX}"))
+        report.handed_back += len(executions)
         await hand_back(self.client, executions)
 
     async def watch(self) -> None:
-        """Look now, then every SCAN_EVERY_S, until cancelled."""
+        """Look now, then every SCAN_EVERY_S, until cancelled; each time, write down the
+        episodes this worker holds if they changed."""
         while True:
             try:
                 await self.reap()
             except Exception as exc:  # noqa: BLE001 - a failed look is tried again next time
                 log.warning("liveness: a look at the machine's workers failed: %s", exc)
+            try:
+                await self.write_held()
+            except Exception as exc:  # noqa: BLE001 - written again next time; the look goes on
+                log.warning("liveness: held episodes not written down: %s", exc)
             await asyncio.sleep(SCAN_EVERY_S)
+
+    async def write_held(self) -> None:
+        """Write down the episodes this worker holds, for a reaper should it die: written
+        whole under another name, then renamed, so a reader never sees half of it. A write
+        that fails costs those episodes the quick move only (their sticky timeout remains)."""
+        held = frozenset(self.held())  # read on the loop, where the SDK changes its cache
+        if held == self._held_written or self._lock_fd is None:
+            return
+        episodes = sorted(held)
+        while True:  # past the bound, as many as fit (the rest keep their sticky timeout)
+            entry = {"target": self._target, "namespace": self.client.namespace, "episodes": episodes}
+            data = json.dumps(entry).encode()
+            if len(data) <= MAX_HELD_BYTES:
+                break
+            episodes = episodes[: len(episodes) // 2]
+        try:
+            await asyncio.to_thread(_write_whole, self.ledger, HELD_NAME, data)
+        except OSError as exc:
+            log.warning("liveness: held episodes not written down (%s): after a crash they wait", exc)
+            return
+        self._held_written = held
 
 
 class _LedgerInterceptor(Interceptor):
@@ -380,7 +427,8 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
         ledger = folder / worker_id
         records = _records(ledger, budget)
         budget -= len(records)
-        dead.append(_DeadWorker(worker_id, fd, reaping, path, ledger, records))
+        held = _read(ledger / HELD_NAME, MAX_HELD_BYTES) if os.path.lexists(ledger / HELD_NAME) else None
+        dead.append(_DeadWorker(worker_id, fd, reaping, path, ledger, records, held))
     return dead
 
 
@@ -444,11 +492,12 @@ def _records(ledger: Path, budget: int) -> list[tuple[Path, dict[str, Any] | Non
     return [(ledger / name, _read(ledger / name)) for name in names_here]
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    """A record: a regular file of this user's with one link, at most 64 KB, opened without
-    following a link or waiting on a FIFO (the reads the host makes of a sandbox's files)."""
+def _read(path: Path, limit: int = MAX_RECORD_BYTES) -> dict[str, Any] | None:
+    """A record: a regular file of this user's with one link, at most `limit` bytes, opened
+    without following a link or waiting on a FIFO (the reads the host makes of a sandbox's
+    files)."""
     try:
-        data = read_sandbox_file(path.parent, path.name, MAX_RECORD_BYTES, os.geteuid())
+        data = read_sandbox_file(path.parent, path.name, limit, os.geteuid())
     except OSError:
         return None
     try:
@@ -476,3 +525,26 @@ def _age_s(entry: dict[str, Any]) -> float:
 
 def _target_of(client: Client) -> str:
     return str(getattr(client.service_client.config, "target_host", ""))
+
+
+def _episodes(held: dict[str, Any] | None) -> set[tuple[str, str]]:
+    """The (workflow id, run id) pairs of a held-episodes record; anything else in it is
+    passed over (a torn or planted record moves no episode but those it names)."""
+    found: set[tuple[str, str]] = set()
+    episodes = held.get("episodes") if held is not None else None
+    for pair in episodes if isinstance(episodes, list) else ():
+        if isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) and x for x in pair):
+            found.add((pair[0], pair[1]))
+    return found
+
+
+def _write_whole(folder: Path, name: str, data: bytes) -> None:
+    """`folder/name` made `data` at once: written as `.name.new` (never through a link),
+    then renamed over it."""
+    pending = folder / f".{name}{PENDING_SUFFIX}"
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(pending, folder / name)

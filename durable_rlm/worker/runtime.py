@@ -223,14 +223,18 @@ def build_workers(
         # Every live episode stays cached: an evicted one replays its history, and its REPL
         # (local steps) is rebuilt.
         max_cached_workflows=capacity,
-        # A worker that died holding an episode's cache is noticed in 1 s, not 10.
-        sticky_queue_schedule_to_start_timeout=timedelta(seconds=1),
+        # A task of an episode this worker holds waits this long for it before going to the
+        # shared queue (defaults.STICKY_TIMEOUT_S: a dead worker's episodes move at once, by
+        # the liveness signal).
+        sticky_queue_schedule_to_start_timeout=timedelta(seconds=defaults.STICKY_TIMEOUT_S),
         # Heartbeats leave every second, not at 80% of the timeout (2.4 s of 3): a busy
         # worker's late heartbeat must not pass for a dead worker and get a call paid twice.
         max_heartbeat_throttle_interval=timedelta(seconds=1),
         default_heartbeat_throttle_interval=timedelta(seconds=1),
     )
     admission.live = lambda: _cached_episodes(shared)
+    if liveness is not None:
+        liveness.held = lambda: _held_episodes(shared)
     # Activity tasks are polled from a thread of their own: from the worker's busy loop,
     # handed-out model calls waited seconds in the core under load
     # (durable_rlm/worker/activity_polls.py).
@@ -470,6 +474,13 @@ def _cached_episodes(worker: Worker) -> int:
     """The episodes a worker holds in its cache. The SDK has no public count: read its own
     table, and count none if that ever moves."""
     return len(getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {})
+
+
+def _held_episodes(worker: Worker) -> list[tuple[str, str]]:
+    """(workflow id, run id) of each episode in a worker's cache, read as `_cached_episodes`
+    reads it (none if that ever moves)."""
+    running = getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {}
+    return [(str(getattr(run, "workflow_id", "")), str(run_id)) for run_id, run in list(running.items())]
 
 
 def _listed(names: Sequence[str]) -> str:
