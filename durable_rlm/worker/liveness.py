@@ -1,8 +1,8 @@
 """A liveness signal of our own: which worker holds which activity attempt, and which
 worker is dead, known at once on one machine (docs/architecture/failures.md).
 
-Temporal learns that a worker died only when an attempt's heartbeat timeout runs out (5 s
-as shipped; a model call that never heartbeated: 5 s from its start). The timeout cannot be
+Temporal learns that a worker died only when an attempt's heartbeat timeout runs out (10 s
+as shipped; a model call that never heartbeated: 10 s from its start). The timeout cannot be
 made shorter without a live but busy worker's late heartbeat passing for a dead worker, and
 its call being paid twice. The kernel knows better, and at once: every worker holds an
 exclusive `flock` on a file of its own in the data directory for as long as it lives (the
@@ -19,9 +19,9 @@ loaded machine every reader took the dead worker for a live one: an episode page
 killed worker still ran its episode, and a cancel waited for it.) The reaper fails that
 worker's attempts by their task tokens (`WorkerLost`, retried at once, each
 retry of the step counted as the heartbeat timeout's would be), and gives back the sticky
-queues of those attempts' episodes and of every episode the worker held (its cache, written
-down each `SCAN_EVERY_S` in `<worker id>/held`: an episode waiting on a timer or a person
-has no attempt in flight), so that their next workflow tasks go to a live worker at once
+queues of those attempts' episodes and of every episode the worker held (its cache: each
+`SCAN_EVERY_S` a worker rewrites `<worker id>/held` if it changed; an episode waiting on a
+timer or a person has no attempt in flight), so that their next workflow tasks go to a live worker at once
 instead of waiting out their sticky schedule-to-start timeout (10 s: a busy live worker's
 tasks must not leave it, docs/architecture/decisions.md). A live worker
 keeps its lock however loaded it is: its calls are never failed for it. A token the server
@@ -32,7 +32,8 @@ The folder is per host (`workers/<hostname>/`): a data directory shared between 
 another's workers. It must be the user's own and writable by nobody else, or the worker
 runs without the signal (a warning says so): a record is a task token, and a planted file
 must not steer what a worker fails or removes. Records are read without following links,
-only as regular files of at most 64 KB; the file work of a look runs off the event loop.
+only as regular files of at most 64 KB (the held episodes' record, 4 MB), in a ledger that is
+a real directory; the file work of a look runs off the event loop.
 
 Not covered: workers on other machines (one PostgreSQL store, no shared data directory),
 whose attempts wait for the heartbeat timeout as before; a REPL step on a worker's own
@@ -90,8 +91,15 @@ MAX_RECORD_BYTES = 64 * 1024
 MAX_HELD_BYTES = 4 * 1024 * 1024
 """The held episodes' record at most (~30,000 episodes of usual ids); past it, those left
 out wait out their sticky schedule-to-start timeout if the worker dies."""
+MAX_HELD_EPISODES = 20_000
+"""Episodes given back from one record at most (a planted record of 4 MB of short ids would
+otherwise hold a look for minutes)."""
 HELD_NAME = "held"
 """The held episodes' record in a worker's ledger (no `.json`: not an attempt's record)."""
+HELD_STALE_S = 60.0
+"""A held episodes' record is dropped once given back, or once this old if it cannot be (its
+server does not answer, or it is another server's): by then each of its episodes' next tasks
+has left the dead worker's sticky queue by its timeout."""
 MAX_RECORDS_PER_LOOK = 5_000
 """A look reads at most this many records (of all dead workers); the rest wait for the next."""
 
@@ -124,6 +132,7 @@ class _DeadWorker:
     ledger: Path
     records: list[tuple[Path, dict[str, Any] | None]]
     held: dict[str, Any] | None = None  # the episodes it held, as it last wrote them down
+    held_files: list[Path] = field(default_factory=list)  # that record and its unfinished write
     done: list[Path] = field(default_factory=list)  # records to remove
 
 
@@ -311,26 +320,28 @@ class WorkerLiveness:
                 executions.add((str(entry.get("workflow_id")), str(entry.get("run_id"))))
             worker.done.append(path)
         held, ours = worker.held, (self._target, self.client.namespace)
-        if held is not None and (held.get("target"), held.get("namespace")) != ours:
-            report.kept += 1  # another server's worker: that server's workers give them back
-        else:
+        mine = held is not None and (held.get("target"), held.get("namespace")) == ours
+        if mine:
             executions.update(_episodes(held))
-            worker.done.extend(worker.ledger / name for name in (HELD_NAME, f".{HELD_NAME}{PENDING_SUFFIX}"))
-        report.handed_back += len(executions)
-        await hand_back(self.client, executions)
+        unanswered = await hand_back(self.client, executions)
+        report.handed_back += len(executions) - unanswered
+        if held is not None and (unanswered or not mine) and _age_s(held, "written") < HELD_STALE_S:
+            report.kept += 1  # tried again at the next look, or left to its own server's workers
+        else:
+            worker.done.extend(worker.held_files)  # given back, torn, or old enough not to matter
 
     async def watch(self) -> None:
         """Look now, then every SCAN_EVERY_S, until cancelled; each time, write down the
         episodes this worker holds if they changed."""
         while True:
+            try:  # first: a long look leaves this worker's own record as it was
+                await self.write_held()
+            except Exception as exc:  # noqa: BLE001 - written again next time; the look goes on
+                log.warning("liveness: held episodes not written down: %s", exc)
             try:
                 await self.reap()
             except Exception as exc:  # noqa: BLE001 - a failed look is tried again next time
                 log.warning("liveness: a look at the machine's workers failed: %s", exc)
-            try:
-                await self.write_held()
-            except Exception as exc:  # noqa: BLE001 - written again next time; the look goes on
-                log.warning("liveness: held episodes not written down: %s", exc)
             await asyncio.sleep(SCAN_EVERY_S)
 
     async def write_held(self) -> None:
@@ -342,7 +353,12 @@ class WorkerLiveness:
             return
         episodes = sorted(held)
         while True:  # past the bound, as many as fit (the rest keep their sticky timeout)
-            entry = {"target": self._target, "namespace": self.client.namespace, "episodes": episodes}
+            entry = {
+                "target": self._target,
+                "namespace": self.client.namespace,
+                "written": time.time(),
+                "episodes": episodes,
+            }
             data = json.dumps(entry).encode()
             if len(data) <= MAX_HELD_BYTES:
                 break
@@ -427,8 +443,9 @@ def _find_dead(folder: Path, own_id: str) -> list[_DeadWorker]:
         ledger = folder / worker_id
         records = _records(ledger, budget)
         budget -= len(records)
-        held = _read(ledger / HELD_NAME, MAX_HELD_BYTES) if os.path.lexists(ledger / HELD_NAME) else None
-        dead.append(_DeadWorker(worker_id, fd, reaping, path, ledger, records, held))
+        held_files = _held_files(ledger)
+        held = _read(ledger / HELD_NAME, MAX_HELD_BYTES) if ledger / HELD_NAME in held_files else None
+        dead.append(_DeadWorker(worker_id, fd, reaping, path, ledger, records, held, held_files))
     return dead
 
 
@@ -516,9 +533,9 @@ def _token(entry: dict[str, Any] | None) -> bytes | None:
         return None
 
 
-def _age_s(entry: dict[str, Any]) -> float:
+def _age_s(entry: dict[str, Any], stamp: str = "started") -> float:
     try:
-        return time.time() - float(entry.get("started") or 0)
+        return time.time() - float(entry.get(stamp) or 0)
     except (TypeError, ValueError):
         return float("inf")
 
@@ -527,24 +544,42 @@ def _target_of(client: Client) -> str:
     return str(getattr(client.service_client.config, "target_host", ""))
 
 
+def _held_files(ledger: Path) -> list[Path]:
+    """The held episodes' record of a ledger that is a real directory, and a write of it the
+    worker did not finish, those that exist (through a linked ledger, nothing: its files
+    are not ours to read or remove)."""
+    try:
+        if not stat.S_ISDIR(os.lstat(ledger).st_mode):
+            return []
+    except OSError:
+        return []
+    names = (HELD_NAME, f".{HELD_NAME}{PENDING_SUFFIX}")
+    return [ledger / name for name in names if os.path.lexists(ledger / name)]
+
+
 def _episodes(held: dict[str, Any] | None) -> set[tuple[str, str]]:
-    """The (workflow id, run id) pairs of a held-episodes record; anything else in it is
-    passed over (a torn or planted record moves no episode but those it names)."""
+    """The (workflow id, run id) pairs of a held-episodes record, MAX_HELD_EPISODES at most;
+    anything else in it is passed over (a torn or planted record moves no episode but those
+    it names)."""
     found: set[tuple[str, str]] = set()
     episodes = held.get("episodes") if held is not None else None
-    for pair in episodes if isinstance(episodes, list) else ():
+    for pair in episodes[:MAX_HELD_EPISODES] if isinstance(episodes, list) else ():
         if isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) and x for x in pair):
             found.add((pair[0], pair[1]))
     return found
 
 
 def _write_whole(folder: Path, name: str, data: bytes) -> None:
-    """`folder/name` made `data` at once: written as `.name.new` (never through a link),
-    then renamed over it."""
+    """`folder/name` made `data` at once: written whole as a new `.name.new` (made here, so
+    never a link or a FIFO someone left), then renamed over it."""
     pending = folder / f".{name}{PENDING_SUFFIX}"
-    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        pending.unlink()  # a write cut short before
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
     os.replace(pending, folder / name)
