@@ -307,8 +307,8 @@ MECHANISMS = [
     Mechanism(
         "liveness: a ledger link not followed",
         "durable_rlm/worker/liveness.py",
-        "        if not stat.S_ISDIR(os.lstat(ledger).st_mode):\n",
-        "        if not ledger.is_dir():\n",
+        "        return stat.S_ISDIR(os.lstat(ledger).st_mode)\n",
+        "        return ledger.is_dir()\n",
         "a dead worker's ledger that is a link is read (and its files removed) where it points",
     ),
     Mechanism(

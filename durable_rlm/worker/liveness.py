@@ -498,11 +498,20 @@ def _take(path: Path, create: bool = False) -> int | None:
     return fd
 
 
+def _real_directory(ledger: Path) -> bool:
+    """Whether a ledger is a directory itself, not a link to one (another's files, never
+    read or removed as records)."""
+    try:
+        return stat.S_ISDIR(os.lstat(ledger).st_mode)
+    except OSError:
+        return False
+
+
 def _records(ledger: Path, budget: int) -> list[tuple[Path, dict[str, Any] | None]]:
     """Up to `budget` records of a ledger that is a real directory (a link is not followed)."""
+    if not _real_directory(ledger):
+        return []
     try:
-        if not stat.S_ISDIR(os.lstat(ledger).st_mode):
-            return []
         names_here = sorted(n for n in os.listdir(ledger) if n.endswith(".json"))[:budget]
     except OSError:
         return []
@@ -548,10 +557,7 @@ def _held_files(ledger: Path) -> list[Path]:
     """The held episodes' record of a ledger that is a real directory, and a write of it the
     worker did not finish, those that exist (through a linked ledger, nothing: its files
     are not ours to read or remove)."""
-    try:
-        if not stat.S_ISDIR(os.lstat(ledger).st_mode):
-            return []
-    except OSError:
+    if not _real_directory(ledger):
         return []
     names = (HELD_NAME, f".{HELD_NAME}{PENDING_SUFFIX}")
     return [ledger / name for name in names if os.path.lexists(ledger / name)]
