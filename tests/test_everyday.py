@@ -130,8 +130,11 @@ def test_two_runs_from_two_directories_readers_and_a_worker_from_a_third(tmp_pat
     try:
         assert worker.stdout is not None
         wait_for_line(worker.stdout, "worker ready")
-        assert second.stderr is not None
-        wait_for_line(second.stderr, "started on task queue")
+        # Both episodes started (the first may start after the second: the run that starts
+        # the shared server is the slower one), so the listing below has both.
+        for run_process in (first, second):
+            assert run_process.stderr is not None
+            wait_for_line(run_process.stderr, "started on task queue")
         # Readers while both run: a watcher, a listing, a timeline of a running episode.
         watcher = start(tmp_path, tmp_path / "d", "watch", "ep-slow", "--json")
         listing = drlm(tmp_path, tmp_path / "d", "list")
