@@ -582,10 +582,6 @@ def _write_whole(folder: Path, name: str, data: bytes) -> None:
     with contextlib.suppress(FileNotFoundError):
         pending.unlink()  # a write cut short before
     fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+    with os.fdopen(fd, "wb") as handle:  # a buffered write: all of it, or an error
+        handle.write(data)
     os.replace(pending, folder / name)

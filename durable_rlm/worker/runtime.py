@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from temporalio.client import Client
@@ -458,9 +458,7 @@ async def _hand_back_sticky(client: Client, workers: Sequence[Worker], stopping:
     while not stopping.done():
         executions: set[tuple[str, str]] = set()
         for worker in workers:
-            table = getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None)
-            for run_id, running in list(dict(table or {}).items()):
-                executions.add((str(getattr(running, "workflow_id", "")), str(run_id)))
+            executions.update(_held_episodes(worker))
             activities = getattr(getattr(worker, "_activity_worker", None), "_running_activities", None)
             for activity in list(dict(activities or {}).values()):
                 info = getattr(activity, "info", None)
@@ -470,17 +468,21 @@ async def _hand_back_sticky(client: Client, workers: Sequence[Worker], stopping:
         await asyncio.wait([stopping], timeout=HAND_BACK_EVERY_S)
 
 
+def _running_workflows(worker: Worker) -> dict[str, Any]:
+    """A worker's cache of episodes, by run id. The SDK has no public view of it: read its
+    own table, and find none if that ever moves."""
+    return dict(getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {})
+
+
 def _cached_episodes(worker: Worker) -> int:
-    """The episodes a worker holds in its cache. The SDK has no public count: read its own
-    table, and count none if that ever moves."""
-    return len(getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {})
+    """The episodes a worker holds in its cache."""
+    return len(_running_workflows(worker))
 
 
 def _held_episodes(worker: Worker) -> list[tuple[str, str]]:
-    """(workflow id, run id) of each episode in a worker's cache, read as `_cached_episodes`
-    reads it (none if that ever moves)."""
-    running = getattr(getattr(worker, "_workflow_worker", None), "_running_workflows", None) or {}
-    return [(str(getattr(run, "workflow_id", "")), str(run_id)) for run_id, run in list(running.items())]
+    """(workflow id, run id) of each episode in a worker's cache."""
+    running = _running_workflows(worker)
+    return [(str(getattr(run, "workflow_id", "")), str(run_id)) for run_id, run in running.items()]
 
 
 def _listed(names: Sequence[str]) -> str:
